@@ -1,0 +1,397 @@
+"""GEMM with a fused epilogue that writes into, or accumulates onto, a slice of a larger buffer.
+
+    out[M, N] = (out if accumulate else 0) + activation(a[M, K] @ b[K, N] + bias[N])
+
+``a`` and ``b`` may have any strides (a transposed view is read in place, never copied); products are
+accumulated in fp32 whatever the input dtype; the epilogue adds the bias, applies the activation, adds
+the previous contents of ``out`` when ``accumulate=True`` and rounds once. ``out`` may be a strided
+view into a larger buffer (a row block of a gathered activation, say): only its own elements are
+read or written. This is what the chunked communication/GEMM overlap in ``tessel.parallel`` builds
+on: each chunk's GEMM writes its rows in place, and a reduce-scatter ring adds the partial received
+from its peer in the epilogue.
+
+Legend: ``M`` rows of ``a``/``out``, ``K`` the contracted dimension, ``N`` columns of ``b``/``out``.
+
+The three tiers: ``_matmul_kernel`` (Triton), ``matmul`` (validating launcher, differentiable through
+``_MatmulFunction``; the backward launches the same kernel: dA = dZ·Bᵀ, dB = Aᵀ·dZ, dbias = Σ_M dZ,
+with dZ = dOut·act'(Z)), and ``matmul_reference`` (plain PyTorch, the definition tests compare to).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import Backend, backend_for, upcast_dot_operands
+
+__all__ = ["ACTIVATIONS", "matmul", "matmul_reference"]
+
+ACTIVATIONS = (None, "relu", "gelu", "silu")
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_INT32_MAX = 2**31 - 1
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernel
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _apply_activation(x, ACTIVATION: tl.constexpr):
+    if ACTIVATION == "relu":
+        x = tl.maximum(x, 0.0)
+    elif ACTIVATION == "gelu":
+        # The erf form, as torch.nn.functional.gelu(approximate="none").
+        x = 0.5 * x * (1.0 + tl.math.erf(x * 0.7071067811865476))
+    elif ACTIVATION == "silu":
+        x = x * tl.sigmoid(x)
+    return x
+
+
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, out_ptr, bias_ptr, preact_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, STORE_PREACT: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    # Grouped tile order: GROUP_M row-tiles share each column of B while it is hot in L2.
+    pid = tl.program_id(0)
+    num_pid_m = tl.cdiv(M, BLOCK_M)
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_pid_m = (pid // pids_per_group) * GROUP_M
+    group_m = min(num_pid_m - first_pid_m, GROUP_M)
+    pid_m = first_pid_m + (pid % pids_per_group) % group_m
+    pid_n = (pid % pids_per_group) // group_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INDEX_64:
+        offs_m = offs_m.to(tl.int64)
+        offs_n = offs_n.to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    # Rows/columns past the edge wrap around (their results are never stored), so only K is masked.
+    rows_a = offs_m % M
+    cols_b = offs_n % N
+    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
+    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(K, BLOCK_K)):
+        k_left = K - k * BLOCK_K
+        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+        if DOT_FP32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
+        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+        a_ptrs += BLOCK_K * stride_ak
+        b_ptrs += BLOCK_K * stride_bk
+
+    mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    if STORE_PREACT:
+        p_ptrs = preact_ptr + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
+        tl.store(p_ptrs, acc.to(preact_ptr.dtype.element_ty), mask=mask)
+    acc = _apply_activation(acc, ACTIVATION)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+    if ACCUMULATE:
+        acc += tl.load(out_ptrs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def _hopper_configs() -> list[triton.Config]:
+    """Tile shapes for sm_90 (H100/H200): 128-256 wide tiles, deep software pipelines."""
+    shapes = [
+        # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
+        (128, 256, 64, 3, 8),
+        (256, 128, 64, 3, 8),
+        (128, 256, 64, 4, 8),
+        (128, 128, 64, 4, 8),
+        (128, 128, 64, 3, 4),
+        (128, 64, 64, 4, 4),
+        (64, 128, 64, 4, 4),
+        (64, 256, 32, 4, 4),
+        (128, 128, 32, 4, 4),
+        (64, 64, 64, 5, 4),
+        (32, 64, 64, 5, 2),
+    ]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
+        for bm, bn, bk, s, w in shapes
+    ]
+
+
+_matmul_kernel_tuned = triton.autotune(
+    configs=_hopper_configs(),
+    key=["M", "N", "K", "HAS_BIAS", "ACTIVATION", "ACCUMULATE", "STORE_PREACT", "INDEX_64"],
+    # Tuning launches the kernel once per configuration: with accumulate=True each launch would add
+    # onto ``out`` again, so the autotuner restores it between trials.
+    restore_value=["out_ptr"],
+)(_matmul_kernel)
+
+# Under the interpreter each block operation costs milliseconds of numpy work, so blocks are small
+# enough that tests with odd shapes exercise several tiles, tile groups and K iterations.
+_INTERPRETER_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
+
+
+# ----------------------------------------------------------------------------------------------------
+# Host side: validation, dispatch, launch
+# ----------------------------------------------------------------------------------------------------
+
+
+def _check_tensor(name: str, t, ndim: int) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"matmul: {name} must be a torch.Tensor, received {type(t).__name__}")
+    if t.dim() != ndim:
+        raise ValueError(f"matmul: {name} must be {ndim}-D, received shape {tuple(t.shape)}")
+    if t.dtype not in _DTYPES:
+        raise TypeError(f"matmul: {name} must be float32, float16 or bfloat16, received {t.dtype}")
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range [lo, hi) that a tensor's elements can touch."""
+    lo = t.data_ptr() + t.element_size() * sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0)
+    hi = t.data_ptr() + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st > 0))
+    return lo, hi
+
+
+def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
+    if x.numel() == 0 or y.numel() == 0:
+        return False
+    (x_lo, x_hi), (y_lo, y_hi) = _span(x), _span(y)
+    return x_lo < y_hi and y_lo < x_hi
+
+
+def _validate(a, b, bias, activation, out, accumulate) -> None:
+    _check_tensor("a", a, 2)
+    _check_tensor("b", b, 2)
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"matmul: inner dimensions differ: a is {tuple(a.shape)} and b is {tuple(b.shape)}; "
+            f"expected b.shape[0] == a.shape[1] == {a.shape[1]}"
+        )
+    if b.dtype != a.dtype:
+        raise TypeError(f"matmul: b must have a's dtype {a.dtype}, received {b.dtype}")
+    if b.device != a.device:
+        raise ValueError(f"matmul: b must be on a's device {a.device}, received {b.device}")
+    if activation not in ACTIVATIONS:
+        raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, received {activation!r}")
+    if not isinstance(accumulate, bool):
+        raise TypeError(f"matmul: accumulate must be a bool, received {type(accumulate).__name__}")
+    n = b.shape[1]
+    if bias is not None:
+        _check_tensor("bias", bias, 1)
+        if bias.shape[0] != n or bias.dtype != a.dtype or bias.device != a.device:
+            raise ValueError(
+                f"matmul: bias must be a ({n},) {a.dtype} tensor on {a.device}, received "
+                f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
+            )
+    if out is None:
+        if accumulate:
+            raise ValueError("matmul: accumulate=True needs out= (the tensor to add onto), received out=None")
+        return
+    _validate_out(a, b, out)
+
+
+def _validate_out(a, b, out) -> None:
+    _check_tensor("out", out, 2)
+    expected = (a.shape[0], b.shape[1])
+    if tuple(out.shape) != expected:
+        raise ValueError(f"matmul: out must have shape {expected}, received {tuple(out.shape)}")
+    if out.dtype not in (a.dtype, torch.float32):
+        raise TypeError(f"matmul: out must be {a.dtype} (the inputs' dtype) or float32, received {out.dtype}")
+    if out.device != a.device:
+        raise ValueError(f"matmul: out must be on the inputs' device {a.device}, received {out.device}")
+    if any(st == 0 and s > 1 for s, st in zip(out.shape, out.stride())):
+        raise ValueError(f"matmul: out must not be a broadcast view (stride 0), received strides {out.stride()}")
+    for name, t in (("a", a), ("b", b)):
+        if _overlaps(out, t):
+            raise ValueError(f"matmul: out must not share memory with {name}")
+
+
+def _input_precision(dtype: torch.dtype, backend: str) -> str:
+    # Match torch.matmul on the same machine: TF32 for fp32 only when torch allows it on CUDA.
+    if dtype == torch.float32 and (backend != Backend.TRITON or not torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"
+
+
+def _needs_int64(*tensors: torch.Tensor) -> bool:
+    """Whether an element offset within any operand can pass 2**31 - 1 (int32 would wrap)."""
+    return any(sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) > _INT32_MAX for t in tensors)
+
+
+def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
+    """Run ``out (+)= activation(a @ b + bias)`` on the right backend; optionally store the pre-activation."""
+    (m, k), n = a.shape, b.shape[1]
+    if m == 0 or n == 0:
+        return
+    backend = backend_for(a)
+    if backend == Backend.REFERENCE:
+        _reference_into(a, b, bias, activation, out, accumulate, preact)
+        return
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        args = (
+            a, b, out, bias if bias is not None else out, preact if preact is not None else out,
+            m, n, k, *a.stride(), *b.stride(), *out.stride(), *(preact if preact is not None else out).stride(),
+        )  # fmt: skip
+        flags = {
+            "HAS_BIAS": bias is not None,
+            "ACTIVATION": activation or "none",
+            "ACCUMULATE": accumulate,
+            "STORE_PREACT": preact is not None,
+            "DOT_FP32": upcast_dot_operands(backend),
+            "INPUT_PRECISION": _input_precision(a.dtype, backend),
+            "INDEX_64": _needs_int64(a, b, out, *(() if preact is None else (preact,))),
+        }
+        if backend == Backend.INTERPRETER:
+            blocks = _INTERPRETER_BLOCKS
+            grid = (triton.cdiv(m, blocks["BLOCK_M"]) * triton.cdiv(n, blocks["BLOCK_N"]),)
+            _matmul_kernel[grid](*args, **flags, **blocks)
+        else:
+            grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+            _matmul_kernel_tuned[grid](*args, **flags)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Reference
+# ----------------------------------------------------------------------------------------------------
+
+
+def _activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tensor:
+    if activation == "relu":
+        return torch.relu(z)
+    if activation == "gelu":
+        return torch.nn.functional.gelu(z, approximate="none")
+    if activation == "silu":
+        return torch.nn.functional.silu(z)
+    return z
+
+
+def _activation_grad(z: torch.Tensor, activation: str | None) -> torch.Tensor:
+    """d activation / dz, computed in z's dtype (the backward passes fp32)."""
+    if activation == "relu":
+        return (z > 0).to(z.dtype)
+    if activation == "gelu":
+        cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
+        pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
+        return cdf + z * pdf
+    if activation == "silu":
+        s = torch.sigmoid(z)
+        return s * (1.0 + z * (1.0 - s))
+    raise AssertionError(f"no derivative for activation {activation!r}")
+
+
+def _reference_into(a, b, bias, activation, out, accumulate, preact) -> None:
+    z = a.float() @ b.float()
+    if bias is not None:
+        z = z + bias.float()
+    if preact is not None:
+        preact.copy_(z)
+    y = _activation_reference(z, activation)
+    if accumulate:
+        y = y + out.float()
+    out.copy_(y)
+
+
+def matmul_reference(a, b, bias=None, activation=None, out=None, accumulate=False) -> torch.Tensor:
+    """Plain-PyTorch definition of :func:`matmul`.
+
+    Computes in fp32 (in float64 when the inputs are float64, which is how tests build their exact
+    reference) and rounds once to the output dtype.
+    """
+    compute = torch.float64 if a.dtype == torch.float64 else torch.float32
+    z = a.to(compute) @ b.to(compute)
+    if bias is not None:
+        z = z + bias.to(compute)
+    y = _activation_reference(z, activation)
+    if out is None:
+        return y.to(a.dtype)
+    if accumulate:
+        y = y + out.to(compute)
+    with torch.no_grad():
+        out.copy_(y)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Autograd
+# ----------------------------------------------------------------------------------------------------
+
+
+class _MatmulFunction(torch.autograd.Function):
+    @staticmethod
+    # ``out`` comes first: when it is a view written in place, autograd's CopySlices routes the
+    # gradient of the Function's first input to the view's previous contents.
+    def forward(ctx, out, a, b, bias, activation, accumulate):
+        if out is None:
+            out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
+        else:
+            ctx.mark_dirty(out)
+        preact = None
+        if activation is not None and any(ctx.needs_input_grad[1:4]):
+            preact = torch.empty_like(out, memory_format=torch.contiguous_format)
+        _launch(a, b, bias, activation, out, accumulate, preact)
+        ctx.save_for_backward(a, b, preact)
+        ctx.activation, ctx.accumulate, ctx.has_bias = activation, accumulate, bias is not None
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        a, b, preact = ctx.saved_tensors
+        if ctx.activation is None:
+            grad_z = grad_out.to(a.dtype)
+        else:
+            grad_z = (grad_out.float() * _activation_grad(preact.float(), ctx.activation)).to(a.dtype)
+        need_out, need_a, need_b, need_bias = ctx.needs_input_grad[:4]
+        grad_a = grad_b = grad_bias = grad_prev = None
+        if need_a:  # dA = dZ · Bᵀ  (Bᵀ is a view: the kernel reads b's strides swapped)
+            grad_a = torch.empty_like(a, memory_format=torch.contiguous_format)
+            _launch(grad_z, b.t(), None, None, grad_a, False)
+        if need_b:  # dB = Aᵀ · dZ
+            grad_b = torch.empty_like(b, memory_format=torch.contiguous_format)
+            _launch(a.t(), grad_z, None, None, grad_b, False)
+        if need_bias and ctx.has_bias:
+            grad_bias = grad_z.sum(dim=0, dtype=torch.float32).to(a.dtype)
+        if need_out:  # overwritten values get zero gradient (None would cut the rest of out's base off)
+            grad_prev = grad_out if ctx.accumulate else torch.zeros_like(grad_out)
+        return grad_prev, grad_a, grad_b, grad_bias, None, None
+
+
+def matmul(a, b, bias=None, activation=None, out=None, accumulate=False) -> torch.Tensor:
+    """``out (+)= activation(a @ b + bias)`` in one Triton kernel; differentiable.
+
+    Args:
+        a: ``[M, K]``, any strides, float32/float16/bfloat16.
+        b: ``[K, N]``, any strides, a's dtype and device.
+        bias: optional ``[N]``, a's dtype, added in fp32 before the activation.
+        activation: ``None``, ``"relu"``, ``"gelu"`` (erf form) or ``"silu"``.
+        out: optional ``[M, N]`` tensor of a's dtype (or float32) to write into; it may be a strided
+            view of a larger buffer, whose other elements are never touched. It must not overlap a or b.
+        accumulate: add the result onto ``out`` (fp32 addition in the epilogue, one rounding).
+
+    Returns:
+        ``out`` when given, otherwise a new ``[M, N]`` tensor of a's dtype.
+
+    Backward: dZ = dOut·act'(Z) with Z = a@b + bias saved by the forward kernel (only when an input
+    needs a gradient and there is an activation), then dA = dZ·Bᵀ and dB = Aᵀ·dZ through the same
+    kernel, dbias = Σ_M dZ; with ``accumulate=True`` the previous contents of ``out`` receive dOut.
+    """
+    _validate(a, b, bias, activation, out, accumulate)
+    tracked = (a, b, bias, out)
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked):
+        return _MatmulFunction.apply(out, a, b, bias, activation, accumulate)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
+    _launch(a, b, bias, activation, out, accumulate)
+    return out

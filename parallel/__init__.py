@@ -1,0 +1,3 @@
+"""Process groups, collectives, communication/GEMM overlap, DDP, FSDP, ZeRO and the pipeline scheduler."""
+
+__all__: list[str] = []

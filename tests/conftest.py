@@ -1,0 +1,28 @@
+"""Shared fixtures. Runs before any test module imports Triton."""
+
+import os
+
+import torch
+
+# Without a GPU every Triton kernel runs through Triton's interpreter. Triton reads the flag when a
+# kernel is defined, so it must be set before anything imports triton (i.e. before tessel).
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.fixture
+def seed():
+    """Seeds torch's CPU and CUDA generators; each test that draws random data takes it."""
+    torch.manual_seed(1234)
+    return 1234
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not HAS_CUDA:
+            item.add_marker(skip_gpu)
