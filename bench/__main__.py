@@ -1,0 +1,70 @@
+"""``python -m tessel.bench [SUITE ...] [--out DIR] [--dtype {bf16,fp16,fp32}] [--quick]``
+
+Runs the named benchmark suites (all of them when none is named), prints each one's table and writes
+``<out>/<date>-<device>-<suite>.json`` and ``.md``. A suite is a function ``(dtype, quick) -> rows``
+registered in :data:`SUITES`.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+
+# Without a GPU the kernels run through Triton's interpreter. Triton reads the flag when a kernel is
+# defined, so it is set before anything below imports triton or tessel.kernels.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from .matmul import BenchmarkError, run_matmul_suite
+from .runner import environment, report
+
+__all__ = ["SUITES", "main"]
+
+SUITES = {"matmul": run_matmul_suite}
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument in one line (argparse's default adds the whole usage text)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = _Parser(
+        prog="python -m tessel.bench",
+        description="Run tessel's benchmark suites (all when none is named); print and write the results.",
+    )
+    parser.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run: {', '.join(SUITES)} (default: all)")
+    parser.add_argument("--out", default="bench/results", help="directory for the result files (default: %(default)s)")
+    parser.add_argument(
+        "--dtype", choices=DTYPES, default=None, help="input dtype (default: bf16 on a GPU, fp32 on a CPU)"
+    )
+    parser.add_argument("--quick", action="store_true", help="core shapes only and fewer repetitions")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Parse ``argv``, run the suites, print and write their results; returns the exit status."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    unknown = [name for name in args.suites if name not in SUITES]
+    if unknown:
+        parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)}")
+    dtype = DTYPES[args.dtype] if args.dtype else None
+    env = environment()
+    for name in args.suites or list(SUITES):
+        try:
+            rows = SUITES[name](dtype=dtype, quick=args.quick)
+        except BenchmarkError as exc:
+            print(f"{parser.prog}: {exc}", file=sys.stderr)
+            return 1
+        report(name, rows, env, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
