@@ -4,7 +4,7 @@ import importlib
 import pathlib
 import sys
 
-FOLDERS = {"kernels": "tessel.kernels", "layers": "tessel.layers", "parallel": "tessel.parallel", "bench": "tessel.bench"}
+FOLDERS = {folder: f"tessel.{folder}" for folder in ("kernels", "layers", "parallel", "bench")}
 DATA_SUFFIXES = {".txt", ".json", ".bin", ".gz", ".md"}
 
 
@@ -19,9 +19,9 @@ def main(repo: pathlib.Path) -> int:
         for source in (repo / folder).rglob("*"):
             if "__pycache__" in source.parts or source.is_dir():
                 continue
-            if source.suffix == ".py" or (source.parent.name == "data" and source.suffix in DATA_SUFFIXES):
-                if not (installed / source.relative_to(repo / folder)).is_file():
-                    missing.append(f"{package}: {source.relative_to(repo)}")
+            wanted = source.suffix == ".py" or (source.parent.name == "data" and source.suffix in DATA_SUFFIXES)
+            if wanted and not (installed / source.relative_to(repo / folder)).is_file():
+                missing.append(f"{package}: {source.relative_to(repo)}")
     for name in missing:
         print(f"check-install: not installed: {name}", file=sys.stderr)
     if not missing:
