@@ -1,0 +1,195 @@
+"""Raw collectives behind one small transport interface, with a byte counter and an event log.
+
+Every byte tessel moves between ranks goes through the functions here, so:
+
+- :func:`count_bytes` can report what this rank sent and received during a region of code (tests and
+  benchmarks compare it with the ring formulas: (t-1)/t·|X| for all-gather and reduce-scatter,
+  2(t-1)/t·|X| for all-reduce);
+- :func:`record_events` can record the order in which an overlapped op issues transfers and GEMMs,
+  which is how tests prove the overlap without timing anything;
+- the transport (``torch.distributed`` today: NCCL or gloo, async work handles, batched P2P) can be
+  replaced by a device-signalled one without touching the layers.
+
+Raw collectives return ``(tensor, work)``; ``work.wait()`` orders later work after them (on CUDA it
+makes the current stream wait on the communication stream, with no host synchronisation).
+Collective byte counts are the ring algorithm's, which is what NCCL moves for large messages.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "ByteCounter",
+    "EventLog",
+    "all_gather",
+    "all_reduce",
+    "count_bytes",
+    "group_rank",
+    "group_size",
+    "record_event",
+    "record_events",
+    "reduce_scatter",
+    "ring_exchange",
+]
+
+
+# ---------------------------------------------------------------------------------------------------- accounting
+
+
+@dataclass
+class ByteCounter:
+    """Bytes this rank sent and received through tessel's collectives while the counter was active."""
+
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass
+class EventLog:
+    """Ordered ``(kind, op, step)`` tuples, e.g. ``("send", "all_gather_matmul", 1)``, ``("gemm", ..., 0)``."""
+
+    events: list[tuple[str, str, int]] = field(default_factory=list)
+
+    def index(self, kind: str, op: str, step: int) -> int:
+        return self.events.index((kind, op, step))
+
+
+_counters: contextvars.ContextVar[tuple[ByteCounter, ...]] = contextvars.ContextVar("tessel_counters", default=())
+_logs: contextvars.ContextVar[tuple[EventLog, ...]] = contextvars.ContextVar("tessel_logs", default=())
+
+
+@contextlib.contextmanager
+def count_bytes() -> Iterator[ByteCounter]:
+    """Count the bytes this rank sends and receives through tessel's collectives inside the block."""
+    counter = ByteCounter()
+    token = _counters.set((*_counters.get(), counter))
+    try:
+        yield counter
+    finally:
+        _counters.reset(token)
+
+
+@contextlib.contextmanager
+def record_events() -> Iterator[EventLog]:
+    """Record the order in which overlapped ops issue their transfers and GEMMs inside the block."""
+    log = EventLog()
+    token = _logs.set((*_logs.get(), log))
+    try:
+        yield log
+    finally:
+        _logs.reset(token)
+
+
+def record_event(kind: str, op: str, step: int) -> None:
+    for log in _logs.get():
+        log.events.append((kind, op, step))
+
+
+def _account(sent: int, received: int) -> None:
+    for counter in _counters.get():
+        counter.sent += sent
+        counter.received += received
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+# ---------------------------------------------------------------------------------------------------- groups
+
+
+def group_size(group: dist.ProcessGroup | None) -> int:
+    """Size of ``group``; a world of one when no process group exists."""
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def group_rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def _global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
+    return dist.get_global_rank(group, rank_in_group) if group is not None else rank_in_group
+
+
+# ---------------------------------------------------------------------------------------------------- transport
+
+
+class _Done:
+    """The handle of an operation that completed synchronously (a world of one)."""
+
+    def wait(self) -> bool:
+        return True
+
+
+class _Handles:
+    def __init__(self, works):
+        self.works = works
+
+    def wait(self) -> bool:
+        for work in self.works:
+            work.wait()
+        return True
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, shift: int = 1):
+    """Send ``send`` to the rank ``shift`` places ahead in the ring and receive ``recv`` from the one behind.
+
+    One batched isend/irecv pair; returns a handle whose ``wait()`` completes both. Both tensors must
+    be contiguous.
+    """
+    size, rank = group_size(group), group_rank(group)
+    dst = _global_rank(group, (rank + shift) % size)
+    src = _global_rank(group, (rank - shift) % size)
+    ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]
+    _account(_nbytes(send), _nbytes(recv))
+    return _Handles(dist.batch_isend_irecv(ops))
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """Sum ``x`` in place over ``group``; returns ``(x, work)``. Ring bytes: 2(t-1)/t·|x| each way."""
+    size = group_size(group)
+    if size == 1:
+        return x, _Done()
+    moved = 2 * (size - 1) * _nbytes(x) // size
+    _account(moved, moved)
+    work = dist.all_reduce(x, group=group, async_op=async_op)
+    return x, work if async_op else _Done()
+
+
+_all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
+    """Concatenate every rank's ``x`` along dim 0 (into ``out`` if given); returns ``(out, work)``."""
+    size = group_size(group)
+    if out is None:
+        out = x.new_empty((size * x.shape[0], *x.shape[1:]))
+    if size == 1:
+        out.copy_(x)
+        return out, _Done()
+    _account((size - 1) * _nbytes(x), (size - 1) * _nbytes(x))
+    work = _all_gather_base(out, x.contiguous(), group=group, async_op=async_op)
+    return out, work if async_op else _Done()
+
+
+def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
+    """Sum ``x`` over ranks and keep this rank's 1/t block of dim 0; returns ``(out, work)``."""
+    size = group_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"reduce_scatter: dim 0 of x ({x.shape[0]}) is not divisible by the group size {size}")
+    if out is None:
+        out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
+    if size == 1:
+        out.copy_(x)
+        return out, _Done()
+    _account((size - 1) * _nbytes(out), (size - 1) * _nbytes(out))
+    work = _reduce_scatter_base(out, x.contiguous(), group=group, async_op=async_op)
+    return out, work if async_op else _Done()

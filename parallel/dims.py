@@ -1,0 +1,134 @@
+"""Process-group setup: ``init_parallel(tp, pp, dp) -> ParallelDims``.
+
+The world is laid out as a ``DeviceMesh`` of shape ``(dp, pp, tp)``, tp innermost, so the ranks of one
+tensor-parallel group are adjacent (on a multi-GPU node they share NVLink). Every layer and wrapper
+takes its group explicitly from the returned :class:`ParallelDims`: there is no global singleton.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+__all__ = ["ParallelDims", "init_parallel", "shutdown"]
+
+
+@dataclass
+class ParallelDims:
+    """The parallel layout of this process: sizes, mesh, groups and this rank's place in each."""
+
+    tp: int
+    pp: int
+    dp: int
+    world_size: int
+    rank: int
+    backend: str
+    device: torch.device
+    mesh: DeviceMesh = field(repr=False)
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("tp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("pp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.mesh.get_group("dp")
+
+    @property
+    def tp_rank(self) -> int:
+        return self.mesh.get_local_rank("tp")
+
+    @property
+    def pp_rank(self) -> int:
+        return self.mesh.get_local_rank("pp")
+
+    @property
+    def dp_rank(self) -> int:
+        return self.mesh.get_local_rank("dp")
+
+
+def _check_size(name: str, value, allow_minus_one: bool = False) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"init_parallel: {name} must be an int, received {type(value).__name__}")
+    if value < 1 and not (allow_minus_one and value == -1):
+        expected = "a positive int or -1 (all remaining ranks)" if allow_minus_one else "a positive int"
+        raise ValueError(f"init_parallel: {name} must be {expected}, received {value}")
+
+
+def _resolve_dp(tp: int, pp: int, dp: int, world_size: int) -> int:
+    if dp == -1:
+        if world_size % (tp * pp):
+            raise ValueError(
+                f"init_parallel: the world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}"
+            )
+        dp = world_size // (tp * pp)
+    if dp * pp * tp != world_size:
+        raise ValueError(
+            f"init_parallel: dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} must equal the world size {world_size}"
+        )
+    return dp
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def _init_process_group(backend: str) -> None:
+    """Join the torchrun world from the environment, or make a world of one without torchrun."""
+    timeout = datetime.timedelta(seconds=int(os.environ.get("TESSEL_PG_TIMEOUT", "600")))
+    if "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ:
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        dist.init_process_group(backend, timeout=timeout)
+    else:
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+
+
+def init_parallel(tp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = None) -> ParallelDims:
+    """Initialise (if needed) the default process group and build the ``("dp", "pp", "tp")`` mesh.
+
+    Args:
+        tp, pp: tensor- and pipeline-parallel sizes (positive).
+        dp: data-parallel size; ``-1`` takes the world size divided by ``tp*pp``.
+        backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, gloo otherwise. Ignored
+            when the default process group already exists.
+
+    Under ``torchrun`` the world comes from the environment; a single process without it is a world
+    of one. Raises ``ValueError`` when a size is not positive or ``dp*pp*tp`` is not the world size;
+    sizes are checked before any process group is created.
+    """
+    for name, value in (("tp", tp), ("pp", pp)):
+        _check_size(name, value)
+    _check_size("dp", dp, allow_minus_one=True)
+    if backend is not None and backend not in ("nccl", "gloo"):
+        raise ValueError(f"init_parallel: backend must be 'nccl', 'gloo' or None, received {backend!r}")
+    world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
+    dp = _resolve_dp(tp, pp, dp, world_size)
+    if not dist.is_initialized():
+        _init_process_group(backend or _default_backend())
+    backend = dist.get_backend()
+    device_type = "cuda" if backend == "nccl" else "cpu"
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    return ParallelDims(tp, pp, dp, world_size, dist.get_rank(), backend, device, mesh)
+
+
+def shutdown() -> None:
+    """End this process's part in the world cleanly: barrier, then destroy every process group.
+
+    With gloo, a process that exits while a ``DeviceMesh`` and its subgroups are alive can abort at
+    interpreter exit; entry points call this and then exit deliberately.
+    """
+    if not dist.is_initialized():
+        return
+    dist.barrier()
+    dist.destroy_process_group()
