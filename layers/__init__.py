@@ -1,3 +1,5 @@
-"""nn.Modules built from tessel's kernels and parallel ops (column/row-parallel linear, attention, MLP, GPT)."""
+"""nn.Modules built from tessel's kernels and parallel ops."""
 
-__all__: list[str] = []
+from .linear import ColumnParallelLinear, RowParallelLinear
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]

@@ -1,3 +1,19 @@
-"""Process groups, collectives, communication/GEMM overlap, DDP, FSDP, ZeRO and the pipeline scheduler."""
+"""Process groups, collectives, communication/GEMM overlap (and, to come: DDP, FSDP, ZeRO, pipeline)."""
 
-__all__: list[str] = []
+from .comm import ByteCounter, EventLog, count_bytes, record_events
+from .dims import ParallelDims, init_parallel, shutdown
+from .overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
+
+__all__ = [
+    "ByteCounter",
+    "EventLog",
+    "ParallelDims",
+    "all_gather_matmul",
+    "count_bytes",
+    "init_parallel",
+    "matmul_all_reduce",
+    "matmul_grad_all_reduce",
+    "matmul_reduce_scatter",
+    "record_events",
+    "shutdown",
+]

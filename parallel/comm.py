@@ -18,8 +18,6 @@ Collective byte counts are the ring algorithm's, which is what NCCL moves for la
 from __future__ import annotations
 
 import contextlib
-import contextvars
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -61,39 +59,45 @@ class EventLog:
         return self.events.index((kind, op, step))
 
 
-_counters: contextvars.ContextVar[tuple[ByteCounter, ...]] = contextvars.ContextVar("tessel_counters", default=())
-_logs: contextvars.ContextVar[tuple[EventLog, ...]] = contextvars.ContextVar("tessel_logs", default=())
+# The active counters and logs are process-wide, not per thread or per context: on CUDA the backward of
+# an autograd Function runs on an autograd worker thread, which sees neither the caller's thread-locals
+# nor its contextvars, and its communication must still be counted by the block around backward().
+_counters: list[ByteCounter] = []
+_logs: list[EventLog] = []
 
 
 @contextlib.contextmanager
-def count_bytes() -> Iterator[ByteCounter]:
-    """Count the bytes this rank sends and receives through tessel's collectives inside the block."""
-    counter = ByteCounter()
-    token = _counters.set((*_counters.get(), counter))
+def _active(registry: list, item):
+    registry.append(item)
     try:
-        yield counter
+        yield item
     finally:
-        _counters.reset(token)
+        # By identity: two counters with equal counts compare equal.
+        del registry[next(i for i, active in enumerate(registry) if active is item)]
 
 
-@contextlib.contextmanager
-def record_events() -> Iterator[EventLog]:
+def count_bytes() -> contextlib.AbstractContextManager[ByteCounter]:
+    """Count the bytes this rank sends and receives through tessel's collectives inside the block.
+
+    Counters nest (each active one counts) and see collectives issued from any thread of the process
+    while they are active, including autograd's backward threads.
+    """
+    return _active(_counters, ByteCounter())
+
+
+def record_events() -> contextlib.AbstractContextManager[EventLog]:
     """Record the order in which overlapped ops issue their transfers and GEMMs inside the block."""
-    log = EventLog()
-    token = _logs.set((*_logs.get(), log))
-    try:
-        yield log
-    finally:
-        _logs.reset(token)
+    return _active(_logs, EventLog())
 
 
 def record_event(kind: str, op: str, step: int) -> None:
-    for log in _logs.get():
+    """Append ``(kind, op, step)`` to every active :func:`record_events` log; a no-op when none is active."""
+    for log in tuple(_logs):
         log.events.append((kind, op, step))
 
 
 def _account(sent: int, received: int) -> None:
-    for counter in _counters.get():
+    for counter in tuple(_counters):
         counter.sent += sent
         counter.received += received
 
@@ -142,9 +146,13 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGro
     """Send ``send`` to the rank ``shift`` places ahead in the ring and receive ``recv`` from the one behind.
 
     One batched isend/irecv pair; returns a handle whose ``wait()`` completes both. Both tensors must
-    be contiguous.
+    be contiguous. When ``shift`` is a multiple of the group size (always, in a world of one) the rank
+    exchanges with itself: ``recv`` is a copy of ``send`` and nothing is moved.
     """
     size, rank = group_size(group), group_rank(group)
+    if shift % size == 0:
+        recv.copy_(send)
+        return _Done()
     dst = _global_rank(group, (rank + shift) % size)
     src = _global_rank(group, (rank - shift) % size)
     ops = [dist.P2POp(dist.isend, send, dst, group), dist.P2POp(dist.irecv, recv, src, group)]

@@ -1,0 +1,257 @@
+"""Column- and row-parallel linear layers (Megatron-LM, Shoeybi et al. 2019, §3) with overlapped communication.
+
+Legend: ``B`` batch, ``S`` sequence, ``K`` in_features, ``N`` out_features, ``t`` tensor-parallel size.
+Parameters keep ``nn.Linear``'s layout and names: column ``weight [N/t, K]``, ``bias [N/t]``; row
+``weight [N, K/t]``, ``bias [N]`` (whole, added once after the reduction).
+
+Under sequence parallelism the activation entering a column layer and leaving a row layer is split along
+the sequence (dim 1). The ops work on token-major 2-D matrices whose rows are ordered ``(s, b)``, so
+that rank ``r``'s sequence block is one contiguous row block: the column layer returns a
+``[B, S, N/t]`` view of an ``[S, B, N/t]`` buffer, and the row layer's ``transpose(0, 1)`` of it is
+contiguous again, so a column → activation → row chain copies nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..parallel.collectives import gather_from_tp, split_to_tp
+from ..parallel.comm import group_rank, group_size
+from ..parallel.overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+# "auto" overlaps when each rank's GEMM has at least this many multiply-adds. Provisional: below it a
+# chunk's GEMM is too short to hide a transfer's latency; to be replaced by the threshold measured with
+# ``python -m tessel.bench overlap`` on GPUs.
+AUTO_OVERLAP_MIN_MACS = 2**28
+
+
+def _check_overlap(name: str, overlap) -> None:
+    if overlap not in ("auto", True, False):
+        raise ValueError(f"{name}: overlap must be 'auto', True or False, received {overlap!r}")
+
+
+def _use_overlap(overlap, t: int, tokens: int, k: int, n: int) -> bool:
+    if overlap == "auto":
+        return t > 1 and tokens * k * n >= AUTO_OVERLAP_MIN_MACS
+    return bool(overlap)
+
+
+def _check_divisible(name: str, arg: str, value: int, t: int) -> None:
+    if value % t:
+        raise ValueError(f"{name}: {arg}={value} is not divisible by the tensor-parallel size {t}")
+
+
+def _check_input(layer: nn.Module, x, width: int, what: str) -> None:
+    name = type(layer).__name__
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name}: input must be a torch.Tensor, received {type(x).__name__}")
+    if x.dim() < 1 or x.shape[-1] != width:
+        raise ValueError(f"{name}: input's last dimension must be {what} = {width}, received shape {tuple(x.shape)}")
+    if x.dtype != layer.weight.dtype:
+        raise TypeError(f"{name}: input dtype must be the weight's {layer.weight.dtype}, received {x.dtype}")
+    if x.device != layer.weight.device:
+        raise ValueError(f"{name}: input must be on the weight's device {layer.weight.device}, received {x.device}")
+    if layer.tp_group is not None or dist.is_initialized():
+        backend = dist.get_backend(layer.tp_group)
+        wanted = "cuda" if backend == "nccl" else "cpu"
+        if x.device.type != wanted:
+            raise ValueError(
+                f"{name}: the {backend} tensor-parallel group needs {wanted} tensors, received one on {x.device}"
+            )
+
+
+def _check_sequence_parallel_input(layer: nn.Module, x: torch.Tensor) -> None:
+    if x.dim() != 3:
+        raise ValueError(
+            f"{type(layer).__name__}: sequence_parallel=True needs a [batch, seq, features] input, "
+            f"received shape {tuple(x.shape)}"
+        )
+
+
+def _parts(out_features: int | Sequence[int]) -> tuple[int, ...]:
+    return (out_features,) if isinstance(out_features, int) else tuple(out_features)
+
+
+def _init_uniform(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) -> None:
+    """nn.Linear's default initialisation, with the dense layer's fan-in (so shards match a dense init)."""
+    bound = 1.0 / math.sqrt(fan_in) if fan_in > 0 else 0.0
+    with torch.no_grad():
+        weight.uniform_(-bound, bound)
+        if bias is not None:
+            bias.uniform_(-bound, bound)
+
+
+def _to_token_major(x: torch.Tensor) -> torch.Tensor:
+    """``[B, S, F]`` → ``[S·B, F]`` with rows ordered (s, b); free when x is a view of an [S, B, F] buffer."""
+    return x.transpose(0, 1).reshape(-1, x.shape[-1])
+
+
+def _from_token_major(y: torch.Tensor, batch: int) -> torch.Tensor:
+    return y.view(-1, batch, y.shape[-1]).transpose(0, 1)
+
+
+class ColumnParallelLinear(nn.Module):
+    """``Y = X Wᵀ + b`` with W split by output rows: rank r holds rows ``[r·N/t, (r+1)·N/t)``.
+
+    ``out_features`` may be a sequence (e.g. ``(q, k, v)`` sizes): the layer then holds one fused local
+    weight (each part split separately, Megatron's fused QKV) and returns one output per part.
+
+    Forward: with ``sequence_parallel`` the input is ``[B, S/t, K]`` and is all-gathered along the
+    sequence inside the GEMM (:func:`~tessel.parallel.overlap.all_gather_matmul`); otherwise the input is
+    replicated and only its gradient is all-reduced (:func:`~tessel.parallel.overlap.matmul_grad_all_reduce`).
+    ``gather_output`` all-gathers the output features (for a layer not followed by a row-parallel one).
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, tp_group=None, gather_output=False,
+                 sequence_parallel=False, overlap="auto", device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        name = type(self).__name__
+        self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
+        parts = _parts(out_features)
+        for n in parts:
+            _check_divisible(name, "out_features", n, self.tp_size)
+        _check_overlap(name, overlap)
+        self.in_features, self.out_features = in_features, out_features
+        self.local_parts = tuple(n // self.tp_size for n in parts)
+        self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(sum(self.local_parts), in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(sum(self.local_parts), **kw)) if bias else None
+        _init_uniform(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor):
+        _check_input(self, x, self.in_features, "in_features")
+        n_local = self.weight.shape[0]
+        if self.sequence_parallel:
+            _check_sequence_parallel_input(self, x)
+            x2 = _to_token_major(x)
+            ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0] * self.tp_size, self.in_features, n_local)
+            y = _from_token_major(all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov),
+                                  x.shape[0])  # fmt: skip
+        else:
+            x2 = x.reshape(-1, self.in_features)
+            ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local)
+            y = matmul_grad_all_reduce(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov)
+            y = y.view(*x.shape[:-1], n_local)
+        outs = y.split(self.local_parts, dim=-1) if len(self.local_parts) > 1 else (y,)
+        if self.gather_output:
+            outs = tuple(gather_from_tp(o, self.tp_group, dim=-1) for o in outs)
+        return outs if len(self.local_parts) > 1 else outs[0]
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, tp_group=None, **kwargs) -> ColumnParallelLinear:
+        """Rank r of t takes the r-th of t contiguous row blocks of ``linear.weight`` (and of its bias)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(
+                f"ColumnParallelLinear.from_linear: expected an nn.Linear, received {type(linear).__name__}"
+            )
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
+                    device=w.device, dtype=w.dtype, **kwargs)  # fmt: skip
+        rows = slice(layer.tp_rank * layer.weight.shape[0], (layer.tp_rank + 1) * layer.weight.shape[0])
+        with torch.no_grad():
+            layer.weight.copy_(w[rows])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias[rows])
+        return layer
+
+    @classmethod
+    def from_linears(cls, linears: Sequence[nn.Linear], *, tp_group=None, **kwargs) -> ColumnParallelLinear:
+        """One fused layer from several dense layers that share an input (Q, K, V; gate, up).
+
+        Rank r's fused weight is the concatenation of the r-th row block of each layer's weight, so the
+        input is gathered once and multiplied in one GEMM; the forward returns one output per layer.
+        """
+        linears = list(linears)
+        if not linears or not all(isinstance(lin, nn.Linear) for lin in linears):
+            raise TypeError("ColumnParallelLinear.from_linears: expected a non-empty sequence of nn.Linear")
+        if len({(lin.in_features, lin.bias is not None, lin.weight.dtype) for lin in linears}) != 1:
+            raise ValueError("ColumnParallelLinear.from_linears: the layers must share in_features, bias and dtype")
+        first = linears[0]
+        layer = cls(first.in_features, tuple(lin.out_features for lin in linears), first.bias is not None,
+                    tp_group=tp_group, device=first.weight.device, dtype=first.weight.dtype, **kwargs)  # fmt: skip
+        r = layer.tp_rank
+        with torch.no_grad():
+            layer.weight.copy_(
+                torch.cat([lin.weight[r * n : (r + 1) * n] for lin, n in zip(linears, layer.local_parts)])
+            )
+            if layer.bias is not None:
+                layer.bias.copy_(
+                    torch.cat([lin.bias[r * n : (r + 1) * n] for lin, n in zip(linears, layer.local_parts)])
+                )
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.local_parts}), "
+                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")  # fmt: skip
+
+
+class RowParallelLinear(nn.Module):
+    """``Y = X Wᵀ + b`` with W split by input columns: rank r holds columns ``[r·K/t, (r+1)·K/t)``.
+
+    Forward: each rank multiplies its slice of the input features; the partial outputs are summed by a
+    reduce-scatter along the sequence inside the GEMM when ``sequence_parallel`` (output ``[B, S/t, N]``,
+    :func:`~tessel.parallel.overlap.matmul_reduce_scatter`), by a chunked all-reduce otherwise
+    (:func:`~tessel.parallel.overlap.matmul_all_reduce`). The bias is whole and added once; its gradient
+    is summed over every token of every rank. ``input_is_parallel=False`` splits a full input first.
+    """
+
+    def __init__(self, in_features, out_features, bias=True, *, tp_group=None, input_is_parallel=True,
+                 sequence_parallel=False, overlap="auto", device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        name = type(self).__name__
+        self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
+        _check_divisible(name, "in_features", in_features, self.tp_size)
+        _check_overlap(name, overlap)
+        self.in_features, self.out_features = in_features, out_features
+        self.input_is_parallel, self.sequence_parallel, self.overlap = input_is_parallel, sequence_parallel, overlap
+        kw = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        _init_uniform(self.weight, self.bias, in_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.input_is_parallel:
+            _check_input(self, x, self.in_features, "in_features")
+            x = split_to_tp(x, self.tp_group, dim=-1)
+        k_local = self.weight.shape[1]
+        _check_input(self, x, k_local, "in_features / tp")
+        if self.sequence_parallel:
+            _check_sequence_parallel_input(self, x)
+            if x.shape[1] % self.tp_size:
+                raise ValueError(f"RowParallelLinear: sequence length {x.shape[1]} is not divisible by the "
+                                 f"tensor-parallel size {self.tp_size} (sequence_parallel=True)")  # fmt: skip
+            x2 = _to_token_major(x)
+            ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features)
+            y = matmul_reduce_scatter(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
+            return _from_token_major(y, x.shape[0])
+        x2 = x.reshape(-1, k_local)
+        ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features)
+        y = matmul_all_reduce(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, tp_group=None, **kwargs) -> RowParallelLinear:
+        """Rank r of t takes the r-th of t contiguous column blocks of ``linear.weight``; the bias stays whole."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear: expected an nn.Linear, received {type(linear).__name__}")
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
+                    device=w.device, dtype=w.dtype, **kwargs)  # fmt: skip
+        cols = slice(layer.tp_rank * layer.weight.shape[1], (layer.tp_rank + 1) * layer.weight.shape[1])
+        with torch.no_grad():
+            layer.weight.copy_(w[:, cols])
+            if layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
+                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")  # fmt: skip
