@@ -23,7 +23,8 @@ halves that alternate: half ``b``'s GEMM runs while half ``a``'s accumulator tra
     comm:       a0  b0  a1  b1  a2  b2
 
 All-reduce chunks (:func:`chunked_all_reduce`): the rows are cut into chunks; chunk ``j``'s all-reduce
-runs during chunk ``j+1``'s GEMM.
+runs during chunk ``j+1``'s GEMM. The last chunk's all-reduce is exposed (1/chunks of the traffic)
+unless the caller has other work for it, as backward passes do with the weight gradient.
 """
 
 from __future__ import annotations
@@ -132,17 +133,19 @@ def chunked_all_reduce(
 ) -> torch.Tensor:
     """``[rows, n]`` computed by ``gemm(lo, hi, out_rows)`` chunk by chunk, each chunk all-reduced in flight.
 
-    ``after_issue()`` runs once, after the first all-reduce is issued (weight-gradient work goes there).
+    ``after_issue()`` runs once, after the last chunk's all-reduce is issued: work placed there (the
+    weight gradient, in backward) hides the one transfer no later chunk's GEMM can hide.
     """
     out = like.new_empty((rows, n))
     pending = []
-    for j, (lo, hi) in enumerate(row_chunks(rows, n_chunks)):
+    chunks = row_chunks(rows, n_chunks)
+    for j, (lo, hi) in enumerate(chunks):
         record_event("gemm", op, j)
         gemm(lo, hi, out[lo:hi])
         _, work = all_reduce(out[lo:hi], group, async_op=True)
         pending.append((j, work))
         record_event("send", op, j)
-        if j == 0 and after_issue is not None:
+        if j == len(chunks) - 1 and after_issue is not None:
             after_issue()
     for j, work in pending:
         work.wait()

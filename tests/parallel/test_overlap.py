@@ -1,0 +1,142 @@
+"""The overlapped ops really overlap, and move exactly the ring's bytes.
+
+Overlap is shown without timing: each op logs when it issues a transfer, starts a GEMM, and waits for a
+transfer. A transfer overlaps a GEMM when the GEMM starts after the transfer was issued and before it was
+waited for. Byte counts come from tessel's own collectives (parallel/comm.py).
+"""
+
+import pytest
+import torch
+
+from tests.multiprocess import run_ranks
+
+M, K, N = 6, 10, 8  # rows per rank, input and output features (N divisible by 2 and 4)
+
+
+def _inputs(rank, t, seed=0):
+    g = torch.Generator().manual_seed(seed + rank)
+    x_shard = torch.randn(M, K, generator=g, requires_grad=True)
+    x_full = torch.randn(t * M, K, generator=g, requires_grad=True)
+    w = torch.randn(N, K, generator=g, requires_grad=True)
+    w2 = torch.randn(N // 2, K, generator=g, requires_grad=True)
+    return x_shard, x_full, w, w2
+
+
+def _run_ops(rank, t):
+    """Every op forward and backward with overlap on, recording events and bytes for each phase."""
+    from tessel.parallel import (
+        all_gather_matmul,
+        count_bytes,
+        matmul_all_reduce,
+        matmul_grad_all_reduce,
+        matmul_reduce_scatter,
+        record_events,
+    )  # fmt: skip
+
+    x_shard, x_full, w, w2 = _inputs(rank, t)
+    calls = {
+        "all_gather_matmul": lambda: all_gather_matmul(x_shard, [w, w2], overlap=True),  # two weights, one ring
+        "matmul_reduce_scatter": lambda: [matmul_reduce_scatter(x_full, w, overlap=True)],
+        "matmul_all_reduce": lambda: [matmul_all_reduce(x_full, w, overlap=True)],
+        "matmul_grad_all_reduce": lambda: matmul_grad_all_reduce(x_full, [w, w2], overlap=True),
+    }
+    result = {}
+    for op, call in calls.items():
+        with record_events() as fwd_log, count_bytes() as fwd_bytes:
+            outs = call()
+        with record_events() as bwd_log, count_bytes() as bwd_bytes:
+            torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+        result[op] = dict(fwd=fwd_log.events, bwd=bwd_log.events, fwd_bytes=(fwd_bytes.sent, fwd_bytes.received),
+                          bwd_bytes=(bwd_bytes.sent, bwd_bytes.received))  # fmt: skip
+    return result
+
+
+def _transfers_overlapping_gemms(events):
+    """For every transfer: (issued before some GEMM starts, and waited for only after that GEMM started)."""
+    found = {}
+    for i, (kind, op, step) in enumerate(events):
+        if kind != "send":
+            continue
+        wait = events.index(("wait", op, step), i)
+        found[step] = any(k in ("gemm", "wgrad") for k, _, _ in events[i + 1 : wait])
+    return found
+
+
+@pytest.fixture(scope="module", params=[2, 4])
+def traces(request):
+    return request.param, run_ranks(_run_ops, request.param, timeout=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "op, phases",
+    [
+        ("all_gather_matmul", ["fwd", "bwd"]),
+        ("matmul_reduce_scatter", ["fwd", "bwd"]),
+        ("matmul_all_reduce", ["fwd"]),  # its backward needs no communication
+        ("matmul_grad_all_reduce", ["bwd"]),  # its forward needs no communication
+    ],
+)
+def test_every_transfer_overlaps_a_gemm(traces, op, phases):
+    _, results = traces
+    for rank, result in enumerate(results):
+        for phase in phases:
+            events = result[op][phase]
+            overlapped = _transfers_overlapping_gemms(events)
+            assert overlapped, f"rank {rank} {op} {phase}: no transfer issued: {events}"
+            if (op, phase) == ("matmul_all_reduce", "fwd"):
+                # Chunk j's all-reduce runs during chunk j+1's GEMM; the last chunk's has no GEMM after it.
+                overlapped.pop(max(overlapped))
+            assert all(overlapped.values()), f"rank {rank} {op} {phase}: a transfer overlaps no GEMM: {events}"
+
+
+@pytest.mark.multiprocess
+def test_all_gather_issues_next_shard_before_current_gemm(traces):
+    """The acceptance statement itself: the transfer of chunk i+1 is issued before the GEMM of chunk i."""
+    t, results = traces
+    for result in results:
+        events = result["all_gather_matmul"]["fwd"]
+        for i in range(t - 1):
+            assert events.index(("send", "all_gather_matmul", i + 1)) < events.index(("gemm", "all_gather_matmul", i))
+            assert events.index(("gemm", "all_gather_matmul", i)) < events.index(("wait", "all_gather_matmul", i + 1))
+
+
+@pytest.mark.multiprocess
+def test_weight_gradients_run_while_transfers_are_in_flight(traces):
+    _, results = traces
+    for result in results:
+        for op in ("all_gather_matmul", "matmul_reduce_scatter", "matmul_grad_all_reduce"):
+            events = result[op]["bwd"]
+            in_flight, hidden = set(), 0
+            for kind, _, step in events:
+                if kind == "send":
+                    in_flight.add(step)
+                elif kind == "wait":
+                    in_flight.discard(step)
+                elif kind == "wgrad" and in_flight:
+                    hidden += 1
+            assert hidden > 0, f"{op}: no weight-gradient GEMM ran while a transfer was in flight: {events}"
+
+
+@pytest.mark.multiprocess
+def test_bytes_are_the_ring_formulas(traces):
+    t, results = traces
+    f = 4  # fp32
+    gathered_x = t * M * K * f  # |X| of the gathered input
+    partial_y = t * M * N * f  # |Y| of each rank's full partial output
+    ring = (t - 1) / t
+    expected = {
+        ("all_gather_matmul", "fwd"): ring * gathered_x,  # AG of X
+        ("all_gather_matmul", "bwd"): ring * gathered_x,  # RS of dX
+        ("matmul_reduce_scatter", "fwd"): ring * partial_y,  # RS of Y
+        ("matmul_reduce_scatter", "bwd"): ring * partial_y,  # AG of dY
+        ("matmul_all_reduce", "fwd"): 2 * ring * partial_y,  # AR of Y
+        ("matmul_all_reduce", "bwd"): 0,
+        ("matmul_grad_all_reduce", "fwd"): 0,
+        ("matmul_grad_all_reduce", "bwd"): 2 * ring * gathered_x,  # AR of dX
+    }
+    for result in results:
+        for (op, phase), want in expected.items():
+            sent, received = result[op][f"{phase}_bytes"]
+            for got in (sent, received):
+                assert abs(got - want) <= 0.01 * want, f"{op} {phase}: {got} bytes, expected {want:.0f} ± 1%"
