@@ -58,7 +58,7 @@ class ParallelDims:
 
 def _check_size(name: str, value, allow_minus_one: bool = False) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"init_parallel: {name} must be an int, received {type(value).__name__}")
+        raise TypeError(f"init_parallel: {name} must be an int, received {type(value).__name__} {value!r}")
     if value < 1 and not (allow_minus_one and value == -1):
         expected = "a positive int or -1 (all remaining ranks)" if allow_minus_one else "a positive int"
         raise ValueError(f"init_parallel: {name} must be {expected}, received {value}")
@@ -82,6 +82,15 @@ def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() else "gloo"
 
 
+def _check_rendezvous(world_size: int) -> None:
+    """A world of several ranks needs torchrun's rendezvous address; refuse before creating any group."""
+    if world_size > 1 and "MASTER_ADDR" not in os.environ:
+        raise RuntimeError(
+            f"init_parallel: WORLD_SIZE={world_size} is set but MASTER_ADDR is not; launch with torchrun, "
+            "or unset WORLD_SIZE for a world of one"
+        )
+
+
 def _init_process_group(backend: str) -> None:
     """Join the torchrun world from the environment, or make a world of one without torchrun."""
     timeout = datetime.timedelta(seconds=int(os.environ.get("TESSEL_PG_TIMEOUT", "600")))
@@ -103,8 +112,9 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = 
             when the default process group already exists.
 
     Under ``torchrun`` the world comes from the environment; a single process without it is a world
-    of one. Raises ``ValueError`` when a size is not positive or ``dp*pp*tp`` is not the world size;
-    sizes are checked before any process group is created.
+    of one. Raises ``TypeError``/``ValueError`` when a size is not an int, not positive, or ``dp*pp*tp``
+    is not the world size, and ``RuntimeError`` when ``WORLD_SIZE`` > 1 comes without ``MASTER_ADDR``;
+    all of this is checked before any process group is created.
     """
     for name, value in (("tp", tp), ("pp", pp)):
         _check_size(name, value)
@@ -114,6 +124,7 @@ def init_parallel(tp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = 
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
     dp = _resolve_dp(tp, pp, dp, world_size)
     if not dist.is_initialized():
+        _check_rendezvous(world_size)
         _init_process_group(backend or _default_backend())
     backend = dist.get_backend()
     device_type = "cuda" if backend == "nccl" else "cpu"
