@@ -64,7 +64,7 @@ def _adam_step_kernel(
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_PARAM_COPY: tl.constexpr,
     BLOCK: tl.constexpr,
 ):  # fmt: skip
-    if HAS_FOUND_INF:
+    if HAS_FOUND_INF:  # noqa: SIM102 (constexpr guard: without it found_inf_ptr aliases param)
         # Decided on the device: with the flag set (nonzero or NaN) every program returns unwritten.
         if tl.load(found_inf_ptr) != 0:
             return
