@@ -58,11 +58,25 @@ _INTERPRETER_BLOCKS = {"adam": (256, 4), "stats": (256, 4)}
 
 
 @triton.jit
+def _bf16_round_to_nearest_even(x):
+    """fp32 -> bf16 rounded to nearest even by integer arithmetic on the bits (NaN stays a quiet NaN).
+
+    Triton's interpreter truncates fp32 -> bf16 casts (and its "rtne" mode rounds ties up and drops
+    the carry into the exponent), so under the interpreter the copy is rounded here, as the GPU's
+    cvt.rn.bf16.f32 and torch's ``.to(torch.bfloat16)`` do.
+    """
+    bits = x.to(tl.uint32, bitcast=True)
+    rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    bits = tl.where(x != x, (bits >> 16) | 0x40, rounded)
+    return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
 def _adam_step_kernel(
     param_ptr, grad_ptr, exp_avg_ptr, exp_avg_sq_ptr, param_copy_ptr, grad_scale_ptr, found_inf_ptr,
     n, decay, beta1, beta2, step_size, bias_correction2_sqrt, eps,
     HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr, HAS_PARAM_COPY: tl.constexpr,
-    BLOCK: tl.constexpr,
+    BF16_COPY_BY_BITS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     if HAS_FOUND_INF:  # noqa: SIM102 (constexpr guard: without it found_inf_ptr aliases param)
         # Decided on the device: with the flag set (nonzero or NaN) every program returns unwritten.
@@ -86,7 +100,9 @@ def _adam_step_kernel(
     tl.store(param_ptr + offs, p, mask=mask)
     tl.store(exp_avg_ptr + offs, m, mask=mask)
     tl.store(exp_avg_sq_ptr + offs, v, mask=mask)
-    if HAS_PARAM_COPY:
+    if BF16_COPY_BY_BITS:
+        tl.store(param_copy_ptr + offs, _bf16_round_to_nearest_even(p), mask=mask)
+    elif HAS_PARAM_COPY:
         tl.store(param_copy_ptr + offs, p.to(param_copy_ptr.dtype.element_ty), mask=mask)
 
 
@@ -313,6 +329,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight
         found_inf = found_inf.view(torch.uint8)
     s = _step_scalars(lr, beta1, beta2, weight_decay, step)
     block, warps = _blocks(backend, "adam")
+    bf16_by_bits = backend == Backend.INTERPRETER and param_copy is not None and param_copy.dtype == torch.bfloat16
     with _device_context(param):
         _adam_step_kernel[(triton.cdiv(n, block),)](
             param, grad, exp_avg, exp_avg_sq,
@@ -322,7 +339,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight
             n, float(s["decay"]), float(beta1), float(beta2), float(s["step_size"]),
             float(s["bias_correction2_sqrt"]), float(eps),
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            HAS_PARAM_COPY=param_copy is not None, BLOCK=block, num_warps=warps,
+            HAS_PARAM_COPY=param_copy is not None, BF16_COPY_BY_BITS=bf16_by_bits, BLOCK=block, num_warps=warps,
         )  # fmt: skip
 
 
