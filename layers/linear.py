@@ -88,6 +88,43 @@ def _init_uniform(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) 
             bias.uniform_(-bound, bound)
 
 
+def _mark_sharded(param: nn.Parameter | None, dim: int, parts: tuple[int, ...]) -> None:
+    """Tag a parameter split over the TP group (read by gradient clipping and by checkpoints).
+
+    ``tp_parts`` are the global sizes along ``tp_dim`` of the parts fused in the parameter: the local
+    tensor is the concatenation of each part's r-th of t chunks.
+    """
+    if param is not None:
+        param.tensor_parallel, param.tp_dim, param.tp_parts = True, dim, tuple(parts)
+
+
+def _dense_source(cls, linear: nn.Module, parallel_cls) -> tuple[tuple[int, ...] | int, dict]:
+    """The dense layout of ``linear`` (an nn.Linear or a parallel layer of a world of one) and its settings."""
+    if isinstance(linear, parallel_cls):
+        if linear.tp_size != 1:
+            raise ValueError(
+                f"{cls.__name__}.from_linear: the source layer is already split over {linear.tp_size} ranks; "
+                "expected an nn.Linear or a layer of a world of one"
+            )
+        return linear.out_features, {"overlap": linear.overlap}
+    if not isinstance(linear, nn.Linear):
+        raise TypeError(
+            f"{cls.__name__}.from_linear: expected an nn.Linear or a {parallel_cls.__name__} of a world of one, "
+            f"received {type(linear).__name__}"
+        )
+    return linear.out_features, {}
+
+
+def _column_block(full: torch.Tensor, parts: tuple[int, ...], rank: int, t: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a fused dense tensor: the concatenation of each part's rank-th of t chunks."""
+    blocks, start = [], 0
+    for n in parts:
+        chunk = n // t
+        blocks.append(full[start + rank * chunk : start + (rank + 1) * chunk])
+        start += n
+    return torch.cat(blocks)
+
+
 def _to_token_major(x: torch.Tensor) -> torch.Tensor:
     """``[B, S, F]`` → ``[S·B, F]`` with rows ordered (s, b); free when x is a view of an [S, B, F] buffer."""
     return x.transpose(0, 1).reshape(-1, x.shape[-1])
@@ -125,6 +162,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.local_parts), in_features, **kw))
         self.bias = nn.Parameter(torch.empty(sum(self.local_parts), **kw)) if bias else None
         _init_uniform(self.weight, self.bias, in_features)
+        _mark_sharded(self.weight, dim=0, parts=parts)
+        _mark_sharded(self.bias, dim=0, parts=parts)
 
     def forward(self, x: torch.Tensor):
         _check_input(self, x, self.in_features, "in_features")
@@ -146,20 +185,24 @@ class ColumnParallelLinear(nn.Module):
         return outs if len(self.local_parts) > 1 else outs[0]
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, tp_group=None, **kwargs) -> ColumnParallelLinear:
-        """Rank r of t takes the r-th of t contiguous row blocks of ``linear.weight`` (and of its bias)."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(
-                f"ColumnParallelLinear.from_linear: expected an nn.Linear, received {type(linear).__name__}"
-            )
+    def from_linear(cls, linear: nn.Module, *, tp_group=None, **kwargs) -> ColumnParallelLinear:
+        """Rank r of t takes the r-th of t contiguous row blocks of ``linear.weight`` (and of its bias).
+
+        ``linear`` is an ``nn.Linear`` or a ``ColumnParallelLinear`` of a world of one, whose fused parts
+        (Q, K, V; gate, up) are each split separately and whose ``gather_output``/``overlap`` are kept
+        unless given.
+        """
+        out_features, inherited = _dense_source(cls, linear, ColumnParallelLinear)
+        if isinstance(linear, ColumnParallelLinear):
+            inherited["gather_output"] = linear.gather_output
         w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
-                    device=w.device, dtype=w.dtype, **kwargs)  # fmt: skip
-        rows = slice(layer.tp_rank * layer.weight.shape[0], (layer.tp_rank + 1) * layer.weight.shape[0])
+        layer = cls(linear.in_features, out_features, linear.bias is not None, tp_group=tp_group,
+                    device=w.device, dtype=w.dtype, **{**inherited, **kwargs})  # fmt: skip
+        parts = _parts(out_features)
         with torch.no_grad():
-            layer.weight.copy_(w[rows])
+            layer.weight.copy_(_column_block(w, parts, layer.tp_rank, layer.tp_size))
             if layer.bias is not None:
-                layer.bias.copy_(linear.bias[rows])
+                layer.bias.copy_(_column_block(linear.bias, parts, layer.tp_rank, layer.tp_size))
         return layer
 
     @classmethod
@@ -216,6 +259,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
         _init_uniform(self.weight, self.bias, in_features)
+        _mark_sharded(self.weight, dim=1, parts=(in_features,))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
@@ -238,13 +282,18 @@ class RowParallelLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, *, tp_group=None, **kwargs) -> RowParallelLinear:
-        """Rank r of t takes the r-th of t contiguous column blocks of ``linear.weight``; the bias stays whole."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"{cls.__name__}.from_linear: expected an nn.Linear, received {type(linear).__name__}")
+    def from_linear(cls, linear: nn.Module, *, tp_group=None, **kwargs) -> RowParallelLinear:
+        """Rank r of t takes the r-th of t contiguous column blocks of ``linear.weight``; the bias stays whole.
+
+        ``linear`` is an ``nn.Linear`` or a ``RowParallelLinear`` of a world of one (whose
+        ``input_is_parallel``/``overlap`` are kept unless given).
+        """
+        _, inherited = _dense_source(cls, linear, RowParallelLinear)
+        if isinstance(linear, RowParallelLinear):
+            inherited["input_is_parallel"] = linear.input_is_parallel
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
-                    device=w.device, dtype=w.dtype, **kwargs)  # fmt: skip
+                    device=w.device, dtype=w.dtype, **{**inherited, **kwargs})  # fmt: skip
         cols = slice(layer.tp_rank * layer.weight.shape[1], (layer.tp_rank + 1) * layer.weight.shape[1])
         with torch.no_grad():
             layer.weight.copy_(w[:, cols])
