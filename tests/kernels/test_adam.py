@@ -429,3 +429,22 @@ def test_grad_stats_indexes_past_2_to_the_31():
     assert stats[1].item() == 0
     g[2**31 + 1], g[-2] = float("inf"), float("nan")
     assert grad_stats(g)[1].item() == 2
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_adam_step_indexes_past_2_to_the_31():
+    n, tail = 2**31 + 1027, 4099  # ~34 GB in all; int32 offsets would wrap before the tail blocks
+    param = torch.full((n,), 1.5, device="cuda")
+    grad = torch.full((n,), 0.5, device="cuda", dtype=torch.bfloat16)
+    grad[-tail:] = torch.randn(tail, device="cuda", dtype=torch.bfloat16)
+    exp_avg, exp_avg_sq = torch.full((n,), 0.01, device="cuda"), torch.full((n,), 1e-3, device="cuda")
+    param_copy = torch.empty(n, device="cuda", dtype=torch.bfloat16)
+    want = [t[-tail:].clone() for t in (param, grad, exp_avg, exp_avg_sq, param_copy)]
+    head = [t[:tail].clone() for t in (param, grad, exp_avg, exp_avg_sq, param_copy)]
+    kwargs = dict(**HYPER, lr=1e-2, weight_decay=0.1, step=3)
+    adam_step(param, grad, exp_avg, exp_avg_sq, **kwargs, param_copy=param_copy)
+    for ref, sl in ((want, slice(n - tail, n)), (head, slice(0, tail))):
+        adam_step_reference(*ref[:4], **kwargs, param_copy=ref[4])
+        _check_against_torch([param[sl], exp_avg[sl], exp_avg_sq[sl]], ref[:1] + ref[2:4], "past 2**31")
+        assert torch.equal(param_copy[sl], param[sl].to(torch.bfloat16))
