@@ -1,0 +1,122 @@
+"""Cross entropy over vocabulary-sharded logits that never gathers them (Megatron-LM's vocab-parallel loss).
+
+Legend: ``N`` tokens (the product of the leading dims), ``V`` vocabulary, ``t`` tensor-parallel size, ``r``
+this rank, ``Vl = V/t``. Rank ``r`` holds ``logits[..., r·Vl:(r+1)·Vl]``, in rank order (what a
+``ColumnParallelLinear`` lm head without ``gather_output`` returns), and the whole ``target``.
+
+Forward, per token, in fp32 whatever the logits dtype:
+
+    lse_r = logsumexp of the local shard              (stable: torch.logsumexp subtracts the local max)
+    z_r   = the target's logit if rank r owns the target, else 0
+    one all-gather of (lse_r, z_r): [t, 2, N]
+    lse = logsumexp_q lse_q      z = Σ_q z_q      loss = lse − z      (0 where target == ignore_index)
+
+Merging per-rank log-sum-exps is exact and stable, so one all-gather of 2N fp32 values replaces
+Megatron's all-reduce of the row max followed by all-reduces of the sum of exponentials and of the
+target logit: one collective's latency instead of three, for (t−1)·8N bytes of per-token scalars, which
+are negligible beside the N·Vl logits that are never moved.
+
+Backward, with no communication: ``dlogits_r = (softmax_r − onehot_r)·scale``, ``softmax_r =
+exp(logits_r − lse)`` recomputed from the saved logits (one fp32 per token is saved besides them, not an
+fp32 softmax of N·Vl), and ``scale`` = the incoming gradient per token ("none"), the incoming scalar
+("sum") or the incoming scalar over the number of non-ignored targets ("mean"); 0 for ignored targets.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.comm import all_gather, group_rank, group_size
+from .embedding import check_ids
+
+__all__ = ["vocab_parallel_cross_entropy"]
+
+_REDUCTIONS = ("mean", "sum", "none")
+_NAME = "vocab_parallel_cross_entropy"
+
+
+def _validate(logits, target, tp_group, ignore_index, reduction) -> None:
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"{_NAME}: logits must be a torch.Tensor, received {type(logits).__name__}")
+    if not logits.is_floating_point():
+        raise TypeError(f"{_NAME}: logits must be a floating-point tensor, received {logits.dtype}")
+    if reduction not in _REDUCTIONS:
+        raise ValueError(f"{_NAME}: reduction must be one of {_REDUCTIONS}, received {reduction!r}")
+    if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+        raise TypeError(f"{_NAME}: ignore_index must be an int, received {type(ignore_index).__name__}")
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"{_NAME}: logits must be [..., V/t] with V/t >= 1, received shape {tuple(logits.shape)}")
+    vocab = logits.shape[-1] * group_size(tp_group)
+    check_ids(_NAME, "target", target, vocab, ignore=ignore_index)
+    if tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(f"{_NAME}: target must have shape {tuple(logits.shape[:-1])} (logits' leading dims), "
+                         f"received {tuple(target.shape)}")  # fmt: skip
+    if target.device != logits.device:
+        raise ValueError(f"{_NAME}: target must be on the logits' device {logits.device}, received {target.device}")
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, target, group, ignore_index, reduction):
+        vl = logits.shape[-1]
+        x = logits.reshape(-1, vl).float()
+        target = target.reshape(-1).long()
+        start = group_rank(group) * vl
+        owned = (target >= start) & (target < start + vl)
+        local_target = torch.where(owned, target - start, 0)
+        lse_local = torch.logsumexp(x, dim=-1)
+        z_local = torch.where(owned, x.gather(1, local_target.unsqueeze(1)).squeeze(1), 0.0)
+        if group_size(group) > 1:
+            stats, _ = all_gather(torch.stack([lse_local, z_local]).unsqueeze(0), group)  # [t, 2, N]
+            lse, z = torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
+        else:
+            lse, z = lse_local, z_local
+        valid = target != ignore_index
+        loss = torch.where(valid, lse - z, 0.0)
+        count = valid.sum()
+        ctx.save_for_backward(logits, lse, local_target, owned, valid, count)
+        ctx.reduction = reduction
+        if reduction == "none":
+            return loss.view(logits.shape[:-1])
+        return loss.sum() if reduction == "sum" else loss.sum() / count
+
+    @staticmethod
+    def backward(ctx, grad_loss):
+        logits, lse, local_target, owned, valid, count = ctx.saved_tensors
+        vl = logits.shape[-1]
+        grad = (logits.reshape(-1, vl).float() - lse.unsqueeze(1)).exp()  # this rank's softmax shard
+        grad.scatter_add_(1, local_target.unsqueeze(1), -owned.float().unsqueeze(1))  # − onehot
+        if ctx.reduction == "none":
+            scale = grad_loss.reshape(-1).float()
+        elif ctx.reduction == "sum":
+            scale = grad_loss.float().expand(lse.shape[0])
+        else:
+            scale = grad_loss.float() / count
+        grad *= torch.where(valid, scale, 0.0).unsqueeze(1)
+        return grad.to(logits.dtype).view(logits.shape), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    tp_group: dist.ProcessGroup | None = None,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+) -> torch.Tensor:
+    """``torch.nn.functional.cross_entropy`` of the gathered logits, computed from this rank's vocab shard.
+
+    Args:
+        logits: ``[..., V/t]``, this rank's shard of the vocabulary (rank order), any floating dtype.
+        target: ``[...]`` global class ids (integer tensor), the same on every rank of ``tp_group``.
+        tp_group: the tensor-parallel group (None: the default group, or a world of one).
+        ignore_index: targets equal to it contribute no loss and no gradient.
+        reduction: ``"mean"`` over the non-ignored targets, ``"sum"``, or ``"none"`` (shape of target).
+
+    Returns:
+        The loss in float32 (a scalar, or ``[...]`` for ``"none"``). Differentiable with respect to logits;
+        the backward is local (no communication).
+    """
+    _validate(logits, target, tp_group, ignore_index, reduction)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index, reduction)

@@ -1,0 +1,144 @@
+"""RMSNorm and LayerNorm modules on the fused kernels, for replicated and sequence-parallel activations.
+
+Legend: ``B`` batch, ``S`` sequence, ``H`` hidden, ``t`` tensor-parallel size.
+
+Without sequence parallelism the activation ``[B, S, H]`` is replicated on every TP rank, so each rank
+computes the complete weight gradient itself and nothing is communicated. With ``sequence_parallel``
+each rank normalises only its ``[B, S/t, H]`` shard and its weight gradient covers only those tokens;
+the weight (and bias) then enter the kernel through ``copy_to_tp`` (identity forward, all-reduce
+backward), so after ``backward()`` every rank's ``.grad`` is the gradient over the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.norm import layer_norm, rms_norm, rms_norm_reference
+from ..parallel.collectives import copy_to_tp
+from ..parallel.comm import group_size
+
+__all__ = ["LayerNorm", "RMSNorm"]
+
+
+def _shared(param: torch.Tensor | None, layer: nn.Module) -> torch.Tensor | None:
+    """The parameter as the kernel sees it: through ``copy_to_tp`` when its gradient is partial per rank."""
+    if param is None or not layer.sequence_parallel or layer.tp_size == 1:
+        return param
+    return copy_to_tp(param, layer.tp_group)
+
+
+def _check_dim(name: str, dim) -> None:
+    if isinstance(dim, bool) or not isinstance(dim, int) or dim < 1:
+        raise ValueError(f"{name}: dim must be a positive int, received {dim!r}")
+
+
+def _single_dim(name: str, module: nn.Module, shape) -> int:
+    shape = (shape,) if isinstance(shape, int) else tuple(shape)
+    if len(shape) != 1:
+        raise ValueError(f"{name}.from_module: only the last dimension can be normalised, received shape {shape}")
+    if getattr(module, "weight", None) is None:
+        raise ValueError(f"{name}.from_module: the module has no weight (elementwise_affine=False); tessel's norms "
+                         "always have one")  # fmt: skip
+    return shape[0]
+
+
+class RMSNorm(nn.Module):
+    """``y = x / sqrt(mean(x²) + eps) · weight`` over the last dimension, fused forward and backward.
+
+    ``eps=None`` takes ``torch.finfo(x.dtype).eps`` at each call, as ``torch.nn.RMSNorm`` does. The
+    weight may be float32 while activations are fp16/bf16 (the output keeps the activation's dtype).
+    """
+
+    def __init__(self, dim, eps=1e-6, *, tp_group=None, sequence_parallel=False, device=None, dtype=None):
+        super().__init__()
+        _check_dim(type(self).__name__, dim)
+        self.dim, self.eps = dim, eps
+        self.tp_group, self.tp_size, self.sequence_parallel = tp_group, group_size(tp_group), sequence_parallel
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        eps = self.eps
+        if eps is None and isinstance(x, torch.Tensor) and x.is_floating_point():
+            eps = torch.finfo(x.dtype).eps
+        return rms_norm(x, _shared(self.weight, self), eps)
+
+    @classmethod
+    def from_module(cls, norm: nn.Module, *, tp_group=None, sequence_parallel=False) -> RMSNorm:
+        """From ``torch.nn.RMSNorm`` or any RMS norm with ``.weight`` and ``.variance_epsilon`` / ``.eps``
+        (Hugging Face's LlamaRMSNorm, Qwen2RMSNorm, ...).
+
+        Modules other than ``torch.nn.RMSNorm`` are probed once on a small random input and refused when
+        they do not compute ``x·rsqrt(mean(x²) + eps)·weight`` (e.g. Gemma's ``(1 + weight)`` form).
+        """
+        name = cls.__name__
+        if isinstance(norm, nn.RMSNorm):
+            dim, eps = _single_dim(name, norm, norm.normalized_shape), norm.eps
+        else:
+            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+            w = getattr(norm, "weight", None)
+            if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None:
+                raise TypeError(f"{name}.from_module: expected torch.nn.RMSNorm or a module with a 1-D .weight and "
+                                f".variance_epsilon or .eps, received {type(norm).__name__}")  # fmt: skip
+            dim = w.shape[0]
+            _check_computes_rms_norm(norm, w, eps)
+        w = norm.weight
+        layer = cls(dim, eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w)
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
+
+
+def _check_computes_rms_norm(norm: nn.Module, weight: torch.Tensor, eps: float) -> None:
+    if weight.device.type == "meta":
+        return
+    probe = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        got = norm(probe).float()
+        want = rms_norm_reference(probe, weight, eps).float()
+    # Hugging Face rounds x̂ to the activation dtype before the weight multiplies it: two roundings of
+    # fp16/bf16 (2⁻¹⁰ / 2⁻⁷ each) against our one; fp32 differs only in operation order.
+    tol = 1e-5 if weight.dtype == torch.float32 else 2 * torch.finfo(weight.dtype).eps
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+        raise ValueError(f"RMSNorm.from_module: {type(norm).__name__} does not compute x·rsqrt(mean(x²) + eps)·weight "
+                         "on a probe input, so its weight cannot be copied as is")  # fmt: skip
+
+
+class LayerNorm(nn.Module):
+    """``y = (x − mean) / sqrt(var + eps) · weight + bias`` over the last dimension, fused forward and backward.
+
+    Names and initialisation as ``torch.nn.LayerNorm``: ``.weight`` ones, ``.bias`` zeros (or None with
+    ``bias=False``).
+    """
+
+    def __init__(self, dim, eps=1e-5, bias=True, *, tp_group=None, sequence_parallel=False, device=None, dtype=None):
+        super().__init__()
+        _check_dim(type(self).__name__, dim)
+        self.dim, self.eps = dim, eps
+        self.tp_group, self.tp_size, self.sequence_parallel = tp_group, group_size(tp_group), sequence_parallel
+        self.weight = nn.Parameter(torch.ones(dim, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.zeros(dim, device=device, dtype=dtype)) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return layer_norm(x, _shared(self.weight, self), _shared(self.bias, self), self.eps)
+
+    @classmethod
+    def from_module(cls, norm: nn.Module, *, tp_group=None, sequence_parallel=False) -> LayerNorm:
+        """From ``torch.nn.LayerNorm`` (normalising the last dimension, with a weight)."""
+        if not isinstance(norm, nn.LayerNorm):
+            raise TypeError(f"{cls.__name__}.from_module: expected torch.nn.LayerNorm, received {type(norm).__name__}")
+        dim, w = _single_dim(cls.__name__, norm, norm.normalized_shape), norm.weight
+        layer = cls(dim, norm.eps, norm.bias is not None, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                    device=w.device, dtype=w.dtype)  # fmt: skip
+        with torch.no_grad():
+            layer.weight.copy_(w)
+            if norm.bias is not None:
+                layer.bias.copy_(norm.bias)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"{self.dim}, eps={self.eps}, bias={self.bias is not None}, tp={self.tp_size}, "
+                f"sequence_parallel={self.sequence_parallel}")  # fmt: skip
