@@ -1,0 +1,236 @@
+"""DDP: data-parallel training with gradients reduced bucket by bucket while backward still runs.
+
+Legend: ``N`` data-parallel size, ``P`` a bucket's padded numel, ``s = P/N`` one rank's shard of it.
+
+Parameters and gradients live in flat, shard-aligned buckets (:mod:`.flat`). A gradient hook on each
+parameter copies a freshly allocated gradient into its bucket slot (or finds autograd already
+accumulated into the slot, when ``p.grad`` is the slot's view) and, as soon as every parameter of a
+bucket has its gradient, launches that bucket's asynchronous reduction. Buckets are launched in bucket
+order on every rank, so collectives always match. A callback queued on the autograd engine waits for
+all of them when backward ends and averages::
+
+    backward:  grads of b0 | grads of b1 | grads of b2 |
+    comm:                  | reduce b0   | reduce b1   | reduce b2 | wait, average (end of backward)
+
+Without an optimizer attached the reduction is an all-reduce and ``p.grad`` is the averaged gradient
+(a view into the bucket), so any torch optimizer works. :class:`~tessel.parallel.zero.ZeroAdam` switches
+the wrapper to ZeRO-1/2: each bucket is reduce-scattered into this rank's ``[s]`` gradient shard (in
+place, a view of the full gradient, for ZeRO-1; a separate shard, with the ``[P]`` gradient freed after
+the reduction, for ZeRO-2), and ``p.grad`` is left ``None``: the averaged gradient exists only as shards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import all_gather, all_reduce, group_rank, group_size, reduce_scatter
+from .flat import Bucket, backward_order, flatten_into_buffers, make_buckets, shard_tensors
+
+__all__ = ["DDP", "broadcast_from_first_rank", "check_data_parallel_args"]
+
+OWNER_ATTR = "_tessel_data_parallel"  # set on every parameter a DDP or FSDP wrapper manages
+
+
+def check_data_parallel_args(name: str, module, group) -> None:
+    """The checks DDP and FSDP share: a module, a process group, parameters not wrapped yet."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"{name}: module must be an nn.Module, received {type(module).__name__}")
+    if group is not None and not isinstance(group, dist.ProcessGroup):
+        raise TypeError(
+            f"{name}: group must be None or a torch.distributed ProcessGroup, received {type(group).__name__}"
+        )
+    for pname, p in module.named_parameters():
+        owner = getattr(p, OWNER_ATTR, None)
+        if owner is not None:
+            raise ValueError(f"{name}: parameter {pname!r} is already managed by a {type(owner).__name__} wrapper")
+
+
+def broadcast_from_first_rank(tensors, group) -> None:
+    """Overwrite ``tensors`` on every rank with rank 0's (of ``group``) values; a no-op in a world of one."""
+    if group_size(group) == 1:
+        return
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    for t in tensors:
+        dist.broadcast(t, src=src, group=group)
+
+
+def _is_slot(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
+    return grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
+
+
+class DDP(nn.Module):
+    """Data parallelism over ``group`` with bucketed, overlapped gradient reduction.
+
+    Args:
+        module: the model; its trainable parameters become views into flat buckets.
+        group: the data-parallel process group (``None``: the default group, or a world of one).
+        bucket_mb: bucket size in MiB; a bucket's reduction starts as soon as backward has filled it.
+
+    Rank 0's parameters and buffers are broadcast at construction. ``forward`` calls the module.
+    Gradients are averaged over the group at the end of each backward; inside :meth:`no_sync` they
+    accumulate locally and are reduced by the first backward outside it.
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25):
+        super().__init__()
+        check_data_parallel_args("DDP", module, group)
+        if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real):
+            raise TypeError(f"DDP: bucket_mb must be a number of MiB, received {type(bucket_mb).__name__}")
+        if not bucket_mb > 0:
+            raise ValueError(f"DDP: bucket_mb must be positive, received {bucket_mb}")
+        self.module = module
+        self.group, self.world_size, self.rank = group, group_size(group), group_rank(group)
+        named = backward_order(module)
+        self.buckets: list[Bucket] = make_buckets(named, self.world_size, self.rank, int(bucket_mb * 2**20))
+        self.flat_buffers = list(flatten_into_buffers(self.buckets).values())
+        frozen = [p.data for p in module.parameters() if not p.requires_grad]
+        broadcast_from_first_rank([*self.flat_buffers, *frozen, *module.buffers()], group)
+        for bucket in self.buckets:
+            bucket.grad = torch.zeros_like(bucket.params)
+        self.zero_stage = 0  # 0: all-reduce; 1 or 2: reduce-scatter for ZeroAdam
+        self._sync = True
+        self._accumulated = [False] * len(self.buckets)  # a grad shard holds reduced grads not yet zeroed
+        self._reset_backward_state()
+        for bi, bucket in enumerate(self.buckets):
+            for si, slot in enumerate(bucket.slots):
+                slot.param.register_post_accumulate_grad_hook(lambda p, bi=bi, si=si: self._on_grad(bi, si, p))
+                setattr(slot.param, OWNER_ATTR, self)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Accumulate gradients locally inside the block; the next backward outside it reduces them."""
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
+
+    # ------------------------------------------------------------------------------------------------ backward
+
+    def _reset_backward_state(self) -> None:
+        self._ready = [0] * len(self.buckets)  # gradients captured per bucket in this backward
+        self._next = 0  # the next bucket to launch: launches follow bucket order on every rank
+        self._works: list[tuple[int, object]] = []
+        self._touched = [False] * len(self.buckets)  # captured into since the last reduction
+        self._stash: dict[int, torch.Tensor] = {}
+        self._finish_queued = False
+
+    def _on_grad(self, bi: int, si: int, param: nn.Parameter) -> None:
+        if not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._finish_queued = True
+        bucket = self.buckets[bi]
+        self._touch(bi)
+        view = bucket.slot_view(bucket.grad, bucket.slots[si])
+        if not _is_slot(param.grad, view):  # a fresh gradient: the slot's old content is stale
+            view.copy_(param.grad)
+            param.grad = view
+        if self._sync:
+            self._ready[bi] += 1
+            while self._next < len(self.buckets) and self._ready[self._next] == len(self.buckets[self._next].slots):
+                self._launch(self._next)
+
+    def _touch(self, bi: int) -> None:
+        """First use of a bucket since its last reduction: make sure its full gradient exists."""
+        if self._touched[bi]:
+            return
+        self._touched[bi] = True
+        bucket = self.buckets[bi]
+        if self.zero_stage and self._accumulated[bi]:
+            # ZeRO-1 reduces in place, so the captures about to come overwrite the reduced shard: keep it.
+            self._stash[bi] = bucket.grad_shard.clone()
+        if bucket.grad is None:  # ZeRO-2 frees the full gradient after each reduction
+            bucket.grad = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.device)
+
+    def _launch(self, bi: int) -> None:
+        bucket = self.buckets[bi]
+        self._touch(bi)
+        for slot in bucket.slots:  # parameters that got no gradient in this cycle contribute zeros
+            view = bucket.slot_view(bucket.grad, slot)
+            if not _is_slot(slot.param.grad, view):
+                view.zero_()
+        if self.zero_stage == 0:
+            _, work = all_reduce(bucket.grad, self.group, async_op=True)
+        else:
+            _, work = reduce_scatter(bucket.grad, self.group, out=bucket.grad_shard, async_op=True)
+        self._works.append((bi, work))
+        self._next = bi + 1
+
+    def _finish_backward(self) -> None:
+        """Runs once when backward ends: launch what is left (unused parameters), wait, average."""
+        try:
+            if self._sync:
+                for bi in range(self._next, len(self.buckets)):
+                    self._launch(bi)
+                for bi, work in self._works:
+                    work.wait()
+                    self._after_reduce(bi)
+        finally:
+            touched = self._touched if not self._sync else None
+            stash = self._stash if not self._sync else None
+            self._reset_backward_state()
+            if touched is not None:  # under no_sync the cycle continues into the next backward
+                self._touched, self._stash = touched, stash
+
+    def _after_reduce(self, bi: int) -> None:
+        bucket = self.buckets[bi]
+        if self.zero_stage == 0:
+            if self.world_size > 1:
+                bucket.grad.div_(self.world_size)
+            return
+        if self.world_size > 1:
+            bucket.grad_shard.div_(self.world_size)
+        if bi in self._stash:
+            bucket.grad_shard.add_(self._stash[bi])
+        self._accumulated[bi] = True
+        for slot in bucket.slots:
+            slot.param.grad = None
+        if self.zero_stage == 2:
+            bucket.grad = None
+
+    # ------------------------------------------------------------------------------------------------ ZeroAdam
+
+    def _use_zero(self, stage: int) -> None:
+        """Switch to ZeRO-``stage`` reductions (called by ZeroAdam once its arguments are validated)."""
+        assert self.zero_stage == 0 and stage in (1, 2)
+        self.zero_stage = stage
+        if stage == 1:
+            for bucket in self.buckets:
+                bucket.grad_shard = bucket.shard_of(bucket.grad)
+            return
+        for bucket, shard in zip(self.buckets, shard_tensors(self.buckets, lambda b: b.dtype)):
+            bucket.grad_shard = shard
+            bucket.grad = None
+            for slot in bucket.slots:
+                slot.param.grad = None
+
+    def _zero_grads(self) -> None:
+        """ZeroAdam.zero_grad: drop every gradient, local and reduced."""
+        for bi, bucket in enumerate(self.buckets):
+            bucket.grad_shard.zero_()
+            for slot in bucket.slots:
+                slot.param.grad = None
+            if self.zero_stage == 2:
+                bucket.grad = None
+            self._accumulated[bi] = False
+        self._touched = [False] * len(self.buckets)
+        self._stash = {}
+
+    def _gather_params(self) -> None:
+        """After the optimizer updated this rank's shards: all-gather every bucket in place."""
+        works = [all_gather(b.param_shard, self.group, out=b.params, async_op=True)[1] for b in self.buckets]
+        for work in works:
+            work.wait()
+
+    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        grads = [b.grad for b in self.buckets if b.grad is not None]
+        grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+        return {"params": list(self.flat_buffers), "grads": grads}
