@@ -1,0 +1,103 @@
+"""ZeroAdam checkpoints: full, unsharded fp32 state, independent of the data-parallel size.
+
+Saving all-gathers every bucket's master, ``exp_avg`` and ``exp_avg_sq`` shards and cuts them into
+per-parameter tensors (on the CPU, in the parameter's shape) keyed like torch optimizers' state: the
+parameter's index in the optimizer's parameter order. Loading slices each parameter's tensors into this
+rank's shards (whatever the data-parallel size the checkpoint was saved at), then writes the parameters
+from the masters and all-gathers them, so the model and the optimizer agree exactly.
+
+Format::
+
+    {"state": {i: {"master": fp32, "exp_avg": fp32, "exp_avg_sq": fp32}},   # param i's full tensors
+     "param_groups": [{"lr", "betas", "eps", "weight_decay", ..., "params": [i, ...]}],
+     "step": updates applied, "loss_scale": float | None, "growth_tracker": int,
+     "zero_stage": 1 | 2 | 3, "world_size": N at save time (informational)}
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .comm import all_gather
+
+__all__ = ["load_zero_state", "zero_state_dict"]
+
+_KEYS = ("master", "exp_avg", "exp_avg_sq")
+
+
+def _bucket_tensors(opt):
+    return zip(opt._owner.buckets, opt._master, opt._exp_avg, opt._exp_avg_sq)
+
+
+def zero_state_dict(opt) -> dict:
+    state: dict[int, dict[str, torch.Tensor]] = {}
+    for bucket, *shards in _bucket_tensors(opt):
+        fulls = [all_gather(shard.float(), opt.group)[0] for shard in shards]
+        for slot in bucket.slots:
+            i = opt.param_index.get(id(slot.param))
+            if i is not None:
+                state[i] = {k: bucket.slot_view(full, slot).cpu().clone() for k, full in zip(_KEYS, fulls)}
+    groups = []
+    for g in opt.param_groups:
+        saved = {k: v for k, v in g.items() if k != "params"}
+        saved["params"] = [opt.param_index[id(p)] for p in g["params"]]
+        groups.append(saved)
+    return {
+        "state": state,
+        "param_groups": groups,
+        "step": opt._applied_steps,
+        "loss_scale": opt.loss_scale,
+        "growth_tracker": int(opt._growth_tracker),
+        "zero_stage": opt.stage,
+        "world_size": opt._owner.world_size,
+    }
+
+
+def _check_state_dict(opt, sd) -> None:
+    if not isinstance(sd, dict):
+        raise TypeError(f"ZeroAdam.load_state_dict: expected a dict, received {type(sd).__name__}")
+    missing = [k for k in ("state", "param_groups", "step", "loss_scale", "growth_tracker") if k not in sd]
+    if missing:
+        raise ValueError(f"ZeroAdam.load_state_dict: the state dict lacks {missing}")
+    if len(sd["param_groups"]) != len(opt.param_groups):
+        raise ValueError(f"ZeroAdam.load_state_dict: {len(sd['param_groups'])} param groups saved, "
+                         f"this optimizer has {len(opt.param_groups)}")  # fmt: skip
+    for gi, (saved, g) in enumerate(zip(sd["param_groups"], opt.param_groups)):
+        if len(saved["params"]) != len(g["params"]):
+            raise ValueError(f"ZeroAdam.load_state_dict: param group {gi} saved {len(saved['params'])} parameters, "
+                             f"this optimizer's has {len(g['params'])}")  # fmt: skip
+    for i, p in enumerate(opt._params):
+        entry = sd["state"].get(i)
+        if entry is None or any(k not in entry for k in _KEYS):
+            raise ValueError(f"ZeroAdam.load_state_dict: no {'/'.join(_KEYS)} saved for parameter {i}")
+        for k in _KEYS:
+            if entry[k].numel() != p.numel():
+                raise ValueError(f"ZeroAdam.load_state_dict: parameter {i}'s {k} has {entry[k].numel()} elements, "
+                                 f"the parameter {p.numel()} (shape {tuple(p.shape)})")  # fmt: skip
+    if (sd["loss_scale"] is None) != (opt._scale is None):
+        raise ValueError("ZeroAdam.load_state_dict: the checkpoint and this optimizer disagree on loss scaling "
+                         f"(saved loss_scale={sd['loss_scale']}, this optimizer's {opt.loss_scale})")  # fmt: skip
+
+
+@torch.no_grad()
+def load_zero_state(opt, sd: dict) -> None:
+    _check_state_dict(opt, sd)
+    for g, saved in zip(opt.param_groups, sd["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k != "params"})
+    opt._applied_steps, opt._last_found_inf = int(sd["step"]), None
+    if opt._scale is not None:
+        opt._scale.fill_(sd["loss_scale"])
+    opt._growth_tracker.fill_(int(sd["growth_tracker"]))
+    for (bucket, *shards), segments in zip(_bucket_tensors(opt), opt._segments):
+        for slot, lo, hi in bucket.shard_slices():
+            i = opt.param_index.get(id(slot.param))
+            if i is None:
+                continue
+            start = bucket.shard_offset + lo - slot.offset
+            for k, shard in zip(_KEYS, shards):
+                shard[lo:hi].copy_(sd["state"][i][k].reshape(-1)[start : start + hi - lo])
+        master = shards[0]
+        if master is not bucket.param_shard:
+            for lo, hi, _ in segments:
+                bucket.param_shard[lo:hi].copy_(master[lo:hi])
+    opt._owner._gather_params()
