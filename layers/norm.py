@@ -65,14 +65,16 @@ class RMSNorm(nn.Module):
 
     @classmethod
     def from_module(cls, norm: nn.Module, *, tp_group=None, sequence_parallel=False) -> RMSNorm:
-        """From ``torch.nn.RMSNorm`` or any RMS norm with ``.weight`` and ``.variance_epsilon`` / ``.eps``
-        (Hugging Face's LlamaRMSNorm, Qwen2RMSNorm, ...).
+        """From ``torch.nn.RMSNorm``, a tessel ``RMSNorm`` (e.g. to turn on sequence parallelism), or any RMS
+        norm with ``.weight`` and ``.variance_epsilon`` / ``.eps`` (Hugging Face's LlamaRMSNorm, Qwen2RMSNorm, ...).
 
-        Modules other than ``torch.nn.RMSNorm`` are probed once on a small random input and refused when
+        Modules of other classes are probed once on a small random input and refused when
         they do not compute ``x·rsqrt(mean(x²) + eps)·weight`` (e.g. Gemma's ``(1 + weight)`` form).
         """
         name = cls.__name__
-        if isinstance(norm, nn.RMSNorm):
+        if isinstance(norm, RMSNorm):
+            dim, eps = norm.dim, norm.eps
+        elif isinstance(norm, nn.RMSNorm):
             dim, eps = _single_dim(name, norm, norm.normalized_shape), norm.eps
         else:
             eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
@@ -100,7 +102,7 @@ def _check_computes_rms_norm(norm: nn.Module, weight: torch.Tensor, eps: float) 
         got = norm(probe).float()
         want = rms_norm_reference(probe, weight, eps).float()
     # Hugging Face rounds x̂ to the activation dtype before the weight multiplies it: two roundings of
-    # fp16/bf16 (2⁻¹⁰ / 2⁻⁷ each) against our one; fp32 differs only in operation order.
+    # fp16/bf16 (half an ulp each, 2⁻¹¹ / 2⁻⁸ relative) against our one; fp32 differs only in operation order.
     tol = 1e-5 if weight.dtype == torch.float32 else 2 * torch.finfo(weight.dtype).eps
     if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
         raise ValueError(f"RMSNorm.from_module: {type(norm).__name__} does not compute x·rsqrt(mean(x²) + eps)·weight "
@@ -127,10 +129,15 @@ class LayerNorm(nn.Module):
 
     @classmethod
     def from_module(cls, norm: nn.Module, *, tp_group=None, sequence_parallel=False) -> LayerNorm:
-        """From ``torch.nn.LayerNorm`` (normalising the last dimension, with a weight)."""
-        if not isinstance(norm, nn.LayerNorm):
-            raise TypeError(f"{cls.__name__}.from_module: expected torch.nn.LayerNorm, received {type(norm).__name__}")
-        dim, w = _single_dim(cls.__name__, norm, norm.normalized_shape), norm.weight
+        """From ``torch.nn.LayerNorm`` (normalising the last dimension, with a weight) or a tessel ``LayerNorm``."""
+        if isinstance(norm, LayerNorm):
+            dim = norm.dim
+        elif isinstance(norm, nn.LayerNorm):
+            dim = _single_dim(cls.__name__, norm, norm.normalized_shape)
+        else:
+            raise TypeError(f"{cls.__name__}.from_module: expected torch.nn.LayerNorm or a tessel LayerNorm, received "
+                            f"{type(norm).__name__}")  # fmt: skip
+        w = norm.weight
         layer = cls(dim, norm.eps, norm.bias is not None, tp_group=tp_group, sequence_parallel=sequence_parallel,
                     device=w.device, dtype=w.dtype)  # fmt: skip
         with torch.no_grad():

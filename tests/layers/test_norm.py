@@ -138,6 +138,12 @@ def test_from_module_variants(seed):
         layer = LayerNorm.from_module(torch_ln)
         assert (layer.bias is None) == (not bias) and layer.eps == 1e-4
         _assert_same_as(layer, torch_ln, x)
+        again = LayerNorm.from_module(layer, sequence_parallel=True)  # a tessel norm, e.g. in parallelize
+        assert again.sequence_parallel and again.eps == 1e-4 and (again.bias is None) == (not bias)
+        _assert_same_as(again, torch_ln, x)
+    again = RMSNorm.from_module(RMSNorm.from_module(llama), sequence_parallel=True)
+    assert again.sequence_parallel and again.eps == 1e-5
+    _assert_same_as(again, llama, x)
 
 
 def test_parameters_like_torch(seed):
@@ -175,7 +181,11 @@ def test_world_of_one_sequence_parallel_and_mixed_weight(seed):
         (lambda m: m.RMSNorm.from_module(nn.Linear(4, 4)), TypeError, "received Linear"),
         (lambda m: m.RMSNorm.from_module(_GemmaLikeRMSNorm(8)), ValueError, "_GemmaLikeRMSNorm does not compute"),
         (lambda m: m.RMSNorm.from_module(nn.RMSNorm(8, elementwise_affine=False)), ValueError, "has no weight"),
-        (lambda m: m.LayerNorm.from_module(nn.RMSNorm(8)), TypeError, "expected torch.nn.LayerNorm, received RMSNorm"),
+        (
+            lambda m: m.LayerNorm.from_module(nn.RMSNorm(8)),
+            TypeError,
+            "expected torch.nn.LayerNorm or a tessel LayerNorm, received RMSNorm",
+        ),
         (lambda m: m.LayerNorm.from_module(nn.LayerNorm((3, 8))), ValueError, r"received shape \(3, 8\)"),
         (lambda m: m.RMSNorm(8)(torch.randn(2, 7)), ValueError, r"weight must have shape \(7,\)"),
     ],
