@@ -1,0 +1,280 @@
+"""FSDP: fully sharded data parallelism (ZeRO-3): parameters live as 1/N shards between uses.
+
+Legend: ``N`` data-parallel size, ``P`` a unit's padded numel, ``s = P/N`` this rank's shard of it.
+
+Units are chosen by a wrap policy (:mod:`.fsdp_units`; by default each transformer block); the root unit
+holds the rest. Each unit keeps a ``[s]`` parameter shard and a ``[s]`` reduced-gradient shard; its full
+``[P]`` parameters exist only while it computes. One training step with units ``u0 u1`` and root ``r``::
+
+    forward:   gather r, u0 | u0 fwd ‖ gather u1 | free u0 | u1 fwd | free u1 | head (root) | free r
+    backward:  gather r, u1 (unpack) | u1 bwd ‖ gather u0 | grads of u1 → reduce-scatter, free u1 | ...
+
+All-gather before a unit's forward (a forward pre-hook), with the next unit's gather issued
+asynchronously (prefetch); free after its forward (a forward hook); gather again for backward; and
+reduce-scatter its gradients into the shard once backward has produced all of them (gradient hooks),
+after which its full parameters are freed again. Per step every parameter is gathered twice and its
+gradient reduce-scattered once: 3Ψ of traffic.
+
+Gathering for backward uses saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) around the
+forward: every tensor autograd saves that lives in a unit's flat storage is packed with its unit, and
+unpacking it gathers the unit first (prefetching the unit that ran before it in forward). Chosen over
+hooks on a unit's outputs because it fires exactly when backward needs a parameter, whatever the unit
+returns (tuples, outputs that do not require grad or are only partly used) and in whatever order the
+graph runs; a parameter needed after its unit's gradients are done (a frozen one) is simply gathered
+again. The unit's storage is resized rather than replaced, so saved tensors never go stale.
+
+With :class:`~tessel.parallel.zero.ZeroAdam` (ZeRO-3), the fp32 master weights and moments of each
+shard live in the optimizer and the step writes the low-precision parameter shard in place.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .comm import all_gather, group_rank, group_size, reduce_scatter
+from .ddp import OWNER_ATTR, broadcast_from_first_rank, check_data_parallel_args
+from .flat import shard_tensors
+from .fsdp_units import Unit, assign_params, choose_units
+
+__all__ = ["FSDP"]
+
+_MAX_REDUCTIONS_IN_FLIGHT = 2  # bounds the full-size gradient buffers alive during backward
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+class FSDP(nn.Module):
+    """Fully sharded data parallelism over ``group``.
+
+    Args:
+        module: the model; its parameters become views of per-unit flat buffers, freed between uses.
+        group: the data-parallel process group (``None``: the default group, or a world of one).
+        wrap: the unit policy: ``None`` (each child of an ``nn.ModuleList``/``nn.Sequential``), a set of
+            module classes (every outermost module of those classes), or a callable ``module -> bool``.
+        prefetch: issue the next unit's all-gather before the current unit computes.
+
+    Rank 0's parameters and buffers are broadcast at construction. Use with
+    :class:`~tessel.parallel.zero.ZeroAdam`; outside forward and backward the parameters hold no data:
+    read them with :meth:`full_state_dict`. Raises ``ValueError`` before changing anything when a unit
+    cannot be sharded (a parameter shared across units; mixed dtypes or devices within a unit).
+    """
+
+    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, wrap=None, prefetch=True):
+        super().__init__()
+        check_data_parallel_args("FSDP", module, group)
+        chosen = choose_units(module, wrap)
+        assigned = assign_params(module, chosen)
+        self.module = module
+        self.group, self.world_size, self.rank = group, group_size(group), group_rank(group)
+        self.prefetch = bool(prefetch)
+        specs = [(name, mod, named) for (name, mod), named in zip(chosen, assigned)]
+        if assigned[-1]:
+            specs.insert(0, ("", None, assigned[-1]))  # the root runs first: it wraps the whole forward
+        self.units = [Unit(name, mod, named, group, self.world_size, self.rank) for name, mod, named in specs]
+        self.buckets = [u.bucket for u in self.units]
+        self._shard_params(module)
+        self.zero_stage = 0
+        self._forward_order: list[Unit] = []  # units in the order the current forward ran them
+        self._last_forward_order: list[Unit] = list(self.units)  # the previous forward's (prefetch hint)
+        self._pending: list[tuple[Unit, object, torch.Tensor, torch.Tensor]] = []
+        self._backward_prefetched: set[int] = set()
+        self._finish_queued = False
+        for ui, u in enumerate(self.units):
+            if u.module is not None:
+                u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u))
+                u.module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u))
+            for slot in u.bucket.slots:
+                if slot.param.requires_grad:
+                    slot.param.register_post_accumulate_grad_hook(lambda p, ui=ui: self._on_grad(ui))
+                setattr(slot.param, OWNER_ATTR, self)
+
+    def _shard_params(self, module: nn.Module) -> None:
+        for u in self.units:
+            u.adopt_params()
+        broadcast_from_first_rank([*(u.full for u in self.units), *module.buffers()], self.group)
+        param_shards = shard_tensors(self.buckets, lambda b: b.dtype)
+        grad_shards = shard_tensors(self.buckets, lambda b: b.dtype)
+        for u, param_shard, grad_shard in zip(self.units, param_shards, grad_shards):
+            param_shard.copy_(u.bucket.shard_of(u.full))
+            u.bucket.param_shard, u.bucket.grad_shard = param_shard, grad_shard
+            u.free()
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def forward(self, *args, **kwargs):
+        self._forward_order = []
+        with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
+            root = self.units[0] if self.units and self.units[0].module is None else None
+            if root is not None:
+                self._before_forward(root)
+            try:
+                return self.module(*args, **kwargs)
+            finally:
+                if root is not None:
+                    self._after_forward(root)
+                self._last_forward_order = list(self._forward_order)
+
+    def _before_forward(self, u: Unit) -> None:
+        u.gather_async()
+        if self.prefetch and not _in_backward():
+            nxt = self._next_in_forward(u)
+            if nxt is not None:
+                nxt.gather_async()
+        u.wait()
+        if not _in_backward():
+            self._forward_order.append(u)
+
+    def _next_in_forward(self, u: Unit) -> Unit | None:
+        order = self._last_forward_order or self.units
+        i = next((i for i, x in enumerate(order) if x is u), None)
+        return order[i + 1] if i is not None and i + 1 < len(order) else None
+
+    def _after_forward(self, u: Unit) -> None:
+        if _in_backward():  # a recomputation (activation checkpointing): backward still needs the values
+            return
+        u.free()
+
+    # ------------------------------------------------------------------------------------------------ backward
+
+    def _pack(self, t: torch.Tensor):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr:
+            for u in self.units:
+                if u.state != "free" and u.storage_ptr == ptr:
+                    return (u, t)
+        return t
+
+    def _unpack(self, packed):
+        if not isinstance(packed, tuple):
+            return packed
+        u, t = packed
+        self._queue_finish()
+        u.gather_async()
+        if self.prefetch and id(u) not in self._backward_prefetched:
+            self._backward_prefetched.add(id(u))
+            prev = self._previous_in_forward(u)
+            if prev is not None and prev.ready == 0:
+                prev.gather_async()
+        u.wait()
+        return t
+
+    def _previous_in_forward(self, u: Unit) -> Unit | None:
+        order = self._forward_order or self._last_forward_order
+        i = next((i for i, x in enumerate(order) if x is u), None)
+        return order[i - 1] if i else None
+
+    def _queue_finish(self) -> None:
+        if not self._finish_queued:
+            torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
+            self._finish_queued = True
+
+    def _on_grad(self, ui: int) -> None:
+        self._queue_finish()
+        u = self.units[ui]
+        u.ready += 1
+        if u.ready == u.trainable:
+            self._reduce(u)
+
+    def _reduce(self, u: Unit) -> None:
+        """All of ``u``'s gradients are in: free its parameters, reduce-scatter its gradients into the shard."""
+        b = u.bucket
+        full_grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        for slot in b.slots:
+            if slot.param.grad is not None:
+                b.slot_view(full_grad, slot).copy_(slot.param.grad)
+                slot.param.grad = None
+        u.free()
+        out = torch.empty_like(b.grad_shard) if u.accumulated else b.grad_shard
+        _, work = reduce_scatter(full_grad, self.group, out=out, async_op=True)
+        self._pending.append((u, work, full_grad, out))
+        while len(self._pending) > _MAX_REDUCTIONS_IN_FLIGHT:
+            self._complete(*self._pending.pop(0))
+
+    def _complete(self, u: Unit, work, full_grad: torch.Tensor, out: torch.Tensor) -> None:
+        work.wait()
+        if self.world_size > 1:
+            out.div_(self.world_size)
+        if out is not u.bucket.grad_shard:
+            u.bucket.grad_shard.add_(out)
+        u.accumulated = True
+
+    def _finish_backward(self) -> None:
+        """When backward ends: reduce units with parameters that got no gradient, wait, free everything."""
+        try:
+            for u in self.units:
+                if 0 < u.ready < u.trainable:
+                    self._reduce(u)
+            while self._pending:
+                self._complete(*self._pending.pop(0))
+            for u in self.units:
+                u.free()
+        finally:
+            for u in self.units:
+                u.ready = 0
+            self._backward_prefetched.clear()
+            self._finish_queued = False
+
+    # ------------------------------------------------------------------------------------------------ ZeroAdam
+
+    def _use_zero(self, stage: int) -> None:
+        assert self.zero_stage == 0 and stage == 3
+        self.zero_stage = 3
+
+    def _zero_grads(self) -> None:
+        for u in self.units:
+            u.bucket.grad_shard.zero_()
+            u.accumulated = False
+            for slot in u.bucket.slots:
+                slot.param.grad = None
+
+    def _gather_params(self) -> None:
+        """Nothing to do after a step: each unit gathers its updated shard before its next forward."""
+
+    def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
+        params = [t for u in self.units for t in (u.bucket.param_shard, u.full)]
+        return {"params": params, "grads": [u.bucket.grad_shard for u in self.units]}
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    @torch.no_grad()
+    def full_state_dict(self) -> dict[str, torch.Tensor]:
+        """The module's state dict unsharded: parameters gathered as fp32 CPU tensors, buffers copied.
+
+        A collective: every rank calls it.
+        """
+        values: dict[int, torch.Tensor] = {}
+        for u in self.units:
+            full, _ = all_gather(u.bucket.param_shard, self.group)
+            for slot in u.bucket.slots:
+                values[id(slot.param)] = u.bucket.slot_view(full, slot).float().cpu().clone()
+        out = {}
+        for key, value in self.module.state_dict(keep_vars=True).items():
+            out[key] = values[id(value)] if id(value) in values else value.detach().cpu().clone()
+        return out
+
+    @torch.no_grad()
+    def load_full_state_dict(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """Load an unsharded state dict (``full_state_dict``'s or the plain module's) into the shards.
+
+        Only the parameters and buffers: a ZeroAdam keeps its master weights (load its own state dict).
+        """
+        for u in self.units:
+            for slot in u.bucket.slots:
+                got = state_dict.get(slot.name)
+                if got is None or got.numel() != slot.numel:
+                    raise ValueError(
+                        f"FSDP.load_full_state_dict: expected a tensor of shape {tuple(slot.shape)} for parameter "
+                        f"{slot.name!r}, received {None if got is None else tuple(got.shape)}"
+                    )
+        for u in self.units:
+            b = u.bucket
+            for slot, lo, hi in b.shard_slices():
+                start = b.shard_offset + lo - slot.offset
+                b.param_shard[lo:hi].copy_(state_dict[slot.name].reshape(-1)[start : start + hi - lo])
+        for name, buf in self.module.named_buffers():
+            if name in state_dict:
+                buf.copy_(state_dict[name])
