@@ -94,11 +94,20 @@ def _check(got, want_weights, want_out, want_grads):
         torch.testing.assert_close(g, w, **TOL, msg=lambda m, i=i: f"averaged grad {i}: {m}")
 
 
+def _both(rank, world_size):
+    return {micro: _train_ddp(rank, world_size, micro) for micro in (1, 3)}
+
+
+@pytest.fixture(scope="module")
+def two_rank_results():
+    return run_ranks(_both, 2)
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("micro", [1, 3], ids=["sync", "no_sync"])
-def test_ddp_matches_whole_batch_training(micro):
+def test_ddp_matches_whole_batch_training(two_rank_results, micro):
     weights, out, grads = _reference(micro)
-    results = run_ranks(_train_ddp, 2, micro)
+    results = [r[micro] for r in two_rank_results]
     for rank, got in enumerate(results):
         assert got["broadcast_ok"], f"rank {rank} did not start from rank 0's parameters"
         assert got["buckets"] >= 3
