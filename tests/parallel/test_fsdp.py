@@ -16,11 +16,12 @@ from tests.multiprocess import run_ranks
 FP32 = dict(rtol=1e-4, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=2e-2)
 BATCH, STEPS = 6, 3
-CASES = {  # name: (wrap, dtype, lr, max_grad_norm, activation checkpointing)
-    "default_wrap_clip": (None, torch.float32, 1e-2, 0.05, False),
-    "linear_units_no_root": ("linear", torch.float32, 1e-2, None, False),
-    "activation_checkpointing": (None, torch.float32, 1e-2, None, True),
-    "bf16": (None, torch.bfloat16, 1e-3, None, False),
+CASES = {  # name: (wrap, dtype, lr, max_grad_norm, activation checkpointing, backwards accumulated per step)
+    "default_wrap_clip": (None, torch.float32, 1e-2, 0.05, False, 1),
+    "linear_units_no_root": ("linear", torch.float32, 1e-2, None, False, 1),
+    "activation_checkpointing": (None, torch.float32, 1e-2, None, True, 1),
+    "accumulate_3_backwards": (None, torch.float32, 1e-2, None, False, 3),
+    "bf16": (None, torch.bfloat16, 1e-3, None, False, 1),
 }
 
 
@@ -67,7 +68,7 @@ def _loss(model, x, y):
 
 
 def _reference(name):
-    _, dtype, lr, clip, _ = CASES[name]
+    _, dtype, lr, clip, _, _ = CASES[name]
     net = _net(dtype).float()  # bf16: from the bf16-rounded weights, trained in fp32
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1)
     for step in range(STEPS):
@@ -83,7 +84,7 @@ def _train(rank, world_size, name):
     from tessel.parallel.fsdp import FSDP
     from tessel.parallel.zero import ZeroAdam
 
-    wrap, dtype, lr, clip, recompute = CASES[name]
+    wrap, dtype, lr, clip, recompute, micro = CASES[name]
     net = _net(dtype, recompute)
     prefetched = []  # registered before FSDP's hooks: sees block 1's unit before block 1 gathers it itself
 
@@ -98,7 +99,8 @@ def _train(rank, world_size, name):
     n = BATCH // world_size
     for step in range(STEPS):
         x, y = (t[rank * n : (rank + 1) * n] for t in _batch(step, dtype))
-        _loss(fsdp, x, y).backward()
+        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
+            (_loss(fsdp, xm, ym) / micro).backward()
         opt.step()
         opt.zero_grad()
     freed = all(p.untyped_storage().nbytes() == 0 for p in net.parameters())

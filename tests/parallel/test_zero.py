@@ -10,6 +10,7 @@ most ~lr per step whatever the gradient error, so after 3 steps at lr=1e-3 weigh
 absolute, outputs to ~2e-2.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -21,12 +22,19 @@ from tests.multiprocess import run_ranks
 FP32 = dict(rtol=1e-4, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=2e-2)
 BATCH, STEPS = 6, 3
-CASES = {  # name: (stage, max_grad_norm, loss_scale, dtype, lr, param groups)
-    "zero1_groups_static_scale": (1, None, 128.0, torch.float32, 1e-2, True),
-    "zero2_clip_dynamic_scale": (2, 0.05, "dynamic", torch.float32, 1e-2, False),
-    "zero1_clip": (1, 0.05, None, torch.float32, 1e-2, True),
-    "zero2_bf16": (2, None, "dynamic", torch.bfloat16, 1e-3, False),
+# name: (stage, max_grad_norm, loss_scale, dtype, lr, param groups, accumulation). Accumulation over
+# microbatches: "no_sync" reduces only the last backward; "sync" reduces each backward into the shard.
+CASES = {
+    "zero1_groups_static_scale": (1, None, 128.0, torch.float32, 1e-2, True, None),
+    "zero2_clip_dynamic_scale": (2, 0.05, "dynamic", torch.float32, 1e-2, False, None),
+    "zero1_clip": (1, 0.05, None, torch.float32, 1e-2, True, None),
+    "zero2_bf16": (2, None, "dynamic", torch.bfloat16, 1e-3, False, None),
+    "zero1_no_sync": (1, None, None, torch.float32, 1e-2, False, "no_sync"),
+    "zero2_no_sync": (2, 0.05, None, torch.float32, 1e-2, False, "no_sync"),
+    "zero1_accumulate_synced": (1, None, None, torch.float32, 1e-2, False, "sync"),
+    "zero2_accumulate_synced": (2, None, None, torch.float32, 1e-2, False, "sync"),
 }
+MICRO = 3
 
 
 def _net(dtype=torch.float32):
@@ -56,7 +64,7 @@ def _param_groups(net, lr, groups: bool):
 
 
 def _reference(name, steps=STEPS):
-    _, clip, _, dtype, lr, groups = CASES[name]
+    _, clip, _, dtype, lr, groups, _ = CASES[name]
     net = _net(dtype).float()  # the bf16 case starts from the bf16-rounded weights, then trains in fp32
     opt = torch.optim.AdamW(_param_groups(net, lr, groups))
     for step in range(steps):
@@ -77,13 +85,17 @@ def _train(rank, world_size, name, steps=STEPS):
     from tessel.parallel.ddp import DDP
     from tessel.parallel.zero import ZeroAdam
 
-    stage, clip, loss_scale, dtype, lr, groups = CASES[name]
+    stage, clip, loss_scale, dtype, lr, groups, accumulation = CASES[name]
     net = _net(dtype)
     ddp = DDP(net, bucket_mb=60 * 4 / 2**20)
     opt = ZeroAdam(_param_groups(net, lr, groups), lr=lr, stage=stage, max_grad_norm=clip, loss_scale=loss_scale)
+    micro = 1 if accumulation is None else MICRO
     for step in range(steps):
         x, y = (_half(t, rank, world_size) for t in _batch(step, dtype))
-        opt.scale_loss(_loss(ddp, x, y)).backward()
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            local = accumulation == "no_sync" and i < micro - 1
+            with ddp.no_sync() if local else contextlib.nullcontext():
+                opt.scale_loss(_loss(ddp, xm, ym) / micro).backward()
         opt.step()
         opt.zero_grad()
     copies_exact = all(
