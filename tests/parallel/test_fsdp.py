@@ -203,3 +203,23 @@ def test_fsdp_refuses_units_it_cannot_shard():
         FSDP(_net(), wrap={"blocks"})
     with pytest.raises(TypeError, match=r"FSDP: module must be an nn\.Module, received int"):
         FSDP(3)
+
+
+@pytest.mark.gpu
+def test_cuda_bf16_world_of_one():
+    """ZeRO-3 on one GPU (storage resizing on CUDA, compiled kernels) against the fp32 CPU reference."""
+    from tessel.parallel.fsdp import FSDP
+    from tessel.parallel.zero import ZeroAdam
+
+    state, _ = _reference("bf16")
+    net = _net(torch.bfloat16).cuda()
+    fsdp = FSDP(net)
+    opt = ZeroAdam(fsdp.parameters(), lr=1e-3, weight_decay=0.1)
+    for step in range(STEPS):
+        _loss(fsdp, *(t.cuda() for t in _batch(step, torch.bfloat16))).backward()
+        opt.step()
+        opt.zero_grad()
+    got = fsdp.full_state_dict()
+    for k, w in state.items():
+        torch.testing.assert_close(got[k], w, **BF16, msg=lambda m, k=k: f"{k}: {m}")
+    assert all(p.untyped_storage().nbytes() == 0 for p in net.parameters())

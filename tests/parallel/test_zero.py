@@ -339,3 +339,51 @@ def test_zero_adam_bad_input_changes_nothing():
     with pytest.raises(ValueError, match=r"ZeroAdam.load_state_dict: parameter 0's exp_avg has 5 elements"):
         opt.load_state_dict(state)
     assert opt.steps_taken == 0 and all(m.eq(0).all() for m in opt._exp_avg)
+
+
+def test_dynamic_scale_grows_after_growth_interval_and_lr_schedulers_drive_the_step():
+    from tessel.parallel.ddp import DDP
+    from tessel.parallel.zero import ZeroAdam
+
+    net = _net()
+    ddp = DDP(net)  # a world of one
+    opt = ZeroAdam(ddp.parameters(), lr=1e-2, loss_scale="dynamic", growth_interval=2)
+    schedule = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.0 if step == 1 else 1.0)
+    scales, moved = [], []
+    for step in range(3):
+        before = [p.detach().clone() for p in net.parameters()]
+        opt.scale_loss(_loss(ddp, *_batch(step))).backward()
+        opt.step()
+        opt.zero_grad()
+        schedule.step()
+        scales.append(opt.loss_scale)
+        moved.append(any(not torch.equal(a, b) for a, b in zip(before, net.parameters())))
+    assert scales == [2.0**16, 2.0**17, 2.0**17]  # doubled after 2 good steps in a row, then counting again
+    assert moved == [True, False, True]  # the scheduler's lr=0 on the second step reached the kernel
+    assert opt.steps_taken == 3 and opt.steps_skipped == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("stage", [1, 2])
+def test_cuda_bf16_world_of_one_and_skip(stage):
+    """The compiled kernels and the pinned-memory skip flag on one GPU, against the fp32 CPU reference."""
+    from tessel.parallel.ddp import DDP
+    from tessel.parallel.zero import ZeroAdam
+
+    weights, _ = _reference("zero2_bf16")  # lr 1e-3, weight decay 0.1, from the bf16-rounded weights
+    net = _net(torch.bfloat16).cuda()
+    ddp = DDP(net)
+    opt = ZeroAdam(ddp.parameters(), lr=1e-3, weight_decay=0.1, stage=stage, loss_scale="dynamic")
+    for step in range(STEPS):
+        x, y = (t.cuda() for t in _batch(step, torch.bfloat16))
+        opt.scale_loss(_loss(ddp, x, y)).backward()
+        opt.step()
+        opt.zero_grad()
+    for i, (g, w) in enumerate(zip(net.parameters(), weights)):
+        torch.testing.assert_close(g.detach().float().cpu(), w, **BF16, msg=lambda m, i=i: f"weight {i}: {m}")
+    before, scale = [p.detach().clone() for p in net.parameters()], opt.loss_scale
+    opt.scale_loss(_loss(ddp, x, y) * math.inf).backward()
+    opt.step()
+    opt.zero_grad()
+    assert all(torch.equal(a, b) for a, b in zip(before, net.parameters()))
+    assert opt.loss_scale == scale / 2 and (opt.steps_taken, opt.steps_skipped) == (STEPS, 1)
