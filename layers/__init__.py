@@ -1,5 +1,23 @@
-"""nn.Modules built from tessel's kernels and parallel ops."""
+"""nn.Modules built from tessel's kernels and parallel ops, the reference GPT, and model swap-in."""
 
+from .attention import ParallelAttention
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .gpt import GPT, GPTConfig, TransformerBlock
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .mlp import ParallelMLP
+from .norm import LayerNorm, RMSNorm
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = [
+    "GPT",
+    "ColumnParallelLinear",
+    "GPTConfig",
+    "LayerNorm",
+    "ParallelAttention",
+    "ParallelMLP",
+    "RMSNorm",
+    "RowParallelLinear",
+    "TransformerBlock",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+]

@@ -74,6 +74,9 @@ def run_ranks(
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False) if init_process_group else None
     base_env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": _HOST}
     base_env["MASTER_PORT"] = str(_free_port())
+    # One intra-op thread per rank: several ranks share the cores, and oversubscribed OpenMP threads
+    # spin-wait each other out (a 64×64 matmul slows down ~50× on 2 cores with 2 ranks of 2 threads).
+    base_env["OMP_NUM_THREADS"] = "1"
     store_port = store.port if store else None
     ranks: list[_Rank] = []
     try:

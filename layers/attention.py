@@ -1,0 +1,88 @@
+"""Head-split tensor-parallel attention: fused QKV column-parallel, rotary, flash attention, row-parallel output.
+
+Legend: ``B`` batch, ``S`` sequence, ``E`` model width, ``Hq``/``Hkv`` query/key-value heads, ``D`` head
+dim, ``t`` tensor-parallel size. Rank r owns query heads ``[r·Hq/t, (r+1)·Hq/t)`` and kv heads
+``[r·Hkv/t, (r+1)·Hkv/t)``: since ``Hq/Hkv`` is a whole number, the query heads of a GQA group and their
+kv head land on the same rank, so attention needs no communication (Megatron-LM §3). ``qkv.weight`` is
+``[(Hq + 2·Hkv)/t · D, E]`` (the q, k and v parts each split separately) and ``proj.weight`` is
+``[E, Hq/t · D]``.
+
+The local head counts are read from ``qkv``'s local part widths on every call, so replacing the two
+projections with sharded ones (:func:`~tessel.layers.parallelize.parallelize`) is all it takes to
+parallelise an attention module.
+
+Fewer kv heads than TP ranks is refused: Megatron would replicate each kv head on ``t/Hkv`` ranks, whose
+copies then need their own gradient all-reduce; use a TP size that divides ``Hkv``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..kernels.attention import flash_attention
+from ..parallel.comm import group_size
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .rotary import apply_rotary, rotary_tables
+
+__all__ = ["ParallelAttention", "check_heads"]
+
+
+def check_heads(name: str, n_head: int, n_kv_head: int, tp_size: int) -> None:
+    """Raise a ValueError unless ``n_head`` query and ``n_kv_head`` kv heads split evenly over ``tp_size`` ranks."""
+    if n_head <= 0 or n_kv_head <= 0:
+        raise ValueError(f"{name}: head counts must be positive, received n_head={n_head}, n_kv_head={n_kv_head}")
+    if n_head % n_kv_head:
+        raise ValueError(f"{name}: n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
+    if n_kv_head < tp_size:
+        raise ValueError(
+            f"{name}: n_kv_head={n_kv_head} is smaller than the tensor-parallel size {tp_size}; kv heads are not "
+            "replicated across ranks: use a tensor-parallel size that divides n_kv_head"
+        )
+    if n_kv_head % tp_size:
+        raise ValueError(f"{name}: n_kv_head={n_kv_head} is not divisible by the tensor-parallel size {tp_size}")
+
+
+class ParallelAttention(nn.Module):
+    """Causal (by default) multi-head attention with GQA, rotary embeddings and heads split over TP ranks.
+
+    Input and output are ``[B, S, E]`` (``[B, S/t, E]`` under ``sequence_parallel``: the QKV projection
+    gathers the sequence inside its GEMM and the output projection reduce-scatters it, so attention
+    itself always sees the whole sequence and rotary positions are global).
+    """
+
+    def __init__(self, n_embd: int, n_head: int, n_kv_head: int | None = None, *, head_dim: int | None = None,
+                 bias: bool = False, rope_theta: float | None = 10000.0, causal: bool = True, tp_group=None,
+                 sequence_parallel: bool = False, overlap="auto", device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        n_kv_head = n_head if n_kv_head is None else n_kv_head
+        check_heads(type(self).__name__, n_head, n_kv_head, group_size(tp_group))
+        if head_dim is None:
+            if n_embd % n_head:
+                raise ValueError(f"ParallelAttention: n_embd={n_embd} is not divisible by n_head={n_head}")
+            head_dim = n_embd // n_head
+        self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
+        self.rope_theta, self.causal = rope_theta, causal
+        kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
+        self.qkv = ColumnParallelLinear(n_embd, (n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim),
+                                        bias, **kw)  # fmt: skip
+        self.proj = RowParallelLinear(n_head * head_dim, n_embd, bias, **kw)
+
+    def _heads(self, t: torch.Tensor) -> torch.Tensor:
+        """``[B, S, h·D]`` → ``[B, h, S, D]`` (a view: flash attention takes strided inputs)."""
+        b, s, width = t.shape
+        return t.view(b, s, width // self.head_dim, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (self._heads(t) for t in self.qkv(x))
+        if self.rope_theta is not None:
+            cos, sin = rotary_tables(q.shape[2], self.head_dim, self.rope_theta, device=q.device)
+            q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        y = flash_attention(q, k, v, causal=self.causal)
+        b, h, s, d = y.shape
+        return self.proj(y.transpose(1, 2).reshape(b, s, h * d))
+
+    def extra_repr(self) -> str:
+        local = self.qkv.local_parts
+        return (f"n_head={self.n_head} (local {local[0] // self.head_dim}), n_kv_head={self.n_kv_head} "
+                f"(local {local[1] // self.head_dim}), head_dim={self.head_dim}, causal={self.causal}")  # fmt: skip

@@ -1,0 +1,235 @@
+"""The reference GPT built from tessel's layers: dense with ``tp_group=None``, tensor-parallel otherwise.
+
+Legend: ``B`` batch, ``S`` sequence, ``E`` = ``n_embd``, ``V`` vocabulary, ``L`` layers, ``t`` TP size.
+A pre-norm decoder (GPT-2 / Llama layout): vocab-parallel embedding → L × [norm → attention (GQA,
+rotary) → residual, norm → MLP (SwiGLU or GELU) → residual] → norm → vocab-parallel lm head. The
+logits stay split over the vocabulary (``[B, S, V/t]``) and :meth:`GPT.loss` computes the cross entropy
+without gathering them.
+
+Initialisation is independent of the layout: every parameter's *global* tensor is drawn from its own
+generator (seeded from torch's default generator, so ranks seeded alike agree) and each rank keeps its
+shard. ``GPT(config, tp_group=g)`` therefore equals ``parallelize(GPT(config), g)`` under the same seed.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+
+from ..kernels.attention import HEAD_DIMS
+from ..parallel.comm import group_size
+from ..parallel.sharding import is_tp_sharded, shard_like, tp_spec
+from .attention import ParallelAttention, check_heads
+from .cross_entropy import vocab_parallel_cross_entropy
+from .embedding import VocabParallelEmbedding
+from .linear import ColumnParallelLinear
+from .mlp import MLP_ACTIVATIONS, ParallelMLP
+from .norm import LayerNorm, RMSNorm
+
+__all__ = ["GPT", "GPTConfig", "TransformerBlock"]
+
+NORMS = {"rmsnorm": RMSNorm, "layernorm": LayerNorm}
+
+
+@dataclass
+class GPTConfig:
+    """nanoGPT's names plus GQA (``n_kv_head``), the MLP and norm kinds, and rotary's base."""
+
+    vocab_size: int = 256
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 256
+    n_kv_head: int | None = None
+    mlp: str = "swiglu"
+    norm: str = "rmsnorm"
+    bias: bool = False
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    mlp_hidden: int | None = None
+    init_std: float = 0.02
+
+    def __post_init__(self):
+        for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"GPTConfig: {name} must be a positive int, received {value!r}")
+        if self.n_kv_head is None:
+            self.n_kv_head = self.n_head
+        if self.n_embd % self.n_head or self.n_embd // self.n_head not in HEAD_DIMS:
+            raise ValueError(
+                f"GPTConfig: n_embd={self.n_embd} must split into n_head={self.n_head} heads of a size in {HEAD_DIMS} "
+                "(the flash attention kernel's head dims)"
+            )
+        check_heads("GPTConfig", self.n_head, self.n_kv_head, 1)
+        if self.mlp not in MLP_ACTIVATIONS:
+            raise ValueError(f"GPTConfig: mlp must be one of {MLP_ACTIVATIONS}, received {self.mlp!r}")
+        if self.norm not in NORMS:
+            raise ValueError(f"GPTConfig: norm must be one of {tuple(NORMS)}, received {self.norm!r}")
+        if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
+            self.mlp_hidden = 4 * self.n_embd if self.mlp == "gelu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
+
+    @property
+    def head_dim(self) -> int:
+        return self.n_embd // self.n_head
+
+
+def _norm(config: GPTConfig, tp_group, sequence_parallel: bool, device, dtype) -> nn.Module:
+    return NORMS[config.norm](config.n_embd, config.norm_eps, tp_group=tp_group,
+                              sequence_parallel=sequence_parallel, device=device, dtype=dtype)  # fmt: skip
+
+
+class TransformerBlock(nn.Module):
+    """``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``; ``[B, S, E]`` (``[B, S/t, E]`` under SP)."""
+
+    def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False, overlap="auto",
+                 device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
+        self.attn_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
+        self.attn = ParallelAttention(config.n_embd, config.n_head, config.n_kv_head, bias=config.bias,
+                                      rope_theta=config.rope_theta, **kw)  # fmt: skip
+        self.mlp_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
+        self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x))
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class GPT(nn.Module):
+    """``GPT(config)(idx [B, S]) -> logits [B, S, V/t]`` (the whole vocabulary when ``t = 1``)."""
+
+    # Module-name glob → style, read by :func:`~tessel.layers.parallelize.parallelize`.
+    tessel_tp_plan: ClassVar[dict[str, str]] = {
+        "embed": "embedding",
+        "blocks.*.attn_norm": "norm",
+        "blocks.*.attn.qkv": "colwise",
+        "blocks.*.attn.proj": "rowwise",
+        "blocks.*.mlp_norm": "norm",
+        "blocks.*.mlp.fc": "colwise",
+        "blocks.*.mlp.proj": "rowwise",
+        "norm": "norm",
+        "lm_head": "colwise",
+    }
+
+    def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False, overlap="auto",
+                 device=None, dtype=None):  # fmt: skip
+        super().__init__()
+        if not isinstance(config, GPTConfig):
+            raise TypeError(f"GPT: config must be a GPTConfig, received {type(config).__name__}")
+        check_heads("GPT", config.n_head, config.n_kv_head, group_size(tp_group))
+        self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
+        # Drawn before the submodules draw their own (layout-dependent) initial values.
+        init_seed = int(torch.randint(2**62, (1,)).item())
+        kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
+        self.embed = VocabParallelEmbedding(config.vocab_size, config.n_embd, **kw)
+        self.blocks = nn.ModuleList(TransformerBlock(config, overlap=overlap, **kw) for _ in range(config.n_layer))
+        self.norm = _norm(config, tp_group, sequence_parallel, device, dtype)
+        self.lm_head = ColumnParallelLinear(config.n_embd, config.vocab_size, bias=False, overlap=overlap, **kw)
+        self.reset_parameters(init_seed)
+
+    # ------------------------------------------------------------------------------------------------ init
+
+    @torch.no_grad()
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """GPT-2's initialisation: N(0, init_std), residual projections scaled by 1/√(2L), norms 1, biases 0.
+
+        Parameter i's global tensor comes from a generator seeded ``seed + i`` (``seed`` drawn from torch's
+        default generator when None), so every layout of the same model starts from the same weights.
+        """
+        base_seed = int(torch.randint(2**62, (1,)).item()) if seed is None else seed
+        std, t = self.config.init_std, group_size(self.tp_group)
+        for index, (name, p) in enumerate(self.named_parameters()):
+            if name.endswith("bias"):
+                p.zero_()
+            elif "norm" in name:
+                p.fill_(1.0)
+            else:
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 1.0
+                full_shape = list(p.shape)
+                if is_tp_sharded(p):
+                    dim, parts = tp_spec(p, t)
+                    full_shape[dim] = sum(parts)
+                gen = torch.Generator().manual_seed(base_seed + index)
+                full = torch.randn(full_shape, generator=gen, dtype=torch.float32) * (std * scale)
+                p.copy_(shard_like(full, p, self.tp_group))
+
+    # ------------------------------------------------------------------------------------------------ forward
+
+    def _check_idx(self, idx) -> None:
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
+            got = f"{idx.dtype} tensor of shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx)
+            raise ValueError(f"GPT: idx must be an int64 [batch, seq] tensor, received {got}")
+        if idx.shape[1] > self.config.block_size:
+            raise ValueError(f"GPT: sequence length {idx.shape[1]} exceeds block_size={self.config.block_size}")
+
+    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+        """The final norm's output ``[B, S, E]`` (``[B, S/t, E]`` under sequence parallelism)."""
+        self._check_idx(idx)
+        x = self.embed(idx)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.hidden_states(idx))
+
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of next-token ``targets [B, S]`` (fp32), the logits never gathered."""
+        return self.loss_from_logits(self(idx), targets)
+
+    def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross entropy of vocab-parallel ``logits [B, S, V/t]`` (a pipeline's last-stage loss function)."""
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+
+    # ------------------------------------------------------------------------------------------------ accounting
+
+    def num_params(self, include_embedding: bool = True) -> int:
+        """Parameters of the whole (unsharded) model."""
+        t = group_size(self.tp_group)
+        total = sum(p.numel() * (t if is_tp_sharded(p) else 1) for p in self.parameters())
+        return total if include_embedding else total - self.config.vocab_size * self.config.n_embd
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token (PaLM, Chowdhery et al. 2022, App. B): ``6·N + 12·L·E·S``, N without embedding."""
+        c = self.config
+        return 6 * self.num_params(include_embedding=False) + 12 * c.n_layer * c.n_embd * seq_len
+
+    # ------------------------------------------------------------------------------------------------ pipeline
+
+    def pipeline_stage(self, stage_index: int, num_stages: int) -> GPTStage:
+        """Stage ``stage_index`` of ``num_stages``: a contiguous, even split of the blocks (earlier stages
+        take one more when it does not divide); the first stage also embeds, the last also normalises and
+        projects to logits. The stage shares this model's parameters."""
+        if not 0 <= stage_index < num_stages:
+            raise ValueError(f"GPT.pipeline_stage: stage_index must be in [0, {num_stages}), received {stage_index}")
+        if num_stages > self.config.n_layer:
+            raise ValueError(f"GPT.pipeline_stage: {num_stages} stages for {self.config.n_layer} layers")
+        per, extra = divmod(self.config.n_layer, num_stages)
+        start = stage_index * per + min(stage_index, extra)
+        stop = start + per + (stage_index < extra)
+        return GPTStage(self, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1)
+
+
+class GPTStage(nn.Module):
+    """Blocks ``[start, stop)`` of a GPT, with the embedding on the first stage and the head on the last."""
+
+    def __init__(self, gpt: GPT, start: int, stop: int, *, first: bool, last: bool):
+        super().__init__()
+        self.first, self.last, self.tp_group = first, last, gpt.tp_group
+        self.embed = gpt.embed if first else None
+        self.blocks = nn.ModuleList(gpt.blocks[start:stop])
+        self.norm = gpt.norm if last else None
+        self.lm_head = gpt.lm_head if last else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            x = self.embed(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.lm_head(self.norm(x)) if self.last else x

@@ -1,0 +1,33 @@
+"""Rotary position embeddings (RoFormer, Su et al. 2021) in the rotate-half layout of GPT-NeoX and Llama.
+
+Legend: ``B`` batch, ``H`` heads, ``S`` sequence, ``D`` head dim. Dimension ``i < D/2`` of a head is
+paired with dimension ``i + D/2`` and the pair is rotated by the angle ``pos · θ^(-2i/D)``, the layout
+Hugging Face's Llama-family models use, so their weights load unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["apply_rotary", "rotary_tables"]
+
+
+def rotary_tables(
+    seq_len: int, head_dim: int, theta: float = 10000.0, *, offset: int = 0, device=None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cos, sin`` of shape ``[S, D/2]`` in fp32 for positions ``offset .. offset+S-1``."""
+    if head_dim % 2:
+        raise ValueError(f"rotary_tables: head_dim must be even, received {head_dim}")
+    inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
+    pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(pos, inv_freq)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rotary(x_BHSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x [B, H, S, D]`` by the tables of :func:`rotary_tables`; computed in fp32, returned in x's dtype."""
+    half = x_BHSD.shape[-1] // 2
+    x = x_BHSD.float()
+    x1, x2 = x[..., :half], x[..., half:]
+    out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    return out.to(x_BHSD.dtype)
