@@ -20,7 +20,9 @@ interleaving). An action names a kind, a stage and a microbatch:
 the same rank (``p = 1``) hand tensors over without send or receive. :func:`with_communication` inserts
 the transfers a list of compute actions needs: each send right after the compute that produces its
 tensor, each receive right before the compute that consumes it, so that the transfers between two
-computes form one batch (Megatron's ``send_forward_recv_backward``).
+computes form one batch (Megatron's ``send_forward_recv_backward``). A unit of several computes (the
+interleaved schedule's forward-backward pair) takes all its receives before it and all its sends
+after it, as Megatron's ``send_forward_backward_recv_forward_backward`` does.
 """
 
 from __future__ import annotations
@@ -137,12 +139,14 @@ class PipelineProgram:
 
 
 def with_communication(
-    name: str, compute: Sequence[Iterable[Action]], num_stages: int, n_microbatches: int
+    name: str, compute: Sequence[Iterable[Action | Sequence[Action]]], num_stages: int, n_microbatches: int
 ) -> PipelineProgram:
     """Turn per-rank lists of compute actions into a :class:`PipelineProgram` with its transfers.
 
-    Sends go right after the compute producing the tensor, receives right before the compute
-    consuming it; stages on the same rank exchange tensors locally and get no transfer.
+    An item of a rank's list is an :class:`Action` or a tuple of them (a unit). Sends go right after
+    the unit producing the tensor, receives right before the unit consuming it; stages on the same
+    rank exchange tensors locally and get no transfer. Receives then move earlier where needed so that
+    each rank receives from each peer in the order the peer sends.
     """
     num_ranks = len(compute)
     program = PipelineProgram(name, num_ranks, num_stages, n_microbatches, ())

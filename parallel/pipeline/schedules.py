@@ -14,6 +14,7 @@ a pure function that needs no process group) and runs it with the one generic ex
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 
 import torch
@@ -79,10 +80,10 @@ class PipelineSchedule:
         return sorted(stages, key=lambda s: s.stage_index)
 
     def _check_program(self, name: str) -> None:
-        validate(self.program)  # built-in programs always pass; a custom subclass's may not
+        _validated(self.program, "buffered")  # built-in programs always pass; a custom subclass's may not
         if self.num_ranks > 1 and self.stages[0].device.type != "cpu":
             try:
-                validate(self.program, sends="rendezvous")
+                _validated(self.program, "rendezvous")
             except ScheduleError as e:
                 raise ValueError(
                     f"{name}: n_microbatches={self.n_microbatches} with {self.num_ranks} pipeline ranks would "
@@ -93,25 +94,44 @@ class PipelineSchedule:
     # ------------------------------------------------------------------------------------------------ step
 
     def step(self, *inputs: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None):
-        """Run one forward and backward of the batch through the pipeline (see the module docstring)."""
-        name = f"{type(self).__name__}.step"
-        if losses is not None and not isinstance(losses, list):
-            raise TypeError(f"{name}: losses must be a list or None, received {type(losses).__name__}")
-        holds_first, holds_last = self.stages[0].is_first, self.stages[-1].is_last
-        if holds_first and not inputs:
-            raise ValueError(f"{name}: the rank holding the first stage needs at least one input tensor")
-        mb_inputs = None
-        if holds_first:
-            mb_inputs = list(zip(*(self._split(name, f"input {k}", x) for k, x in enumerate(inputs))))
-        mb_targets = self._split(name, "target", target) if holds_last and target is not None else None
-        executor = self._run(mb_inputs, mb_targets)
-        if not holds_last:
+        """Run one forward and backward of the batch through the pipeline (see the module docstring).
+
+        If this rank raises (a bad argument included), the other ranks of the group stop waiting for
+        it and raise :class:`~.p2p.PipelineAbortedError`.
+        """
+        p2p = P2P(self.group, self.timeout, self.stages[0].device) if self.num_ranks > 1 else None
+        recorder = TimelineRecorder(self.rank, self.stages[0].device)
+        executor = Executor(self.program, {s.stage_index: s for s in self.stages}, self.loss_fn, p2p, recorder)
+        try:
+            executor.run(*self._microbatches(inputs, target, losses))
+        except BaseException as e:
+            if p2p is not None and not isinstance(e, PipelineAbortedError):
+                where = f" at {executor.current}" if executor.current else ""
+                p2p.abort(f"pipeline rank {self.rank} raised {type(e).__name__}{where}: {e}")
+            raise
+        finally:
+            self.timeline = recorder.events()
+        if not self.stages[-1].is_last:
             return None
         if losses is not None:
             losses.extend(executor.losses[i] for i in range(self.n_microbatches))
         outs = [torch.cat([executor.outputs[i][k] for i in range(self.n_microbatches)]) for k in
                 range(len(executor.outputs[0]))]  # fmt: skip
         return outs[0] if len(outs) == 1 else tuple(outs)
+
+    def _microbatches(self, inputs, target, losses):
+        """Check ``step``'s arguments; the inputs and targets split into microbatches where this rank needs them."""
+        name = f"{type(self).__name__}.step"
+        if losses is not None and not isinstance(losses, list):
+            raise TypeError(f"{name}: losses must be a list or None, received {type(losses).__name__}")
+        mb_inputs = mb_targets = None
+        if self.stages[0].is_first:
+            if not inputs:
+                raise ValueError(f"{name}: the rank holding the first stage needs at least one input tensor")
+            mb_inputs = list(zip(*(self._split(name, f"input {k}", x) for k, x in enumerate(inputs))))
+        if self.stages[-1].is_last and target is not None:
+            mb_targets = self._split(name, "target", target)
+        return mb_inputs, mb_targets
 
     def _split(self, name: str, what: str, x) -> tuple[torch.Tensor, ...]:
         if not isinstance(x, torch.Tensor) or x.dim() == 0:
@@ -123,19 +143,11 @@ class PipelineSchedule:
             )
         return x.split(x.shape[0] // self.n_microbatches)
 
-    def _run(self, mb_inputs, mb_targets) -> Executor:
-        p2p = P2P(self.group, self.timeout, self.stages[0].device) if self.num_ranks > 1 else None
-        recorder = TimelineRecorder(self.rank, self.stages[0].device)
-        executor = Executor(self.program, {s.stage_index: s for s in self.stages}, self.loss_fn, p2p, recorder)
-        try:
-            executor.run(mb_inputs, mb_targets)
-        except BaseException as e:
-            if p2p is not None and not isinstance(e, PipelineAbortedError):
-                p2p.abort(f"pipeline rank {self.rank} raised {type(e).__name__} at {executor.current}: {e}")
-            raise
-        finally:
-            self.timeline = recorder.events()
-        return executor
+
+@functools.lru_cache(maxsize=64)
+def _validated(program: PipelineProgram, sends: str) -> None:
+    """Validate once per program (they are immutable): every rank and every rebuilt schedule checks the same."""
+    validate(program, sends=sends)
 
 
 def _describe(value) -> str:

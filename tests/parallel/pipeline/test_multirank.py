@@ -111,6 +111,11 @@ def _two_rank_job(rank, world_size):
     schedule.step(*models.make_batch(4)[:2], target=models.make_batch(4)[2])
     x, aux, target = models.make_batch(6)
     out["shape_change"] = _fail_within_step(lambda: schedule.step(x, aux, target=target))
+    # A bad argument on one rank (a batch that does not divide) stops the other one too.
+    group = dist.new_group([0, 1])
+    _, schedule = _build(rank, world_size, "gpipe", 1, 2, False, group=group)
+    x, aux, target = models.make_batch(4 if rank == 1 else 5)
+    out["bad_argument"] = _fail_within_step(lambda: schedule.step(x, aux, target=target))
     # A peer that never runs the step: the waiting rank times out.
     group = dist.new_group([0, 1])
     stages, schedule = _build(rank, world_size, "gpipe", 1, 2, False, group=group)
@@ -149,6 +154,14 @@ def test_changed_shapes_stop_both_ranks(two_ranks):
     assert sender[0] == "ValueError" and "now outputs float32[3, 3, 19]" in sender[1]
     assert receiver[0] == "PipelineAbortedError" and "pipeline rank 0 raised ValueError" in receiver[1]
     assert receiver[2] < 10  # told within one poll of the abort key, not after the 60 s timeout
+
+
+def test_a_bad_argument_on_one_rank_stops_the_other(two_ranks):
+    assert two_ranks[0]["bad_argument"][0] == "ValueError"
+    assert "input 0 has batch size 5, which does not divide into 2 microbatches" in two_ranks[0]["bad_argument"][1]
+    kind, message, elapsed = two_ranks[1]["bad_argument"]
+    assert kind == PipelineAbortedError.__name__ and "pipeline rank 0 raised ValueError: " in message
+    assert elapsed < 10
 
 
 def test_a_peer_that_never_runs_makes_the_wait_time_out(two_ranks):
