@@ -31,6 +31,13 @@ The three tiers and their kernels:
 
 Causal masking skips every block above the diagonal, and only the blocks on the diagonal and the
 sequence tail pay for masks: the others run a ``MASK=False`` copy of the inner loop.
+
+Numerics: scores, softmax statistics and all accumulators are fp32; P (and dS in the backward) are
+rounded to the input dtype before their GEMMs, as on tensor cores in FlashAttention-2. Under Triton's
+interpreter (``DOT_FP32``) every dot operand is first cast to fp32, because the interpreter multiplies
+fp16/bf16 dot operands as raw bits; products of fp16/bf16 values are exact in fp32, so the interpreter
+differs from the GPU only in the summation order. fp32 inputs run IEEE fp32 dots on the CPU, and TF32
+on CUDA when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own GEMMs do).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ __all__ = ["HEAD_DIMS", "flash_attention", "flash_attention_reference"]
 HEAD_DIMS = (16, 32, 64, 128)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634  # the kernels use exp2: exp(x) = 2^(x·log2 e)
+_INT32_MAX = 2**31 - 1
 _MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (batch · heads)
 
 
@@ -194,8 +202,8 @@ def _bwd_dkdv_inner(
         offs_m = start_m + offs_m0
         qT_ptrs = q_ptr + offs_m[None, :] * stride_qs + offs_d[:, None]
         do_ptrs = do_ptr + offs_m[:, None] * stride_ds + offs_d[None, :]
+        row_ok = offs_m < S
         if MASK:
-            row_ok = offs_m < S
             qT = tl.load(qT_ptrs, mask=row_ok[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
             lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
@@ -413,7 +421,7 @@ def _configs(shapes) -> list[triton.Config]:
 
 
 def _prune_for_short_sequences(configs, named_args, **kwargs):
-    """Drop configurations whose blocks are mostly past the end of a short sequence (decode, S ≤ 32)."""
+    """For S ≤ 64, drop the 128-wide tiles: mostly past the end of the sequence, and costly to tune."""
     longest = max(16, triton.next_power_of_2(named_args["S"]))
     kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(64, longest)]
     return kept or configs
@@ -506,6 +514,30 @@ def _unit_last_stride(t: torch.Tensor) -> torch.Tensor:
     return t if t.stride(-1) == 1 or t.shape[-1] == 1 else t.contiguous()
 
 
+def _check_int32_rows(*tensors: torch.Tensor) -> None:
+    """Offsets within one head are int32 in the kernels (batch and head offsets are int64).
+
+    Outputs need no check: they follow an input's dimension order densely, so their strides are smaller.
+    """
+    for t in tensors:
+        if (t.shape[2] - 1) * abs(t.stride(2)) + t.shape[3] > _INT32_MAX:
+            raise ValueError(
+                f"flash_attention: sequence length {t.shape[2]} times the row stride {t.stride(2)} spans more "
+                "than 2**31 - 1 elements within one head; split the sequence"
+            )
+
+
+def _empty_in_layout_of(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A dense tensor of t's shape whose memory follows t's order of batch, head and sequence (by stride).
+
+    A [B, H, S, D] view of a [B, S, H, D] (or [S, B, H, D]) buffer gets an output laid out the same way,
+    so the layer's merge of heads (``out.transpose(1, 2).reshape(B, S, H * D)``) copies nothing.
+    """
+    order = [*sorted(range(3), key=lambda i: -t.stride(i)), 3]  # stable: ties keep the logical order
+    inverse = [order.index(i) for i in range(4)]
+    return torch.empty([t.shape[i] for i in order], device=t.device, dtype=dtype or t.dtype).permute(inverse)
+
+
 def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
@@ -531,9 +563,9 @@ def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: 
 
 
 def _forward(q, k, v, causal: bool, scale: float, backend: str):
-    """out (memory laid out [B, S, Hq, D], returned as the [B, Hq, S, D] view) and lse [B, Hq, S] fp32."""
-    b, hq, s, d = q.shape
-    out = torch.empty((b, s, hq, d), device=q.device, dtype=q.dtype).transpose(1, 2)
+    """out [B, Hq, S, D] in q's memory layout, and lse [B, Hq, S] fp32."""
+    b, hq, s, _ = q.shape
+    out = _empty_in_layout_of(q)
     lse = torch.empty((b, hq, s), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
@@ -554,14 +586,15 @@ def _backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend
     """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels."""
     b, hq, s, d = q.shape
     hkv = k.shape[1]
-    dq = torch.empty_like(q) if need_dq else None
-    dk = torch.empty_like(k) if need_dkv else None
-    dv = torch.empty_like(v) if need_dkv else None
+    dq = _empty_in_layout_of(q) if need_dq else None
+    dk = _empty_in_layout_of(k) if need_dkv else None
+    dv = _empty_in_layout_of(v) if need_dkv else None
     if q.numel() == 0:
         return dq, dk, dv
     # Gradients may arrive in another dtype or as broadcast views (the gradient of out.sum() has stride 0
     # everywhere): dO's batch/head/sequence strides go to the kernels, dlse is read as a flat row.
     dout = _unit_last_stride(dout.to(q.dtype))
+    _check_int32_rows(dout)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty_like(lse)
     flags = _flags(q, causal, backend)
@@ -660,10 +693,13 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False):
         return_lse: also return the log-sum-exp.
 
     Returns:
-        ``out [B, Hq, S, D]`` in q's dtype, a view of memory laid out ``[B, S, Hq, D]`` (so
-        ``out.transpose(1, 2).reshape(B, S, Hq * D)``, what an attention layer does next, copies
-        nothing); with ``return_lse=True`` the pair ``(out, lse)`` where ``lse [B, Hq, S]`` float32 is
-        the natural-log log-sum-exp of the scaled (and masked) scores of each query row,
+        ``out [B, Hq, S, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
+        memory: for q a ``[B, Hq, S, D]`` view of a ``[B, S, ...]`` projection, ``out`` is laid out
+        ``[B, S, Hq, D]`` and ``out.transpose(1, 2).reshape(B, S, Hq * D)``, what an attention layer
+        does next, copies nothing (dq, dk, dv likewise follow q, k, v).
+
+        With ``return_lse=True`` the pair ``(out, lse)``, where ``lse [B, Hq, S]`` float32 is the
+        natural-log log-sum-exp of the scaled (and masked) scores of each query row,
         ``lse = log Σ_j exp(scale · q·k_j)``. Partial results over disjoint key sets merge exactly
         with it (``lse = logaddexp(lse₁, lse₂)``, ``out = Σ_i exp(lse_i - lse)·out_i``), which is what
         context-parallel attention needs; gradients may flow through ``lse`` as well.
@@ -683,6 +719,7 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False):
     if backend == Backend.REFERENCE:
         return flash_attention_reference(q, k, v, causal, scale, return_lse=return_lse)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    _check_int32_rows(q, k, v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend)
     else:

@@ -1,0 +1,57 @@
+"""The attention benchmark suite on a CPU in quick mode: its rows, its figures and its correctness check."""
+
+import math
+import re
+
+import pytest
+import torch
+
+import tessel.bench.attention as attention_bench
+from tessel.bench.attention import COLUMNS, PASSES, attention_flops, attention_shapes, run_attention_suite
+from tessel.bench.matmul import BenchmarkError
+
+
+def test_quick_cpu_rows():
+    rows = run_attention_suite(None, quick=True)
+    measured = [r for r in rows if r["case"] != "geomean"]
+    shapes = attention_shapes(cuda=False, quick=True)
+    assert [(r["case"], r["causal"], r["pass"]) for r in measured] == [
+        (s.label, causal, p) for s in shapes for causal in (False, True) for p in PASSES
+    ]
+    for row, shape in zip(measured, [s for s in shapes for _ in range(4)]):
+        assert tuple(row) == COLUMNS
+        assert (row["B"], row["H"], row["S"], row["D"]) == (shape.b, shape.h, shape.s, shape.d)
+        assert row["dtype"] == "float32" and row["torch_backend"] == "default" and row["tessel_of_peak"] is None
+        # The check ran and passed: the error against SDPA is recorded and within fp32's tolerance.
+        assert 0 <= row["max_rel_err"] <= 1e-4
+        assert min(row["tessel_ms"], row["torch_ms"]) > 0
+        flops = attention_flops(shape, row["causal"], row["pass"])
+        assert row["tessel_tflops"] == pytest.approx(flops / row["tessel_ms"] / 1e9)
+        assert row["tessel/torch"] == pytest.approx(row["torch_ms"] / row["tessel_ms"])
+        numbers = [row[k] for k in ("max_rel_err", "tessel_ms", "torch_ms", "tessel_tflops", "torch_tflops")]
+        assert all(math.isfinite(v) for v in numbers)
+    geomeans = rows[len(measured) :]
+    assert [r["case"] for r in geomeans] == ["geomean"] * 2 and [r["pass"] for r in geomeans] == list(PASSES)
+    assert all(r["tessel/torch"] > 0 for r in geomeans)
+
+
+def test_flop_counts():
+    shape = attention_bench.AttentionShape("x", 4, 32, 1024, 128)
+    fwd = 4 * 4 * 32 * 1024**2 * 128
+    assert attention_flops(shape, False, "fwd") == fwd
+    assert attention_flops(shape, True, "fwd") == fwd / 2
+    assert attention_flops(shape, False, "fwd+bwd") == 3.5 * fwd
+
+
+@pytest.mark.parametrize("wrong_pass", PASSES)
+def test_a_wrong_kernel_stops_the_suite(monkeypatch, wrong_pass):
+    flash_attention = attention_bench.flash_attention
+
+    def off_by_a_bit(q, k, v, causal):
+        out = flash_attention(q, k, v, causal)
+        # Forward: 1% off. Backward only: the output is right but its gradient is scaled by 1.01.
+        return out * 1.01 if wrong_pass == "fwd" else out + 0.01 * (out - out.detach())
+
+    monkeypatch.setattr(attention_bench, "flash_attention", off_by_a_bit)
+    with pytest.raises(BenchmarkError, match=re.escape(f"attention suite: tiny {wrong_pass} causal=False")):
+        run_attention_suite(torch.float32, quick=True)
