@@ -1,0 +1,279 @@
+"""Hugging Face models in tessel: their tensor-parallel plans, their decoder layout, and tessel's flash attention.
+
+Nothing here imports ``transformers`` at module level: :func:`register_hf_attention` imports it when it
+is called, and the rest reads models by duck typing (``config.base_model_tp_plan``,
+``base_model_prefix``, ``config.base_model_pp_plan``), so ``import tessel.layers`` never needs it.
+
+Legend: ``B`` batch, ``S`` sequence, ``H`` model width, ``Hq``/``Hkv`` query/key-value heads, ``D`` head
+dim, ``t`` tensor-parallel size.
+
+Sequence parallelism in a Hugging Face decoder (:class:`HFSequenceLayout`). The base model computes
+position ids, rotary tables and the causal mask from the full ``inputs_embeds`` before its first layer,
+so the residual stream is split only where the layers begin, and every block sees whole positions::
+
+    embed_tokens → [B, S, H] ──scatter──▶ [B, S/t, H] ─ layer 0 … L-1 ─ norm ──gather──▶ [B, S, H] → lm_head
+    inside a layer:  norm (shard) → block: gather [B, S, H] → q/k/v or gate/up (local GEMMs, heads of
+                     this rank, rotary on global positions) → o_proj / down_proj: reduce-scatter → [B, S/t, H]
+
+The attention block gathers its input itself (all-gather forward, reduce-scatter backward) rather than
+letting each projection gather: Hugging Face attention reads the sequence length from its input
+(``hidden_states.shape[:-1]``) to reshape q, k, v, so it must receive the whole sequence. One gather
+per block also moves a third of what three per-projection gathers would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..parallel.collectives import gather_from_sequence, gather_from_tp, scatter_to_sequence
+from ..parallel.comm import group_size
+
+__all__ = [
+    "HEAD_COUNT_ATTRS",
+    "HFSequenceLayout",
+    "hf_tp_plan",
+    "is_hf_model",
+    "register_hf_attention",
+    "tessel_attention_forward",
+]
+
+# Attention-module attributes holding a head count (or a width of heads) that Hugging Face modules of
+# various versions read in forward; each becomes its local value (``/ t``) when the heads are split.
+# transformers 5.x Llama/Mistral/Qwen2 attention reshapes with -1 and reads none of them.
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
+
+
+def is_hf_model(model: nn.Module) -> bool:
+    """A ``transformers.PreTrainedModel`` (recognised without importing transformers)."""
+    return hasattr(model, "config") and hasattr(type(model), "base_model_prefix")
+
+
+def base_model(model: nn.Module) -> tuple[str, nn.Module]:
+    """``(name prefix, base model)``: ``("model.", model.model)`` for a head model, ``("", model)`` for a base one."""
+    prefix = getattr(type(model), "base_model_prefix", "") or ""
+    base = getattr(model, prefix, None) if prefix else None
+    if isinstance(base, nn.Module) and base is not model:
+        return prefix + ".", base
+    return "", model
+
+
+def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
+    """The model's own plan: ``config.base_model_tp_plan`` (keys prefixed with the base model's name), the
+    input embedding over the vocabulary (as transformers 5.x adds it), and the head model's ``_tp_plan``."""
+    if not is_hf_model(model):
+        return None
+    base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
+    if not base_plan:
+        return None
+    prefix, base = base_model(model)
+    if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+        base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
+    plan = {prefix + key: style for key, style in base_plan.items()}
+    if prefix:
+        plan.update(getattr(type(model), "_tp_plan", None) or {})
+    return plan
+
+
+# ---------------------------------------------------------------------------------------------------- heads
+
+
+def local_head_updates(module: nn.Module, t: int) -> dict[str, int]:
+    """The head-count attributes ``module`` has and their local values on each of ``t`` ranks.
+
+    Raises ``ValueError`` (naming the attribute) when a count does not split evenly. Widths of heads
+    (``hidden_size``...) are only touched when they equal the query width ``num_heads · head_dim``.
+    """
+    updates = {}
+    for attr in HEAD_COUNT_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % t:
+                raise ValueError(
+                    f"{type(module).__name__}.{attr}={value} does not split over {t} tensor-parallel ranks; kv heads "
+                    "are not replicated across ranks: use a tensor-parallel size that divides every head count"
+                )
+            updates[attr] = value // t
+    head_dim, heads = getattr(module, "head_dim", None), updates.get("num_heads", updates.get("num_attention_heads"))
+    if isinstance(head_dim, int) and heads is not None:
+        for attr in HEAD_WIDTH_ATTRS:
+            if getattr(module, attr, None) == heads * t * head_dim:
+                updates[attr] = heads * head_dim
+    return updates
+
+
+# ---------------------------------------------------------------------------------------------------- sequence parallel
+
+
+def _map_hidden_states(args, kwargs, fn, where: str):
+    """Apply ``fn`` to the hidden-states argument of a forward call (first positional or ``hidden_states=``)."""
+    if args and isinstance(args[0], torch.Tensor):
+        return (fn(args[0]), *args[1:]), kwargs
+    if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+        return args, {**kwargs, "hidden_states": fn(kwargs["hidden_states"])}
+    raise ValueError(f"parallelize: {where} was called without a hidden-states tensor to split along the sequence")
+
+
+@dataclass
+class HFSequenceLayout:
+    """Where a Hugging Face decoder's residual stream starts, runs and ends (``sequence_parallel=True``).
+
+    ``layers``: names of the decoder layers; ``final_norm``: the base model's last norm; ``norms``:
+    residual-stream norms (direct children of the layers whose class name says Norm, and the final
+    norm); ``blocks``: modules inside a layer holding column-parallel projections, which gather the
+    sequence at their input.
+    """
+
+    layers: list[str]
+    final_norm: str
+    norms: list[str]
+    blocks: list[str]
+
+    @classmethod
+    def find(cls, model: nn.Module, column_names: list[str]) -> HFSequenceLayout:
+        prefix, base = base_model(model)
+        layers_name, norm_name = _decoder_names(model, base)
+        layers = getattr(base, layers_name)
+        layer_names = [f"{prefix}{layers_name}.{i}" for i in range(len(layers))]
+        norms = [f"{name}.{child}" for name, layer in zip(layer_names, layers)
+                 for child, m in layer.named_children() if _is_norm(m)]  # fmt: skip
+        norms.append(prefix + norm_name)
+        blocks = sorted({name.rsplit(".", 1)[0] for name in column_names if _inside(name, layer_names)})
+        return cls(layer_names, prefix + norm_name, norms, blocks)
+
+    def in_region(self, name: str) -> bool:
+        """Whether module ``name`` sees the sequence shard (inside a layer, or a residual-stream norm)."""
+        return name in self.norms or _inside(name, self.layers)
+
+    def check(self, model: nn.Module, split_names: set[str]) -> None:
+        """Every block of every layer must be split by the plan: its input is a sequence shard."""
+        modules = dict(model.named_modules())
+        for name in self.layers:
+            for child, m in modules[name].named_children():
+                full = f"{name}.{child}"
+                if full in self.norms or not any(True for _ in m.parameters()):
+                    continue
+                if full in split_names:
+                    raise ValueError(f"parallelize: sequence_parallel=True needs {full} inside a block of its layer; "
+                                     "a decoder layer's direct children see the sequence shard")  # fmt: skip
+                if full not in self.blocks:
+                    raise ValueError(
+                        f"parallelize: sequence_parallel=True but the plan splits nothing in {full} "
+                        f"({type(m).__name__}): every block of a decoder layer receives a sequence shard, so each "
+                        "must hold column-parallel projections that gather it"
+                    )
+        for block in self.blocks:
+            for sub, m in modules[block].named_modules():
+                if isinstance(m, nn.Linear) and f"{block}.{sub}" not in split_names:
+                    raise ValueError(
+                        f"parallelize: sequence_parallel=True but {block}.{sub} is an nn.Linear the plan leaves "
+                        "replicated inside a block that gathers the sequence; split it (colwise/rowwise) as well"
+                    )
+
+    def install(self, model: nn.Module, tp_group) -> None:
+        modules = dict(model.named_modules())
+        t = group_size(tp_group)
+
+        def scatter(module, args, kwargs):
+            def split(x):
+                if x.dim() != 3 or x.shape[1] % t:
+                    raise ValueError(
+                        "parallelize: sequence_parallel=True needs [batch, seq, hidden] hidden states with seq "
+                        f"divisible by the tensor-parallel size {t}, received {tuple(x.shape)}"
+                    )
+                return scatter_to_sequence(x, tp_group, dim=1)
+
+            return _map_hidden_states(args, kwargs, split, self.layers[0])
+
+        def gather(module, args, kwargs):
+            return _map_hidden_states(args, kwargs, lambda x: gather_from_sequence(x, tp_group, dim=1), "a block")
+
+        def gather_output(module, args, out):
+            return gather_from_tp(out, tp_group, dim=1)
+
+        modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)
+        for name in self.blocks:
+            modules[name].register_forward_pre_hook(gather, with_kwargs=True)
+        modules[self.final_norm].register_forward_hook(gather_output)
+
+
+def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
+    """Names (in the base model) of the decoder layers' ModuleList and of the final norm."""
+    pp_plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
+    names = pp_plan or [name for name, _ in base.named_children()]
+    layers = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+    norms = [n for n in names[names.index(layers[0]) + 1 :] if _is_norm(getattr(base, n, None))] if layers else []
+    if len(layers) != 1 or not norms:
+        raise ValueError(
+            f"parallelize: sequence_parallel=True cannot find one ModuleList of decoder layers followed by a final "
+            f"norm in {type(base).__name__} (children {names}); pass sequence_parallel=False"
+        )
+    return layers[0], norms[-1]
+
+
+def _is_norm(module) -> bool:
+    return isinstance(module, nn.Module) and "norm" in type(module).__name__.lower()
+
+
+def _inside(name: str, parents: list[str]) -> bool:
+    return any(name.startswith(p + ".") for p in parents)
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """A Hugging Face attention implementation running :func:`tessel.kernels.attention.flash_attention`.
+
+    ``query [B, Hq, S, D]``, ``key``/``value [B, Hkv, S, D]`` → ``(attn_output [B, S, Hq, D], None)``.
+    tessel's kernel computes causal or full attention over equal query and key lengths. Everything else
+    is passed to Hugging Face's ``sdpa`` implementation, with the same result: an explicit mask (padding,
+    packed sequences, sliding windows that bite — Hugging Face passes ``None`` for a plain causal mask),
+    query and key lengths that differ (decoding with a cache), attention dropout, a position bias, and
+    head dims or dtypes the kernel does not take.
+    """
+    from ..kernels.attention import HEAD_DIMS, flash_attention
+
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    kernel_ok = (
+        attention_mask is None
+        and query.shape[2] == key.shape[2]
+        and not (dropout and module.training)
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and query.shape[-1] in HEAD_DIMS
+        and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and query.shape[1] % key.shape[1] == 0
+    )
+    if not kernel_ok:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling)
+    return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def register_hf_attention() -> str:
+    """Register :func:`tessel_attention_forward` with transformers as ``attn_implementation="tessel"``.
+
+    Also registers Hugging Face's ``sdpa`` mask builder under the same name, which returns ``None`` for a
+    plain causal mask. Idempotent; returns ``"tessel"``. Use it with
+    ``AutoModelForCausalLM.from_config(config, attn_implementation="tessel")`` or
+    ``model.set_attn_implementation("tessel")``.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("tessel", tessel_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # transformers < 4.53 builds masks without a registry
+        pass
+    else:
+        AttentionMaskInterface.register("tessel", sdpa_mask)
+    return "tessel"

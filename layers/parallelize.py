@@ -1,0 +1,423 @@
+"""``parallelize(model, tp_group)``: tensor parallelism for a model that already exists, from a plan.
+
+A plan maps module-name globs to styles. Names are those of ``model.named_modules()``; in a glob ``*``
+matches one name segment and ``?`` one character of a segment (``"layers.*.self_attn.q_proj"``).
+Without a plan the model's own is used: ``type(model).tessel_tp_plan`` (tessel's GPT), else the
+Hugging Face plan (``config.base_model_tp_plan`` below the base model's prefix, the input embedding
+over the vocabulary as transformers 5.x adds it, and the head model's ``_tp_plan``).
+
+=================================================  ===================================================
+style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)
+=================================================  ===================================================
+colwise (local_colwise)                            ColumnParallelLinear: output rows ``r·N/t …``
+colwise_gather (colwise_gather_output,             the same with ``gather_output=True`` (full output on
+colwise_rep, gather on a Linear)                   every rank: a Hugging Face ``lm_head``)
+packed_colwise                                     one column layer over two packed halves ([gate; up]),
+                                                   each split separately; returns one tensor
+rowwise (local_rowwise)                            RowParallelLinear: input columns ``r·K/t …``, reduced
+rowwise_split (rowwise_split_input, rowwise_rep)   the same with ``input_is_parallel=False``
+embedding (embedding_rowwise; rowwise on an        VocabParallelEmbedding: vocabulary rows ``r·V/t …``
+nn.Embedding)
+norm (sequence_parallel)                           tessel RMSNorm/LayerNorm under sequence parallelism;
+                                                   unchanged without it (its input is replicated)
+replicated_with_grad_allreduce                     unchanged; its parameter gradients are summed over
+                                                   the group in backward (norms over local heads)
+all_reduce                                         unchanged; its output is summed over the group
+replicate (local, local_params)                    unchanged
+=================================================  ===================================================
+
+Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and expert/MLA styles are refused by name.
+
+Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module
+of the wrong kind, widths or head counts that do not split over the group (kv heads fewer than ranks are
+not replicated) raise ``ValueError`` and leave the model as it was. Then every replacement is built,
+and only then installed. Parents of split projections see their local head counts: tessel's attention
+derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
+older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layers.hf.local_head_updates`).
+
+``sequence_parallel=True``: tessel's GPT (and any model written like it) passes the flag to every
+layer, and the layers split and gather the sequence. A Hugging Face decoder is split where its layers
+begin and gathered after its final norm (:class:`~tessel.layers.hf.HFSequenceLayout`); the sequence
+length must then be divisible by ``t``. Parameters replicated over the group (norms, a replicated
+embedding, biases of row layers) hold their complete gradient after ``backward()``.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..kernels.matmul import matmul
+from ..parallel.collectives import copy_to_tp, reduce_from_tp
+from ..parallel.comm import group_rank, group_size
+from ..parallel.sharding import local_shard
+from .attention import ParallelAttention, check_heads
+from .embedding import VocabParallelEmbedding
+from .hf import HFSequenceLayout, hf_tp_plan, is_hf_model, local_head_updates
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .norm import LayerNorm, RMSNorm
+
+__all__ = ["STYLES", "parallelize"]
+
+COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
+ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
+GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
+
+STYLES: dict[str, str] = {
+    COLUMN: COLUMN, "local_colwise": COLUMN,
+    COLUMN_GATHER: COLUMN_GATHER, "colwise_gather_output": COLUMN_GATHER, "colwise_rep": COLUMN_GATHER,
+    "gather": COLUMN_GATHER,
+    PACKED_COLUMN: PACKED_COLUMN,
+    ROW: ROW, "local_rowwise": ROW,
+    ROW_SPLIT: ROW_SPLIT, "rowwise_split_input": ROW_SPLIT, "rowwise_rep": ROW_SPLIT,
+    EMBEDDING: EMBEDDING, "embedding_rowwise": EMBEDDING,
+    NORM: NORM, "sequence_parallel": NORM,
+    GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
+    REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
+}  # fmt: skip
+_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "mla_kv_a_proj", "moe_tp_experts",
+            "moe_identity_expert", "grouped_gemm", "ep_router", "ep_dispatch_experts")  # fmt: skip
+_SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
+
+
+@dataclass
+class _Entry:
+    name: str
+    module: nn.Module
+    style: str  # as written in the plan
+    kind: str  # one of the canonical styles
+    sequence_parallel: bool = False
+    gathered: bool = False  # a column layer whose block gathers the sequence (Hugging Face under SP)
+    new: nn.Module | None = None
+
+
+def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None,
+                sequence_parallel: bool = False) -> nn.Module:  # fmt: skip
+    """Split ``model``'s layers over ``tp_group`` in place, following ``plan`` or the model's own; returns it.
+
+    ``tp_group=None`` is the default group (a world of one without a process group). Every rank of the
+    group must call this on identical models (same weights): rank ``r`` keeps its shards.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"parallelize: model must be an nn.Module, received {type(model).__name__}")
+    t = group_size(tp_group)
+    entries = _match(model, _own_plan(model) if plan is None else plan)
+    for e in entries:
+        _validate_entry(e, t)
+    layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
+    for e in entries:
+        e.sequence_parallel = sequence_parallel and (layout is None or layout.in_region(e.name))
+        e.gathered = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
+    heads = _local_heads(model, entries, t)
+    for e in entries:
+        e.new = _build(e, tp_group)
+    ties = _ties(model, entries)
+    # ---- nothing of the model has changed above this line ----
+    _install(model, entries, tp_group)
+    for target, source in ties:
+        setattr(model.get_submodule(target[0]), target[1], getattr(model.get_submodule(source[0]), source[1]))
+    for parent, updates in heads:
+        for attr, value in updates.items():
+            setattr(parent, attr, value)
+    if layout is not None:
+        layout.install(model, tp_group)
+    for attr, value in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel)):
+        if hasattr(model, attr) and not is_hf_model(model):
+            setattr(model, attr, value)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- plans
+
+
+def _own_plan(model: nn.Module) -> dict[str, str]:
+    plan = getattr(type(model), "tessel_tp_plan", None) or hf_tp_plan(model)
+    if not plan:
+        raise ValueError(
+            f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
+            "config.base_model_tp_plan); pass plan={module-name glob: style}, e.g. {'layers.*.fc1': 'colwise'}"
+        )
+    return dict(plan)
+
+
+def _glob_regex(glob: str) -> re.Pattern:
+    """``*`` → one name segment, ``?`` → one character of a segment; everything else literal."""
+    return re.compile("".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in glob))
+
+
+def _kind(style, glob: str, module: nn.Module) -> str:
+    if not isinstance(style, str):
+        raise TypeError(f"parallelize: the style of {glob!r} must be a str, received {type(style).__name__}")
+    if style in _REFUSED:
+        raise ValueError(f"parallelize: {glob!r}: the Hugging Face style {style!r} is not supported by tessel")
+    if style not in STYLES:
+        raise ValueError(f"parallelize: {glob!r}: unknown style {style!r}; expected one of {sorted(STYLES)}")
+    kind = STYLES[style]
+    if kind == ROW and isinstance(module, nn.Embedding):  # Hugging Face 4.x's rowwise embedding
+        return EMBEDDING
+    return kind
+
+
+def _match(model: nn.Module, plan) -> list[_Entry]:
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize: plan must be a mapping of module-name globs to styles, received {plan!r}")
+    modules = [(name, m) for name, m in model.named_modules() if name]
+    chosen: dict[str, _Entry] = {}
+    for glob, style in plan.items():
+        if not isinstance(glob, str):
+            raise TypeError(f"parallelize: plan keys must be module-name globs (str), received {glob!r}")
+        regex = _glob_regex(glob)
+        hits = [(name, m) for name, m in modules if regex.fullmatch(name)]
+        if not hits:
+            what = "names a parameter; plans name modules" if any(
+                regex.fullmatch(p) for p, _ in model.named_parameters()) else "matches no module"  # fmt: skip
+            raise ValueError(f"parallelize: plan glob {glob!r} {what} of {type(model).__name__}")
+        for name, m in hits:
+            kind = _kind(style, glob, m)
+            if name in chosen and chosen[name].kind != kind:
+                raise ValueError(f"parallelize: {name} is matched as {chosen[name].style!r} and as {style!r}")
+            chosen[name] = _Entry(name, m, style, kind)
+    order = {name: i for i, (name, _) in enumerate(modules)}
+    return sorted(chosen.values(), key=lambda e: order[e.name])
+
+
+def _sequence_layout(model: nn.Module, entries: list[_Entry]) -> HFSequenceLayout:
+    """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``)."""
+    layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in (COLUMN, PACKED_COLUMN)])
+    layout.check(model, {e.name for e in entries if e.kind in _SPLIT_LINEAR})
+    named = {e.name for e in entries}
+    modules = dict(model.named_modules())
+    entries.extend(_Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
+    return layout
+
+
+# ---------------------------------------------------------------------------------------------------- validation
+
+
+def _local_heads(model: nn.Module, entries: list[_Entry], t: int) -> list[tuple[nn.Module, dict[str, int]]]:
+    """The head-count attributes to set on attention modules; raises when heads do not split over ``t``."""
+    parents: dict[str, list[_Entry]] = {}
+    for e in entries:
+        if e.kind in (COLUMN, PACKED_COLUMN, ROW) and "." in e.name:
+            parents.setdefault(e.name.rsplit(".", 1)[0], []).append(e)
+    heads = []
+    for parent_name, children in parents.items():
+        parent = model.get_submodule(parent_name)
+        if isinstance(parent, ParallelAttention):
+            check_heads(parent_name, parent.n_head, parent.n_kv_head, t)
+            continue
+        _check_head_widths(parent_name, parent, children, t)
+        try:
+            updates = local_head_updates(parent, t)
+        except ValueError as err:
+            raise ValueError(f"parallelize: {parent_name}: {err}") from None
+        if updates:
+            heads.append((parent, updates))
+    return heads
+
+
+def _fail(e: _Entry, why: str) -> None:
+    raise ValueError(f"parallelize: {e.name} ({type(e.module).__name__}, style {e.style!r}): {why}")
+
+
+def _validate_entry(e: _Entry, t: int) -> None:
+    m = e.module
+    if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT):
+        parallel = ColumnParallelLinear if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN) else RowParallelLinear
+        if isinstance(m, parallel) and e.kind != PACKED_COLUMN:
+            if m.tp_size != 1:
+                _fail(e, f"already split over {m.tp_size} ranks")
+        elif not isinstance(m, nn.Linear):
+            _fail(e, f"expected an nn.Linear{'' if e.kind == PACKED_COLUMN else ' or ' + parallel.__name__}")
+        if e.kind in (ROW, ROW_SPLIT):
+            if m.in_features % t:
+                _fail(e, f"in_features={m.in_features} is not divisible by the tensor-parallel size {t}")
+            return
+        out = m.out_features
+        parts = (out // 2, out // 2) if e.kind == PACKED_COLUMN and out % 2 == 0 else out
+        for n in (parts,) if isinstance(parts, int) else parts:
+            if n % t:
+                _fail(e, f"out_features {out} (part {n}) is not divisible by the tensor-parallel size {t}")
+    elif e.kind == EMBEDDING:
+        if isinstance(m, VocabParallelEmbedding):
+            if m.tp_size != 1:
+                _fail(e, f"already split over {m.tp_size} ranks")
+        elif not isinstance(m, nn.Embedding):
+            _fail(e, "expected an nn.Embedding or a VocabParallelEmbedding")
+        elif m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
+            _fail(e, "max_norm, scale_grad_by_freq and sparse embeddings cannot be split over the vocabulary")
+        if m.num_embeddings % t:
+            _fail(e, f"num_embeddings={m.num_embeddings} is not divisible by the tensor-parallel size {t}")
+    elif e.kind == NORM and e.sequence_parallel and not any(True for _ in m.parameters(recurse=False)):
+        _fail(e, "a norm without parameters needs no style")
+
+
+def _check_head_widths(parent_name: str, parent: nn.Module, children: list[_Entry], t: int) -> None:
+    """With a ``head_dim``, each projection's width must hold a whole number of heads per rank."""
+    head_dim = getattr(parent, "head_dim", None)
+    if not isinstance(head_dim, int) or head_dim <= 0:
+        return
+    for e in children:
+        m = e.module
+        if e.kind == ROW:
+            widths = [m.in_features]
+        elif e.kind == PACKED_COLUMN:
+            widths = [m.out_features // 2]
+        else:
+            widths = [m.out_features] if isinstance(m.out_features, int) else list(m.out_features)
+        for width in widths:
+            heads, rest = divmod(width, head_dim)
+            if rest == 0 and heads % t:
+                raise ValueError(
+                    f"parallelize: {e.name}: {heads} heads (width {width}, head_dim {head_dim}) do not split over "
+                    f"{t} tensor-parallel ranks; kv heads are not replicated across ranks: use a tensor-parallel "
+                    f"size that divides every head count"
+                )
+
+
+# ---------------------------------------------------------------------------------------------------- building
+
+
+class _GatheredInputColumn(ColumnParallelLinear):
+    """A column-parallel projection in a block that gathers the sequence at its own input: a local GEMM.
+
+    Its input gradient is partial (this rank's output features only); the block's gather sums the
+    partial gradients of all its projections over the group in one reduce-scatter.
+    """
+
+    def forward(self, x: torch.Tensor):
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"{type(self).__name__}: input's last dimension must be in_features = "
+                             f"{self.in_features}, received shape {tuple(x.shape)}")  # fmt: skip
+        y = matmul(x.reshape(-1, self.in_features), self.weight.t(), self.bias).view(*x.shape[:-1], -1)
+        return y.split(self.local_parts, dim=-1) if len(self.local_parts) > 1 else y
+
+
+def _build(e: _Entry, tp_group) -> nn.Module | None:
+    """The replacement of ``e.module`` (None: the module stays, with hooks). Changes nothing of the model."""
+    column = _GatheredInputColumn if e.gathered else ColumnParallelLinear
+    sp = e.sequence_parallel and not e.gathered
+    if e.kind == COLUMN:
+        return column.from_linear(e.module, tp_group=tp_group, sequence_parallel=sp)
+    if e.kind == COLUMN_GATHER:
+        return ColumnParallelLinear.from_linear(e.module, tp_group=tp_group, gather_output=True)
+    if e.kind == PACKED_COLUMN:
+        return _packed_column(column, e.module, tp_group, sp)
+    if e.kind == ROW:
+        return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
+    if e.kind == ROW_SPLIT:
+        return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False)
+    if e.kind == EMBEDDING:
+        return VocabParallelEmbedding.from_embedding(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
+    if e.kind == NORM and e.sequence_parallel:
+        norm = _sequence_parallel_norm(e.module, tp_group)
+        if norm is None:  # a norm tessel does not reproduce keeps its forward; its grads are reduced
+            e.kind = GRAD_ALL_REDUCE
+        return norm
+    return None
+
+
+def _packed_column(cls, linear: nn.Linear, tp_group, sequence_parallel: bool) -> ColumnParallelLinear:
+    """Rank r keeps ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight, so ``y.chunk(2, -1)`` still splits it."""
+    t, r = group_size(tp_group), group_rank(tp_group)
+    w, parts = linear.weight, (linear.out_features // 2, linear.out_features // 2)
+    layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
+                sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype)  # fmt: skip
+    with torch.no_grad():
+        layer.weight.copy_(local_shard(w, 0, parts, r, t))
+        if layer.bias is not None:
+            layer.bias.copy_(local_shard(linear.bias, 0, parts, r, t))
+    for p in (layer.weight, layer.bias):
+        if p is not None:
+            p.tp_parts = parts
+    return layer
+
+
+def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module | None:
+    """tessel's norm over sequence shards, or None when tessel's kernels do not compute what ``norm`` does."""
+    if isinstance(norm, (RMSNorm, LayerNorm)):
+        kw = {"bias": norm.bias is not None} if isinstance(norm, LayerNorm) else {}
+        w = norm.weight
+        layer = type(norm)(norm.dim, norm.eps, tp_group=tp_group, sequence_parallel=True, device=w.device,
+                           dtype=w.dtype, **kw)  # fmt: skip
+        layer.load_state_dict(norm.state_dict())
+        return layer
+    cls = LayerNorm if isinstance(norm, nn.LayerNorm) else RMSNorm
+    try:  # RMSNorm.from_module probes foreign norms and refuses those it does not reproduce (Gemma's 1 + w)
+        return cls.from_module(norm, tp_group=tp_group, sequence_parallel=True)
+    except (TypeError, ValueError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------------- installing
+
+
+def _ties(model: nn.Module, entries: list[_Entry]) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+    """Parameters shared by replaced modules (a tied lm_head and embedding), to share again after the swap."""
+    replaced = {e.name: e for e in entries if e.new is not None}
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, m in model.named_modules(remove_duplicate=False):
+        for p_name, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name, p_name))
+    ties = []
+    for group in owners.values():
+        names = sorted({mod for mod, _ in group})
+        if len(names) < 2 or not any(n in replaced for n in names):
+            continue
+        outside = [n for n in names if n not in replaced]
+        if outside:
+            raise ValueError(f"parallelize: {names[0]} shares a parameter with {outside}, which the plan does not "
+                             f"split the same way: split both or untie them")  # fmt: skip
+        source, source_p = group[0]
+        want = getattr(replaced[source].new, source_p)
+        for target, target_p in group[1:]:
+            got = getattr(replaced[target].new, target_p)
+            if got.shape != want.shape or getattr(got, "tp_dim", 0) != getattr(want, "tp_dim", 0):
+                raise ValueError(f"parallelize: {source} and {target} share a parameter but are split differently "
+                                 f"({tuple(want.shape)} vs {tuple(got.shape)})")  # fmt: skip
+            ties.append(((target, target_p), (source, source_p)))
+    return ties
+
+
+def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
+    for e in entries:
+        if e.new is not None:
+            parent, _, child = e.name.rpartition(".")
+            setattr(model.get_submodule(parent), child, e.new)
+        elif e.kind == GRAD_ALL_REDUCE:
+            _reduce_parameter_grads(e.module, tp_group)
+        elif e.kind == ALL_REDUCE:
+            e.module.register_forward_hook(lambda m, args, out: _map_first(out, lambda y: reduce_from_tp(y, tp_group)))
+        else:
+            assert e.kind not in _SPLIT_LINEAR, f"{e.name}: a split layer was not built"
+
+
+def _map_first(out, fn):
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (fn(out[0]), *out[1:])
+    raise ValueError(f"parallelize: style 'all_reduce' needs a module returning a tensor, received {type(out)}")
+
+
+def _reduce_parameter_grads(module: nn.Module, tp_group) -> None:
+    """During each forward the module's own parameters pass through ``copy_to_tp`` (identity forward,
+    all-reduce backward), so their gradients are summed over the group before they accumulate: correct
+    under gradient accumulation too, where a hook on ``.grad`` would reduce the running sum again."""
+    saved: list[dict] = []
+
+    def enter(m, args):
+        own = {n: p for n, p in m._parameters.items() if p is not None and p.requires_grad}
+        saved.append(own)
+        for n, p in own.items():
+            m._parameters[n] = copy_to_tp(p, tp_group)
+
+    def leave(m, args, out):
+        m._parameters.update(saved.pop())
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)
