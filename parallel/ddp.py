@@ -106,7 +106,10 @@ class DDP(nn.Module):
 
     @contextlib.contextmanager
     def no_sync(self):
-        """Accumulate gradients locally inside the block; the next backward outside it reduces them."""
+        """Accumulate gradients locally for the backwards run inside the block; the next backward outside reduces.
+
+        Decided when backward runs (not at forward, unlike torch's DDP): put the ``backward()`` inside.
+        """
         previous, self._sync = self._sync, False
         try:
             yield
@@ -145,7 +148,8 @@ class DDP(nn.Module):
         self._touched[bi] = True
         bucket = self.buckets[bi]
         if self.zero_stage and self._accumulated[bi]:
-            # ZeRO-1 reduces in place, so the captures about to come overwrite the reduced shard: keep it.
+            # The coming reduce-scatter overwrites the shard (and under ZeRO-1, where the shard is a view of
+            # the full gradient, so do the captures before it): keep the reduced gradients it holds.
             self._stash[bi] = bucket.grad_shard.clone()
         if bucket.grad is None:  # ZeRO-2 frees the full gradient after each reduction
             bucket.grad = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.device)

@@ -74,7 +74,10 @@ class FSDP(nn.Module):
         specs = [(name, mod, named) for (name, mod), named in zip(chosen, assigned)]
         if assigned[-1]:
             specs.insert(0, ("", None, assigned[-1]))  # the root runs first: it wraps the whole forward
-        self.units = [Unit(name, mod, named, group, self.world_size, self.rank) for name, mod, named in specs]
+        self._live: dict[int, Unit] = {}  # storage address -> gathered unit (what _pack looks up)
+        self.units = [
+            Unit(name, mod, named, group, self.world_size, self.rank, self._live) for name, mod, named in specs
+        ]
         self.buckets = [u.bucket for u in self.units]
         self._shard_params(module)
         self.zero_stage = 0
@@ -142,11 +145,8 @@ class FSDP(nn.Module):
 
     def _pack(self, t: torch.Tensor):
         ptr = t.untyped_storage().data_ptr()
-        if ptr:
-            for u in self.units:
-                if u.state != "free" and u.storage_ptr == ptr:
-                    return (u, t)
-        return t
+        u = self._live.get(ptr) if ptr else None
+        return t if u is None else (u, t)
 
     def _unpack(self, packed):
         if not isinstance(packed, tuple):

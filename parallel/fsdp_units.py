@@ -99,7 +99,7 @@ class Unit:
     """One unit's flat buffer ``full [P]`` (own storage, zero bytes while sharded) and its ``[s]`` shards."""
 
     def __init__(self, name: str, module: nn.Module | None, named: list[tuple[str, nn.Parameter]], group,
-                 world_size: int, rank: int):  # fmt: skip
+                 world_size: int, rank: int, live: dict[int, Unit]):  # fmt: skip
         slots, offset = [], 0
         for pname, p in named:
             slots.append(Slot(pname, p, offset, p.numel(), p.shape))
@@ -110,7 +110,9 @@ class Unit:
         self.full = torch.zeros(self.bucket.padded, dtype=self.bucket.dtype, device=self.bucket.device)
         self.bucket.params = self.full
         self._work = None
+        self._live = live  # storage address -> unit, for every unit whose parameters hold storage
         self.state = "gathered"  # "free" | "gathering" | "gathered"
+        live[self.storage_ptr] = self
         self.ready = 0  # trainable parameters whose gradient arrived in this backward
         self.accumulated = False  # grad_shard holds reduced gradients not yet zeroed
 
@@ -130,6 +132,7 @@ class Unit:
         if self.state != "free":
             return
         self.full.untyped_storage().resize_(self.bucket.padded * self.full.element_size())
+        self._live[self.storage_ptr] = self
         _, self._work = all_gather(self.bucket.param_shard, self.group, out=self.full, async_op=True)
         self.state = "gathering"
 
@@ -146,5 +149,6 @@ class Unit:
         if self.state == "free":
             return
         self.wait()
+        del self._live[self.storage_ptr]
         self.full.untyped_storage().resize_(0)
         self.state = "free"

@@ -185,6 +185,7 @@ class ZeroAdam(torch.optim.Optimizer):
         self._growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
         self._applied_steps, self._skipped_steps = 0, 0
         self._last_found_inf: tuple[torch.Tensor, object] | None = None
+        self.grad_norm: torch.Tensor | None = None  # the last step's global gradient norm, before clipping
 
     def _build_state(self) -> None:
         buckets = self._owner.buckets
@@ -266,11 +267,12 @@ class ZeroAdam(torch.optim.Optimizer):
         sumsq, count = (stats[0] + stats[2], stats[1] + stats[3]) if tp else (stats[0], stats[1])
         found_inf = (count > 0).to(torch.float32).reshape(1)
         inv_scale = None if self._scale is None else (1.0 / self._scale).reshape(1)
-        if self.max_grad_norm is None:
-            return inv_scale, found_inf
         norm = sumsq.sqrt().reshape(1)
         if inv_scale is not None:
             norm = norm * inv_scale
+        self.grad_norm = norm  # a device tensor: reading it (for logging) is the caller's synchronisation
+        if self.max_grad_norm is None:
+            return inv_scale, found_inf
         coef = (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
         return (coef if inv_scale is None else coef * inv_scale), found_inf
 

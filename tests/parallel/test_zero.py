@@ -69,11 +69,10 @@ def _reference(name, steps=STEPS):
     opt = torch.optim.AdamW(_param_groups(net, lr, groups))
     for step in range(steps):
         _loss(net, *_batch(step)).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        norm = torch.nn.utils.clip_grad_norm_(net.parameters(), math.inf if clip is None else clip)
         opt.step()
         opt.zero_grad()
-    return [p.detach().clone() for p in net.parameters()], net(_probe()).detach()
+    return [p.detach().clone() for p in net.parameters()], net(_probe()).detach(), norm
 
 
 def _half(x, rank, world_size):
@@ -101,7 +100,8 @@ def _train(rank, world_size, name, steps=STEPS):
     copies_exact = all(
         torch.equal(m.to(dtype), b.param_shard) for m, b in zip(opt._master, ddp.buckets) if m is not b.param_shard
     )
-    return [p.detach().float().clone() for p in net.parameters()], ddp(_probe(dtype)).detach().float(), copies_exact
+    weights = [p.detach().float().clone() for p in net.parameters()]
+    return weights, ddp(_probe(dtype)).detach().float(), copies_exact, opt.grad_norm.reshape(()).clone()
 
 
 def _skip_on_one_rank(rank, world_size):
@@ -180,9 +180,11 @@ def two_rank_results():
 @pytest.mark.parametrize("name", list(CASES))
 def test_zero_matches_whole_batch_adamw(two_rank_results, name):
     tol = BF16 if CASES[name][3] == torch.bfloat16 else FP32
-    weights, out = _reference(name)
+    weights, out, norm = _reference(name)
     for rank, results in enumerate(two_rank_results):
-        got_weights, got_out, copies_exact = results[name]
+        got_weights, got_out, copies_exact, got_norm = results[name]
+        # the last step's global gradient norm (over both ranks' shards), before clipping
+        torch.testing.assert_close(got_norm, norm, **tol)
         for i, (g, w) in enumerate(zip(got_weights, weights)):
             torch.testing.assert_close(g, w, **tol, msg=lambda m, i=i, r=rank: f"{name} rank {r} weight {i}: {m}")
         torch.testing.assert_close(got_out, out, **tol, msg=lambda m, r=rank: f"{name} rank {r} output: {m}")
@@ -370,7 +372,7 @@ def test_cuda_bf16_world_of_one_and_skip(stage):
     from tessel.parallel.ddp import DDP
     from tessel.parallel.zero import ZeroAdam
 
-    weights, _ = _reference("zero2_bf16")  # lr 1e-3, weight decay 0.1, from the bf16-rounded weights
+    weights, _, _ = _reference("zero2_bf16")  # lr 1e-3, weight decay 0.1, from the bf16-rounded weights
     net = _net(torch.bfloat16).cuda()
     ddp = DDP(net)
     opt = ZeroAdam(ddp.parameters(), lr=1e-3, weight_decay=0.1, stage=stage, loss_scale="dynamic")
