@@ -28,6 +28,7 @@ import torch
 
 from ..kernels.matmul import matmul
 from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
+from .pipeline.weight_grad import is_deferring, submit
 from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
 
 __all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_grad_all_reduce", "matmul_reduce_scatter"]
@@ -44,6 +45,29 @@ def _sum_dgrad(grads, weights, rows: slice, out: torch.Tensor, accumulate: bool)
     """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input."""
     for i, (g, w) in enumerate(zip(grads, weights)):
         matmul(g[rows], w, out=out, accumulate=accumulate or i > 0)
+
+
+def _defer(params, compute) -> bool:
+    """Under a zero-bubble schedule's backward-input pass, postpone the weight-gradient GEMMs.
+
+    ``compute()`` returns one gradient per parameter of ``params``; it is submitted to the active
+    :class:`~tessel.parallel.pipeline.weight_grad.WeightGradStore` and, when the schedule's ``W``
+    action runs it, accumulated into ``.grad`` (autograd does not: the Function returns ``None`` for
+    those parameters). Returns whether it deferred.
+    """
+    if not is_deferring():
+        return False
+
+    def accumulate():
+        for p, g in zip(params, compute()):
+            g = g.to(p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+
+    submit(accumulate)
+    return True
 
 
 def _bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -73,6 +97,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 matmul(x_full, w.t(), b, out=y)
         ctx.save_for_backward(x_full, *weights)
         ctx.group, ctx.overlap, ctx.m, ctx.has_bias = group, overlap, m, [b is not None for b in biases]
+        ctx.weight_params = weights
         return tuple(outs)
 
     @staticmethod
@@ -80,7 +105,13 @@ class _AllGatherMatmul(torch.autograd.Function):
         x_full, *weights = ctx.saved_tensors
         group, m = ctx.group, ctx.m
         grads = [g.contiguous() for g in grads]
-        if ctx.overlap:
+        deferred = _defer(ctx.weight_params, lambda: [matmul(g.t(), x_full) for g in grads])
+        if deferred:
+            dx_full = torch.empty_like(x_full)
+            _sum_dgrad(grads, weights, slice(None), dx_full, False)
+            dx, _ = reduce_scatter(dx_full, group)
+            dws = [None] * len(weights)
+        elif ctx.overlap:
             dws = [_grad_buffer(w) for w in weights]
 
             def gemm(c, lo, hi, out, accumulate, last):
@@ -142,7 +173,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
         else:
             y, _ = reduce_scatter(matmul(x, weight.t(), bias if r == 0 else None), group)
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.overlap, ctx.has_bias = group, overlap, bias is not None
+        ctx.group, ctx.overlap, ctx.has_bias, ctx.weight_param = group, overlap, bias is not None, weight
         return y
 
     @staticmethod
@@ -150,7 +181,11 @@ class _MatmulReduceScatter(torch.autograd.Function):
         x, weight = ctx.saved_tensors
         group, grad_y = ctx.group, grad_y.contiguous()
         m = grad_y.shape[0]
-        if ctx.overlap:
+        if is_deferring():
+            g_full, _ = all_gather(grad_y, group)
+            dx, dw = matmul(g_full, weight), None
+            _defer([ctx.weight_param], lambda: [matmul(g_full.t(), x)])
+        elif ctx.overlap:
             dx = torch.empty_like(x)
             dw = _grad_buffer(weight)
 
@@ -194,14 +229,15 @@ class _MatmulAllReduce(torch.autograd.Function):
         else:
             y, _ = all_reduce(matmul(x, weight.t(), once), group)
         ctx.save_for_backward(x, weight)
-        ctx.has_bias = bias is not None
+        ctx.has_bias, ctx.weight_param = bias is not None, weight
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
-        dx, dw = matmul(grad_y, weight), matmul(grad_y.t(), x)
+        deferred = _defer([ctx.weight_param], lambda: [matmul(grad_y.t(), x)])
+        dx, dw = matmul(grad_y, weight), None if deferred else matmul(grad_y.t(), x)
         return None, None, dx, dw, _bias_grad(grad_y, weight) if ctx.has_bias else None
 
 
@@ -220,6 +256,7 @@ class _MatmulGradAllReduce(torch.autograd.Function):
         weights, biases = params[:n_w], params[n_w:]
         ctx.save_for_backward(x, *weights)
         ctx.group, ctx.overlap, ctx.has_bias = group, overlap, [b is not None for b in biases]
+        ctx.weight_params = weights
         return tuple(matmul(x, w.t(), b) for w, b in zip(weights, biases))
 
     @staticmethod
@@ -227,7 +264,11 @@ class _MatmulGradAllReduce(torch.autograd.Function):
         x, *weights = ctx.saved_tensors
         grads = [g.contiguous() for g in grads]
         dws = []
-        compute_wgrad = lambda: dws.extend(matmul(g.t(), x) for g in grads)
+        if _defer(ctx.weight_params, lambda: [matmul(g.t(), x) for g in grads]):
+            dws = [None] * len(weights)
+            compute_wgrad = lambda: None
+        else:
+            compute_wgrad = lambda: dws.extend(matmul(g.t(), x) for g in grads)
         if ctx.overlap:
             dx = chunked_all_reduce(
                 x.shape[0], x.shape[1], x, ctx.group, "matmul_grad_all_reduce.backward", ALL_REDUCE_CHUNKS,
