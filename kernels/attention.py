@@ -668,6 +668,7 @@ class _FlashAttentionFunction(torch.autograd.Function):
         return out, lse
 
     @staticmethod
+    @torch.autograd.function.once_differentiable  # the Triton backward builds no graph of its own
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]

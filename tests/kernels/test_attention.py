@@ -214,6 +214,14 @@ def test_gradients_when_only_some_inputs_require_them(seed, monkeypatch, needs):
     assert launched == expected  # a gradient nobody asked for is not computed
 
 
+def test_second_derivatives_are_refused(seed):
+    q, k, v = make_qkv("gqa", 19, 16, torch.float32)
+    q.requires_grad_()
+    (dq,) = torch.autograd.grad(flash_attention(q, k, v).square().sum(), q, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable"):
+        dq.sum().backward()
+
+
 def test_no_graph_without_requires_grad(seed):
     q, k, v = make_qkv("gqa", 19, 16, torch.float32)
     assert flash_attention(q, k, v).grad_fn is None
@@ -266,7 +274,7 @@ def test_outputs_follow_the_input_layout(seed, order):
 
 
 def test_every_output_element_is_written(seed, monkeypatch):
-    """Every buffer tessel allocates starts as NaN: out, lse, Δ, dq, dk, dv must all be fully written."""
+    """torch.empty{,_like} return NaN-filled tensors for the whole test: out, lse, Δ, dq, dk, dv are all written."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def nan_empty(*args, **kwargs):
