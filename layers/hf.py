@@ -34,8 +34,10 @@ from ..parallel.comm import group_size
 __all__ = [
     "HEAD_COUNT_ATTRS",
     "HFSequenceLayout",
+    "head_dim_of",
     "hf_tp_plan",
     "is_hf_model",
+    "local_head_updates",
     "register_hf_attention",
     "tessel_attention_forward",
 ]
@@ -63,14 +65,16 @@ def base_model(model: nn.Module) -> tuple[str, nn.Module]:
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The model's own plan: ``config.base_model_tp_plan`` (keys prefixed with the base model's name), the
-    input embedding over the vocabulary (as transformers 5.x adds it), and the head model's ``_tp_plan``."""
+    input embedding over the vocabulary as transformers 5.x adds it (when it is a plain ``nn.Embedding``:
+    Gemma's scales its output in its own forward and stays replicated), and the head model's ``_tp_plan``."""
     if not is_hf_model(model):
         return None
     base_plan = dict(getattr(model.config, "base_model_tp_plan", None) or {})
     if not base_plan:
         return None
     prefix, base = base_model(model)
-    if isinstance(getattr(base, "embed_tokens", None), nn.Embedding):
+    embed = getattr(base, "embed_tokens", None)
+    if isinstance(embed, nn.Embedding) and type(embed).forward is nn.Embedding.forward:
         base_plan = {"embed_tokens": "embedding_rowwise", **base_plan}
     plan = {prefix + key: style for key, style in base_plan.items()}
     if prefix:
@@ -79,6 +83,15 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
 
 
 # ---------------------------------------------------------------------------------------------------- heads
+
+
+def head_dim_of(module: nn.Module) -> int | None:
+    """The module's head dim, by the names Hugging Face attention modules use."""
+    for attr in ("head_dim", "attention_head_size"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
 
 
 def local_head_updates(module: nn.Module, t: int) -> dict[str, int]:
@@ -97,8 +110,8 @@ def local_head_updates(module: nn.Module, t: int) -> dict[str, int]:
                     "are not replicated across ranks: use a tensor-parallel size that divides every head count"
                 )
             updates[attr] = value // t
-    head_dim, heads = getattr(module, "head_dim", None), updates.get("num_heads", updates.get("num_attention_heads"))
-    if isinstance(head_dim, int) and heads is not None:
+    head_dim, heads = head_dim_of(module), updates.get("num_heads", updates.get("num_attention_heads"))
+    if head_dim is not None and heads is not None:
         for attr in HEAD_WIDTH_ATTRS:
             if getattr(module, attr, None) == heads * t * head_dim:
                 updates[attr] = heads * head_dim

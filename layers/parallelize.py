@@ -57,7 +57,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
-from .hf import HFSequenceLayout, hf_tp_plan, is_hf_model, local_head_updates
+from .hf import HFSequenceLayout, head_dim_of, hf_tp_plan, is_hf_model, local_head_updates
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import LayerNorm, RMSNorm
 
@@ -126,7 +126,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     if layout is not None:
         layout.install(model, tp_group)
     for attr, value in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel)):
-        if hasattr(model, attr) and not is_hf_model(model):
+        if hasattr(model, attr):  # tessel's GPT: its loss reads the group
             setattr(model, attr, value)
     return model
 
@@ -149,20 +149,18 @@ def _glob_regex(glob: str) -> re.Pattern:
     return re.compile("".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in glob))
 
 
-def _kind(style, glob: str, module: nn.Module) -> str:
+def _canonical(style, glob: str) -> str:
     if not isinstance(style, str):
         raise TypeError(f"parallelize: the style of {glob!r} must be a str, received {type(style).__name__}")
     if style in _REFUSED:
         raise ValueError(f"parallelize: {glob!r}: the Hugging Face style {style!r} is not supported by tessel")
     if style not in STYLES:
         raise ValueError(f"parallelize: {glob!r}: unknown style {style!r}; expected one of {sorted(STYLES)}")
-    kind = STYLES[style]
-    if kind == ROW and isinstance(module, nn.Embedding):  # Hugging Face 4.x's rowwise embedding
-        return EMBEDDING
-    return kind
+    return STYLES[style]
 
 
 def _match(model: nn.Module, plan) -> list[_Entry]:
+    """One entry per matched module, in the model's order; every glob must match a module."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a mapping of module-name globs to styles, received {plan!r}")
     modules = [(name, m) for name, m in model.named_modules() if name]
@@ -170,17 +168,17 @@ def _match(model: nn.Module, plan) -> list[_Entry]:
     for glob, style in plan.items():
         if not isinstance(glob, str):
             raise TypeError(f"parallelize: plan keys must be module-name globs (str), received {glob!r}")
-        regex = _glob_regex(glob)
+        kind, regex = _canonical(style, glob), _glob_regex(glob)
         hits = [(name, m) for name, m in modules if regex.fullmatch(name)]
         if not hits:
-            what = "names a parameter; plans name modules" if any(
-                regex.fullmatch(p) for p, _ in model.named_parameters()) else "matches no module"  # fmt: skip
+            params = any(regex.fullmatch(p) for p, _ in model.named_parameters())
+            what = "names a parameter; plans name modules" if params else "matches no module"
             raise ValueError(f"parallelize: plan glob {glob!r} {what} of {type(model).__name__}")
         for name, m in hits:
-            kind = _kind(style, glob, m)
-            if name in chosen and chosen[name].kind != kind:
+            k = EMBEDDING if kind == ROW and isinstance(m, nn.Embedding) else kind  # Hugging Face 4.x's rowwise
+            if name in chosen and chosen[name].kind != k:
                 raise ValueError(f"parallelize: {name} is matched as {chosen[name].style!r} and as {style!r}")
-            chosen[name] = _Entry(name, m, style, kind)
+            chosen[name] = _Entry(name, m, style, k)
     order = {name: i for i, (name, _) in enumerate(modules)}
     return sorted(chosen.values(), key=lambda e: order[e.name])
 
@@ -233,33 +231,38 @@ def _validate_entry(e: _Entry, t: int) -> None:
                 _fail(e, f"already split over {m.tp_size} ranks")
         elif not isinstance(m, nn.Linear):
             _fail(e, f"expected an nn.Linear{'' if e.kind == PACKED_COLUMN else ' or ' + parallel.__name__}")
+        elif type(m).forward is not nn.Linear.forward:
+            _fail(e, "it overrides nn.Linear.forward, which the parallel layer would not reproduce")
         if e.kind in (ROW, ROW_SPLIT):
             if m.in_features % t:
                 _fail(e, f"in_features={m.in_features} is not divisible by the tensor-parallel size {t}")
             return
         out = m.out_features
-        parts = (out // 2, out // 2) if e.kind == PACKED_COLUMN and out % 2 == 0 else out
-        for n in (parts,) if isinstance(parts, int) else parts:
+        if e.kind == PACKED_COLUMN:
+            if out % 2:
+                _fail(e, f"out_features={out} cannot hold two packed halves")
+            out = (out // 2, out // 2)
+        for n in (out,) if isinstance(out, int) else out:
             if n % t:
-                _fail(e, f"out_features {out} (part {n}) is not divisible by the tensor-parallel size {t}")
+                _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")
     elif e.kind == EMBEDDING:
         if isinstance(m, VocabParallelEmbedding):
             if m.tp_size != 1:
                 _fail(e, f"already split over {m.tp_size} ranks")
         elif not isinstance(m, nn.Embedding):
             _fail(e, "expected an nn.Embedding or a VocabParallelEmbedding")
+        elif type(m).forward is not nn.Embedding.forward:
+            _fail(e, "it overrides nn.Embedding.forward, which VocabParallelEmbedding would not reproduce")
         elif m.max_norm is not None or m.scale_grad_by_freq or m.sparse:
             _fail(e, "max_norm, scale_grad_by_freq and sparse embeddings cannot be split over the vocabulary")
         if m.num_embeddings % t:
             _fail(e, f"num_embeddings={m.num_embeddings} is not divisible by the tensor-parallel size {t}")
-    elif e.kind == NORM and e.sequence_parallel and not any(True for _ in m.parameters(recurse=False)):
-        _fail(e, "a norm without parameters needs no style")
 
 
 def _check_head_widths(parent_name: str, parent: nn.Module, children: list[_Entry], t: int) -> None:
     """With a ``head_dim``, each projection's width must hold a whole number of heads per rank."""
-    head_dim = getattr(parent, "head_dim", None)
-    if not isinstance(head_dim, int) or head_dim <= 0:
+    head_dim = head_dim_of(parent)
+    if head_dim is None:
         return
     for e in children:
         m = e.module
@@ -313,9 +316,9 @@ def _build(e: _Entry, tp_group) -> nn.Module | None:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False)
     if e.kind == EMBEDDING:
         return VocabParallelEmbedding.from_embedding(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
-    if e.kind == NORM and e.sequence_parallel:
+    if e.kind == NORM and e.sequence_parallel and any(True for _ in e.module.parameters()):
         norm = _sequence_parallel_norm(e.module, tp_group)
-        if norm is None:  # a norm tessel does not reproduce keeps its forward; its grads are reduced
+        if norm is None:  # a norm tessel's kernels do not reproduce keeps its forward; its grads are reduced
             e.kind = GRAD_ALL_REDUCE
         return norm
     return None

@@ -42,6 +42,7 @@ def _model(family, kv_heads=2, seed=0, **kw):
         "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM),
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # per-head q/k norms
+        "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),  # (1 + weight) norms
     }[family]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=False)  # fmt: skip
@@ -92,13 +93,18 @@ def _assert_unchanged(model, before, types):
 
 def _two_ranks(rank, world_size):
     from tessel.layers.hf import register_hf_attention
+    from tessel.layers.norm import RMSNorm
     from tessel.layers.parallelize import parallelize
 
-    for family in ("llama", "mistral", "qwen2", "qwen3"):
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma"):
         for sp in (False, True):
             dense = _model(family)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
             _check_against_dense(dense, par, f"{family} sp={sp}")
+            # under SP the norms run on sequence shards: tessel's RMSNorm, or Gemma's own (1 + weight) norm,
+            # which tessel's kernel does not compute, with its weight gradients reduced over the ranks
+            is_tessel_norm = isinstance(par.model.layers[1].post_attention_layernorm, RMSNorm)
+            assert is_tessel_norm == (sp and family != "gemma")
     # a base model (no lm_head): its last hidden state is gathered whole
     dense = _model("llama").model
     _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, sequence_parallel=True), "LlamaModel")
