@@ -16,12 +16,24 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+from .adam import run_adam_suite
+from .attention import run_attention_suite
 from .matmul import BenchmarkError, run_matmul_suite
+from .pipeline import run_pipeline_suite
 from .runner import environment, report
 
 __all__ = ["SUITES", "main"]
 
-SUITES = {"matmul": run_matmul_suite}
+SUITES = {
+    "matmul": run_matmul_suite,
+    "attention": run_attention_suite,
+    "adam": run_adam_suite,
+    "pipeline": run_pipeline_suite,
+}
+# Suites whose figures are exact counts, the same on every machine (not timings).
+HARDWARE_INDEPENDENT = {"pipeline"}
+# Suites that write files of their own (plots) next to the tables.
+WRITES_FILES = {"pipeline"}
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 
@@ -57,12 +69,13 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     env = environment()
     for name in args.suites or list(SUITES):
+        kwargs = {"out_dir": args.out} if name in WRITES_FILES else {}
         try:
-            rows = SUITES[name](dtype=dtype, quick=args.quick)
+            rows = SUITES[name](dtype=dtype, quick=args.quick, **kwargs)
         except BenchmarkError as exc:
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             return 1
-        report(name, rows, env, args.out)
+        report(name, rows, env, args.out, timed=name not in HARDWARE_INDEPENDENT)
     return 0
 
 

@@ -188,26 +188,30 @@ def _markdown(suite: str, rows: Sequence[dict], env: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def write_results(suite: str, rows: Sequence[dict], env: dict, out_dir: str | os.PathLike) -> tuple[Path, Path]:
+def write_results(
+    suite: str, rows: Sequence[dict], env: dict, out_dir: str | os.PathLike, timed: bool = True
+) -> tuple[Path, Path]:
     """Write ``<out_dir>/<YYYY-MM-DD>-<device>-<suite>.json`` and the ``.md`` table beside it."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     stem = f"{env['date'][:10]}-{_device_slug(env)}-{suite}"
-    record = {"suite": suite, **env, "caveat": caveat(env), "rows": list(rows)}
+    record = {"suite": suite, **env, "caveat": caveat(env) if timed else None, "rows": list(rows)}
     json_path, md_path = out_dir / f"{stem}.json", out_dir / f"{stem}.md"
     json_path.write_text(json.dumps(record, indent=2) + "\n")
     md_path.write_text(_markdown(suite, rows, env))
     return json_path, md_path
 
 
-def report(suite: str, rows: Sequence[dict], env: dict, out_dir: str | os.PathLike) -> tuple[Path, Path]:
-    """Print the table between two copies of the CPU caveat, then write the result files."""
-    warning = caveat(env)
+def report(
+    suite: str, rows: Sequence[dict], env: dict, out_dir: str | os.PathLike, timed: bool = True
+) -> tuple[Path, Path]:
+    """Print the table (between two copies of the CPU caveat when its rows are timings), write the files."""
+    warning = caveat(env) if timed else None
     if warning:
         print(warning)
     print_table(rows)
     if warning:
         print(warning)
-    paths = write_results(suite, rows, env, out_dir)
+    paths = write_results(suite, rows, env, out_dir, timed)
     print(f"wrote {paths[0]} and {paths[1]}")
     return paths

@@ -1,19 +1,30 @@
-"""Process groups, collectives, communication/GEMM overlap (and, to come: DDP, FSDP, ZeRO, pipeline)."""
+"""Process groups, collectives, communication/GEMM overlap, DDP, FSDP, ZeRO (pipeline: ``tessel.parallel.pipeline``)."""
 
 from .comm import ByteCounter, EventLog, count_bytes, record_events
+from .ddp import DDP
 from .dims import ParallelDims, init_parallel, shutdown
+from .fsdp import FSDP
+from .memory import MemoryAccount, memory_account, zero_memory_bytes, zero_traffic_bytes
 from .overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
+from .zero import ZeroAdam
 
 __all__ = [
+    "DDP",
+    "FSDP",
     "ByteCounter",
     "EventLog",
+    "MemoryAccount",
     "ParallelDims",
+    "ZeroAdam",
     "all_gather_matmul",
     "count_bytes",
     "init_parallel",
     "matmul_all_reduce",
     "matmul_grad_all_reduce",
     "matmul_reduce_scatter",
+    "memory_account",
     "record_events",
     "shutdown",
+    "zero_memory_bytes",
+    "zero_traffic_bytes",
 ]
