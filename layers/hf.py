@@ -18,7 +18,9 @@ so the residual stream is split only where the layers begin, and every block see
 The attention block gathers its input itself (all-gather forward, reduce-scatter backward) rather than
 letting each projection gather: Hugging Face attention reads the sequence length from its input
 (``hidden_states.shape[:-1]``) to reshape q, k, v, so it must receive the whole sequence. One gather
-per block also moves a third of what three per-projection gathers would.
+per block also moves a third of what three per-projection gathers would. Under sequence parallelism
+the intermediate ``output_hidden_states`` are sequence shards, and decoding one token at a time (whose
+length does not split) needs ``sequence_parallel=False``.
 """
 
 from __future__ import annotations
@@ -170,8 +172,10 @@ class HFSequenceLayout:
                 if full in self.norms or not any(True for _ in m.parameters()):
                     continue
                 if full in split_names:
-                    raise ValueError(f"parallelize: sequence_parallel=True needs {full} inside a block of its layer; "
-                                     "a decoder layer's direct children see the sequence shard")  # fmt: skip
+                    raise ValueError(
+                        f"parallelize: sequence_parallel=True cannot split {full}: a decoder layer's direct "
+                        "children see a sequence shard; only blocks below them gather it"
+                    )
                 if full not in self.blocks:
                     raise ValueError(
                         f"parallelize: sequence_parallel=True but the plan splits nothing in {full} "

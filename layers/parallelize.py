@@ -29,8 +29,10 @@ replicate (local, local_params)                    unchanged
 Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and expert/MLA styles are refused by name.
 
 Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module
-of the wrong kind, widths or head counts that do not split over the group (kv heads fewer than ranks are
-not replicated) raise ``ValueError`` and leave the model as it was. Then every replacement is built,
+of the wrong kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose
+extra work a tessel layer would drop), widths or head counts that do not split over the group (kv heads
+fewer than ranks are not replicated), parameters tied to a module split differently, all raise
+``ValueError`` and leave the model as it was. Then every replacement is built,
 and only then installed. Parents of split projections see their local head counts: tessel's attention
 derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
 older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layers.hf.local_head_updates`).
