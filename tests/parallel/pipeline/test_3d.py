@@ -86,3 +86,52 @@ def test_tp2_pp2_gpt_matches_the_dense_run(schedule, sequence_parallel):
     curves = run_ranks(_train_3d, 4, schedule, sequence_parallel, timeout=300, env={"TRITON_INTERPRET": "0"})
     last_stage = [c for c in curves if c]
     assert len(last_stage) == 2 and last_stage[0] == last_stage[1]
+
+
+def _train_dp_pp(rank, world_size, optimizer):
+    from tessel.parallel import DDP, ZeroAdam
+
+    dims = init_parallel(tp=1, pp=2, dp=2)
+    cfg = GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=16)
+    solo = [dist.new_group([r]) for r in range(world_size)][rank]
+    torch.manual_seed(0)
+    dense = GPT(cfg, tp_group=solo)
+    torch.manual_seed(0)
+    gpt = GPT(cfg, tp_group=dims.tp_group)
+    stage_module = gpt.pipeline_stage(dims.pp_rank, 2)
+    ddp = DDP(stage_module, group=dims.dp_group)
+    stage = PipelineStage(ddp, dims.pp_rank, 2, group=dims.pp_group)
+    pipe = Schedule1F1B(stage, 3, gpt.loss_from_logits)
+    hyper = dict(lr=1e-2, weight_decay=0.1)
+    if optimizer == "zero":
+        opt = ZeroAdam(ddp.parameters(), group=dims.dp_group, **hyper)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), **hyper)
+    dense_opt = torch.optim.AdamW(dense.parameters(), **hyper)
+    rows = slice(dims.dp_rank * BATCH // 2, (dims.dp_rank + 1) * BATCH // 2)  # this data-parallel rank's half
+    curve, dense_curve = [], []
+    for step in range(STEPS):
+        idx, targets = _batch(cfg, step)
+        losses = []
+        opt.zero_grad()
+        pipe.step(idx[rows], target=targets[rows], losses=losses)
+        opt.step()
+        dense_opt.zero_grad()
+        loss = dense.loss(idx, targets)
+        loss.backward()
+        dense_opt.step()
+        dense_curve.append(loss.item())
+        if losses:  # the mean over both data-parallel halves is the whole batch's loss
+            mean = torch.stack(losses).mean().reshape(1)
+            dist.all_reduce(mean, group=dims.dp_group)
+            curve.append(mean.item() / 2)
+    if curve:
+        torch.testing.assert_close(torch.tensor(curve), torch.tensor(dense_curve), **TOL)
+    _compare(gpt, dense, stage_module, dims.tp_group, "data", dict(rtol=1e-4, atol=1e-4))
+    return curve
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("optimizer", ["adamw", "zero"], ids=["ddp+adamw", "ddp+zero2"])
+def test_dp2_pp2_gpt_with_ddp_matches_the_dense_run(optimizer):
+    run_ranks(_train_dp_pp, 4, optimizer, timeout=300, env={"TRITON_INTERPRET": "0"})
