@@ -4,9 +4,11 @@ from .attention import ParallelAttention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .gpt import GPT, GPTConfig, TransformerBlock
+from .hf import register_hf_attention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import ParallelMLP
 from .norm import LayerNorm, RMSNorm
+from .parallelize import parallelize
 
 __all__ = [
     "GPT",
@@ -19,5 +21,7 @@ __all__ = [
     "RowParallelLinear",
     "TransformerBlock",
     "VocabParallelEmbedding",
+    "parallelize",
+    "register_hf_attention",
     "vocab_parallel_cross_entropy",
 ]
