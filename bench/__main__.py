@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 from .adam import run_adam_suite
 from .attention import run_attention_suite
 from .matmul import BenchmarkError, run_matmul_suite
+from .overlap import run_overlap_suite
 from .pipeline import run_pipeline_suite
 from .runner import environment, report
 
@@ -28,10 +29,12 @@ SUITES = {
     "matmul": run_matmul_suite,
     "attention": run_attention_suite,
     "adam": run_adam_suite,
+    "overlap": run_overlap_suite,
     "pipeline": run_pipeline_suite,
 }
-# Suites whose figures are exact counts, the same on every machine (not timings).
-HARDWARE_INDEPENDENT = {"pipeline"}
+# Suites whose figures are exact counts, the same on every machine (not timings); on a CPU the overlap
+# suite reports bytes and schedules only.
+HARDWARE_INDEPENDENT = {"pipeline"} | (set() if torch.cuda.is_available() else {"overlap"})
 # Suites that write files of their own (plots) next to the tables.
 WRITES_FILES = {"pipeline"}
 
@@ -75,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
         except BenchmarkError as exc:
             print(f"{parser.prog}: {exc}", file=sys.stderr)
             return 1
+        if rows is None:  # a rank other than 0 of a multi-process suite: rank 0 reports
+            continue
         report(name, rows, env, args.out, timed=name not in HARDWARE_INDEPENDENT)
     return 0
 
