@@ -1,0 +1,65 @@
+"""Training data for ``python -m tessel.bench.train``: a text file read as byte tokens (vocabulary 256).
+
+Legend: ``G`` global batch (sequences per step, all data-parallel ranks together), ``B = G / dp`` this
+rank's rows, ``S`` sequence length.
+
+Step ``k`` of a run seeded ``seed`` draws the ``G`` window starts from a generator seeded with
+``(seed, k)`` alone, and data-parallel rank ``r`` takes rows ``[r·B, (r+1)·B)``. The batch of a step is
+therefore a pure function of ``(seed, step, dp rank, dp size)``: a resumed run needs nothing but the
+step to continue where it stopped, and every layout sees the same global batch, so the loss of a step
+does not depend on how the world is split.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+
+__all__ = ["DEFAULT_DATASET", "ByteDataset"]
+
+DEFAULT_DATASET = Path(__file__).with_name("data") / "python_reference.txt"
+
+_SEED_LIMIT = 2**31  # (seed, step) are packed into one 64-bit generator seed: seed · 2³² + step
+
+
+class ByteDataset:
+    """The bytes of a file as int64 tokens, cut into ``(inputs, targets)`` windows of ``seq_len`` tokens.
+
+    ``targets`` is ``inputs`` shifted by one byte. Raises ``ValueError`` when the file holds fewer than
+    ``seq_len + 1`` bytes.
+    """
+
+    def __init__(self, path: str | Path = DEFAULT_DATASET, *, seq_len: int):
+        path = Path(path)
+        if seq_len < 1:
+            raise ValueError(f"ByteDataset: seq_len must be a positive int, received {seq_len}")
+        data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
+        if data.size < seq_len + 1:
+            raise ValueError(f"ByteDataset: {path} holds {data.size} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        self.path, self.seq_len = path, seq_len
+        self.tokens = torch.from_numpy(data.copy())  # uint8; widened per batch
+        self._offsets = torch.arange(seq_len + 1)
+
+    def __len__(self) -> int:
+        return self.tokens.numel()
+
+    def batch(
+        self, step: int, *, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's ``(inputs [B, S], targets [B, S])`` int64 rows of step ``step``'s global batch."""
+        if not 0 <= seed < _SEED_LIMIT:
+            raise ValueError(f"ByteDataset.batch: seed must be in [0, 2**31), received {seed}")
+        if not 0 <= step < 2**32:
+            raise ValueError(f"ByteDataset.batch: step must be in [0, 2**32), received {step}")
+        if batch_size % dp_size:
+            raise ValueError(
+                f"ByteDataset.batch: batch_size={batch_size} is not divisible by the data-parallel size {dp_size}"
+            )
+        gen = torch.Generator().manual_seed(seed * 2**32 + step)
+        starts = torch.randint(0, len(self) - self.seq_len, (batch_size,), generator=gen)
+        rows = batch_size // dp_size
+        mine = starts[dp_rank * rows : (dp_rank + 1) * rows]
+        window = self.tokens[mine[:, None] + self._offsets].long()  # [B, S + 1]
+        return window[:, :-1], window[:, 1:]

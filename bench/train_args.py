@@ -1,0 +1,198 @@
+"""Command line of ``python -m tessel.bench.train``: options, model-size presets, and their validation.
+
+Everything here is checked before any process group exists, from torchrun's ``WORLD_SIZE``, so a bad
+argument ends every rank at once with one line on stderr and a non-zero status, and never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .dataset import DEFAULT_DATASET
+
+__all__ = ["DTYPES", "PRESETS", "SCHEDULES", "ArgumentError", "Preset", "parse_args"]
+
+PROG = "python -m tessel.bench.train"
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+INTERLEAVED_CHUNKS = 2  # stages per pipeline rank under --schedule interleaved
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model shape (``GPTConfig`` keywords) and the run defaults that suit it."""
+
+    model: dict = field(default_factory=dict)
+    seq_len: int = 64
+    batch_size: int = 8
+    lr: float = 1e-3
+    steps: int = 100
+
+
+# Shapes (layers, width, heads) of the GPT-3 paper's table (Brown et al. 2020, Table 2.1) for 125m,
+# 350m and 1b (its "1.3B XL"); with a 256-byte vocabulary the embeddings are tiny, so the parameter
+# counts (printed at start) are a little below the names: 85M, 302M and 1.21B.
+PRESETS: dict[str, Preset] = {
+    "tiny": Preset(dict(n_layer=4, n_head=4, n_embd=64, block_size=256), seq_len=64, batch_size=8, lr=3e-3, steps=200),
+    "small": Preset(dict(n_layer=6, n_head=6, n_embd=384, block_size=1024), seq_len=256, batch_size=32, lr=1e-3),
+    "125m": Preset(dict(n_layer=12, n_head=12, n_embd=768, block_size=2048), seq_len=1024, batch_size=16, lr=6e-4),
+    "350m": Preset(dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048), seq_len=1024, batch_size=16, lr=3e-4),
+    "1b": Preset(dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048), seq_len=2048, batch_size=8, lr=2e-4),
+}
+
+
+class ArgumentError(ValueError):
+    """An argument that cannot work; its message is the one line the command prints."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad argument in one line (argparse's default adds the whole usage text)."""
+
+    def error(self, message: str):
+        raise ArgumentError(f"{message} (see --help)")
+
+
+def _parser(cuda: bool) -> argparse.ArgumentParser:
+    p = _Parser(prog=PROG, description="Train tessel's GPT on a bundled text under any dp × pp × tp layout.")
+    add = p.add_argument
+    add(
+        "--preset",
+        choices=PRESETS,
+        default="125m" if cuda else "tiny",
+        help="model size (default: tiny on a CPU, 125m on a GPU)",
+    )
+    add("--tp", type=int, default=1, help="tensor-parallel size")
+    add("--pp", type=int, default=1, help="pipeline-parallel size")
+    add("--dp", type=int, default=-1, help="data-parallel size (default: world size / (tp·pp))")
+    add(
+        "--zero",
+        type=int,
+        choices=(0, 1, 2, 3),
+        default=0,
+        help="0: DDP + torch AdamW; 1, 2: DDP + ZeroAdam (ZeRO-1/2); 3: FSDP + ZeroAdam",
+    )
+    add("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule when --pp > 1")
+    add("--microbatches", type=int, default=None, help="microbatches per step when --pp > 1 (default: 2·pp)")
+    add("--sequence-parallel", action="store_true", help="split activations over the sequence between TP layers")
+    add("--dtype", choices=DTYPES, default="bf16" if cuda else "fp32", help="parameter and activation dtype")
+    add("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
+    add("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
+    add("--batch-size", type=int, default=None, help="sequences per step over all data-parallel ranks")
+    add("--lr", type=float, default=None, help="AdamW learning rate (default: the preset's)")
+    add("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay")
+    add("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
+    add("--seed", type=int, default=1234, help="seed of the initial weights and of the data order")
+    add("--data", type=Path, default=DEFAULT_DATASET, help="text file to train on, read as bytes")
+    add("--out", type=Path, default=Path("runs/train"), help="directory for the run's JSON, plot and checkpoints")
+    add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
+    add("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk")
+    add("--resume", action="store_true", help="continue from the latest complete checkpoint under --out")
+    add("--profile", action="store_true", help="write a Chrome trace of a few steps under --out")
+    add("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)  # test switch: see _check_kill
+    add("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Parse and validate ``argv``; fill the preset's defaults; raise :class:`ArgumentError` on a bad one."""
+    cuda = torch.cuda.is_available()
+    args = _parser(cuda).parse_args(argv)
+    preset = PRESETS[args.preset]
+    for name in ("seq_len", "batch_size", "lr", "steps"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(preset, name))
+    args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    _check_layout(args)
+    _check_model(args, preset)
+    _check_run(args)
+    _check_kill(args)
+    return args
+
+
+def _positive(args, *names: str) -> None:
+    for name in names:
+        if getattr(args, name) < 1:
+            raise ArgumentError(
+                f"--{name.replace('_', '-')} must be a positive integer, received {getattr(args, name)}"
+            )
+
+
+def _check_layout(args) -> None:
+    _positive(args, "tp", "pp")
+    if args.dp == -1:
+        if args.world_size % (args.tp * args.pp):
+            raise ArgumentError(
+                f"--tp {args.tp} × --pp {args.pp} = {args.tp * args.pp} does not divide the world size "
+                f"{args.world_size} (torchrun --nproc_per_node)"
+            )
+        args.dp = args.world_size // (args.tp * args.pp)
+    _positive(args, "dp")
+    if args.tp * args.pp * args.dp != args.world_size:
+        raise ArgumentError(
+            f"--tp {args.tp} × --pp {args.pp} × --dp {args.dp} = {args.tp * args.pp * args.dp} does not match the "
+            f"world size {args.world_size} (torchrun --nproc_per_node)"
+        )
+    if args.pp == 1 and args.microbatches not in (None, 1):
+        raise ArgumentError(f"--microbatches {args.microbatches} needs --pp > 1")
+    if args.microbatches is None:
+        args.microbatches = 2 * args.pp if args.pp > 1 else 1
+    _positive(args, "microbatches")
+    args.stages_per_rank = INTERLEAVED_CHUNKS if args.pp > 1 and args.schedule == "interleaved" else 1
+
+
+def _check_model(args, preset: Preset) -> None:
+    model = preset.model
+    block, layers, heads = model["block_size"], model["n_layer"], model.get("n_kv_head") or model["n_head"]
+    _positive(args, "seq_len")
+    if args.seq_len > block:
+        raise ArgumentError(f"--seq-len {args.seq_len} exceeds the block size {block} of preset {args.preset!r}")
+    if heads % args.tp:
+        raise ArgumentError(f"--tp {args.tp} does not divide the {heads} heads of preset {args.preset!r}")
+    stages = args.pp * args.stages_per_rank
+    if stages > layers:
+        raise ArgumentError(
+            f"{stages} pipeline stages (--pp {args.pp}, schedule {args.schedule}) exceed the {layers} layers of "
+            f"preset {args.preset!r}"
+        )
+    if args.pp > 1 and args.schedule == "zb" and (args.dp > 1 or args.zero > 0):
+        raise ArgumentError(
+            "--schedule zb defers weight gradients to after DDP's and FSDP's reductions, which they do not "
+            "support yet: use it with --dp 1 --zero 0"
+        )
+    if args.sequence_parallel and args.seq_len % args.tp:
+        raise ArgumentError(f"--sequence-parallel needs --seq-len {args.seq_len} divisible by --tp {args.tp}")
+
+
+def _check_run(args) -> None:
+    _positive(args, "steps", "batch_size", "keep_checkpoints")
+    if args.batch_size % args.dp:
+        raise ArgumentError(f"--batch-size {args.batch_size} is not divisible by the data-parallel size {args.dp}")
+    local = args.batch_size // args.dp
+    if local % args.microbatches:
+        raise ArgumentError(
+            f"the {local} sequences per data-parallel rank do not split into --microbatches {args.microbatches}"
+        )
+    if args.lr <= 0 or args.weight_decay < 0 or args.grad_clip < 0:
+        raise ArgumentError("--lr must be positive, --weight-decay and --grad-clip non-negative")
+    if not 0 <= args.seed < 2**31:
+        raise ArgumentError(f"--seed must be in [0, 2**31), received {args.seed}")
+    if args.save_every < 0:
+        raise ArgumentError(f"--save-every must be 0 (never) or positive, received {args.save_every}")
+    if not args.data.is_file():
+        raise ArgumentError(f"--data {args.data}: no such file")
+    if args.dtype == "fp16" and args.zero == 0:
+        raise ArgumentError("--dtype fp16 needs loss scaling: use --zero 1, 2 or 3 (ZeroAdam's dynamic loss scale)")
+
+
+def _check_kill(args) -> None:
+    """``--kill-rank R --kill-at-step K``: rank R kills itself with SIGKILL when step K begins, on the
+    first attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), to test restarts."""
+    if (args.kill_rank is None) != (args.kill_at_step is None):
+        raise ArgumentError("--kill-rank and --kill-at-step go together")
+    if args.kill_rank is not None and not 0 <= args.kill_rank < args.world_size:
+        raise ArgumentError(f"--kill-rank {args.kill_rank} is not a rank of the world of {args.world_size}")

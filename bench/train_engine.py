@@ -1,0 +1,311 @@
+"""The model of a training run under its layout, and one optimizer step of it.
+
+Every rank builds the whole ``GPT`` from the same seed (so the initial weights do not depend on the
+layout: ``layers/gpt.py`` draws each global tensor and keeps the rank's TP shard), then keeps what its
+layout gives it:
+
+- tensor parallelism: the GPT is built on the mesh's TP group;
+- pipeline parallelism: the rank's stages (``GPT.pipeline_stage``; under the interleaved schedule pp
+  rank ``r`` holds stages ``r, r + pp, …``), each a ``PipelineStage`` driven by one schedule; the
+  parameters of other stages are released;
+- data parallelism: the rank's stages are wrapped in one tessel ``DDP`` (``--zero 0``: torch's AdamW;
+  1, 2: ``ZeroAdam``) or ``FSDP`` (``--zero 3``, with ``ZeroAdam``) on the DP group; with one DP rank
+  and ``--zero 0`` there is nothing to reduce and torch's AdamW updates the parameters directly.
+
+The loss of a step is the mean over the global batch: each DP rank's loss is the mean over its rows
+(and over the microbatches of a pipeline), the gradients are averaged over DP, and the reported value
+is averaged over DP ranks on the last pipeline stage.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ..layers.gpt import GPT, GPTConfig, TransformerBlock
+from ..parallel.comm import group_size
+from ..parallel.dims import ParallelDims
+from ..parallel.sharding import is_tp_sharded
+from .train_args import DTYPES, PRESETS, ArgumentError
+from .train_state import TorchAdamWState, ZeroAdamState, load_model_state, model_state, model_template
+
+__all__ = ["Engine", "build_engine"]
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+
+
+def _need(module: str, flag: str):
+    """Import ``tessel.<module>`` or fail with one line saying which option needs it."""
+    import importlib
+
+    try:
+        return importlib.import_module(f"tessel.{module}")
+    except ImportError:
+        raise ArgumentError(f"{flag} needs tessel.{module}, not available") from None
+
+
+@dataclass
+class Engine:
+    """What one rank trains: the GPT, its stages and wrappers, the optimizer, and the pipeline schedule."""
+
+    args: object
+    dims: ParallelDims
+    gpt: GPT
+    stages: list[nn.Module]  # this rank's stage modules (the GPT itself without pipelining)
+    wrapper: nn.Module  # the one DDP/FSDP wrapper around all of them
+    named: dict[str, nn.Parameter]  # this rank's parameters by their name in the whole GPT
+    optimizer: torch.optim.Optimizer
+    opt_state: object  # turns the optimizer's state into global tensors and back (train_state.py)
+    num_params: int = 0  # of the whole model, counted before other stages' parameters were released
+    flops_per_token: float = 0.0
+    schedule: object = None
+    is_first: bool = True
+    is_last: bool = True
+    _microbatch_losses: list[torch.Tensor] = field(default_factory=list)
+
+    @property
+    def config(self) -> GPTConfig:
+        return self.gpt.config
+
+    @property
+    def device(self) -> torch.device:
+        return self.dims.device
+
+    @property
+    def rank(self) -> int:
+        return self.dims.rank
+
+    # ------------------------------------------------------------------------------------------------ step
+
+    def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
+        return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
+
+    def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.gpt.loss_from_logits(logits, target)
+        self._microbatch_losses.append(loss.detach().float())
+        return self._scaled(loss)
+
+    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on this rank's rows ``x, y [B, S]``; returns the global batch's mean loss (fp32)."""
+        self.optimizer.zero_grad(set_to_none=False)
+        if self.schedule is None:
+            loss = self.gpt.loss_from_logits(self.wrapper(x), y)
+            self._scaled(loss).backward()
+            local = loss.detach().float()
+        else:
+            self._run_pipeline(x, y)
+            local = torch.stack(self._microbatch_losses).mean() if self.is_last else torch.zeros((), device=x.device)
+        if self.args.grad_clip > 0 and self.args.zero == 0:
+            clip_grad_norm(self.named.values(), self.args.grad_clip, self.dims)
+        elif self.args.grad_clip > 0 and self.args.pp > 1:  # ZeroAdam's own clipping sees DP and TP, not PP
+            clip_grad_shards(self.wrapper, self.args.grad_clip, self.dims, self.optimizer.loss_scale)
+        self.optimizer.step()
+        return self._global_loss(local)
+
+    def _run_pipeline(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        """One schedule step over the microbatches, reducing the DDP gradients once instead of per microbatch.
+
+        The schedule runs a backward per microbatch and stage, each of which would reduce every bucket;
+        under ``no_sync`` they accumulate locally, and a backward of ``0 · Σ p`` afterwards (zeros into
+        every gradient) fires DDP's hooks once, launching each bucket's reduction of the sum. FSDP has
+        no ``no_sync``: it reduce-scatters per backward and accumulates the shards.
+        """
+        self._microbatch_losses.clear()
+        inputs = (x,) if self.is_first else ()
+        no_sync = getattr(self.wrapper, "no_sync", None)
+        with no_sync() if no_sync else contextlib.nullcontext():
+            self.schedule.step(*inputs, target=y if self.is_last else None)
+        if no_sync:
+            self._zero_backward()
+
+    def _zero_backward(self) -> None:
+        params = [p for p in self.named.values() if p.requires_grad]
+        torch.autograd.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
+
+    def _global_loss(self, local: torch.Tensor) -> torch.Tensor:
+        """Mean over DP of the last pipeline stage's loss (TP ranks hold the same value)."""
+        total = local.reshape(1).to(self.device, torch.float32)
+        dist.all_reduce(total)  # only last-stage ranks contribute: dp·tp copies of DP-rank losses
+        return (total / (self.dims.dp * self.dims.tp)).cpu()[0]
+
+    # ------------------------------------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict:
+        """This rank's part of the run's state as global tensors (``train_state.py``); a collective."""
+        optim = self.opt_state.state()
+        if self.opt_state.owns_params:  # ZeroAdam: the fp32 masters are the model's weights
+            return optim
+        return {**model_state(self.named, self.dims.tp_group), **optim}
+
+    def state_template(self) -> dict:
+        """Empty tensors with the keys, shapes and dtypes :meth:`state_dict` saves, for loading into."""
+        optim = self.opt_state.template()
+        if self.opt_state.owns_params:
+            return optim
+        return {**model_template(self.named, self.dims.tp_group), **optim}
+
+    def load_state_dict(self, state: dict) -> None:
+        if not self.opt_state.owns_params:
+            load_model_state(self.named, self.dims.tp_group, state)
+        self.opt_state.load(state)
+
+
+@torch.no_grad()
+def clip_grad_norm(params, max_norm: float, dims: ParallelDims) -> torch.Tensor:
+    """Scale gradients so that their global norm (over TP shards and pipeline stages) is at most ``max_norm``.
+
+    TP-sharded parameters contribute their squares from every TP rank; replicated ones (norm weights,
+    whose gradients the layers already reduce) once; pipeline stages hold disjoint parameters.
+    """
+    grads = [(p.grad, is_tp_sharded(p)) for p in params if p.grad is not None]
+    sums = torch.zeros(2, dtype=torch.float32, device=dims.device)
+    for g, sharded in grads:
+        sums[0 if sharded else 1] += g.float().pow(2).sum()
+    if dims.tp > 1:
+        dist.all_reduce(sums[:1], group=dims.tp_group)
+    total = sums.sum().reshape(1)
+    if dims.pp > 1:
+        dist.all_reduce(total, group=dims.pp_group)
+    norm = total.sqrt()[0]
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
+    if grads:
+        torch._foreach_mul_([g for g, _ in grads], coef)
+    return norm
+
+
+@torch.no_grad()
+def clip_grad_shards(wrapper: nn.Module, max_norm: float, dims: ParallelDims, loss_scale: float | None) -> None:
+    """:func:`clip_grad_norm` for ZeRO, whose averaged gradients exist only as this rank's shards of the
+    wrapper's buckets (disjoint over DP). A non-finite gradient makes the coefficient 0·inf = NaN, which
+    ZeroAdam's step then detects and skips as it would have done itself."""
+    sums = torch.zeros(2, dtype=torch.float32, device=dims.device)
+    shards = [b.grad_shard for b in wrapper.buckets]
+    for b in wrapper.buckets:
+        for slot, lo, hi in b.shard_slices():
+            sums[0 if is_tp_sharded(slot.param) else 1] += b.grad_shard[lo:hi].float().pow(2).sum()
+    dist.all_reduce(sums, group=dims.dp_group)
+    if dims.tp > 1:
+        dist.all_reduce(sums[:1], group=dims.tp_group)
+    total = sums.sum().reshape(1)
+    dist.all_reduce(total, group=dims.pp_group)
+    norm = total.sqrt()[0] / (loss_scale or 1.0)  # the gradients still carry the loss scale
+    coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+    torch._foreach_mul_(shards, coef)
+
+
+def _stage_ids(args, dims: ParallelDims) -> list[int]:
+    return [dims.pp_rank + i * args.pp for i in range(args.stages_per_rank)]
+
+
+def _release(gpt: GPT, keep: dict[str, nn.Parameter]) -> None:
+    """Free the parameters of other pipeline ranks' stages (every rank built the whole model)."""
+    kept = {id(p) for p in keep.values()}
+    for p in gpt.parameters():
+        if id(p) not in kept:
+            p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+
+def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict):
+    if args.zero == 0:
+        fused = dims.device.type == "cuda"
+        opt = torch.optim.AdamW(params, lr=args.lr, betas=BETAS, eps=EPS, weight_decay=args.weight_decay, fused=fused)
+        return opt, TorchAdamWState(opt, named, dims.tp_group)
+    zero = _need("parallel.zero", f"--zero {args.zero}")
+    opt = zero.ZeroAdam(
+        params,
+        lr=args.lr,
+        betas=BETAS,
+        eps=EPS,
+        weight_decay=args.weight_decay,
+        group=dims.dp_group,
+        tp_group=dims.tp_group,
+        loss_scale="dynamic" if args.dtype == "fp16" else None,
+        max_grad_norm=(args.grad_clip or None) if args.pp == 1 else None,
+        **({"stage": args.zero} if args.zero < 3 else {}),
+    )
+    return opt, ZeroAdamState(opt, named, dims.tp_group)
+
+
+def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:
+    if args.dp == 1 and args.zero == 0:  # nothing to reduce: torch's AdamW on the module's own parameters
+        return module
+    if args.zero == 3:  # units: the transformer blocks; the root: embedding, final norm, head
+        return _need("parallel.fsdp", "--zero 3").FSDP(module, group=dims.dp_group, wrap={TransformerBlock})
+    return _need("parallel.ddp", f"--zero {args.zero}").DDP(module, group=dims.dp_group)
+
+
+class _Stages(nn.Module):
+    """This rank's pipeline stages as one module, so that one DDP/FSDP wrapper (and one ZeroAdam) covers
+    them all (the interleaved schedule gives a rank several)."""
+
+    def __init__(self, stages: list[nn.Module]):
+        super().__init__()
+        self.stages = nn.ModuleList(stages)
+
+    def forward(self, *args, stage: int = 0):
+        return self.stages[stage](*args)
+
+
+class _StageCall(nn.Module):
+    """Stage ``index`` of a wrapped :class:`_Stages`, called through the wrapper (FSDP gathers parameters
+    in its forward); holds the stage module so that its parameters (and device) are visible."""
+
+    def __init__(self, wrapper: nn.Module, stage: nn.Module, index: int):
+        super().__init__()
+        self.stage, self.index, self._wrapper = stage, index, (wrapper,)  # a tuple: not a submodule
+
+    def forward(self, *args):
+        return self._wrapper[0](*args, stage=self.index)
+
+
+def _schedule(args, wrapper: nn.Module, modules: list[nn.Module], dims: ParallelDims, loss_fn):
+    pipeline = _need("parallel.pipeline", f"--pp {args.pp}")
+    n = args.pp * args.stages_per_rank
+    ids = _stage_ids(args, dims)
+    calls = [_StageCall(wrapper, m, k) for k, m in enumerate(modules)]
+    stages = [pipeline.PipelineStage(c, s, n, group=dims.pp_group) for c, s in zip(calls, ids)]
+    kinds = {
+        "gpipe": "ScheduleGPipe",
+        "1f1b": "Schedule1F1B",
+        "interleaved": "ScheduleInterleaved1F1B",
+        "zb": "ScheduleZeroBubble",
+    }
+    cls = getattr(pipeline, kinds[args.schedule])
+    return cls(stages if args.schedule == "interleaved" else stages[0], args.microbatches, loss_fn)
+
+
+def build_engine(args, dims: ParallelDims) -> Engine:
+    """The GPT of ``args.preset`` laid out on ``dims``, wrapped, with its optimizer (and pipeline schedule)."""
+    torch.manual_seed(args.seed)
+    config = GPTConfig(**PRESETS[args.preset].model)
+    gpt = GPT(
+        config,
+        tp_group=dims.tp_group,
+        sequence_parallel=args.sequence_parallel,
+        device=dims.device,
+        dtype=DTYPES[args.dtype],
+    )
+    if args.pp == 1:
+        stages = [gpt]
+    else:
+        stages = [gpt.pipeline_stage(s, args.pp * args.stages_per_rank) for s in _stage_ids(args, dims)]
+    local = {id(p) for m in stages for p in m.parameters()}
+    named = {name: p for name, p in gpt.named_parameters() if id(p) in local}
+    num_params, flops_per_token = gpt.num_params(), gpt.flops_per_token(args.seq_len)
+    if args.pp > 1:
+        _release(gpt, named)
+    wrapper = _wrap(args, stages[0] if args.pp == 1 else _Stages(stages), dims)
+    optimizer, opt_state = _optimizer(args, list(named.values()), dims, named)
+    engine = Engine(args, dims, gpt, stages, wrapper, named, optimizer, opt_state, num_params, flops_per_token)
+    if args.pp > 1:
+        n = args.pp * args.stages_per_rank
+        ids = _stage_ids(args, dims)
+        engine.is_first, engine.is_last = 0 in ids, n - 1 in ids
+        engine.schedule = _schedule(args, wrapper, stages, dims, engine._pipeline_loss)
+    assert group_size(dims.tp_group) == args.tp
+    return engine

@@ -1,0 +1,267 @@
+"""The training loop of ``python -m tessel.bench.train``: data, steps, checkpoints, restarts, the report.
+
+A step ``k`` (0-based) trains on the global batch ``dataset.batch(k)``; after it ``k + 1`` steps are
+complete, and a checkpoint taken then is ``step_<k+1>``. Resuming from ``step_N`` restores weights,
+optimizer state and generators and continues with batch ``N``, so the resumed run computes exactly
+what the uninterrupted one would have.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..parallel.dims import init_parallel, shutdown
+from .checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    read_manifest,
+    remove_stale,
+    save_checkpoint,
+)
+from .dataset import ByteDataset
+from .runner import environment, peak_tflops
+from .train_args import DTYPES
+from .train_engine import Engine, build_engine
+from .train_report import Progress, StepRecord, memory_peak_bytes, plot_loss, print_summary, summarize, write_json
+from .train_state import load_rng_state, rng_state
+
+__all__ = ["RunError", "run"]
+
+PROFILED_STEPS = 3
+
+
+class RunError(RuntimeError):
+    """A run that cannot go on; its message is the one line the command prints."""
+
+
+def _layout(args) -> str:
+    text = f"dp={args.dp} pp={args.pp} tp={args.tp} zero={args.zero}"
+    if args.pp > 1:
+        text += f" schedule={args.schedule} microbatches={args.microbatches}"
+    return text + (" sequence-parallel" if args.sequence_parallel else "")
+
+
+def _meta(args, engine: Engine, history: list[StepRecord]) -> dict:
+    """The JSON part of a checkpoint's manifest: what was trained, how, and the loss so far."""
+    return {
+        "world_size": args.world_size,
+        "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "zero": args.zero},
+        "model": asdict(engine.config),
+        "run": {
+            "seed": args.seed,
+            "batch_size": args.batch_size,
+            "seq_len": args.seq_len,
+            "lr": args.lr,
+            "dtype": args.dtype,
+            "data": Path(args.data).name,
+        },
+        "history": [[r.step, r.loss, r.step_s, r.tokens] for r in history],
+    }
+
+
+def _save(args, engine: Engine, step: int, history: list[StepRecord]) -> None:
+    state = {**engine.state_dict(), "train.step": torch.tensor(step, dtype=torch.int64), **rng_state(engine.device)}
+    save_checkpoint(args.out / "checkpoints", step, state, _meta(args, engine, history), keep=args.keep_checkpoints)
+
+
+def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
+    """Load the latest complete checkpoint under ``--out``; ``(0, [], None)`` when there is none yet."""
+    path = latest_checkpoint(args.out / "checkpoints")
+    if path is None:
+        return 0, [], None
+    manifest = read_manifest(path)
+    if manifest.get("model") != asdict(engine.config):
+        raise CheckpointError(
+            f"checkpoint {path} holds a different model ({manifest.get('model')}); this run builds {engine.config}"
+        )
+    same_world = manifest.get("world_size") == args.world_size
+    state = {**engine.state_template(), "train.step": torch.zeros((), dtype=torch.int64)}
+    if same_world:
+        state.update({k: torch.empty_like(v) for k, v in rng_state(engine.device).items()})
+    load_checkpoint(path, state)
+    engine.load_state_dict(state)
+    if same_world:
+        load_rng_state(state, engine.device)
+    history = [StepRecord(*row) for row in manifest["history"]]
+    return int(state["train.step"]), history, path
+
+
+def _maybe_kill(args, rank: int, step: int) -> None:
+    """The restart test's switch: this rank dies by SIGKILL as step ``--kill-at-step`` begins, first attempt only."""
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if first_attempt and args.kill_rank == rank and args.kill_at_step == step:
+        print(f"rank {rank}: killed at step {step} (--kill-rank)", file=sys.stderr, flush=True)
+        sys.stdout.flush()
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+class _Profiler:
+    """A Chrome trace (torch.profiler) of the first steps after the first one this process runs."""
+
+    def __init__(self, args, rank: int, start: int):
+        self.path = args.out / f"trace_rank{rank}.json"
+        first = start + 1 if args.steps - start > 1 else start
+        self.steps = range(first, min(first + PROFILED_STEPS, args.steps)) if args.profile else range(0)
+        self.prof = None
+
+    def before(self, step: int) -> None:
+        if step == self.steps.start and step in self.steps:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.steps[-1]:
+            self.prof.__exit__(None, None, None)
+            self.prof.export_chrome_trace(str(self.path))
+            self.prof = None
+
+
+def _max_over_world(value: int, device: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _caveat() -> str | None:
+    if torch.cuda.is_available():
+        return None
+    runner = "Triton's interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "the plain-PyTorch references"
+    return (
+        f"NOTE: no GPU: tessel's kernels ran in {runner} on a CPU; tokens/s here are not performance numbers "
+        "(the run shows the model training, not its speed)."
+    )
+
+
+def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRecord], resumed: Path | None) -> None:
+    memory = _max_over_world(memory_peak_bytes(engine.device), engine.device)
+    if engine.rank != 0:
+        return
+    env = environment()
+    peak = peak_tflops(env["device"], DTYPES[args.dtype]) if env["device"] != "cpu" else None
+    summary = summarize(
+        timed,
+        flops_per_token=engine.flops_per_token,
+        peak_tflops=peak,
+        world_size=args.world_size,
+        memory_bytes=memory,
+        layout=_layout(args),
+        num_params=engine.num_params,
+    )
+    if history:  # the loss columns cover the whole run, also what came from a checkpoint
+        summary.update(steps=history[-1].step, first_loss=history[0].loss, final_loss=history[-1].loss)
+    print_summary(summary, _caveat())
+    title = f"tessel GPT {args.preset} ({engine.num_params / 1e6:.2f}M params), {_layout(args)}, {args.dtype}"
+    if history:
+        plot_loss(history, args.out / "loss.png", title)
+    record = {
+        "command": [PROG_NAME, *sys.argv[1:]],
+        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "environment": env,
+        "model": asdict(engine.config),
+        "resumed_from": str(resumed) if resumed else None,
+        "steps": [
+            {"step": r.step, "loss": r.loss, "step_ms": r.step_s * 1e3, "tokens_per_s": r.tokens_per_s} for r in history
+        ],
+        "summary": summary,
+        "caveat": _caveat(),
+    }
+    write_json(args.out / "run.json", record)
+    print(f"wrote {args.out / 'run.json'} and {args.out / 'loss.png'}")
+
+
+PROG_NAME = "tessel.bench.train"
+
+
+def _banner(args, engine: Engine) -> str:
+    where = f"{engine.device.type} ({dist.get_backend()}"
+    where += (
+        ", Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" and engine.device.type == "cpu" else ")"
+    )
+    return (
+        f"tessel GPT {args.preset}: {engine.num_params / 1e6:.2f}M parameters, {_layout(args)}, {args.dtype} on "
+        f"{where}; {args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
+    )
+
+
+def _cpu_threads() -> None:
+    """One intra-op thread per process on a CPU unless OMP_NUM_THREADS says otherwise: the tiny preset's
+    GEMMs are too small to gain from more, and with other processes on the cores, two threads per
+    process made its steps ~10× slower (1.8 s instead of 0.13 s, measured on 2 busy cores)."""
+    if not torch.cuda.is_available() and "OMP_NUM_THREADS" not in os.environ:
+        torch.set_num_threads(1)
+
+
+def _join_torchrun_attempt() -> None:
+    """Join the default process group through a store namespace of this torchrun attempt.
+
+    torchrun (since torch 2.5) shares its rendezvous TCPStore with the workers, and a restarted worker
+    finds the previous attempt's keys there: gloo then reads a dead peer's address and fails to connect
+    (pytorch/pytorch#135712; measured here: every restart failed). Prefixing the store with
+    ``TORCHELASTIC_RESTART_COUNT``, which all workers of a restarted group share, gives each attempt
+    fresh keys. ``init_parallel`` then finds the group initialised and builds the mesh on it.
+    """
+    if dist.is_initialized() or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    timeout = datetime.timedelta(seconds=int(os.environ.get("TESSEL_PG_TIMEOUT", "600")))
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size, is_master=False, timeout=timeout
+    )
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    prefixed = dist.PrefixStore(f"tessel/attempt_{attempt}", store)
+    dist.init_process_group(backend, store=prefixed, rank=rank, world_size=world_size, timeout=timeout)
+
+
+def run(args) -> None:
+    """Train as ``args`` says; on return every rank has passed a barrier and left the process group."""
+    _cpu_threads()
+    _join_torchrun_attempt()
+    dims = init_parallel(args.tp, args.pp, args.dp)
+    engine = build_engine(args, dims)
+    args.out.mkdir(parents=True, exist_ok=True)
+    start, history, resumed = _resume(args, engine) if args.resume else (0, [], None)
+    if engine.rank == 0:
+        print(_banner(args, engine), flush=True)
+        if resumed:
+            print(f"resumed from {resumed} (step {start})", flush=True)
+    if args.save_every:
+        remove_stale(args.out / "checkpoints")
+    data = ByteDataset(args.data, seq_len=args.seq_len)
+    progress, profiler, timed = (
+        Progress(args.steps, start, enabled=engine.rank == 0),
+        _Profiler(args, dims.rank, start),
+        [],
+    )
+    for step in range(start, args.steps):
+        _maybe_kill(args, dims.rank, step)
+        x, y = data.batch(step, seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp)
+        profiler.before(step)
+        begin = time.perf_counter()
+        loss = float(engine.train_step(x.to(engine.device), y.to(engine.device)))
+        record = StepRecord(step + 1, loss, time.perf_counter() - begin, args.batch_size * args.seq_len)
+        profiler.after(step)
+        history.append(record)
+        timed.append(record)
+        progress.update(record)
+        if args.save_every and (step + 1) % args.save_every == 0:
+            _save(args, engine, step + 1, history)
+    progress.close()
+    _finish(args, engine, history, timed, resumed)
+    del engine
+    shutdown()

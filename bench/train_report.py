@@ -1,0 +1,141 @@
+"""What a training run shows and leaves behind: the progress bar, the summary table, the loss curve, the JSON.
+
+Only rank 0 draws and writes. Throughput excludes the first step a process runs (it includes Triton's
+compilation, or on a CPU the interpreter's first pass); model FLOPs utilisation is the model's training
+FLOPs per token (``6·N + 12·L·E·S``, PaLM App. B) times tokens per second, over the dense peak of every
+GPU in the world (``bench/runner.py``'s table), and is reported only on a GPU whose peak is known.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from .runner import print_table
+
+__all__ = ["Progress", "StepRecord", "memory_peak_bytes", "plot_loss", "summarize", "write_json"]
+
+
+@dataclass
+class StepRecord:
+    """One optimizer step: its index (1-based count of completed steps), mean loss over the global batch,
+    and wall time."""
+
+    step: int
+    loss: float
+    step_s: float
+    tokens: int
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else float("nan")
+
+
+@dataclass
+class Progress:
+    """A tqdm bar on rank 0 (loss, tokens/s, step time); nothing on other ranks."""
+
+    total: int
+    initial: int = 0
+    enabled: bool = True
+    _bar: object = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.enabled:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=self.total, initial=self.initial, desc="train", unit="step", file=sys.stderr, dynamic_ncols=True
+            )
+
+    def update(self, record: StepRecord) -> None:
+        if self._bar is None:
+            return
+        self._bar.set_postfix_str(
+            f"loss={record.loss:.4f} tok/s={record.tokens_per_s:,.0f} step={record.step_s * 1e3:.0f}ms", refresh=False
+        )
+        self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+
+
+def memory_peak_bytes(device: torch.device) -> int:
+    """Peak bytes this process held: CUDA's allocator peak on a GPU, the peak resident set size on a CPU."""
+    if device.type == "cuda":
+        return int(torch.cuda.max_memory_allocated(device))
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux reports KiB
+
+
+def _throughput(records: list[StepRecord]) -> tuple[float | None, float | None]:
+    """Tokens per second and median step time, without the first step of this process when there are more."""
+    timed = records[1:] if len(records) > 1 else records
+    if not timed:
+        return None, None
+    seconds = sorted(r.step_s for r in timed)
+    return sum(r.tokens for r in timed) / sum(seconds), seconds[len(seconds) // 2]
+
+
+def summarize(
+    records: list[StepRecord],
+    *,
+    flops_per_token: float,
+    peak_tflops: float | None,
+    world_size: int,
+    memory_bytes: int,
+    layout: str,
+    num_params: int,
+) -> dict:
+    """The run's figures as a flat dict (None where not measured)."""
+    tokens_per_s, median_step_s = _throughput(records)
+    mfu = None
+    if peak_tflops and tokens_per_s:
+        mfu = flops_per_token * tokens_per_s / (peak_tflops * 1e12 * world_size)
+    return {
+        "steps": records[-1].step if records else 0,
+        "first_loss": records[0].loss if records else None,
+        "final_loss": records[-1].loss if records else None,
+        "tokens_per_s": tokens_per_s,
+        "median_step_ms": median_step_s * 1e3 if median_step_s else None,
+        "model_tflops_per_s": flops_per_token * tokens_per_s / 1e12 if tokens_per_s else None,
+        "mfu": mfu,
+        "peak_memory_gib": memory_bytes / 2**30,
+        "layout": layout,
+        "parameters": num_params,
+    }
+
+
+def print_summary(summary: dict, caveat: str | None) -> None:
+    """The summary as a two-column table on stdout, with the CPU caveat when there is one."""
+    rows = [{"metric": key, "value": value} for key, value in summary.items()]
+    print_table(rows, ["metric", "value"])
+    if caveat:
+        print(caveat)
+
+
+def plot_loss(records: list[StepRecord], path: Path, title: str) -> None:
+    """The loss curve as a PNG (matplotlib, imported here so the run does not need it before the end)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r.step for r in records], [r.loss for r in records], lw=1.5)
+    ax.set_xlabel("step")
+    ax.set_ylabel("training loss (nats / byte)")
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def write_json(path: Path, record: dict) -> None:
+    path.write_text(json.dumps(record, indent=2) + "\n")

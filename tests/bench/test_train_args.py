@@ -1,0 +1,65 @@
+"""``python -m tessel.bench.train``: every bad argument ends the run with one line and a non-zero status."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from tessel.bench.train_args import PRESETS, ArgumentError, parse_args
+
+# Hidden GPUs make the command take its CPU defaults on any machine.
+CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["--tp", "2", "--dp", "1"], "--tp 2 × --pp 1 × --dp 1 = 2 does not match the world size 1"),
+        (["--tp", "2"], "--tp 2 × --pp 1 = 2 does not divide the world size 1"),
+        (["--seq-len", "257"], "--seq-len 257 exceeds the block size 256 of preset 'tiny'"),
+        (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
+        (["--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
+    ],
+)
+def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
+    cmd = [sys.executable, "-m", "tessel.bench.train", "--out", str(tmp_path / "run"), *args]
+    proc = subprocess.run(cmd, env=CPU_ENV, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m tessel.bench.train: error: "), proc.stderr
+    assert expected in lines[0], proc.stderr
+    assert proc.stdout == "" and not (tmp_path / "run").exists()  # nothing ran, nothing written
+
+
+@pytest.mark.parametrize(
+    ("args", "world", "expected"),
+    [
+        (["--tp", "3"], 4, "--tp 3 × --pp 1 = 3 does not divide the world size 4"),
+        (["--tp", "2", "--dp", "1"], 4, "= 2 does not match the world size 4"),
+        (["--tp", "3"], 3, "--tp 3 does not divide the 4 heads of preset 'tiny'"),
+        (["--pp", "4", "--schedule", "interleaved"], 4, "8 pipeline stages (--pp 4, schedule interleaved) exceed"),
+        (["--pp", "8"], 8, "8 pipeline stages (--pp 8, schedule 1f1b) exceed the 4 layers"),
+        (["--microbatches", "2"], 1, "--microbatches 2 needs --pp > 1"),
+        (["--batch-size", "6"], 4, "--batch-size 6 is not divisible by the data-parallel size 4"),
+        (["--pp", "2", "--microbatches", "3"], 2, "do not split into --microbatches 3"),
+        (["--dtype", "fp16"], 1, "--dtype fp16 needs loss scaling"),
+        (["--kill-rank", "0"], 1, "--kill-rank and --kill-at-step go together"),
+        (["--kill-rank", "2", "--kill-at-step", "1"], 2, "--kill-rank 2 is not a rank of the world of 2"),
+        (["--steps", "0"], 1, "--steps must be a positive integer"),
+        (["--sequence-parallel", "--tp", "2", "--seq-len", "63"], 2, "--seq-len 63 divisible by --tp 2"),
+    ],
+)
+def test_layout_and_run_checks(monkeypatch, args, world, expected):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ArgumentError) as info:
+        parse_args(args)
+    assert expected in str(info.value)
+
+
+def test_defaults_fill_from_the_preset(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    args = parse_args(["--preset", "tiny", "--pp", "2"])
+    tiny = PRESETS["tiny"]
+    assert (args.seq_len, args.batch_size, args.lr, args.steps) == (tiny.seq_len, tiny.batch_size, tiny.lr, tiny.steps)
+    assert (args.dp, args.microbatches, args.stages_per_rank) == (1, 4, 1)
