@@ -38,7 +38,7 @@ class Preset:
 # 350m and 1b (its "1.3B XL"); with a 256-byte vocabulary the embeddings are tiny, so the parameter
 # counts (printed at start) are a little below the names: 85M, 302M and 1.21B.
 PRESETS: dict[str, Preset] = {
-    "tiny": Preset(dict(n_layer=4, n_head=4, n_embd=64, block_size=256), seq_len=64, batch_size=8, lr=3e-3, steps=200),
+    "tiny": Preset(dict(n_layer=4, n_head=4, n_embd=64, block_size=256), seq_len=64, batch_size=16, lr=3e-3, steps=400),
     "small": Preset(dict(n_layer=6, n_head=6, n_embd=384, block_size=1024), seq_len=256, batch_size=32, lr=1e-3),
     "125m": Preset(dict(n_layer=12, n_head=12, n_embd=768, block_size=2048), seq_len=1024, batch_size=16, lr=6e-4),
     "350m": Preset(dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048), seq_len=1024, batch_size=16, lr=3e-4),
@@ -57,8 +57,35 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentError(f"{message} (see --help)")
 
 
+def _epilog() -> str:
+    lines = ["presets (layers × width, heads; default sequence length, batch, learning rate, steps):"]
+    for name, p in PRESETS.items():
+        m = p.model
+        lines.append(
+            f"  {name:6} {m['n_layer']:2} × {m['n_embd']:4}, {m['n_head']:2} heads; seq {p.seq_len}, batch "
+            f"{p.batch_size}, lr {p.lr:g}, {p.steps} steps"
+        )
+    lines += [
+        "",
+        "examples:",
+        "  python -m tessel.bench.train                                   # a world of one, the CPU default",
+        "  torchrun --nproc_per_node=2 -m tessel.bench.train --tp 2 --sequence-parallel",
+        "  torchrun --nproc_per_node=4 -m tessel.bench.train --pp 2 --dp 2 --zero 1 --schedule interleaved",
+        "  torchrun --nproc_per_node=2 --max-restarts=1 -m tessel.bench.train --dp 2 --save-every 50 --resume",
+        "",
+        "Without a GPU the kernels run their PyTorch references; TRITON_INTERPRET=1 runs the Triton kernels",
+        "through Triton's interpreter instead (about 100× slower).",
+    ]
+    return "\n".join(lines)
+
+
 def _parser(cuda: bool) -> argparse.ArgumentParser:
-    p = _Parser(prog=PROG, description="Train tessel's GPT on a bundled text under any dp × pp × tp layout.")
+    p = _Parser(
+        prog=PROG,
+        description="Train tessel's GPT on a bundled text under any dp × pp × tp layout.",
+        epilog=_epilog(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     add = p.add_argument
     add(
         "--preset",
@@ -79,18 +106,38 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     add("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule when --pp > 1")
     add("--microbatches", type=int, default=None, help="microbatches per step when --pp > 1 (default: 2·pp)")
     add("--sequence-parallel", action="store_true", help="split activations over the sequence between TP layers")
-    add("--dtype", choices=DTYPES, default="bf16" if cuda else "fp32", help="parameter and activation dtype")
+    add(
+        "--dtype",
+        choices=DTYPES,
+        default="bf16" if cuda else "fp32",
+        help="parameter and activation dtype (default: bf16 on a GPU, fp32 on a CPU)",
+    )
     add("--steps", type=int, default=None, help="optimizer steps (default: the preset's)")
     add("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     add("--batch-size", type=int, default=None, help="sequences per step over all data-parallel ranks")
     add("--lr", type=float, default=None, help="AdamW learning rate (default: the preset's)")
-    add("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay")
-    add("--grad-clip", type=float, default=1.0, help="clip the global gradient norm to this (0: off)")
-    add("--seed", type=int, default=1234, help="seed of the initial weights and of the data order")
+    add("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (default: %(default)s)")
+    add(
+        "--grad-clip",
+        type=float,
+        default=1.0,
+        help="clip the global gradient norm to this, 0: off (default: %(default)s)",
+    )
+    add(
+        "--seed",
+        type=int,
+        default=1234,
+        help="seed of the initial weights and of the data order (default: %(default)s)",
+    )
     add("--data", type=Path, default=DEFAULT_DATASET, help="text file to train on, read as bytes")
-    add("--out", type=Path, default=Path("runs/train"), help="directory for the run's JSON, plot and checkpoints")
+    add(
+        "--out",
+        type=Path,
+        default=Path("runs/train"),
+        help="directory for run.json, loss.png, checkpoints (default: %(default)s)",
+    )
     add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
-    add("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk")
+    add("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk (default: %(default)s)")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint under --out")
     add("--profile", action="store_true", help="write a Chrome trace of a few steps under --out")
     add("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)  # test switch: see _check_kill
@@ -177,8 +224,11 @@ def _check_run(args) -> None:
         raise ArgumentError(
             f"the {local} sequences per data-parallel rank do not split into --microbatches {args.microbatches}"
         )
-    if args.lr <= 0 or args.weight_decay < 0 or args.grad_clip < 0:
-        raise ArgumentError("--lr must be positive, --weight-decay and --grad-clip non-negative")
+    if args.lr <= 0:
+        raise ArgumentError(f"--lr must be positive, received {args.lr}")
+    for name in ("weight_decay", "grad_clip"):
+        if getattr(args, name) < 0:
+            raise ArgumentError(f"--{name.replace('_', '-')} must be non-negative, received {getattr(args, name)}")
     if not 0 <= args.seed < 2**31:
         raise ArgumentError(f"--seed must be in [0, 2**31), received {args.seed}")
     if args.save_every < 0:

@@ -32,12 +32,19 @@ from .dataset import ByteDataset
 from .runner import environment, peak_tflops
 from .train_args import DTYPES
 from .train_engine import Engine, build_engine
-from .train_report import Progress, StepRecord, memory_peak_bytes, plot_loss, print_summary, summarize, write_json
+from .train_report import (
+    Progress,
+    StepProfiler,
+    StepRecord,
+    memory_peak_bytes,
+    plot_loss,
+    print_summary,
+    summarize,
+    write_json,
+)
 from .train_state import load_rng_state, rng_state
 
 __all__ = ["RunError", "run"]
-
-PROFILED_STEPS = 3
 
 
 class RunError(RuntimeError):
@@ -80,10 +87,10 @@ def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
     if path is None:
         return 0, [], None
     manifest = read_manifest(path)
-    if manifest.get("model") != asdict(engine.config):
-        raise CheckpointError(
-            f"checkpoint {path} holds a different model ({manifest.get('model')}); this run builds {engine.config}"
-        )
+    saved, built = manifest.get("model") or {}, asdict(engine.config)
+    differ = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in built.items() if saved.get(k) != v]
+    if differ:
+        raise CheckpointError(f"checkpoint {path} holds a different model: {', '.join(differ)}")
     same_world = manifest.get("world_size") == args.world_size
     state = {**engine.state_template(), "train.step": torch.zeros((), dtype=torch.int64)}
     if same_world:
@@ -105,43 +112,27 @@ def _maybe_kill(args, rank: int, step: int) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
 
-class _Profiler:
-    """A Chrome trace (torch.profiler) of the first steps after the first one this process runs."""
-
-    def __init__(self, args, rank: int, start: int):
-        self.path = args.out / f"trace_rank{rank}.json"
-        first = start + 1 if args.steps - start > 1 else start
-        self.steps = range(first, min(first + PROFILED_STEPS, args.steps)) if args.profile else range(0)
-        self.prof = None
-
-    def before(self, step: int) -> None:
-        if step == self.steps.start and step in self.steps:
-            activities = [torch.profiler.ProfilerActivity.CPU]
-            if torch.cuda.is_available():
-                activities.append(torch.profiler.ProfilerActivity.CUDA)
-            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
-            self.prof.__enter__()
-
-    def after(self, step: int) -> None:
-        if self.prof is not None and step == self.steps[-1]:
-            self.prof.__exit__(None, None, None)
-            self.prof.export_chrome_trace(str(self.path))
-            self.prof = None
-
-
 def _max_over_world(value: int, device: torch.device) -> int:
     t = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return int(t.item())
 
 
-def _caveat() -> str | None:
-    if torch.cuda.is_available():
+def _kernels(device: torch.device) -> str:
+    """Where tessel's kernels run (kernels/_dispatch.py decides; TRITON_INTERPRET was fixed in train.py)."""
+    if device.type == "cuda":
+        return "compiled Triton"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return "Triton's interpreter"
+    return "the plain-PyTorch references"
+
+
+def _caveat(device: torch.device) -> str | None:
+    if device.type == "cuda":
         return None
-    runner = "Triton's interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "the plain-PyTorch references"
     return (
-        f"NOTE: no GPU: tessel's kernels ran in {runner} on a CPU; tokens/s here are not performance numbers "
-        "(the run shows the model training, not its speed)."
+        f"NOTE: no GPU: tessel's kernels ran in {_kernels(device)} on a CPU; tokens/s here are not performance "
+        "numbers (the run shows the model training, not its speed)."
     )
 
 
@@ -162,12 +153,12 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
     )
     if history:  # the loss columns cover the whole run, also what came from a checkpoint
         summary.update(steps=history[-1].step, first_loss=history[0].loss, final_loss=history[-1].loss)
-    print_summary(summary, _caveat())
+    print_summary(summary, _caveat(engine.device))
     title = f"tessel GPT {args.preset} ({engine.num_params / 1e6:.2f}M params), {_layout(args)}, {args.dtype}"
     if history:
         plot_loss(history, args.out / "loss.png", title)
     record = {
-        "command": [PROG_NAME, *sys.argv[1:]],
+        "argv": sys.argv[1:],
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "environment": env,
         "model": asdict(engine.config),
@@ -176,23 +167,17 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
             {"step": r.step, "loss": r.loss, "step_ms": r.step_s * 1e3, "tokens_per_s": r.tokens_per_s} for r in history
         ],
         "summary": summary,
-        "caveat": _caveat(),
+        "caveat": _caveat(engine.device),
     }
     write_json(args.out / "run.json", record)
     print(f"wrote {args.out / 'run.json'} and {args.out / 'loss.png'}")
 
 
-PROG_NAME = "tessel.bench.train"
-
-
 def _banner(args, engine: Engine) -> str:
-    where = f"{engine.device.type} ({dist.get_backend()}"
-    where += (
-        ", Triton interpreter)" if os.environ.get("TRITON_INTERPRET") == "1" and engine.device.type == "cpu" else ")"
-    )
     return (
         f"tessel GPT {args.preset}: {engine.num_params / 1e6:.2f}M parameters, {_layout(args)}, {args.dtype} on "
-        f"{where}; {args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
+        f"{engine.device.type} ({dist.get_backend()}, kernels: {_kernels(engine.device)}); "
+        f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
     )
 
 
@@ -240,12 +225,14 @@ def run(args) -> None:
         print(_banner(args, engine), flush=True)
         if resumed:
             print(f"resumed from {resumed} (step {start})", flush=True)
+        elif args.resume:
+            print(f"no checkpoint under {args.out / 'checkpoints'} yet: starting at step 0", flush=True)
     if args.save_every:
         remove_stale(args.out / "checkpoints")
     data = ByteDataset(args.data, seq_len=args.seq_len)
     progress, profiler, timed = (
         Progress(args.steps, start, enabled=engine.rank == 0),
-        _Profiler(args, dims.rank, start),
+        StepProfiler(args.out / f"trace_rank{dims.rank}.json", start, args.steps, args.profile),
         [],
     )
     for step in range(start, args.steps):

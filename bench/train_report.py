@@ -18,7 +18,7 @@ import torch
 
 from .runner import print_table
 
-__all__ = ["Progress", "StepRecord", "memory_peak_bytes", "plot_loss", "summarize", "write_json"]
+__all__ = ["Progress", "StepProfiler", "StepRecord", "memory_peak_bytes", "plot_loss", "summarize", "write_json"]
 
 
 @dataclass
@@ -64,6 +64,31 @@ class Progress:
     def close(self) -> None:
         if self._bar is not None:
             self._bar.close()
+
+
+class StepProfiler:
+    """A Chrome trace (torch.profiler) of ``steps`` steps, from the second this process runs (the first
+    compiles), of the steps ``[start, stop)`` of the run."""
+
+    def __init__(self, path: Path, start: int, stop: int, enabled: bool, steps: int = 3):
+        self.path = path
+        first = start + 1 if stop - start > 1 else start
+        self.steps = range(first, min(first + steps, stop)) if enabled else range(0)
+        self.prof = None
+
+    def before(self, step: int) -> None:
+        if step == self.steps.start and step in self.steps:
+            activities = [torch.profiler.ProfilerActivity.CPU]
+            if torch.cuda.is_available():
+                activities.append(torch.profiler.ProfilerActivity.CUDA)
+            self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
+            self.prof.__enter__()
+
+    def after(self, step: int) -> None:
+        if self.prof is not None and step == self.steps[-1]:
+            self.prof.__exit__(None, None, None)
+            self.prof.export_chrome_trace(str(self.path))
+            self.prof = None
 
 
 def memory_peak_bytes(device: torch.device) -> int:
@@ -126,8 +151,15 @@ def plot_loss(records: list[StepRecord], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    steps, losses = [r.step for r in records], [r.loss for r in records]
+    smooth, ema = [], losses[0]
+    for loss in losses:  # exponential moving average over ~10 steps, to show the trend through the noise
+        ema = 0.9 * ema + 0.1 * loss
+        smooth.append(ema)
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r.step for r in records], [r.loss for r in records], lw=1.5)
+    ax.plot(steps, losses, lw=0.8, alpha=0.45, label="loss of each step")
+    ax.plot(steps, smooth, lw=1.8, label="moving average (0.9)")
+    ax.legend()
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats / byte)")
     ax.set_title(title, fontsize=9)
