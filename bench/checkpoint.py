@@ -165,9 +165,11 @@ def save_checkpoint(
         dcp.save(state, storage_writer=writer, no_dist=not dist.is_initialized())  # returns once .metadata is written
     if _rank() == 0:
         _write_manifest(tmp, step, meta or {})
-        if final.exists():  # the same step saved again (a rerun): the new copy replaces it
-            shutil.rmtree(final)
+        old = root / f"{_TMP_PREFIX}old-step_{step:08d}"
+        if final.exists():  # the same step saved again: moved aside, deleted once the new copy is in place
+            os.rename(final, old)
         os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
         _fsync_dir(root)
         for _, old in _checkpoints(root)[:-keep]:
             shutil.rmtree(old, ignore_errors=True)

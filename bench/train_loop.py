@@ -215,6 +215,12 @@ def _join_torchrun_attempt() -> None:
 
 def run(args) -> None:
     """Train as ``args`` says; on return every rank has passed a barrier and left the process group."""
+    earlier = latest_checkpoint(args.out / "checkpoints")
+    if args.save_every and not args.resume and earlier is not None:
+        raise RunError(
+            f"{args.out} already holds checkpoints (latest: {earlier.name}) that a later --resume would mix with "
+            "this run's: pass --resume to continue from them, or choose another --out"
+        )
     _cpu_threads()
     _join_torchrun_attempt()
     dims = init_parallel(args.tp, args.pp, args.dp)
@@ -230,11 +236,9 @@ def run(args) -> None:
     if args.save_every:
         remove_stale(args.out / "checkpoints")
     data = ByteDataset(args.data, seq_len=args.seq_len)
-    progress, profiler, timed = (
-        Progress(args.steps, start, enabled=engine.rank == 0),
-        StepProfiler(args.out / f"trace_rank{dims.rank}.json", start, args.steps, args.profile),
-        [],
-    )
+    progress = Progress(args.steps, start, enabled=engine.rank == 0)
+    profiler = StepProfiler(args.out / f"trace_rank{dims.rank}.json", start, args.steps, args.profile)
+    timed: list[StepRecord] = []  # the steps this process ran (throughput), unlike history
     for step in range(start, args.steps):
         _maybe_kill(args, dims.rank, step)
         x, y = data.batch(step, seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp)

@@ -138,6 +138,19 @@ def test_damaged_checkpoint_is_refused_with_one_line(uninterrupted, tmp_path, da
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_fresh_run_refuses_an_out_dir_with_checkpoints(uninterrupted):
+    before = sorted(p.name for p in (uninterrupted / "checkpoints").iterdir())
+    proc = _train(uninterrupted, *RUN[4:])  # saves checkpoints, but no --resume
+    assert proc.returncode == 1
+    assert proc.stderr.strip().splitlines() == [
+        f"{PREFIX}{uninterrupted} already holds checkpoints (latest: step_00000004) that a later --resume would mix "
+        "with this run's: pass --resume to continue from them, or choose another --out"
+    ]
+    assert sorted(p.name for p in (uninterrupted / "checkpoints").iterdir()) == before
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_killed_rank_restarts_from_its_checkpoint_and_ends_like_the_uninterrupted_run(uninterrupted, tmp_path):
     # Rank 1 dies (SIGKILL) as step 3 begins; torchrun restarts both ranks, which resume from step 2.
     kill = ["--resume", "--kill-rank", "1", "--kill-at-step", "3"]
