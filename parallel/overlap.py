@@ -58,6 +58,7 @@ def _defer(params, compute) -> bool:
     if not is_deferring():
         return False
 
+    @torch.no_grad()
     def accumulate():
         for p, g in zip(params, compute()):
             g = g.to(p.dtype)
