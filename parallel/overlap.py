@@ -28,6 +28,7 @@ import torch
 
 from ..kernels.matmul import matmul
 from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
+from .ddp import OWNER_ATTR
 from .pipeline.weight_grad import is_deferring, submit
 from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
 
@@ -53,9 +54,11 @@ def _defer(params, compute) -> bool:
     ``compute()`` returns one gradient per parameter of ``params``; it is submitted to the active
     :class:`~tessel.parallel.pipeline.weight_grad.WeightGradStore` and, when the schedule's ``W``
     action runs it, accumulated into ``.grad`` (autograd does not: the Function returns ``None`` for
-    those parameters). Returns whether it deferred.
+    those parameters). Returns whether it deferred. Parameters managed by a data-parallel wrapper are
+    never deferred: their gradients must reach the wrapper's reduction hooks inside the backward that
+    produced them.
     """
-    if not is_deferring():
+    if not is_deferring() or any(getattr(p, OWNER_ATTR, None) is not None for p in params):
         return False
 
     @torch.no_grad()
