@@ -10,23 +10,12 @@ import pytest
 import torch
 
 from tessel.bench.adam import adam_shards, bytes_per_element, check_step, copy_fn, make_state, tessel_fn, torch_fn
+from tessel.bench.runner import synced
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 IMPLS = ("tessel", "torch", "copy")
-
-
-def _synced(fn):
-    """On CUDA, wait for the kernel so that pytest-benchmark's wall clock covers it."""
-    if not CUDA:
-        return fn
-
-    def run():
-        fn()
-        torch.cuda.synchronize()
-
-    return run
 
 
 def _case(n, impl):
@@ -45,7 +34,7 @@ def _case(n, impl):
 @pytest.mark.parametrize("shard", adam_shards(CUDA), ids=lambda s: s[0])
 def test_adam(benchmark, shard, impl):
     label, n = shard
-    fn = _synced(_case(n, impl))
+    fn = synced(_case(n, impl))
     benchmark.group = f"adam {label} {str(DTYPE).removeprefix('torch.')}"
     benchmark.extra_info.update(n=n, bytes=bytes_per_element(DTYPE) * n)
     if CUDA:

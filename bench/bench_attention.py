@@ -18,24 +18,13 @@ from tessel.bench.attention import (
     make_inputs,
     sdpa_backend,
 )
+from tessel.bench.runner import synced
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
 # The interpreter computes dots in fp32 whatever the input dtype, so the CPU run uses fp32.
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 IMPLS = ("tessel", "torch")
-
-
-def _synced(fn):
-    """On CUDA, wait for the kernels so that pytest-benchmark's wall clock covers them."""
-    if not CUDA:
-        return fn
-
-    def run():
-        fn()
-        torch.cuda.synchronize()
-
-    return run
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -51,7 +40,7 @@ def test_attention(benchmark, shape, causal, pass_, impl):
     benchmark.extra_info.update(
         B=shape.b, H=shape.h, S=shape.s, D=shape.d, flops=attention_flops(shape, causal, pass_), torch_backend=backend
     )
-    fn = _synced(fns[0] if impl == "tessel" else fns[1])
+    fn = synced(fns[0] if impl == "tessel" else fns[1])
     if CUDA:
         benchmark(fn)
     else:  # an interpreted call takes up to seconds: a fixed, small number of rounds

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from tessel.bench.matmul import OPS, make_inputs, matmul_cases, max_rel_error, tolerance
+from tessel.bench.runner import synced
 from tessel.bench.shapes import matmul_shapes
 
 CUDA = torch.cuda.is_available()
@@ -16,18 +17,6 @@ DEVICE = "cuda" if CUDA else "cpu"
 # The interpreter computes dots in fp32 whatever the input dtype, so the CPU run uses fp32.
 DTYPE = torch.bfloat16 if CUDA else torch.float32
 IMPLS = ("tessel", "torch")
-
-
-def _synced(fn):
-    """On CUDA, wait for the kernel so that pytest-benchmark's wall clock covers it."""
-    if not CUDA:
-        return fn
-
-    def run():
-        fn()
-        torch.cuda.synchronize()
-
-    return run
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -40,7 +29,7 @@ def test_matmul(benchmark, shape, op, impl):
         assert max_rel_error(tessel_fn(), torch_fn()) <= tolerance(DTYPE, CUDA)
     benchmark.group = f"{op} {shape.name} {str(DTYPE).removeprefix('torch.')}"
     benchmark.extra_info.update(M=shape.m, N=shape.n, K=shape.k, flops=shape.flops)
-    fn = _synced(tessel_fn if impl == "tessel" else torch_fn)
+    fn = synced(tessel_fn if impl == "tessel" else torch_fn)
     if CUDA:
         benchmark(fn)
     else:  # an interpreted call takes up to a second: a fixed, small number of rounds

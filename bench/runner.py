@@ -34,6 +34,7 @@ __all__ = [
     "peak_tflops",
     "print_table",
     "report",
+    "synced",
     "time_fn",
     "write_results",
 ]
@@ -67,6 +68,19 @@ def time_fn(fn: Callable[[], object], *, cuda: bool | None = None, reps: int = 3
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def synced(fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` followed, on CUDA, by a device synchronisation, so that a wall clock (pytest-benchmark's)
+    covers the kernels it launched; ``fn`` itself on a CPU."""
+    if not torch.cuda.is_available():
+        return fn
+
+    def run():
+        fn()
+        torch.cuda.synchronize()
+
+    return run
 
 
 def geomean(values: Sequence[float]) -> float | None:
