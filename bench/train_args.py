@@ -206,11 +206,6 @@ def _check_model(args, preset: Preset) -> None:
             f"{stages} pipeline stages (--pp {args.pp}, schedule {args.schedule}) exceed the {layers} layers of "
             f"preset {args.preset!r}"
         )
-    if args.pp > 1 and args.schedule == "zb" and (args.dp > 1 or args.zero > 0):
-        raise ArgumentError(
-            "--schedule zb defers weight gradients to after DDP's and FSDP's reductions, which they do not "
-            "support yet: use it with --dp 1 --zero 0"
-        )
     if args.sequence_parallel and args.seq_len % args.tp:
         raise ArgumentError(f"--sequence-parallel needs --seq-len {args.seq_len} divisible by --tp {args.tp}")
 

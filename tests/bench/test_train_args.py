@@ -44,8 +44,6 @@ def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
         (["--batch-size", "6"], 4, "--batch-size 6 is not divisible by the data-parallel size 4"),
         (["--pp", "2", "--microbatches", "3"], 2, "do not split into --microbatches 3"),
         (["--dtype", "fp16"], 1, "--dtype fp16 needs loss scaling"),
-        (["--pp", "2", "--schedule", "zb", "--dp", "2"], 4, "--schedule zb defers weight gradients"),
-        (["--pp", "2", "--schedule", "zb", "--zero", "3"], 2, "use it with --dp 1 --zero 0"),
         (["--lr", "0"], 1, "--lr must be positive, received 0.0"),
         (["--grad-clip", "-1"], 1, "--grad-clip must be non-negative, received -1.0"),
         (["--kill-rank", "0"], 1, "--kill-rank and --kill-at-step go together"),
