@@ -74,6 +74,34 @@ def _defer(params, compute) -> bool:
     return True
 
 
+def _check_operands(op: str, x_name: str, x, weights, biases) -> None:
+    """ValueError/TypeError naming the argument, before any communication starts."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{op}: {x_name} must be a torch.Tensor, received {type(x).__name__}")
+    if x.dim() != 2:
+        raise ValueError(f"{op}: {x_name} must be a 2-D [tokens, features] matrix, received shape {tuple(x.shape)}")
+    if biases is not None and len(biases) != len(weights):
+        raise ValueError(f"{op}: expected one bias (or None) per weight, received {len(biases)} for {len(weights)}")
+    for i, w in enumerate(weights):
+        name = "weight" if len(weights) == 1 else f"weights[{i}]"
+        if not isinstance(w, torch.Tensor):
+            raise TypeError(f"{op}: {name} must be a torch.Tensor, received {type(w).__name__}")
+        if w.dim() != 2 or w.shape[1] != x.shape[1]:
+            raise ValueError(
+                f"{op}: {name} must be [out_features, {x.shape[1]}] (nn.Linear layout, matching {x_name}'s "
+                f"{x.shape[1]} features), received shape {tuple(w.shape)}"
+            )
+        if w.dtype != x.dtype or w.device != x.device:
+            raise ValueError(
+                f"{op}: {name} must share {x_name}'s dtype and device ({x.dtype}, {x.device}), "
+                f"received {w.dtype} on {w.device}"
+            )
+        b = biases[i] if biases is not None else None
+        if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (w.shape[0],)):
+            got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
+            raise ValueError(f"{op}: the bias of {name} must have shape ({w.shape[0]},), received {got}")
+
+
 def _bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """Σ over tokens in fp32, in the parameters' dtype."""
     return g.sum(0, dtype=torch.float32).to(like.dtype)
@@ -154,6 +182,7 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
     single = isinstance(weights, torch.Tensor)
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
+    _check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
     outs = _AllGatherMatmul.apply(group, bool(overlap), len(weights), x_shard, *weights, *biases)
     return outs[0] if single else list(outs)
 
@@ -215,6 +244,7 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     (whole, added once). Returns this rank's rows ``[m, N]``. Backward: ``dX = AG(dY_shard)·W`` by the
     all-gather ring with ``dW = dYᵀ·X`` slices inside its steps; ``db = Σ dY`` over all tokens.
     """
+    _check_operands("matmul_reduce_scatter", "x", x, [weight], [bias])
     return _MatmulReduceScatter.apply(group, bool(overlap), x, weight, bias)
 
 
@@ -251,6 +281,7 @@ def matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
     ``x [T, K_local]``, ``weight [N, K_local]``, ``bias [N]`` (whole, added once). Returns ``[T, N]``,
     the same on every rank. Backward: ``dX = dY·W``, ``dW = dYᵀ·X`` (dY is replicated: no communication).
     """
+    _check_operands("matmul_all_reduce", "x", x, [weight], [bias])
     return _MatmulAllReduce.apply(group, bool(overlap), x, weight, bias)
 
 
@@ -298,5 +329,6 @@ def matmul_grad_all_reduce(x, weights, group=None, *, biases=None, overlap=True)
     single = isinstance(weights, torch.Tensor)
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
+    _check_operands("matmul_grad_all_reduce", "x", x, weights, biases)
     outs = _MatmulGradAllReduce.apply(group, bool(overlap), len(weights), x, *weights, *biases)
     return outs[0] if single else list(outs)

@@ -140,3 +140,26 @@ def test_bytes_are_the_ring_formulas(traces):
             sent, received = result[op][f"{phase}_bytes"]
             for got in (sent, received):
                 assert abs(got - want) <= 0.01 * want, f"{op} {phase}: {got} bytes, expected {want:.0f} ± 1%"
+
+
+@pytest.mark.parametrize(
+    "call, error, match",
+    [
+        (lambda o, x, w: o.all_gather_matmul([[1.0]], w), TypeError, "x_shard must be a torch.Tensor"),
+        (lambda o, x, w: o.all_gather_matmul(x[None], w), ValueError, "x_shard must be a 2-D"),
+        (
+            lambda o, x, w: o.all_gather_matmul(x, [w, w[:, :3]]),
+            ValueError,
+            r"weights\[1\] must be \[out_f",
+        ),
+        (lambda o, x, w: o.matmul_reduce_scatter(x, w.double()), ValueError, "weight must share x's dtype"),
+        (lambda o, x, w: o.matmul_all_reduce(x, w, bias=torch.zeros(4)), ValueError, r"must have shape \(7,\)"),
+        (lambda o, x, w: o.matmul_grad_all_reduce(x, [w], biases=[None, None]), ValueError, "one bias .or None. per"),
+    ],
+)
+def test_bad_operands_are_named(call, error, match):
+    from tessel.parallel import overlap
+
+    x, w = torch.randn(6, 5), torch.randn(7, 5)
+    with pytest.raises(error, match=match):
+        call(overlap, x, w)
