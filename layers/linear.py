@@ -144,10 +144,12 @@ class ColumnParallelLinear(nn.Module):
     sequence inside the GEMM (:func:`~tessel.parallel.overlap.all_gather_matmul`); otherwise the input is
     replicated and only its gradient is all-reduced (:func:`~tessel.parallel.overlap.matmul_grad_all_reduce`).
     ``gather_output`` all-gathers the output features (for a layer not followed by a row-parallel one).
+    ``regather_input`` (sequence parallelism only) keeps just the input shard for backward and gathers
+    it again there: ``1/t`` of the saved activation for ``(t-1)/t`` of its size in extra traffic.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None, gather_output=False,
-                 sequence_parallel=False, overlap="auto", device=None, dtype=None):  # fmt: skip
+                 sequence_parallel=False, overlap="auto", regather_input=False, device=None, dtype=None):  # fmt: skip
         super().__init__()
         name = type(self).__name__
         self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
@@ -158,6 +160,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.local_parts = tuple(n // self.tp_size for n in parts)
         self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
+        self.regather_input = regather_input
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(sum(self.local_parts), in_features, **kw))
         self.bias = nn.Parameter(torch.empty(sum(self.local_parts), **kw)) if bias else None
@@ -172,8 +175,9 @@ class ColumnParallelLinear(nn.Module):
             _check_sequence_parallel_input(self, x)
             x2 = _to_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0] * self.tp_size, self.in_features, n_local)
-            y = _from_token_major(all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov),
-                                  x.shape[0])  # fmt: skip
+            y = all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov,
+                                  regather=self.regather_input)  # fmt: skip
+            y = _from_token_major(y, x.shape[0])
         else:
             x2 = x.reshape(-1, self.in_features)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local)
@@ -194,7 +198,7 @@ class ColumnParallelLinear(nn.Module):
         """
         out_features, inherited = _dense_source(cls, linear, ColumnParallelLinear)
         if isinstance(linear, ColumnParallelLinear):
-            inherited["gather_output"] = linear.gather_output
+            inherited.update(gather_output=linear.gather_output, regather_input=linear.regather_input)
         w = linear.weight
         layer = cls(linear.in_features, out_features, linear.bias is not None, tp_group=tp_group,
                     device=w.device, dtype=w.dtype, **{**inherited, **kwargs})  # fmt: skip

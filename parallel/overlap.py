@@ -112,7 +112,7 @@ def _bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 
 class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, group, overlap, n_w, x_shard, *params):
+    def forward(ctx, group, overlap, regather, n_w, x_shard, *params):
         weights, biases = params[:n_w], params[n_w:]
         t, m = group_size(group), x_shard.shape[0]
         outs = [x_shard.new_empty((t * m, w.shape[0])) for w in weights]
@@ -127,17 +127,30 @@ class _AllGatherMatmul(torch.autograd.Function):
             x_full, _ = all_gather(x_shard, group)
             for w, b, y in zip(weights, biases, outs):
                 matmul(x_full, w.t(), b, out=y)
-        ctx.save_for_backward(x_full, *weights)
+        ctx.regather = regather and t > 1
+        ctx.save_for_backward(x_shard if ctx.regather else x_full, *weights)
         ctx.group, ctx.overlap, ctx.m, ctx.has_bias = group, overlap, m, [b is not None for b in biases]
         ctx.weight_params = weights
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
-        x_full, *weights = ctx.saved_tensors
+        saved_x, *weights = ctx.saved_tensors
         group, m = ctx.group, ctx.m
         grads = [g.contiguous() for g in grads]
-        deferred = _defer(ctx.weight_params, lambda: [matmul(g.t(), x_full) for g in grads])
+        if ctx.regather:  # gather X again, in flight during the first dgrad GEMM; waited for at its first use
+            x_full, work = all_gather(saved_x, group, async_op=True)
+            record_event("send", "all_gather_matmul.backward.regather", -1)
+            pending = [work]
+
+            def gathered():
+                if pending:
+                    pending.pop().wait()
+                    record_event("wait", "all_gather_matmul.backward.regather", -1)
+                return x_full
+        else:
+            x_full, gathered = saved_x, lambda: saved_x
+        deferred = _defer(ctx.weight_params, lambda: [matmul(g.t(), gathered()) for g in grads])
         if deferred:
             dx_full = torch.empty_like(x_full)
             _sum_dgrad(grads, weights, slice(None), dx_full, False)
@@ -153,7 +166,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 record_event("wgrad", "all_gather_matmul.backward", c)
                 rows = slice(c * m + lo, c * m + hi)
                 for g, dw in zip(grads, dws):
-                    matmul(g[rows].t(), x_full[rows], out=dw, accumulate=True)
+                    matmul(g[rows].t(), gathered()[rows], out=dw, accumulate=True)
 
             dx = ring_reduce_scatter(m, x_full.shape[1], x_full, group, "all_gather_matmul.backward", gemm, wgrad)
             dws = [dw.to(w.dtype) for dw, w in zip(dws, weights)]
@@ -161,12 +174,12 @@ class _AllGatherMatmul(torch.autograd.Function):
             dx_full = torch.empty_like(x_full)
             _sum_dgrad(grads, weights, slice(None), dx_full, False)
             dx, _ = reduce_scatter(dx_full, group)
-            dws = [matmul(g.t(), x_full) for g in grads]
+            dws = [matmul(g.t(), gathered()) for g in grads]
         dbs = [_bias_grad(g, w) if hb else None for g, w, hb in zip(grads, weights, ctx.has_bias)]
-        return (None, None, None, dx, *dws, *dbs)
+        return (None, None, None, None, dx, *dws, *dbs)
 
 
-def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True):
+def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True, regather=False):
     """``[AG(x_shard) @ W_iᵀ + b_i for each W_i]``: column-parallel GEMMs on a sequence-parallel input.
 
     Args:
@@ -174,6 +187,10 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
         weights: a ``[N_i, K]`` weight or a list of them (fused QKV, gate/up) sharing one gather.
         biases: ``None`` or one (optional) ``[N_i]`` bias per weight.
         overlap: ``True`` for the ring, ``False`` for one all-gather then the GEMMs.
+
+        regather: save only ``x_shard`` for backward and all-gather ``X`` again there (Megatron's
+            sequence-parallel default; Korthikanti et al. 2022, §4.2.2): ``1/t`` of the activation
+            memory for ``(t-1)/t·|X|`` more traffic, the gather in flight during the first dgrad GEMM.
 
     Returns a list of ``[t·m, N_i]`` outputs (a single tensor when ``weights`` is a tensor).
     Backward: ``dX_shard = RS(Σ_i dY_i·W_i)`` by the reduce-scatter ring, ``dW_i = dY_iᵀ·X`` by slices
@@ -183,7 +200,7 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     _check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
-    outs = _AllGatherMatmul.apply(group, bool(overlap), len(weights), x_shard, *weights, *biases)
+    outs = _AllGatherMatmul.apply(group, bool(overlap), bool(regather), len(weights), x_shard, *weights, *biases)
     return outs[0] if single else list(outs)
 
 
