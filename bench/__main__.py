@@ -1,8 +1,9 @@
 """``python -m tessel.bench [SUITE ...] [--out DIR] [--dtype {bf16,fp16,fp32}] [--quick]``
 
 Runs the named benchmark suites (all of them when none is named), prints each one's table and writes
-``<out>/<date>-<device>-<suite>.json`` and ``.md``. A suite is a function ``(dtype, quick) -> rows``
-registered in :data:`SUITES`.
+``<out>/<date>-<device>-<suite>.json`` and ``.md``; with several suites also ``<out>/<date>-<device>.json``,
+``.md`` and a PNG of tessel's ratios to the baselines (:mod:`.summary`). A suite is a function
+``(dtype, quick) -> rows`` registered in :data:`SUITES`.
 """
 
 import argparse
@@ -22,6 +23,7 @@ from .matmul import BenchmarkError, run_matmul_suite
 from .overlap import run_overlap_suite
 from .pipeline import run_pipeline_suite
 from .runner import environment, report
+from .summary import write_summary
 
 __all__ = ["SUITES", "main"]
 
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown suite {unknown[0]!r}; choose from {', '.join(SUITES)}")
     dtype = DTYPES[args.dtype] if args.dtype else None
     env = environment()
+    results = {}
     for name in args.suites or list(SUITES):
         kwargs = {"out_dir": args.out} if name in WRITES_FILES else {}
         try:
@@ -81,6 +84,9 @@ def main(argv: list[str] | None = None) -> int:
         if rows is None:  # a rank other than 0 of a multi-process suite: rank 0 reports
             continue
         report(name, rows, env, args.out, timed=name not in HARDWARE_INDEPENDENT)
+        results[name] = rows
+    if len(results) > 1:  # the whole run's record beside the suites' own files
+        print("wrote " + " and ".join(str(p) for p in write_summary(results, env, args.out)))
     return 0
 
 
