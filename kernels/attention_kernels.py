@@ -1,0 +1,417 @@
+"""The Triton kernels of flash attention and their block sizes; the host side is :mod:`.attention`.
+
+Legend and numerics as in :mod:`.attention`: ``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]``, ``G = Hq / Hkv``;
+scores and accumulators in fp32, exp2 with ``scale·log2 e`` folded into the scores. ``DOT_FP32`` casts
+every dot operand to fp32 (Triton's interpreter multiplies fp16/bf16 dot operands as raw bits).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = [
+    "INTERPRETER_DKDV_BLOCKS",
+    "INTERPRETER_DQ_BLOCKS",
+    "INTERPRETER_FWD_BLOCKS",
+    "PREPROCESS_BLOCK_M",
+    "dkdv_kernel_tuned",
+    "dq_kernel_tuned",
+    "fwd_kernel_tuned",
+]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Triton kernels
+# ----------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, lo, hi,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Online softmax over the key blocks starting in [lo, hi); MASK: mask the tail and the diagonal."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kT_ptrs = k_ptr + cols[None, :] * stride_ks + offs_d[:, None]
+        v_ptrs = v_ptr + cols[:, None] * stride_vs + offs_d[None, :]
+        kT = tl.load(kT_ptrs, mask=cols[None, :] < S, other=0.0) if MASK else tl.load(kT_ptrs)
+        if DOT_FP32:
+            kT = kT.to(tl.float32)
+        qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+        qk = qk * qk_scale  # base-2 logits: scale·log2(e)·q·k
+        if MASK:
+            keep = cols[None, :] < S
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= cols[None, :])
+            qk = tl.where(keep, qk, float("-inf"))
+        # Every row has a finite logit in its first key block (column 0 is never masked), so m_new is
+        # finite from the first iteration on and exp2(-inf - m_new) is an exact 0, never a NaN.
+        m_new = tl.maximum(m_i, tl.max(qk, 1))
+        p = tl.math.exp2(qk - m_new[:, None])
+        alpha = tl.math.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = tl.load(v_ptrs, mask=cols[:, None] < S, other=0.0) if MASK else tl.load(v_ptrs)
+        # P is rounded to the input dtype for the tensor cores, as in FlashAttention-2; its row sum
+        # l_i was taken in fp32 before that rounding.
+        p = p.to(v_ptr.dtype.element_ty)
+        if DOT_FP32:
+            v = v.to(tl.float32)
+            p = p.to(tl.float32)
+        acc = tl.dot(p, v, acc * alpha[:, None], input_precision=INPUT_PRECISION)
+        m_i = m_new
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_attention_fwd_kernel(
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    HQ, GROUP, S, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal block starts on a key-block edge
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // HQ).to(tl.int64)
+    off_h = (pid_bh % HQ).to(tl.int64)
+    q_ptr += off_b * stride_qb + off_h * stride_qh
+    k_ptr += off_b * stride_kb + (off_h // GROUP) * stride_kh
+    v_ptr += off_b * stride_vb + (off_h // GROUP) * stride_vh
+    out_ptr += off_b * stride_ob + off_h * stride_oh
+    lse_ptr += pid_bh.to(tl.int64) * S
+
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < S
+    q = tl.load(q_ptr + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    if CAUSAL:  # keys left of the diagonal block need no mask; keys right of it are skipped
+        full_end = start_m
+        masked_end = tl.minimum(start_m + BLOCK_M, S)
+    else:  # only the key block holding the sequence tail needs a mask
+        full_end = (S // BLOCK_N) * BLOCK_N
+        masked_end = S
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, 0, full_end,
+        False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, full_end, masked_end,
+        True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+
+    acc = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to the natural log: · ln 2
+    tl.store(lse_ptr + offs_m, lse, mask=row_ok)
+    out_ptrs = out_ptr + offs_m[:, None] * stride_os + offs_d[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _flash_attention_bwd_preprocess_kernel(
+    out_ptr, dout_ptr, dlse_ptr, delta_ptr,
+    stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds,
+    HQ, S,
+    HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """Δ = rowsum(dO ∘ O) - dlse: the term dS = P ∘ (dP - Δ) subtracts in every block of the backward."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // HQ).to(tl.int64)
+    off_h = (pid_bh % HQ).to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < S
+    o = tl.load(
+        out_ptr + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        dout_ptr + off_b * stride_db + off_h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    row_base = pid_bh.to(tl.int64) * S
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+    tl.store(delta_ptr + row_base + offs_m, delta, mask=row_ok)
+
+
+@triton.jit
+def _bwd_dkdv_inner(
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale, lo, hi,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+):  # fmt: skip
+    """dK, dV of one key block from the query blocks starting in [lo, hi), in transposed form (Sᵀ, Pᵀ)."""
+    offs_m0 = tl.arange(0, BLOCK_M)
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        qT_ptrs = q_ptr + offs_m[None, :] * stride_qs + offs_d[:, None]
+        do_ptrs = do_ptr + offs_m[:, None] * stride_ds + offs_d[None, :]
+        row_ok = offs_m < S
+        if MASK:
+            qT = tl.load(qT_ptrs, mask=row_ok[None, :], other=0.0)
+            do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_ptr + offs_m, mask=row_ok, other=0.0)
+            delta = tl.load(delta_ptr + offs_m, mask=row_ok, other=0.0)
+        else:
+            qT = tl.load(qT_ptrs)
+            do = tl.load(do_ptrs)
+            lse = tl.load(lse_ptr + offs_m)
+            delta = tl.load(delta_ptr + offs_m)
+        if DOT_FP32:
+            qT = qT.to(tl.float32)
+            do = do.to(tl.float32)
+        qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
+        pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
+        if MASK:
+            keep = row_ok[None, :]
+            if CAUSAL:
+                keep = keep & (offs_m[None, :] >= offs_n[:, None])
+            pT = tl.where(keep, pT, 0.0)
+        dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
+        dsT = pT * (dpT - delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ - Δ); scale is applied once at the end
+        # Pᵀ and dSᵀ are rounded to the input dtype for the tensor cores (and back to fp32 for the
+        # interpreter's dots), as in FlashAttention-2.
+        pT = pT.to(q_ptr.dtype.element_ty)
+        dsT = dsT.to(q_ptr.dtype.element_ty)
+        if DOT_FP32:
+            pT = pT.to(tl.float32)
+            dsT = dsT.to(tl.float32)
+        dv = tl.dot(pT, do, dv, input_precision=INPUT_PRECISION)  # dV += Pᵀ dO
+        dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=INPUT_PRECISION)  # dK += dSᵀ Q
+    return dk, dv
+
+
+@triton.jit
+def _flash_attention_bwd_dkdv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
+    HQ, GROUP, S, qk_scale, scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(BLOCK_N % BLOCK_M == 0)  # the query blocks below the diagonal start on a block edge
+    pid_n = tl.program_id(0)
+    pid_bh = tl.program_id(1)  # batch · kv head
+    hkv = HQ // GROUP
+    off_b = (pid_bh // hkv).to(tl.int64)
+    off_hkv = (pid_bh % hkv).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    col_ok = offs_n < S
+    k = tl.load(
+        k_ptr + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
+        mask=col_ok[:, None],
+        other=0.0,
+    )
+    v = tl.load(
+        v_ptr + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
+        mask=col_ok[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
+    if CAUSAL:  # query blocks above the diagonal see none of these keys: skipped
+        diag_lo = start_n
+        diag_hi = tl.minimum(start_n + BLOCK_N, S)
+        full_lo = start_n + BLOCK_N
+        full_hi = tl.maximum(full_lo, (S // BLOCK_M) * BLOCK_M)
+    else:
+        diag_lo = 0
+        diag_hi = 0
+        full_lo = 0
+        full_hi = (S // BLOCK_M) * BLOCK_M
+    # Key rows past S hold zeros; their dK/dV rows are computed but never stored.
+    for g in range(GROUP):  # the query heads sharing this kv head, summed in registers
+        off_h = off_hkv * GROUP + g
+        q_head = q_ptr + off_b * stride_qb + off_h * stride_qh
+        do_head = do_ptr + off_b * stride_db + off_h * stride_dh
+        lse_head = lse_ptr + (off_b * HQ + off_h) * S
+        delta_head = delta_ptr + (off_b * HQ + off_h) * S
+        # the query blocks crossing the diagonal (none without a causal mask)
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale,
+            diag_lo, diag_hi, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+        )  # fmt: skip
+        # the query blocks that see the whole key block
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale,
+            full_lo, full_hi, False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+        )  # fmt: skip
+        # the query block holding the sequence tail
+        dk, dv = _bwd_dkdv_inner(
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale,
+            full_hi, S, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+        )  # fmt: skip
+    dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
+    tl.store(
+        dk_ptr + off_b * stride_dkb + off_hkv * stride_dkh + offs_n[:, None] * stride_dks + offs_d[None, :],
+        dk.to(dk_ptr.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
+    tl.store(
+        dv_ptr + off_b * stride_dvb + off_hkv * stride_dvh + offs_n[:, None] * stride_dvs + offs_d[None, :],
+        dv.to(dv_ptr.dtype.element_ty),
+        mask=col_ok[:, None],
+    )
+
+
+@triton.jit
+def _bwd_dq_inner(
+    dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, lo, hi,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """dQ of one query block from the key blocks starting in [lo, hi)."""
+    offs_n = tl.arange(0, BLOCK_N)
+    for start_n in range(lo, hi, BLOCK_N):
+        cols = start_n + offs_n
+        kT_ptrs = k_ptr + cols[None, :] * stride_ks + offs_d[:, None]
+        vT_ptrs = v_ptr + cols[None, :] * stride_vs + offs_d[:, None]
+        if MASK:
+            kT = tl.load(kT_ptrs, mask=cols[None, :] < S, other=0.0)
+            vT = tl.load(vT_ptrs, mask=cols[None, :] < S, other=0.0)
+        else:
+            kT = tl.load(kT_ptrs)
+            vT = tl.load(vT_ptrs)
+        if DOT_FP32:
+            kT = kT.to(tl.float32)
+            vT = vT.to(tl.float32)
+        qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if MASK:
+            keep = cols[None, :] < S
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= cols[None, :])
+            p = tl.where(keep, p, 0.0)
+        dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
+        ds = (p * (dp - delta[:, None])).to(k_ptr.dtype.element_ty)  # rounded for the tensor cores
+        if DOT_FP32:
+            ds = ds.to(tl.float32)
+        dq = tl.dot(ds, tl.trans(kT), dq, input_precision=INPUT_PRECISION)  # dQ += dS K
+    return dq
+
+
+@triton.jit
+def _flash_attention_bwd_dq_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
+    HQ, GROUP, S, qk_scale, scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    off_b = (pid_bh // HQ).to(tl.int64)
+    off_h = (pid_bh % HQ).to(tl.int64)
+    k_ptr += off_b * stride_kb + (off_h // GROUP) * stride_kh
+    v_ptr += off_b * stride_vb + (off_h // GROUP) * stride_vh
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < S
+    q = tl.load(
+        q_ptr + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        do_ptr + off_b * stride_db + off_h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :],
+        mask=row_ok[:, None],
+        other=0.0,
+    )
+    if DOT_FP32:
+        q = q.to(tl.float32)
+        do = do.to(tl.float32)
+    row_base = pid_bh.to(tl.int64) * S
+    lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
+    delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    if CAUSAL:
+        full_end = start_m
+        masked_end = tl.minimum(start_m + BLOCK_M, S)
+    else:
+        full_end = (S // BLOCK_N) * BLOCK_N
+        masked_end = S
+    dq = _bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, 0, full_end,
+        False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    dq = _bwd_dq_inner(
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, full_end, masked_end,
+        True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    dq = dq * scale
+    tl.store(
+        dq_ptr + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqs + offs_d[None, :],
+        dq.to(dq_ptr.dtype.element_ty),
+        mask=row_ok[:, None],
+    )
+
+
+# ----------------------------------------------------------------------------------------------------
+# Block sizes
+# ----------------------------------------------------------------------------------------------------
+
+
+def _configs(shapes) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
+
+
+def _prune_for_short_sequences(configs, named_args, **kwargs):
+    """For S ≤ 64, drop the 128-wide tiles: mostly past the end of the sequence, and costly to tune."""
+    longest = max(16, triton.next_power_of_2(named_args["S"]))
+    kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(64, longest)]
+    return kept or configs
+
+
+# Hopper (sm_90): 128-row query tiles with 64/128-wide key tiles (FlashAttention-2's and the Triton
+# tutorial's choices), 4/8 warps, 2/3 stages; a 64×64 and a 64×32 tile for short sequences and for
+# fp32 with D=128, where the larger tiles overflow shared memory (the autotuner skips those).
+_FWD_CONFIGS = _configs([
+    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3),
+    (64, 32, 4, 2),
+])  # fmt: skip
+# dK/dV: each program owns a wide key tile (BLOCK_N) and streams narrow query tiles (BLOCK_M) past it.
+_DKDV_CONFIGS = _configs([
+    (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2), (16, 32, 4, 2),
+])  # fmt: skip
+# dQ: each program owns a tall query tile (BLOCK_M) and streams narrow key tiles (BLOCK_N) past it.
+_DQ_CONFIGS = _configs([
+    (128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 16, 4, 2),
+])  # fmt: skip
+
+_TUNE = dict(key=["S", "HEAD_DIM", "CAUSAL"], prune_configs_by={"early_config_prune": _prune_for_short_sequences})
+fwd_kernel_tuned = triton.autotune(configs=_FWD_CONFIGS, **_TUNE)(_flash_attention_fwd_kernel)
+dkdv_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, **_TUNE)(_flash_attention_bwd_dkdv_kernel)
+dq_kernel_tuned = triton.autotune(configs=_DQ_CONFIGS, **_TUNE)(_flash_attention_bwd_dq_kernel)
+
+# Under the interpreter every block operation costs milliseconds of numpy work: blocks just large
+# enough that the test sequences (1..130) span several query and key blocks, tails and diagonals.
+INTERPRETER_FWD_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 16}
+INTERPRETER_DKDV_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32}
+INTERPRETER_DQ_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 16}
+PREPROCESS_BLOCK_M = 64
