@@ -56,7 +56,10 @@ class PipelineSchedule:
     @classmethod
     def program_for(cls, num_ranks: int, n_microbatches: int, stages_per_rank: int = 1) -> PipelineProgram:
         """This schedule's action lists for a layout; a pure function (no process group needed)."""
-        raise NotImplementedError
+        raise TypeError(
+            f"{cls.__name__} is the base of the schedules and builds no program: use ScheduleGPipe, "
+            "Schedule1F1B, ScheduleInterleaved1F1B or ScheduleZeroBubble"
+        )
 
     def _check_stages(self, name: str, stage_or_stages) -> list[PipelineStage]:
         stages = [stage_or_stages] if isinstance(stage_or_stages, PipelineStage) else list(stage_or_stages)

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from tessel.parallel.pipeline.schedules import (
+    PipelineSchedule,
     Schedule1F1B,
     ScheduleGPipe,
     ScheduleInterleaved1F1B,
@@ -131,6 +132,8 @@ def test_schedules_reject_bad_arguments():
         ScheduleGPipe([], 2, models.loss_fn)
     with pytest.raises(ValueError, match="timeout must be a positive number of seconds, received 0"):
         ScheduleGPipe(_stage(), 2, models.loss_fn, timeout=0)
+    with pytest.raises(TypeError, match="PipelineSchedule is the base of the schedules"):
+        PipelineSchedule(_stage(), 2, models.loss_fn)
 
 
 def test_step_rejects_a_batch_that_does_not_divide():
