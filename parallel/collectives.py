@@ -125,56 +125,18 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
-class _AllGatherReduceScatter(torch.autograd.Function):
-    """All-gather along ``dim`` forward, reduce-scatter along ``dim`` backward."""
+class _DimCollective(torch.autograd.Function):
+    """``fwd(x, group, dim)`` forward and ``bwd(grad, group, dim)`` backward: one Function for each pair of
+    data movements along ``dim`` (all-gather / reduce-scatter / own chunk) that the public ops below name."""
 
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gathered(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scattered(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatterAllGather(torch.autograd.Function):
-    """Reduce-scatter along ``dim`` forward, all-gather along ``dim`` backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scattered(x, group, dim)
+    def forward(ctx, x, group, dim, fwd, bwd):
+        ctx.group, ctx.dim, ctx.bwd = group, dim, bwd
+        return fwd(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _gathered(grad, ctx.group, ctx.dim), None, None
-
-
-class _SplitAllGather(torch.autograd.Function):
-    """Keep this rank's chunk along ``dim`` forward, all-gather along ``dim`` backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _own_chunk(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gathered(grad, ctx.group, ctx.dim), None, None
-
-
-class _AllGatherSplit(torch.autograd.Function):
-    """All-gather along ``dim`` forward, keep this rank's chunk of the gradient backward."""
-
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _gathered(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _own_chunk(grad, ctx.group, ctx.dim), None, None
+        return ctx.bwd(grad, ctx.group, ctx.dim), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- public ops
@@ -209,7 +171,7 @@ def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.T
     (each rank used it with its own weight shard), so they are summed and each rank keeps its block.
     """
     dim = _normalize_dim("gather_from_sequence", x, dim)
-    return _AllGatherReduceScatter.apply(x, group, dim)
+    return _DimCollective.apply(x, group, dim, _gathered, _reduce_scattered)
 
 
 def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
@@ -222,7 +184,7 @@ def reduce_scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> t
     """
     dim = _normalize_dim("reduce_scatter_to_sequence", x, dim)
     _check_divisible("reduce_scatter_to_sequence", x, dim, group)
-    return _ReduceScatterAllGather.apply(x, group, dim)
+    return _DimCollective.apply(x, group, dim, _reduce_scattered, _gathered)
 
 
 def scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:
@@ -234,7 +196,7 @@ def scatter_to_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Te
     """
     dim = _normalize_dim("scatter_to_sequence", x, dim)
     _check_divisible("scatter_to_sequence", x, dim, group)
-    return _SplitAllGather.apply(x, group, dim)
+    return _DimCollective.apply(x, group, dim, _own_chunk, _gathered)
 
 
 def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
@@ -245,7 +207,7 @@ def gather_from_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor
     the full tensor is already complete.
     """
     dim = _normalize_dim("gather_from_tp", x, dim)
-    return _AllGatherSplit.apply(x, group, dim)
+    return _DimCollective.apply(x, group, dim, _gathered, _own_chunk)
 
 
 def split_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
@@ -256,4 +218,4 @@ def split_to_tp(x: torch.Tensor, group: Group, dim: int = -1) -> torch.Tensor:
     """
     dim = _normalize_dim("split_to_tp", x, dim)
     _check_divisible("split_to_tp", x, dim, group)
-    return _SplitAllGather.apply(x, group, dim)
+    return _DimCollective.apply(x, group, dim, _own_chunk, _gathered)
