@@ -30,7 +30,7 @@ import torch.nn.functional as F
 
 from ..kernels.attention import flash_attention
 from .matmul import BenchmarkError, max_rel_error
-from .runner import geomean, peak_tflops, time_fn
+from .runner import geomean_rows, peak_tflops, time_fn
 
 __all__ = [
     "ATTENTION_SHAPES_CPU",
@@ -187,19 +187,6 @@ def _row(shape, pass_, causal, dtype, backend, err, tessel_ms, torch_ms, peak) -
     return dict(zip(COLUMNS, values, strict=True))
 
 
-def _geomean_rows(rows: list[dict], dtype: torch.dtype) -> list[dict]:
-    return [
-        {
-            **dict.fromkeys(COLUMNS),
-            "case": "geomean",
-            "pass": pass_,
-            "dtype": _dtype_name(dtype),
-            "tessel/torch": geomean([r["tessel/torch"] for r in rows if r["pass"] == pass_]),
-        }
-        for pass_ in PASSES
-    ]
-
-
 def run_attention_suite(dtype: torch.dtype | None = None, quick: bool = False) -> list[dict]:
     """Check and time every shape × mask × pass; returns one row per case plus the geometric-mean rows.
 
@@ -221,4 +208,4 @@ def run_attention_suite(dtype: torch.dtype | None = None, quick: bool = False) -
                 tessel_ms, torch_ms = (time_fn(fn, cuda=cuda, reps=1 if quick else 3) for fn in fns)
                 rows.append(_row(shape, pass_, causal, dtype, backend, err, tessel_ms, torch_ms, peak))
         del q, k, v, grad_out
-    return rows + _geomean_rows(rows, dtype)
+    return rows + geomean_rows(rows, COLUMNS, "pass", PASSES, dtype=_dtype_name(dtype))

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.matmul import matmul
-from .runner import geomean, peak_tflops, time_fn
+from .runner import geomean_rows, peak_tflops, time_fn
 from .shapes import MatmulShape, matmul_shapes
 
 try:  # progress bars come with the ``bench`` extra; the suite runs the same without them
@@ -114,20 +114,6 @@ def _row(
     return dict(zip(COLUMNS, values, strict=True))
 
 
-def _geomean_rows(rows: list[dict], dtype: torch.dtype) -> list[dict]:
-    """One row per op whose only figure is the geometric mean of its tessel/torch ratios."""
-    return [
-        {
-            **dict.fromkeys(COLUMNS),
-            "case": "geomean",
-            "op": op,
-            "dtype": _dtype_name(dtype),
-            "tessel/torch": geomean([r["tessel/torch"] for r in rows if r["op"] == op]),
-        }
-        for op in OPS
-    ]
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
@@ -153,4 +139,4 @@ def run_matmul_suite(dtype: torch.dtype | None = None, quick: bool = False) -> l
             err = _check(shape, op, fns, dtype, cuda)
             tessel_ms, torch_ms = (time_fn(fn, cuda=cuda, reps=1 if quick else 3) for fn in fns)
             rows.append(_row(shape, op, dtype, err, tessel_ms, torch_ms, peak))
-    return rows + _geomean_rows(rows, dtype)
+    return rows + geomean_rows(rows, COLUMNS, "op", OPS, dtype=_dtype_name(dtype))

@@ -31,6 +31,7 @@ __all__ = [
     "caveat",
     "environment",
     "geomean",
+    "geomean_rows",
     "peak_tflops",
     "print_table",
     "report",
@@ -89,6 +90,16 @@ def geomean(values: Sequence[float]) -> float | None:
     if not values:
         return None
     return math.exp(sum(math.log(v) for v in values) / len(values))
+
+
+def geomean_rows(rows: Sequence[dict], columns: Sequence[str], key: str, groups: Sequence, **fixed) -> list[dict]:
+    """One row per value of ``rows[i][key]`` in ``groups`` whose only figure is the geometric mean of its
+    ``tessel/torch`` ratios (``fixed`` fills other cells, e.g. the dtype)."""
+    return [
+        {**dict.fromkeys(columns), "case": "geomean", key: group, **fixed,
+         "tessel/torch": geomean([r["tessel/torch"] for r in rows if r[key] == group])}
+        for group in groups
+    ]  # fmt: skip
 
 
 def peak_tflops(device: str, dtype: torch.dtype) -> float | None:
