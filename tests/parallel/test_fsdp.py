@@ -12,10 +12,15 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from tests.multiprocess import run_ranks
+from tests.parallel.data_parallel_models import BATCH
+from tests.parallel.data_parallel_models import Block as _Block
+from tests.parallel.data_parallel_models import batch as _batch
+from tests.parallel.data_parallel_models import mse as _loss
+from tests.parallel.data_parallel_models import probe as _probe
 
 FP32 = dict(rtol=1e-4, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=2e-2)
-BATCH, STEPS = 6, 3
+STEPS = 3
 CASES = {  # name: (wrap, dtype, lr, max_grad_norm, activation checkpointing, backwards accumulated per step)
     "default_wrap_clip": (None, torch.float32, 1e-2, 0.05, False, 1),
     "linear_units_no_root": ("linear", torch.float32, 1e-2, None, False, 1),
@@ -23,15 +28,6 @@ CASES = {  # name: (wrap, dtype, lr, max_grad_norm, activation checkpointing, ba
     "accumulate_3_backwards": (None, torch.float32, 1e-2, None, False, 3),
     "bf16": (None, torch.bfloat16, 1e-3, None, False, 1),
 }
-
-
-class _Block(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.fc, self.proj = nn.Linear(h, 2 * h + 1), nn.Linear(2 * h + 1, h)
-
-    def forward(self, x):
-        return x + self.proj(torch.nn.functional.gelu(self.fc(x)))
 
 
 class _Net(nn.Module):
@@ -52,19 +48,6 @@ class _Net(nn.Module):
 def _net(dtype=torch.float32, recompute=False):
     torch.manual_seed(0)
     return _Net(recompute=recompute).to(dtype)
-
-
-def _batch(step, dtype=torch.float32):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, 7, generator=g).to(dtype), torch.randn(BATCH, 5, generator=g).to(dtype)
-
-
-def _probe(dtype=torch.float32):
-    return torch.randn(4, 7, generator=torch.Generator().manual_seed(7)).to(dtype)
-
-
-def _loss(model, x, y):
-    return (model(x) - y).float().pow(2).mean()
 
 
 def _reference(name):

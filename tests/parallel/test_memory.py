@@ -21,15 +21,7 @@ import torch
 from torch import nn
 
 from tests.multiprocess import run_ranks
-
-
-class _Block(nn.Module):
-    def __init__(self, h):
-        super().__init__()
-        self.fc, self.proj = nn.Linear(h, 2 * h + 1), nn.Linear(2 * h + 1, h)
-
-    def forward(self, x):
-        return x + self.proj(torch.nn.functional.gelu(self.fc(x)))
+from tests.parallel.data_parallel_models import Block as _Block
 
 
 def _net():

@@ -18,10 +18,13 @@ import torch
 from torch import nn
 
 from tests.multiprocess import run_ranks
+from tests.parallel.data_parallel_models import batch as _batch
+from tests.parallel.data_parallel_models import mse as _loss
+from tests.parallel.data_parallel_models import probe as _probe
 
 FP32 = dict(rtol=1e-4, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=2e-2)
-BATCH, STEPS = 6, 3
+STEPS = 3
 # name: (stage, max_grad_norm, loss_scale, dtype, lr, param groups, accumulation). Accumulation over
 # microbatches: "no_sync" reduces only the last backward; "sync" reduces each backward into the shard.
 CASES = {
@@ -40,19 +43,6 @@ MICRO = 3
 def _net(dtype=torch.float32):
     torch.manual_seed(0)
     return nn.Sequential(nn.Linear(7, 19), nn.GELU(), nn.Linear(19, 11), nn.Tanh(), nn.Linear(11, 5)).to(dtype)
-
-
-def _batch(step, dtype=torch.float32):
-    g = torch.Generator().manual_seed(100 + step)
-    return torch.randn(BATCH, 7, generator=g).to(dtype), torch.randn(BATCH, 5, generator=g).to(dtype)
-
-
-def _probe(dtype=torch.float32):
-    return torch.randn(4, 7, generator=torch.Generator().manual_seed(7)).to(dtype)
-
-
-def _loss(model, x, y):
-    return (model(x) - y).float().pow(2).mean()
 
 
 def _param_groups(net, lr, groups: bool):
