@@ -12,15 +12,22 @@ position ids, rotary tables and the causal mask from the full ``inputs_embeds`` 
 so the residual stream is split only where the layers begin, and every block sees whole positions::
 
     embed_tokens → [B, S, H] ──scatter──▶ [B, S/t, H] ─ layer 0 … L-1 ─ norm ──gather──▶ [B, S, H] → lm_head
-    inside a layer:  norm (shard) → block: gather [B, S, H] → q/k/v or gate/up (local GEMMs, heads of
-                     this rank, rotary on global positions) → o_proj / down_proj: reduce-scatter → [B, S/t, H]
+    inside a layer:  norm (shard) → block: q/k/v or gate/up as ONE all-gather ring over the shard
+                     (heads of this rank, rotary on global positions) → o_proj / down_proj: GEMM +
+                     reduce-scatter ring → [B, S/t, H]
 
-The attention block gathers its input itself (all-gather forward, reduce-scatter backward) rather than
-letting each projection gather: Hugging Face attention reads the sequence length from its input
-(``hidden_states.shape[:-1]``) to reshape q, k, v, so it must receive the whole sequence. One gather
-per block also moves a third of what three per-projection gathers would. Under sequence parallelism
-the intermediate ``output_hidden_states`` are sequence shards, and decoding one token at a time (whose
-length does not split) needs ``sequence_parallel=False``.
+The column projections of a block share one :class:`SequenceRing`: the first projection the block
+calls runs :func:`~tessel.parallel.overlap.all_gather_matmul` for all of them at once, each GEMM step
+working on the shard that has arrived while the next one travels, and hands its siblings their
+outputs when they are called. Hugging Face attention reads the sequence length from its input
+(``hidden_states.shape[:-1]``) to reshape q, k, v, so the block receives, in place of its input, a
+placeholder of the whole sequence's shape that holds no memory (one NaN, expanded): the projections
+recognise it by identity and read the shard instead; a block that computes with its input other than
+through its projections would see NaN, and a projection called with anything else raises. Backward:
+the ring's reduce-scatter sums every projection's input gradient over the group, with the weight
+gradients computed while it is in flight. Under sequence parallelism the intermediate
+``output_hidden_states`` are sequence shards, and decoding one token at a time (whose length does not
+split) needs ``sequence_parallel=False``.
 """
 
 from __future__ import annotations
@@ -30,12 +37,16 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..parallel.collectives import gather_from_sequence, gather_from_tp, scatter_to_sequence
+from ..parallel.collectives import gather_from_tp, scatter_to_sequence
 from ..parallel.comm import group_size
+from ..parallel.overlap import all_gather_matmul
+from .linear import ColumnParallelLinear, _check_input, _from_token_major, _to_token_major, _use_overlap
 
 __all__ = [
     "HEAD_COUNT_ATTRS",
     "HFSequenceLayout",
+    "RingColumnLinear",
+    "SequenceRing",
     "head_dim_of",
     "hf_tp_plan",
     "is_hf_model",
@@ -190,7 +201,9 @@ class HFSequenceLayout:
                         "replicated inside a block that gathers the sequence; split it (colwise/rowwise) as well"
                     )
 
-    def install(self, model: nn.Module, tp_group) -> None:
+    def install(self, model: nn.Module, tp_group, rings: dict[str, SequenceRing]) -> None:
+        """Scatter before the first layer, a ring per block (``rings``: block name → its ring), gather after
+        the final norm."""
         modules = dict(model.named_modules())
         t = group_size(tp_group)
 
@@ -205,16 +218,97 @@ class HFSequenceLayout:
 
             return _map_hidden_states(args, kwargs, split, self.layers[0])
 
-        def gather(module, args, kwargs):
-            return _map_hidden_states(args, kwargs, lambda x: gather_from_sequence(x, tp_group, dim=1), "a block")
-
         def gather_output(module, args, out):
             return gather_from_tp(out, tp_group, dim=1)
 
         modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)
         for name in self.blocks:
-            modules[name].register_forward_pre_hook(gather, with_kwargs=True)
+            ring = rings[name]
+            modules[name].register_forward_pre_hook(
+                lambda m, args, kwargs, ring=ring: _map_hidden_states(args, kwargs, ring.begin, ring.block),
+                with_kwargs=True,
+            )
+            modules[name].register_forward_hook(lambda m, args, out, ring=ring: ring.end(), always_call=True)
         modules[self.final_norm].register_forward_hook(gather_output)
+
+
+class RingColumnLinear(ColumnParallelLinear):
+    """A column-parallel projection inside a sequence-parallel Hugging Face block: its output comes from the
+    block's :class:`SequenceRing`, which computes it together with its siblings' in one all-gather ring.
+
+    Called with the placeholder its block received (not a tensor of values); see the module docstring.
+    """
+
+    ring: SequenceRing | None = None
+
+    def forward(self, x: torch.Tensor):
+        if self.ring is None:
+            raise RuntimeError(f"{type(self).__name__} runs only inside the block that parallelize() gave a ring")
+        return self.ring.output(self, x)
+
+
+class SequenceRing:
+    """The column projections of one block sharing one gathered input (q/k/v; gate/up): one ring for all.
+
+    ``begin(shard)`` (the block's forward pre-hook) keeps the ``[B, S/t, H]`` shard and returns a
+    ``[B, S, H]`` placeholder; the first projection called computes every projection's output with one
+    :func:`~tessel.parallel.overlap.all_gather_matmul`; ``end()`` (the block's forward hook) drops what
+    is left. A projection called a second time in the same forward runs a ring of its own.
+    """
+
+    def __init__(self, block: str, columns: list[RingColumnLinear], tp_group):
+        if not columns:
+            raise ValueError(f"SequenceRing: block {block} has no column-parallel projection to run")
+        self.block, self.columns, self.tp_group = block, columns, tp_group
+        self._shard = self._placeholder = None
+        self._outputs: dict[int, object] = {}
+        self._ran = False
+        for c in columns:
+            c.ring = self
+
+    def begin(self, x: torch.Tensor) -> torch.Tensor:
+        first = self.columns[0]
+        _check_input(first, x, first.in_features, "in_features")
+        if x.dim() != 3:
+            raise ValueError(
+                f"parallelize: {self.block} needs [batch, seq/t, hidden] hidden states under sequence parallelism, "
+                f"received shape {tuple(x.shape)}"
+            )
+        b, s, h = x.shape
+        self._shard, self._outputs, self._ran = x, {}, False
+        self._placeholder = x.new_full((1, 1, 1), float("nan")).expand(b, s * group_size(self.tp_group), h)
+        return self._placeholder
+
+    def output(self, column: RingColumnLinear, x: torch.Tensor):
+        if self._placeholder is None or x is not self._placeholder:
+            raise ValueError(
+                f"parallelize: under sequence_parallel=True the projections of {self.block} read the sequence "
+                "shard the block received; this one was called with another tensor (the block transformed its "
+                "input before projecting it, or a projection takes another projection's output): split such a "
+                "module with sequence_parallel=False"
+            )
+        if id(column) not in self._outputs:
+            self._outputs.update(self._run(self.columns if not self._ran else [column]))
+            self._ran = True
+        return self._outputs.pop(id(column))
+
+    def end(self) -> None:
+        self._shard = self._placeholder = None
+        self._outputs = {}
+
+    def _run(self, columns: list[RingColumnLinear]) -> dict[int, object]:
+        x = self._shard
+        x2 = _to_token_major(x)
+        t, first = group_size(self.tp_group), columns[0]
+        n_local = sum(c.weight.shape[0] for c in columns)
+        overlap = _use_overlap(first.overlap, t, x2.shape[0] * t, first.in_features, n_local)
+        ys = all_gather_matmul(x2, [c.weight for c in columns], self.tp_group, biases=[c.bias for c in columns],
+                               overlap=overlap, regather=first.regather_input)  # fmt: skip
+        outputs = {}
+        for c, y in zip(columns, ys):
+            y = _from_token_major(y, x.shape[0])
+            outputs[id(c)] = y.split(c.local_parts, dim=-1) if len(c.local_parts) > 1 else y
+        return outputs
 
 
 def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:

@@ -39,8 +39,9 @@ older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layer
 
 ``sequence_parallel=True``: tessel's GPT (and any model written like it) passes the flag to every
 layer, and the layers split and gather the sequence. A Hugging Face decoder is split where its layers
-begin and gathered after its final norm (:class:`~tessel.layers.hf.HFSequenceLayout`); the sequence
-length must then be divisible by ``t``. Parameters replicated over the group (norms, a replicated
+begin and gathered after its final norm (:class:`~tessel.layers.hf.HFSequenceLayout`), and the column
+projections of each block run as one overlapped all-gather ring (:class:`~tessel.layers.hf.SequenceRing`);
+the sequence length must then be divisible by ``t``. Parameters replicated over the group (norms, a replicated
 embedding, biases of row layers) hold their complete gradient after ``backward()``.
 """
 
@@ -53,13 +54,20 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..kernels.matmul import matmul
 from ..parallel.collectives import copy_to_tp, reduce_from_tp
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
-from .hf import HFSequenceLayout, head_dim_of, hf_tp_plan, is_hf_model, local_head_updates
+from .hf import (
+    HFSequenceLayout,
+    RingColumnLinear,
+    SequenceRing,
+    head_dim_of,
+    hf_tp_plan,
+    is_hf_model,
+    local_head_updates,
+)
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import LayerNorm, RMSNorm
 
@@ -93,19 +101,23 @@ class _Entry:
     style: str  # as written in the plan
     kind: str  # one of the canonical styles
     sequence_parallel: bool = False
-    gathered: bool = False  # a column layer whose block gathers the sequence (Hugging Face under SP)
+    gathered: bool = False  # a column layer fed by its block's sequence ring (Hugging Face under SP)
     new: nn.Module | None = None
 
 
 def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None,
-                sequence_parallel: bool = False) -> nn.Module:  # fmt: skip
+                sequence_parallel: bool = False, overlap: bool | str | None = None) -> nn.Module:  # fmt: skip
     """Split ``model``'s layers over ``tp_group`` in place, following ``plan`` or the model's own; returns it.
 
     ``tp_group=None`` is the default group (a world of one without a process group). Every rank of the
-    group must call this on identical models (same weights): rank ``r`` keeps its shards.
+    group must call this on identical models (same weights): rank ``r`` keeps its shards. ``overlap``
+    (``"auto"``, ``True``, ``False``) is given to every split linear layer; ``None`` keeps the setting
+    of tessel's own layers and uses ``"auto"`` for ``nn.Linear``.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be an nn.Module, received {type(model).__name__}")
+    if overlap not in (None, "auto", True, False):
+        raise ValueError(f"parallelize: overlap must be None, 'auto', True or False, received {overlap!r}")
     t = group_size(tp_group)
     entries = _match(model, _own_plan(model) if plan is None else plan)
     for e in entries:
@@ -113,10 +125,12 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
     for e in entries:
         e.sequence_parallel = sequence_parallel and (layout is None or layout.in_region(e.name))
-        e.gathered = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
+        in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
+        e.gathered = in_block and e.kind in (COLUMN, PACKED_COLUMN)
     heads = _local_heads(model, entries, t)
     for e in entries:
-        e.new = _build(e, tp_group)
+        e.new = _build(e, tp_group, overlap)
+    rings = _rings(layout, entries, tp_group) if layout is not None else {}
     ties = _ties(model, entries)
     # ---- nothing of the model has changed above this line ----
     _install(model, entries, tp_group)
@@ -126,7 +140,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         for attr, value in updates.items():
             setattr(parent, attr, value)
     if layout is not None:
-        layout.install(model, tp_group)
+        layout.install(model, tp_group, rings)
     for attr, value in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel)):
         if hasattr(model, attr):  # tessel's GPT: its loss reads the group
             setattr(model, attr, value)
@@ -287,35 +301,20 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[_Entr
 # ---------------------------------------------------------------------------------------------------- building
 
 
-class _GatheredInputColumn(ColumnParallelLinear):
-    """A column-parallel projection in a block that gathers the sequence at its own input: a local GEMM.
-
-    Its input gradient is partial (this rank's output features only); the block's gather sums the
-    partial gradients of all its projections over the group in one reduce-scatter.
-    """
-
-    def forward(self, x: torch.Tensor):
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"{type(self).__name__}: input's last dimension must be in_features = "
-                             f"{self.in_features}, received shape {tuple(x.shape)}")  # fmt: skip
-        y = matmul(x.reshape(-1, self.in_features), self.weight.t(), self.bias).view(*x.shape[:-1], -1)
-        return y.split(self.local_parts, dim=-1) if len(self.local_parts) > 1 else y
-
-
-def _build(e: _Entry, tp_group) -> nn.Module | None:
+def _build(e: _Entry, tp_group, overlap) -> nn.Module | None:
     """The replacement of ``e.module`` (None: the module stays, with hooks). Changes nothing of the model."""
-    column = _GatheredInputColumn if e.gathered else ColumnParallelLinear
-    sp = e.sequence_parallel and not e.gathered
+    column = RingColumnLinear if e.gathered else ColumnParallelLinear
+    kw = {} if overlap is None else {"overlap": overlap}
     if e.kind == COLUMN:
-        return column.from_linear(e.module, tp_group=tp_group, sequence_parallel=sp)
+        return column.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == COLUMN_GATHER:
-        return ColumnParallelLinear.from_linear(e.module, tp_group=tp_group, gather_output=True)
+        return ColumnParallelLinear.from_linear(e.module, tp_group=tp_group, gather_output=True, **kw)
     if e.kind == PACKED_COLUMN:
-        return _packed_column(column, e.module, tp_group, sp)
+        return _packed_column(column, e.module, tp_group, e.sequence_parallel, overlap)
     if e.kind == ROW:
-        return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
+        return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == ROW_SPLIT:
-        return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False)
+        return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False, **kw)
     if e.kind == EMBEDDING:
         return VocabParallelEmbedding.from_embedding(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
     if e.kind == NORM and e.sequence_parallel and any(True for _ in e.module.parameters()):
@@ -326,12 +325,22 @@ def _build(e: _Entry, tp_group) -> nn.Module | None:
     return None
 
 
-def _packed_column(cls, linear: nn.Linear, tp_group, sequence_parallel: bool) -> ColumnParallelLinear:
+def _rings(layout: HFSequenceLayout, entries: list[_Entry], tp_group) -> dict[str, SequenceRing]:
+    """One ring per Hugging Face block under sequence parallelism, over the block's column projections."""
+    columns: dict[str, list[RingColumnLinear]] = {}
+    for e in entries:
+        if e.gathered:
+            columns.setdefault(e.name.rsplit(".", 1)[0], []).append(e.new)
+    return {block: SequenceRing(block, columns[block], tp_group) for block in layout.blocks}
+
+
+def _packed_column(cls, linear: nn.Linear, tp_group, sequence_parallel: bool, overlap) -> ColumnParallelLinear:
     """Rank r keeps ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight, so ``y.chunk(2, -1)`` still splits it."""
     t, r = group_size(tp_group), group_rank(tp_group)
     w, parts = linear.weight, (linear.out_features // 2, linear.out_features // 2)
     layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
-                sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype)  # fmt: skip
+                sequence_parallel=sequence_parallel, overlap="auto" if overlap is None else overlap,
+                device=w.device, dtype=w.dtype)  # fmt: skip
     with torch.no_grad():
         layer.weight.copy_(local_shard(w, 0, parts, r, t))
         if layer.bias is not None:

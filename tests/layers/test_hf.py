@@ -108,6 +108,24 @@ def _two_ranks(rank, world_size):
             # which tessel's kernel does not compute, with its weight gradients reduced over the ranks
             is_tessel_norm = isinstance(par.model.layers[1].post_attention_layernorm, RMSNorm)
             assert is_tessel_norm == (sp and family != "gemma")
+    # under SP each block's column projections (q/k/v; gate/up) run as ONE overlapped all-gather ring:
+    # one ring per block, two per layer; three or two rings per block would mean a ring per projection
+    from tessel.parallel.comm import record_events
+
+    for family in ("llama", "qwen3"):
+        dense = _model(family)
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=True, overlap=True)
+        with record_events() as log:
+            par(_batch()[0])
+        rings = [e for e in log.events if e[:2] == ("send", "all_gather_matmul")]
+        assert len(rings) == 2 * 2 * (world_size - 1), log.events
+        _check_against_dense(dense, par, f"{family} sp ring")
+    # a block that computes with its input before projecting it is refused rather than fed the placeholder
+    par = parallelize(_model("llama"), None, sequence_parallel=True, overlap=True)
+    mlp = par.model.layers[1].mlp
+    mlp.forward = lambda x, forward=mlp.forward: forward(x * 1.0)
+    with pytest.raises(ValueError, match=r"projections of model.layers.1.mlp read the sequence shard"):
+        par(_batch()[0])
     # a base model (no lm_head): its last hidden state is gathered whole
     dense = _model("llama").model
     _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, sequence_parallel=True), "LlamaModel")
@@ -152,8 +170,8 @@ def _four_ranks(rank, world_size):
     for family in ("llama", "mistral", "qwen2"):
         for sp in (False, True):
             dense = _model(family, kv_heads=4)
-            _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp),
-                                 f"{family} sp={sp}")  # fmt: skip
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
+            _check_against_dense(dense, par, f"{family} sp={sp}")  # under SP: the overlapped rings
     bad = [
         (_model("llama", kv_heads=2), None, r"k_proj: 2 heads \(width 32, head_dim 16\) do not split over 4"),
         (_model("qwen2", kv_heads=4, intermediate_size=90), None, r"gate_proj .*out_features 90 .* not divisible"),

@@ -156,6 +156,18 @@ def test_models_without_a_plan_are_refused():
         parallelize(_toy(), None)
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         parallelize({"layer": 1}, None)
+    model = _toy()
+    with pytest.raises(ValueError, match=r"overlap must be None, 'auto', True or False, received 'always'"):
+        parallelize(model, None, plan=TOY_PLAN, overlap="always")
+    assert type(model.attn.q_proj) is nn.Linear
+
+
+def test_overlap_reaches_every_split_layer(seed):
+    from tessel.layers.parallelize import parallelize
+
+    model = parallelize(_toy(), None, plan=TOY_PLAN, overlap=False)
+    split = [m for m in model.modules() if hasattr(m, "tp_size") and hasattr(m, "overlap")]
+    assert split and all(m.overlap is False for m in split)
 
 
 # ---------------------------------------------------------------------------------------------------- user plans
