@@ -13,7 +13,12 @@ All-gather before a unit's forward (a forward pre-hook), with the next unit's ga
 asynchronously (prefetch); free after its forward (a forward hook); gather again for backward; and
 reduce-scatter its gradients into the shard once backward has produced all of them (gradient hooks),
 after which its full parameters are freed again. Per step every parameter is gathered twice and its
-gradient reduce-scattered once: 3Ψ of traffic.
+gradient reduce-scattered once: 3Ψ of traffic. Under :meth:`FSDP.no_sync` a backward keeps each unit's
+``[P]`` gradient instead of reduce-scattering it (``bucket.grad``, summed over the backwards run inside),
+and the first backward outside reduce-scatters the sum once::
+
+    no_sync backward:  gather r, u1 | u1 bwd ‖ gather u0 | grads of u1 → add into u1's [P] grad, free u1 | ...
+    syncing backward:  gather r, u1 | u1 bwd ‖ gather u0 | [P] grad of u1 + its grads → reduce-scatter | ...
 
 Gathering for backward uses saved-tensor hooks (``torch.autograd.graph.saved_tensors_hooks``) around the
 forward: every tensor autograd saves that lives in a unit's flat storage is packed with its unit, and
@@ -28,6 +33,8 @@ shard live in the optimizer and the step writes the low-precision parameter shar
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 import torch.distributed as dist
@@ -59,8 +66,11 @@ class FSDP(nn.Module):
 
     Rank 0's parameters and buffers are broadcast at construction. Use with
     :class:`~tessel.parallel.zero.ZeroAdam`; outside forward and backward the parameters hold no data:
-    read them with :meth:`full_state_dict`. Raises ``ValueError`` before changing anything when a unit
-    cannot be sharded (a parameter shared across units; mixed dtypes or devices within a unit).
+    read them with :meth:`full_state_dict`. After a backward each unit's averaged gradient is its
+    ``bucket.grad_shard`` (``[s]``); backwards accumulate into it until ZeroAdam's ``zero_grad()``, and
+    inside :meth:`no_sync` they accumulate locally, unreduced. Raises ``ValueError`` before changing
+    anything when a unit cannot be sharded (a parameter shared across units; mixed dtypes or devices
+    within a unit).
     """
 
     def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, wrap=None, prefetch=True):
@@ -86,6 +96,7 @@ class FSDP(nn.Module):
         self._pending: list[tuple[Unit, object, torch.Tensor, torch.Tensor]] = []
         self._backward_prefetched: set[int] = set()
         self._finish_queued = False
+        self._sync = True  # False inside no_sync(): backward keeps the full gradients instead of reducing
         for ui, u in enumerate(self.units):
             if u.module is not None:
                 u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u))
@@ -105,6 +116,40 @@ class FSDP(nn.Module):
             param_shard.copy_(u.bucket.shard_of(u.full))
             u.bucket.param_shard, u.bucket.grad_shard = param_shard, grad_shard
             u.free()
+
+    @contextlib.contextmanager
+    def no_sync(self):
+        """Backwards inside the block accumulate full gradients locally; the next backward outside reduces.
+
+        Inside, a unit's backward adds its gradients into the unit's full ``[P]`` gradient
+        (``bucket.grad``, allocated by the first such backward) instead of reduce-scattering them; the
+        first backward outside adds its own gradients to that sum, reduce-scatters it once into the
+        ``[s]`` gradient shard (averaged over the group as usual) and frees the ``[P]`` buffers. So
+        ``m-1`` backwards inside and one outside give the gradient of the ``m`` losses summed, as one
+        backward on the concatenated batch would (with each microbatch's mean loss divided by ``m``).
+        Parameters are gathered for forward and backward and freed after use as always: only the
+        gradients stay full.
+
+        Like DDP's, it is decided when backward runs: put the ``backward()`` inside the block. Nested
+        blocks are fine (the inner one changes nothing). The buffers have the parameters' dtype, the
+        dtype of every FSDP gradient (each backward's gradients, the reduce-scatter, the shard ZeroAdam
+        reads): an fp32 sum would be rounded to it at the reduce-scatter anyway, and in the parameters'
+        dtype bf16 models hold 2 bytes per gradient element instead of 4.
+
+        Memory: while gradients are accumulated every unit holds its full ``[P]`` gradient, ``Ψ``
+        elements per rank instead of ``Ψ/N``: ZeRO-3's saving on gradients is given up during the
+        accumulation, as with torch's FSDP ``no_sync``; the memory account counts the buffers while they
+        exist. Communication: a backward inside moves only the parameters' all-gathers.
+
+        Run a backward outside the block before ``ZeroAdam.step()``: the step reads the reduced shards
+        only, so gradients still held as local sums would not be part of it (the same rule as DDP's
+        ``no_sync``; neither checks it). ``ZeroAdam.zero_grad()`` drops the local sums too.
+        """
+        previous, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = previous
 
     # ------------------------------------------------------------------------------------------------ forward
 
@@ -177,17 +222,29 @@ class FSDP(nn.Module):
         u = self.units[ui]
         u.ready += 1
         if u.ready == u.trainable:
+            self._grads_done(u)
+
+    def _grads_done(self, u: Unit) -> None:
+        """All of ``u``'s gradients of this backward are in: add them to its full gradient, free its parameters.
+
+        Then reduce-scatter the full gradient into the shard, or, under :meth:`no_sync`, keep it for the
+        next backward.
+        """
+        b = u.bucket
+        if b.grad is None:
+            b.grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        for slot in b.slots:
+            if slot.param.grad is not None:
+                b.slot_view(b.grad, slot).add_(slot.param.grad)
+                slot.param.grad = None
+        u.free()
+        if self._sync:
             self._reduce(u)
 
     def _reduce(self, u: Unit) -> None:
-        """All of ``u``'s gradients are in: free its parameters, reduce-scatter its gradients into the shard."""
+        """Launch the reduce-scatter of ``u``'s full gradient into its shard; the full gradient is dropped."""
         b = u.bucket
-        full_grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
-        for slot in b.slots:
-            if slot.param.grad is not None:
-                b.slot_view(full_grad, slot).copy_(slot.param.grad)
-                slot.param.grad = None
-        u.free()
+        full_grad, b.grad = b.grad, None
         out = torch.empty_like(b.grad_shard) if u.accumulated else b.grad_shard
         _, work = reduce_scatter(full_grad, self.group, out=out, async_op=True)
         self._pending.append((u, work, full_grad, out))
@@ -203,10 +260,15 @@ class FSDP(nn.Module):
         u.accumulated = True
 
     def _finish_backward(self) -> None:
-        """When backward ends: reduce units with parameters that got no gradient, wait, free everything."""
+        """When backward ends: finish units with parameters that got no gradient, wait, free everything.
+
+        A syncing backward also reduces the units that got no gradient in it but hold a sum from no_sync.
+        """
         try:
             for u in self.units:
                 if 0 < u.ready < u.trainable:
+                    self._grads_done(u)
+                elif self._sync and u.ready == 0 and u.bucket.grad is not None:
                     self._reduce(u)
             while self._pending:
                 self._complete(*self._pending.pop(0))
@@ -227,6 +289,7 @@ class FSDP(nn.Module):
     def _zero_grads(self) -> None:
         for u in self.units:
             u.bucket.grad_shard.zero_()
+            u.bucket.grad = None  # a sum accumulated under no_sync
             u.accumulated = False
             for slot in u.bucket.slots:
                 slot.param.grad = None
@@ -236,7 +299,9 @@ class FSDP(nn.Module):
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         params = [t for u in self.units for t in (u.bucket.param_shard, u.full)]
-        return {"params": params, "grads": [u.bucket.grad_shard for u in self.units]}
+        grads = [u.bucket.grad_shard for u in self.units]
+        grads += [u.bucket.grad for u in self.units if u.bucket.grad is not None]  # held under no_sync
+        return {"params": params, "grads": grads}
 
     # ------------------------------------------------------------------------------------------------ state
 

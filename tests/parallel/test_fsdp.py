@@ -4,7 +4,12 @@ Each rank trains on its half of every batch; the reference trains an unwrapped c
 (means over equal halves: the averaged gradient is the whole-batch gradient) and clips with
 ``clip_grad_norm_`` where ZeroAdam clips. Tolerances as in test_zero.py: fp32 differs by summation order
 only (~1e-7), checked at 1e-4; bf16 compute with fp32 masters at lr=1e-3 for 3 steps, ~1e-2 absolute.
+``FSDP.no_sync`` is checked the same way (microbatch losses divided by their number, as test_ddp.py
+does), and by the bytes its backwards move and the gradient shards the syncing backward leaves.
 """
+
+import contextlib
+from typing import NamedTuple
 
 import pytest
 import torch
@@ -21,12 +26,27 @@ from tests.parallel.data_parallel_models import probe as _probe
 FP32 = dict(rtol=1e-4, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=2e-2)
 STEPS = 3
-CASES = {  # name: (wrap, dtype, lr, max_grad_norm, activation checkpointing, backwards accumulated per step)
-    "default_wrap_clip": (None, torch.float32, 1e-2, 0.05, False, 1),
-    "linear_units_no_root": ("linear", torch.float32, 1e-2, None, False, 1),
-    "activation_checkpointing": (None, torch.float32, 1e-2, None, True, 1),
-    "accumulate_3_backwards": (None, torch.float32, 1e-2, None, False, 3),
-    "bf16": (None, torch.bfloat16, 1e-3, None, False, 1),
+
+
+class Case(NamedTuple):
+    wrap: str | None  # None: FSDP's default units; "linear": every nn.Linear a unit
+    dtype: torch.dtype
+    lr: float
+    max_grad_norm: float | None
+    recompute: bool  # activation checkpointing of every block
+    micro: int  # backwards accumulated per step
+    no_sync: bool = False  # all but the last backward of a step inside FSDP.no_sync()
+    frozen: str | None = None  # a parameter that does not train (nor in the reference)
+
+
+CASES = {
+    "default_wrap_clip": Case(None, torch.float32, 1e-2, 0.05, False, 1),
+    "linear_units_no_root": Case("linear", torch.float32, 1e-2, None, False, 1),
+    "activation_checkpointing": Case(None, torch.float32, 1e-2, None, True, 1),
+    "accumulate_3_backwards": Case(None, torch.float32, 1e-2, None, False, 3),
+    # 2 of 3 backwards per step under no_sync; block 1's first weight frozen (still needed by backward).
+    "no_sync_frozen_clip": Case(None, torch.float32, 1e-2, 0.05, False, 3, no_sync=True, frozen="blocks.1.fc.weight"),
+    "bf16": Case(None, torch.bfloat16, 1e-3, None, False, 1),
 }
 
 
@@ -45,19 +65,26 @@ class _Net(nn.Module):
         return self.head(x)
 
 
-def _net(dtype=torch.float32, recompute=False):
+def _net(dtype=torch.float32, recompute=False, frozen=None):
     torch.manual_seed(0)
-    return _Net(recompute=recompute).to(dtype)
+    net = _Net(recompute=recompute).to(dtype)
+    if frozen is not None:
+        net.get_parameter(frozen).requires_grad_(False)
+    return net
+
+
+def _trainable(module):
+    return [p for p in module.parameters() if p.requires_grad]
 
 
 def _reference(name):
-    _, dtype, lr, clip, _, _ = CASES[name]
-    net = _net(dtype).float()  # bf16: from the bf16-rounded weights, trained in fp32
-    opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1)
+    case = CASES[name]
+    net = _net(case.dtype, frozen=case.frozen).float()  # bf16: from the bf16-rounded weights, trained in fp32
+    opt = torch.optim.AdamW(_trainable(net), lr=case.lr, weight_decay=0.1)
     for step in range(STEPS):
         _loss(net, *_batch(step)).backward()
-        if clip is not None:
-            torch.nn.utils.clip_grad_norm_(net.parameters(), clip)
+        if case.max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(_trainable(net), case.max_grad_norm)
         opt.step()
         opt.zero_grad()
     return {k: v.detach().clone() for k, v in net.state_dict().items()}, net(_probe()).detach()
@@ -67,8 +94,9 @@ def _train(rank, world_size, name):
     from tessel.parallel.fsdp import FSDP
     from tessel.parallel.zero import ZeroAdam
 
-    wrap, dtype, lr, clip, recompute, micro = CASES[name]
-    net = _net(dtype, recompute)
+    case = CASES[name]
+    dtype, micro = case.dtype, case.micro
+    net = _net(dtype, case.recompute, case.frozen)
     prefetched = []  # registered before FSDP's hooks: sees block 1's unit before block 1 gathers it itself
 
     def record(module, args):
@@ -76,14 +104,17 @@ def _train(rank, world_size, name):
             prefetched.append(target.state != "free")
 
     net.blocks[1].register_forward_pre_hook(record)
-    fsdp = FSDP(net, wrap={nn.Linear} if wrap == "linear" else None)
+    fsdp = FSDP(net, wrap={nn.Linear} if case.wrap == "linear" else None)
     target = next(u for u in fsdp.units if u.name in ("blocks.1", "blocks.1.fc"))
-    opt = ZeroAdam(fsdp.parameters(), lr=lr, weight_decay=0.1, max_grad_norm=clip)
+    opt = ZeroAdam(_trainable(fsdp), lr=case.lr, weight_decay=0.1, max_grad_norm=case.max_grad_norm)
     n = BATCH // world_size
+    full_grads_held = []  # after each backward: whether every unit holds a [P] gradient
     for step in range(STEPS):
         x, y = (t[rank * n : (rank + 1) * n] for t in _batch(step, dtype))
-        for xm, ym in zip(x.chunk(micro), y.chunk(micro)):
-            (_loss(fsdp, xm, ym) / micro).backward()
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            with fsdp.no_sync() if case.no_sync and i < micro - 1 else contextlib.nullcontext():
+                (_loss(fsdp, xm, ym) / micro).backward()
+            full_grads_held.append(sorted({b.grad is not None for b in fsdp.buckets}))
         opt.step()
         opt.zero_grad()
     freed = all(p.untyped_storage().nbytes() == 0 for p in net.parameters())
@@ -97,11 +128,50 @@ def _train(rank, world_size, name):
         "freed": freed,
         "prefetched": all(prefetched) and len(prefetched) > 0,
         "copies_exact": copies_exact,
+        "full_grads_held": full_grads_held,
     }
 
 
+def _no_sync_traffic(rank, world_size):
+    """Bytes moved and gradient bytes held by each backward of one step: nested no_sync, no_sync, syncing.
+
+    No optimizer: the gradients read are the shards the syncing backward leaves (plain FSDP).
+    """
+    from tessel.parallel.comm import count_bytes
+    from tessel.parallel.fsdp import FSDP
+    from tessel.parallel.memory import memory_account
+
+    fsdp = FSDP(_net())
+    n = BATCH // world_size
+    x, y = (t[rank * n : (rank + 1) * n] for t in _batch(0))
+    (x0, x1, x2), (y0, y1, y2) = x.chunk(3), y.chunk(3)
+    moved, grad_bytes = [], []
+
+    def backward(xm, ym):
+        loss = _loss(fsdp, xm, ym) / 3
+        with count_bytes() as counter:
+            loss.backward()
+        moved.append((counter.sent, counter.received))
+        grad_bytes.append(memory_account(fsdp).grads)
+
+    with fsdp.no_sync():
+        with fsdp.no_sync():
+            backward(x0, y0)
+        backward(x1, y1)  # the inner block has ended: still accumulating
+    backward(x2, y2)
+    shards = []  # per unit: (parameter, start in its flattened values, the shard's piece of it)
+    for b in fsdp.buckets:
+        shards.append([(slot.name, b.shard_offset + lo - slot.offset, b.grad_shard[lo:hi].clone())
+                       for slot, lo, hi in b.shard_slices()])  # fmt: skip
+    padding = [b.grad_shard[max(b.numel - b.shard_offset, 0) :].clone() for b in fsdp.buckets]
+    shard_bytes = sum(4 * b.shard_numel for b in fsdp.buckets)  # fp32
+    full_bytes = sum(4 * b.padded for b in fsdp.buckets)
+    return {"moved": moved, "grad_bytes": grad_bytes, "shard_bytes": shard_bytes, "full_bytes": full_bytes,
+            "shards": shards, "padding": padding}  # fmt: skip
+
+
 def _all_cases(rank, world_size):
-    return {name: _train(rank, world_size, name) for name in CASES}
+    return {**{name: _train(rank, world_size, name) for name in CASES}, "traffic": _no_sync_traffic(rank, world_size)}
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +182,7 @@ def two_rank_results():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("name", list(CASES))
 def test_fsdp_zero3_matches_whole_batch_adamw(two_rank_results, name):
-    tol = BF16 if CASES[name][1] == torch.bfloat16 else FP32
+    tol = BF16 if CASES[name].dtype == torch.bfloat16 else FP32
     state, out = _reference(name)
     for rank, results in enumerate(two_rank_results):
         got = results[name]
@@ -125,10 +195,48 @@ def test_fsdp_zero3_matches_whole_batch_adamw(two_rank_results, name):
         assert got["freed"], "parameters must hold no storage between steps"
         assert got["prefetched"], "block 1 must have been gathered (prefetched) before its own forward"
         assert got["copies_exact"], "the bf16 shards must be exactly the fp32 masters cast"
+        # Every unit holds a full [P] gradient after a no_sync backward, none after a syncing one.
+        case = CASES[name]
+        held = [[case.no_sync and i % case.micro < case.micro - 1] for i in range(STEPS * case.micro)]
+        assert got["full_grads_held"] == held, "full gradients must live exactly from no_sync to the syncing backward"
     units = two_rank_results[0]["linear_units_no_root"]["units"]
     assert units == ["inp", "blocks.0.fc", "blocks.0.proj", "blocks.1.fc", "blocks.1.proj", "blocks.2.fc",
                      "blocks.2.proj", "head"]  # fmt: skip
     assert two_rank_results[0]["default_wrap_clip"]["units"] == ["", "blocks.0", "blocks.1", "blocks.2"]
+
+
+@pytest.mark.multiprocess
+def test_no_sync_backward_moves_only_gathers_and_syncing_backward_one_reduce_scatter(two_rank_results):
+    for rank, results in enumerate(two_rank_results):
+        got = results["traffic"]
+        # Ring bytes on 2 ranks: gathering a unit sends and receives (N-1)·s fp32 elements, and so does
+        # reduce-scattering its gradient. Backward gathers every unit once (forward freed them all).
+        one_pass = (2 - 1) * got["shard_bytes"]
+        nested, inner_ended, syncing = got["moved"]
+        assert nested == inner_ended == (one_pass, one_pass), f"rank {rank}: no_sync moved {nested}, {inner_ended}"
+        assert syncing == (2 * one_pass, 2 * one_pass), f"rank {rank}: the syncing backward moved {syncing}"
+        # The memory account sees the [P] gradients while they are held and only the [s] shards after.
+        held = got["shard_bytes"] + got["full_bytes"]
+        assert got["grad_bytes"] == [held, held, got["shard_bytes"]], f"rank {rank}"
+
+
+@pytest.mark.multiprocess
+def test_gradient_shards_after_syncing_backward_are_whole_batch_gradients(two_rank_results):
+    net = _net()
+    _loss(net, *_batch(0)).backward()  # the whole batch: one mean, equal to the mean of the 6 one-row means
+    want = {name: p.grad.reshape(-1) for name, p in net.named_parameters()}
+    for rank, results in enumerate(two_rank_results):
+        got = results["traffic"]
+        for unit in got["shards"]:
+            for name, start, piece in unit:
+                torch.testing.assert_close(
+                    piece,
+                    want[name][start : start + piece.numel()],
+                    **FP32,
+                    msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}",
+                )
+        assert sum(piece.numel() for unit in got["shards"] for _, _, piece in unit) > 0
+        assert all(p.eq(0).all() for p in got["padding"]), "the padding's gradient must stay zero"
 
 
 def test_fsdp_world_of_one_and_full_state_dict_round_trip():
@@ -148,6 +256,50 @@ def test_fsdp_world_of_one_and_full_state_dict_round_trip():
         fsdp.load_full_state_dict({**state, "head.weight": torch.zeros(3)})
     with pytest.raises(ValueError, match=r"ZeroAdam: stage must be one of \(3,\) with FSDP, received 2"):
         ZeroAdam(fsdp.parameters(), stage=2)
+
+
+class _Branches(nn.Module):
+    """A trunk and two branch units; each forward runs one branch, so a unit can miss a backward."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(7, 5)
+        self.branches = nn.ModuleList(nn.Linear(5, 5) for _ in range(2))
+
+    def forward(self, x, branch):
+        return self.branches[branch](self.inp(x))
+
+
+def test_no_sync_sum_of_a_unit_unused_by_the_syncing_backward_is_reduced_and_zero_grad_drops_sums(seed):
+    """A world of one (the reduce-scatter is a copy): the shard is the sum of the gradients of every backward."""
+    from tessel.parallel.fsdp import FSDP
+    from tessel.parallel.memory import memory_account
+
+    dense, fsdp = _Branches(), FSDP(_Branches())
+    x, y = torch.randn(4, 7), torch.randn(4, 5)
+
+    def loss(model, branch):
+        return (model(x, branch) - y).pow(2).mean()
+
+    for first, second in ((1, 0), (0, 1)):  # the syncing backward misses branch 1, then branch 0
+        with fsdp.no_sync():
+            loss(fsdp, first).backward()
+        loss(fsdp, second).backward()
+        (loss(dense, first) + loss(dense, second)).backward()
+    assert all(b.grad is None for b in fsdp.buckets)
+    for u in fsdp.units:
+        for slot in u.bucket.slots:
+            want = dense.get_parameter(slot.name).grad
+            torch.testing.assert_close(u.bucket.slot_view(u.bucket.grad_shard, slot), want, **FP32)
+    with fsdp.no_sync():
+        loss(fsdp, 0).backward()
+    held = [b.grad is not None for b in fsdp.buckets]
+    assert held == [True, True, False]  # the trunk (root) and branch 0 hold [P] gradients, branch 1 none
+    held_bytes = 4 * sum(b.shard_numel + (b.padded if b.grad is not None else 0) for b in fsdp.buckets)
+    assert memory_account(fsdp).grads == held_bytes  # every [s] shard (fp32) and the [P] gradients held
+    fsdp._zero_grads()  # what ZeroAdam.zero_grad() calls
+    assert all(b.grad is None for b in fsdp.buckets) and all(b.grad_shard.eq(0).all() for b in fsdp.buckets)
 
 
 def _unchanged(net, ptrs):
@@ -189,8 +341,12 @@ def test_fsdp_refuses_units_it_cannot_shard():
 
 
 @pytest.mark.gpu
-def test_cuda_bf16_world_of_one():
-    """ZeRO-3 on one GPU (storage resizing on CUDA, compiled kernels) against the fp32 CPU reference."""
+@pytest.mark.parametrize("micro", [1, 3], ids=["sync", "no_sync"])
+def test_cuda_bf16_world_of_one(micro):
+    """ZeRO-3 on one GPU (storage resizing on CUDA, compiled kernels) against the fp32 CPU reference.
+
+    With 3 microbatches the first 2 backwards run under no_sync (bf16 [P] gradients summed on the GPU).
+    """
     from tessel.parallel.fsdp import FSDP
     from tessel.parallel.zero import ZeroAdam
 
@@ -199,7 +355,10 @@ def test_cuda_bf16_world_of_one():
     fsdp = FSDP(net)
     opt = ZeroAdam(fsdp.parameters(), lr=1e-3, weight_decay=0.1)
     for step in range(STEPS):
-        _loss(fsdp, *(t.cuda() for t in _batch(step, torch.bfloat16))).backward()
+        x, y = (t.cuda() for t in _batch(step, torch.bfloat16))
+        for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+            with fsdp.no_sync() if i < micro - 1 else contextlib.nullcontext():
+                (_loss(fsdp, xm, ym) / micro).backward()
         opt.step()
         opt.zero_grad()
     got = fsdp.full_state_dict()
