@@ -31,7 +31,7 @@ from ..parallel.comm import group_size
 from ..parallel.dims import ParallelDims
 from ..parallel.sharding import is_tp_sharded
 from .train_args import DTYPES, PRESETS, ArgumentError
-from .train_state import TorchAdamWState, ZeroAdamState, load_model_state, model_state, model_template
+from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
 __all__ = ["Engine", "build_engine"]
 
@@ -60,9 +60,10 @@ class Engine:
     wrapper: nn.Module  # the one DDP/FSDP wrapper around all of them
     named: dict[str, nn.Parameter]  # this rank's parameters by their name in the whole GPT
     optimizer: torch.optim.Optimizer
-    opt_state: object  # turns the optimizer's state into global tensors and back (train_state.py)
+    opt_state: object  # the optimizer's state as pieces of global tensors, and back (train_state.py)
     num_params: int = 0  # of the whole model, counted before other stages' parameters were released
     flops_per_token: float = 0.0
+    model_state: ModelState | None = None  # the parameters in fp32, unless the optimizer's state holds them
     schedule: object = None
     is_first: bool = True
     is_last: bool = True
@@ -112,12 +113,14 @@ class Engine:
 
         The schedule runs a backward per microbatch and stage, each of which would reduce every bucket;
         under ``no_sync`` they accumulate locally, and a backward of ``0 · Σ p`` afterwards (zeros into
-        every gradient) fires DDP's hooks once, launching each bucket's reduction of the sum. FSDP has
-        no ``no_sync``: it reduce-scatters per backward and accumulates the shards.
+        every gradient) fires DDP's hooks once, launching each bucket's reduction of the sum. FSDP
+        (``--zero 3``) reduce-scatters per backward and accumulates the shards: its ``no_sync`` would keep
+        a full gradient per unit, and its parameters hold no storage outside a unit's use, so the zero
+        backward cannot read them.
         """
         self._microbatch_losses.clear()
         inputs = (x,) if self.is_first else ()
-        no_sync = getattr(self.wrapper, "no_sync", None)
+        no_sync = getattr(self.wrapper, "no_sync", None) if self.args.zero != 3 else None
         with no_sync() if no_sync else contextlib.nullcontext():
             self.schedule.step(*inputs, target=y if self.is_last else None)
         if no_sync:
@@ -136,22 +139,23 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """This rank's part of the run's state as global tensors (``train_state.py``); a collective."""
+        """This rank's part of the run's state, keyed by global tensors (``train_state.py``); no communication."""
         optim = self.opt_state.state()
         if self.opt_state.owns_params:  # ZeroAdam: the fp32 masters are the model's weights
             return optim
-        return {**model_state(self.named, self.dims.tp_group), **optim}
+        return {**self.model_state.state(), **optim}
 
     def state_template(self) -> dict:
-        """Empty tensors with the keys, shapes and dtypes :meth:`state_dict` saves, for loading into."""
+        """The keys :meth:`state_dict` saves, with this rank's buffers to load into (:meth:`load_state_dict`)."""
         optim = self.opt_state.template()
         if self.opt_state.owns_params:
             return optim
-        return {**model_template(self.named, self.dims.tp_group), **optim}
+        return {**self.model_state.template(), **optim}
 
     def load_state_dict(self, state: dict) -> None:
+        """Apply a :meth:`state_template` that a checkpoint has filled."""
         if not self.opt_state.owns_params:
-            load_model_state(self.named, self.dims.tp_group, state)
+            self.model_state.load(state)
         self.opt_state.load(state)
 
 
@@ -214,7 +218,7 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
     if args.zero == 0:
         fused = dims.device.type == "cuda"
         opt = torch.optim.AdamW(params, lr=args.lr, betas=BETAS, eps=EPS, weight_decay=args.weight_decay, fused=fused)
-        return opt, TorchAdamWState(opt, named, dims.tp_group)
+        return opt, TorchAdamWState(opt, named, dims.tp_group, dims.dp_group)
     zero = _need("parallel.zero", f"--zero {args.zero}")
     opt = zero.ZeroAdam(
         params,
@@ -228,7 +232,7 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
         max_grad_norm=(args.grad_clip or None) if args.pp == 1 else None,
         **({"stage": args.zero} if args.zero < 3 else {}),
     )
-    return opt, ZeroAdamState(opt, named, dims.tp_group)
+    return opt, ZeroAdamState(opt, named, dims.tp_group, dims.dp_group)
 
 
 def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:
@@ -301,7 +305,8 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         _release(gpt, named)
     wrapper = _wrap(args, stages[0] if args.pp == 1 else _Stages(stages), dims)
     optimizer, opt_state = _optimizer(args, list(named.values()), dims, named)
-    engine = Engine(args, dims, gpt, stages, wrapper, named, optimizer, opt_state, num_params, flops_per_token)
+    engine = Engine(args, dims, gpt, stages, wrapper, named, optimizer, opt_state, num_params, flops_per_token,
+                    model_state=ModelState(named, dims.tp_group, dims.dp_group))  # fmt: skip
     if args.pp > 1:
         n = args.pp * args.stages_per_rank
         ids = _stage_ids(args, dims)

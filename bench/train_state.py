@@ -1,20 +1,24 @@
-"""A training run's state as a flat dictionary of GLOBAL tensors, so a checkpoint loads under any layout.
+"""A training run's state as a flat dictionary keyed by GLOBAL tensors, so a checkpoint loads under any layout.
 
-Keys (``<fqn>`` is the parameter's name in the whole, unsplit ``GPT``):
+Keys (``<fqn>`` is the parameter's name in the whole, unsplit ``GPT``; every tensor has its global shape):
 
-- ``model.<fqn>``: the fp32 weight in its global shape (the fp32 master where the optimizer keeps one),
-- ``optim.<fqn>.exp_avg`` / ``optim.<fqn>.exp_avg_sq``: AdamW's moments, global, fp32 (torch's AdamW keeps
-  them in the parameter's dtype: bf16 → fp32 → bf16 is exact),
-- ``optim.step`` (int64), and ``optim.loss_scale`` (fp32) where a loss scale is kept,
+- ``model.<fqn>``: the fp32 weight (the fp32 master where the optimizer keeps one),
+- ``optim.<fqn>.exp_avg`` / ``optim.<fqn>.exp_avg_sq``: AdamW's moments, fp32 (torch's AdamW keeps them
+  in the parameter's dtype: bf16 → fp32 → bf16 is exact),
+- ``optim.step`` (int64), and ``optim.loss_scale`` (fp32) / ``optim.growth_tracker`` (int64) where a loss
+  scale is kept,
 - ``train.step`` (int64): completed steps, which is also the position in the data (``bench/dataset.py``),
 - ``rng.<rank>.cpu`` / ``rng.<rank>.cuda``: each rank's generator states (restored only when the world
   size is the one saved; nothing in training draws from them today, the data order depends on the step).
 
-A tensor-parallel parameter's global tensor is gathered over the TP group on save and cut back to this
-rank's shard on load (:mod:`tessel.parallel.sharding`, which handles fused QKV / gate-up parts); every
-TP and DP rank then holds the same global tensor and DCP writes it once. Pipeline ranks contribute the
-keys of their own stages. The cost is one full copy of each parameter at a time on every rank while
-saving or loading; DTensor shards would avoid it but cannot describe fused parts with one placement.
+Nothing is gathered. Each rank offers what it holds as :class:`~tessel.bench.checkpoint.Pieces` of the
+global tensors (:func:`tessel.parallel.sharding.global_pieces`): its TP shard of a split parameter (each
+fused Q/K/V or gate/up part in its place), or with ZeroAdam its DP shard's flat ranges of each
+parameter, cut into blocks. One replica writes what several ranks hold alike (DP rank 0 for a TP shard
+under torch's AdamW, TP rank 0 for a ZeRO shard of a replicated parameter); a parameter replicated on
+every rank is a whole tensor, which DCP writes once. Loading offers the blocks this rank needs, as views
+of its buffers (ZeroAdam's shards themselves), and DCP reads the overlapping parts of whatever blocks
+were saved: a checkpoint written under one tp/dp/pp layout and ZeRO stage loads under another.
 """
 
 from __future__ import annotations
@@ -24,60 +28,43 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.comm import group_rank, group_size
-from ..parallel.sharding import full_tensor, is_tp_sharded, local_shard, tp_spec
+from ..parallel.sharding import global_pieces, global_shape, is_tp_sharded
+from .checkpoint import Pieces
 
-__all__ = [
-    "TorchAdamWState",
-    "ZeroAdamState",
-    "global_shape",
-    "load_model_state",
-    "load_rng_state",
-    "model_state",
-    "model_template",
-    "rng_state",
-]
+__all__ = ["ModelState", "TorchAdamWState", "ZeroAdamState", "load_rng_state", "rng_state"]
 
 
-def global_shape(p: torch.Tensor, tp_group) -> torch.Size:
-    """The shape of ``p``'s global tensor (its own shape unless it is split over the TP group)."""
+def _value(p: nn.Parameter, local: torch.Tensor, tp_group, *, write: bool) -> torch.Tensor | Pieces:
+    """``local`` (shaped like ``p``'s TP shard) as a checkpoint value: itself when ``p`` is not TP-split, else
+    its blocks of the global tensor (none when ``write`` is False: another replica writes them)."""
     if not is_tp_sharded(p):
-        return p.shape
-    dim, parts = tp_spec(p, group_size(tp_group))
-    shape = list(p.shape)
-    shape[dim] = sum(parts)
-    return torch.Size(shape)
+        return local
+    t, r = group_size(tp_group), group_rank(tp_group)
+    blocks = global_pieces(p, local.reshape(-1), 0, t, r, shape=local.shape) if write else []
+    return Pieces(global_shape(p, t, local.shape), local.dtype, blocks)
 
 
-def to_global(local: torch.Tensor, p: torch.Tensor, tp_group) -> torch.Tensor:
-    """``local`` (shaped like ``p``'s shard) as its global tensor, gathered over TP when ``p`` is split."""
-    if not is_tp_sharded(p):
-        return local.detach().clone()
-    dim, parts = tp_spec(p, group_size(tp_group))
-    return full_tensor(local, dim, parts, tp_group)
+class ModelState:
+    """``model.<fqn>``: each parameter in fp32, for optimizers that keep no master weights."""
 
+    def __init__(self, named: dict[str, nn.Parameter], tp_group, dp_group):
+        self.named, self.tp_group = named, tp_group
+        self.writer = group_rank(dp_group) == 0  # DP replicas hold the same TP shard: one writes it
+        self._buffers: dict[str, torch.Tensor] = {}
 
-def to_local(full: torch.Tensor, p: torch.Tensor, tp_group) -> torch.Tensor:
-    """This rank's shard of the global tensor ``full`` for parameter ``p``."""
-    if not is_tp_sharded(p):
-        return full
-    t = group_size(tp_group)
-    dim, parts = tp_spec(p, t)
-    return local_shard(full, dim, parts, group_rank(tp_group), t)
+    def state(self) -> dict:
+        return {f"model.{n}": _value(p, p.detach().float(), self.tp_group, write=self.writer)
+                for n, p in self.named.items()}  # fmt: skip
 
+    def template(self) -> dict:
+        self._buffers = {n: torch.empty(p.shape, dtype=torch.float32, device=p.device) for n, p in self.named.items()}
+        return {f"model.{n}": _value(p, self._buffers[n], self.tp_group, write=True) for n, p in self.named.items()}
 
-def model_state(named: dict[str, nn.Parameter], tp_group) -> dict:
-    """``model.<fqn>``: each parameter as a global fp32 tensor."""
-    return {f"model.{name}": to_global(p.detach().float(), p, tp_group).cpu() for name, p in named.items()}
-
-
-def model_template(named: dict[str, nn.Parameter], tp_group) -> dict:
-    return {f"model.{n}": torch.empty(global_shape(p, tp_group), dtype=torch.float32) for n, p in named.items()}
-
-
-@torch.no_grad()
-def load_model_state(named: dict[str, nn.Parameter], tp_group, state: dict) -> None:
-    for name, p in named.items():
-        p.copy_(to_local(state[f"model.{name}"], p, tp_group))
+    @torch.no_grad()
+    def load(self, state: dict) -> None:
+        for name, p in self.named.items():
+            p.copy_(self._buffers[name])
+        self._buffers = {}
 
 
 def rng_state(device: torch.device) -> dict:
@@ -96,20 +83,22 @@ def load_rng_state(state: dict, device: torch.device) -> None:
 
 
 class TorchAdamWState:
-    """Global moments and step of a ``torch.optim.AdamW`` over the named parameters."""
+    """The moments and step of a ``torch.optim.AdamW`` over the named parameters (saved beside the model)."""
 
-    owns_params = False  # the parameters are saved and loaded beside this state
+    owns_params = False  # the parameters are saved and loaded beside this state (ModelState)
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, optimizer: torch.optim.Optimizer, named: dict[str, nn.Parameter], tp_group):
+    def __init__(self, optimizer: torch.optim.Optimizer, named: dict[str, nn.Parameter], tp_group, dp_group):
         self.optimizer, self.named, self.tp_group = optimizer, named, tp_group
+        self.writer = group_rank(dp_group) == 0
+        self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     def state(self) -> dict:
         out = {}
         for name, p in self.named.items():
             st = self.optimizer.state[p]
             for moment in self.MOMENTS:
-                out[f"optim.{name}.{moment}"] = to_global(st[moment].float(), p, self.tp_group).cpu()
+                out[f"optim.{name}.{moment}"] = _value(p, st[moment].float(), self.tp_group, write=self.writer)
             out["optim.step"] = torch.tensor(int(st["step"]), dtype=torch.int64)
         return out
 
@@ -117,7 +106,8 @@ class TorchAdamWState:
         out = {"optim.step": torch.zeros((), dtype=torch.int64)}
         for name, p in self.named.items():
             for moment in self.MOMENTS:
-                out[f"optim.{name}.{moment}"] = torch.empty(global_shape(p, self.tp_group), dtype=torch.float32)
+                buf = self._buffers[name, moment] = torch.empty(p.shape, dtype=torch.float32, device=p.device)
+                out[f"optim.{name}.{moment}"] = _value(p, buf, self.tp_group, write=True)
         return out
 
     def load(self, state: dict) -> None:
@@ -127,73 +117,62 @@ class TorchAdamWState:
         step = float(state["optim.step"])
         per_param = {}
         for name, p in self.named.items():
-            moments = {m: to_local(state[f"optim.{name}.{m}"], p, self.tp_group).to(p.dtype) for m in self.MOMENTS}
+            moments = {m: self._buffers[name, m].to(p.dtype) for m in self.MOMENTS}
             per_param[index[id(p)]] = {"step": torch.tensor(step, dtype=torch.float32), **moments}
         self.optimizer.load_state_dict(
             {"state": per_param, "param_groups": self.optimizer.state_dict()["param_groups"]}
         )
+        self._buffers = {}
 
 
 class ZeroAdamState:
-    """Global master weights, moments, step (and loss scale) of a ``ZeroAdam``.
+    """The fp32 master weights, moments, step (and loss scale) of a ``ZeroAdam``, straight from its shards.
 
-    ``ZeroAdam.state_dict()`` is already whole over the data-parallel group (per parameter, fp32, on the
-    CPU); this gathers each parameter over TP as well. The fp32 masters are the model's weights
-    (``model.<fqn>``): loading them sets the parameters too (``ZeroAdam.load_state_dict`` writes the
-    parameters from the masters).
+    :meth:`ZeroAdam.sharded_state <tessel.parallel.zero.ZeroAdam.sharded_state>` gives each parameter's
+    flat ranges held by this rank as views of the optimizer's buffers; they are saved as blocks of the
+    global tensors and loaded back into the same views, after which ``load_sharded_state`` sets the
+    parameters from the masters. The masters are the model's weights (``model.<fqn>``).
     """
 
     owns_params = True
-    MOMENTS = ("exp_avg", "exp_avg_sq")
+    WHAT = (("master", "model.{}"), ("exp_avg", "optim.{}.exp_avg"), ("exp_avg_sq", "optim.{}.exp_avg_sq"))
 
-    def __init__(self, optimizer, named: dict[str, nn.Parameter], tp_group):
+    def __init__(self, optimizer, named: dict[str, nn.Parameter], tp_group, dp_group):
         self.optimizer, self.named, self.tp_group = optimizer, named, tp_group
+        self.tp_writer = group_rank(tp_group) == 0  # TP ranks hold the same shard of a replicated parameter
 
-    def _key(self, name: str, what: str) -> str:
-        return f"model.{name}" if what == "master" else f"optim.{name}.{what}"
+    def _pieces(self, sd: dict, *, every: bool) -> dict:
+        """Each key's blocks from this rank's shard views; ``every``: also those another TP rank writes."""
+        t, r = group_size(self.tp_group), group_rank(self.tp_group)
+        out = {}
+        for name, p in self.named.items():
+            ranges = sd["shards"].get(self.optimizer.param_index[id(p)], [])
+            mine = every or is_tp_sharded(p) or self.tp_writer
+            for what, key in self.WHAT:
+                blocks = [b for start, v in ranges for b in global_pieces(p, v[what], start, t, r)] if mine else []
+                out[key.format(name)] = Pieces(global_shape(p, t), torch.float32, blocks)
+        return out
+
+    def _scalars(self, sd: dict) -> dict:
+        out = {"optim.step": torch.tensor(sd["step"], dtype=torch.int64)}
+        if sd["loss_scale"] is not None:
+            out["optim.loss_scale"] = torch.tensor(sd["loss_scale"], dtype=torch.float32)
+            out["optim.growth_tracker"] = torch.tensor(sd["growth_tracker"], dtype=torch.int64)
+        return out
 
     def state(self) -> dict:
-        sd = self.optimizer.state_dict()  # a collective over DP
-        out = {"optim.step": torch.tensor(int(sd["step"]), dtype=torch.int64)}
-        if sd["loss_scale"] is not None:
-            out["optim.loss_scale"] = torch.tensor(float(sd["loss_scale"]), dtype=torch.float32)
-            out["optim.growth_tracker"] = torch.tensor(int(sd["growth_tracker"]), dtype=torch.int64)
-        for name, p in self.named.items():
-            entry = sd["state"][self.optimizer.param_index[id(p)]]
-            for what in ("master", *self.MOMENTS):
-                local = entry[what].reshape(p.shape).to(p.device)
-                out[self._key(name, what)] = to_global(local, p, self.tp_group).cpu()
-        return out
+        sd = self.optimizer.sharded_state()
+        return {**self._scalars(sd), **self._pieces(sd, every=False)}
 
     def template(self) -> dict:
-        out = {"optim.step": torch.zeros((), dtype=torch.int64)}
-        if self.optimizer.loss_scale is not None:
-            out["optim.loss_scale"] = torch.zeros((), dtype=torch.float32)
-            out["optim.growth_tracker"] = torch.zeros((), dtype=torch.int64)
-        for name, p in self.named.items():
-            for what in ("master", *self.MOMENTS):
-                out[self._key(name, what)] = torch.empty(global_shape(p, self.tp_group), dtype=torch.float32)
-        return out
+        """The state's keys, with every range of this rank's shard views as blocks, to be filled in place."""
+        sd = self.optimizer.sharded_state()
+        return {**self._scalars(sd), **self._pieces(sd, every=True)}
 
     def load(self, state: dict) -> None:
-        opt = self.optimizer
-        groups = [
-            {**{k: v for k, v in g.items() if k != "params"}, "params": [opt.param_index[id(q)] for q in g["params"]]}
-            for g in opt.param_groups
-        ]
-        per_param = {
-            opt.param_index[id(p)]: {
-                w: to_local(state[self._key(n, w)], p, self.tp_group) for w in ("master", *self.MOMENTS)
-            }
-            for n, p in self.named.items()
-        }
         scaled = "optim.loss_scale" in state
-        opt.load_state_dict(
-            {
-                "state": per_param,
-                "param_groups": groups,
-                "step": int(state["optim.step"]),
-                "loss_scale": float(state["optim.loss_scale"]) if scaled else None,
-                "growth_tracker": int(state["optim.growth_tracker"]) if scaled else 0,
-            }
+        self.optimizer.load_sharded_state(
+            int(state["optim.step"]),
+            float(state["optim.loss_scale"]) if scaled else None,
+            int(state["optim.growth_tracker"]) if scaled else 0,
         )

@@ -26,6 +26,15 @@ def rotary_tables(
 
 def apply_rotary(x_BHSD: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate ``x [B, H, S, D]`` by the tables of :func:`rotary_tables`; computed in fp32, returned in x's dtype."""
+    if not isinstance(x_BHSD, torch.Tensor) or not isinstance(cos, torch.Tensor) or not isinstance(sin, torch.Tensor):
+        raise TypeError("apply_rotary: x, cos and sin must be tensors")
+    if x_BHSD.dim() != 4 or x_BHSD.shape[-1] % 2:
+        raise ValueError(f"apply_rotary: x must be [B, H, S, D] with an even D, received shape {tuple(x_BHSD.shape)}")
+    want = (x_BHSD.shape[2], x_BHSD.shape[-1] // 2)
+    for name, table in (("cos", cos), ("sin", sin)):
+        if tuple(table.shape) != want:
+            raise ValueError(f"apply_rotary: {name} must be [S, D/2] = {list(want)} for x of shape "
+                             f"{tuple(x_BHSD.shape)}, received {tuple(table.shape)}")  # fmt: skip
     half = x_BHSD.shape[-1] // 2
     x = x_BHSD.float()
     x1, x2 = x[..., :half], x[..., half:]

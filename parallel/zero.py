@@ -39,7 +39,7 @@ from ..kernels.adam import adam_step, grad_stats
 from .comm import all_reduce, group_size
 from .ddp import OWNER_ATTR
 from .flat import shard_tensors
-from .zero_state import load_zero_state, zero_state_dict
+from .zero_state import load_zero_shards, load_zero_state, zero_shard_views, zero_state_dict
 
 __all__ = ["ZeroAdam"]
 
@@ -326,6 +326,23 @@ class ZeroAdam(torch.optim.Optimizer):
         """Load a :meth:`state_dict` saved at any data-parallel size; sets the parameters from the masters."""
         self._settle_skip()
         load_zero_state(self, state_dict)
+
+    def sharded_state(self) -> dict:
+        """This rank's shards as live views (no copy, no communication), for sharded checkpoints.
+
+        ``{"shards": {param index: [(start, {"master", "exp_avg", "exp_avg_sq": 1-D fp32 view})]}, "step",
+        "loss_scale", "growth_tracker", "zero_stage"}``: each view holds the parameter's flattened (TP-local)
+        elements ``[start, start + numel)``. To load, fill the views in place and call
+        :meth:`load_sharded_state` with the saved scalars.
+        """
+        self._settle_skip()
+        return zero_shard_views(self)
+
+    def load_sharded_state(self, step: int, loss_scale: float | None = None, growth_tracker: int = 0) -> None:
+        """Finish a load into the views of :meth:`sharded_state`: restore the step and loss scale and set the
+        parameters from the masters (a collective over the data-parallel group)."""
+        self._settle_skip()
+        load_zero_shards(self, step, loss_scale, growth_tracker)
 
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         masters = [m for b, m in zip(self._owner.buckets, self._master) if m is not b.param_shard]

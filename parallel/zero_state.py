@@ -1,4 +1,10 @@
-"""ZeroAdam checkpoints: full, unsharded fp32 state, independent of the data-parallel size.
+"""ZeroAdam checkpoints, whole or in shards.
+
+:func:`zero_state_dict` / :func:`load_zero_state`: full, unsharded fp32 state, independent of the
+data-parallel size (every rank holds every parameter's state while it exists).
+:func:`zero_shard_views` / :func:`load_zero_shards`: this rank's shards only, as views of the live
+buffers, for a checkpoint writer that stores each rank's pieces and a reader that fills them in place
+(``tessel.bench.checkpoint`` with ``torch.distributed.checkpoint``): nothing is gathered.
 
 Saving all-gathers every bucket's master, ``exp_avg`` and ``exp_avg_sq`` shards and cuts them into
 per-parameter tensors (on the CPU, in the parameter's shape) keyed like torch optimizers' state: the
@@ -20,7 +26,7 @@ import torch
 
 from .comm import all_gather
 
-__all__ = ["load_zero_state", "zero_state_dict"]
+__all__ = ["load_zero_shards", "load_zero_state", "zero_shard_views", "zero_state_dict"]
 
 _KEYS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -79,25 +85,65 @@ def _check_state_dict(opt, sd) -> None:
                          f"(saved loss_scale={sd['loss_scale']}, this optimizer's {opt.loss_scale})")  # fmt: skip
 
 
+def _shard_slices(opt):
+    """``(param index, slot, start, lo, hi, shards)``: this rank's shard ``[lo, hi)`` holds the parameter's
+    flattened elements ``[start, start + hi - lo)``."""
+    for bucket, *shards in _bucket_tensors(opt):
+        for slot, lo, hi in bucket.shard_slices():
+            i = opt.param_index.get(id(slot.param))
+            if i is not None:
+                yield i, slot, bucket.shard_offset + lo - slot.offset, lo, hi, shards
+
+
+def _set_scalars(opt, step: int, loss_scale: float | None, growth_tracker: int) -> None:
+    opt._applied_steps, opt._last_found_inf = int(step), None
+    if opt._scale is not None:
+        opt._scale.fill_(loss_scale)
+    opt._growth_tracker.fill_(int(growth_tracker))
+
+
+def _params_from_masters(opt) -> None:
+    """Write each low-precision parameter shard from its master, then all-gather the parameters."""
+    for (bucket, master, *_), segments in zip(_bucket_tensors(opt), opt._segments):
+        if master is not bucket.param_shard:
+            for lo, hi, _ in segments:
+                bucket.param_shard[lo:hi].copy_(master[lo:hi])
+    opt._owner._gather_params()
+
+
 @torch.no_grad()
 def load_zero_state(opt, sd: dict) -> None:
     _check_state_dict(opt, sd)
     for g, saved in zip(opt.param_groups, sd["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
-    opt._applied_steps, opt._last_found_inf = int(sd["step"]), None
-    if opt._scale is not None:
-        opt._scale.fill_(sd["loss_scale"])
-    opt._growth_tracker.fill_(int(sd["growth_tracker"]))
-    for (bucket, *shards), segments in zip(_bucket_tensors(opt), opt._segments):
-        for slot, lo, hi in bucket.shard_slices():
-            i = opt.param_index.get(id(slot.param))
-            if i is None:
-                continue
-            start = bucket.shard_offset + lo - slot.offset
-            for k, shard in zip(_KEYS, shards):
-                shard[lo:hi].copy_(sd["state"][i][k].reshape(-1)[start : start + hi - lo])
-        master = shards[0]
-        if master is not bucket.param_shard:
-            for lo, hi, _ in segments:
-                bucket.param_shard[lo:hi].copy_(master[lo:hi])
-    opt._owner._gather_params()
+    _set_scalars(opt, sd["step"], sd["loss_scale"], sd["growth_tracker"])
+    for i, _, start, lo, hi, shards in _shard_slices(opt):
+        for k, shard in zip(_KEYS, shards):
+            shard[lo:hi].copy_(sd["state"][i][k].reshape(-1)[start : start + hi - lo])
+    _params_from_masters(opt)
+
+
+def zero_shard_views(opt) -> dict:
+    """This rank's state without copies: ``{"shards": {i: [(start, {"master", "exp_avg", "exp_avg_sq": view})]},
+    "step", "loss_scale", "growth_tracker", "zero_stage"}``.
+
+    Each view is a 1-D fp32 slice of this rank's live shard buffers holding parameter ``i``'s flattened
+    (local) elements ``[start, start + view.numel())``; a parameter this rank holds nothing of is absent.
+    Writing into the views changes the optimizer's state: fill them, then call :func:`load_zero_shards`.
+    """
+    shards: dict[int, list] = {}
+    for i, _, start, lo, hi, bufs in _shard_slices(opt):
+        shards.setdefault(i, []).append((start, {k: buf[lo:hi] for k, buf in zip(_KEYS, bufs)}))
+    return {"shards": shards, "step": opt._applied_steps, "loss_scale": opt.loss_scale,
+            "growth_tracker": int(opt._growth_tracker), "zero_stage": opt.stage}  # fmt: skip
+
+
+@torch.no_grad()
+def load_zero_shards(opt, step: int, loss_scale: float | None, growth_tracker: int) -> None:
+    """After the views of :func:`zero_shard_views` were filled: set the step and loss scale, write the
+    parameters from the masters and all-gather them (a collective over the data-parallel group)."""
+    if (loss_scale is None) != (opt._scale is None):
+        raise ValueError("ZeroAdam.load_sharded_state: the checkpoint and this optimizer disagree on loss scaling "
+                         f"(saved loss_scale={loss_scale}, this optimizer's {opt.loss_scale})")  # fmt: skip
+    _set_scalars(opt, step, loss_scale, growth_tracker)
+    _params_from_masters(opt)

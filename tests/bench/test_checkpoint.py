@@ -1,5 +1,7 @@
-"""Checkpoints of tensor dictionaries: round trip, atomic visibility, damage detection, no unpickling."""
+"""Checkpoints of tensor dictionaries: round trip, atomic visibility, damage detection, no unpickling, and
+tensors saved and loaded in pieces (each rank's blocks) under different cuts and numbers of ranks."""
 
+import itertools
 import os
 
 import pytest
@@ -10,12 +12,14 @@ from torch.distributed.checkpoint import FileSystemWriter
 from tessel.bench import checkpoint as ckpt
 from tessel.bench.checkpoint import (
     CheckpointError,
+    Pieces,
     latest_checkpoint,
     load_checkpoint,
     read_manifest,
     remove_stale,
     save_checkpoint,
 )
+from tests.multiprocess import run_ranks
 
 
 def _state(seed: int = 0) -> dict[str, torch.Tensor]:
@@ -119,7 +123,7 @@ def test_pickled_entry_is_refused_not_unpickled(tmp_path):
 
 
 def test_non_tensor_state_is_refused(tmp_path):
-    with pytest.raises(TypeError, match="must be tensors, received int for 'step'"):
+    with pytest.raises(TypeError, match="must be tensors or Pieces, received int for 'step'"):
         save_checkpoint(tmp_path, 1, {"step": 3})
     assert not any(p.name.startswith("step_") for p in tmp_path.iterdir())
 
@@ -127,3 +131,90 @@ def test_non_tensor_state_is_refused(tmp_path):
 def test_manifest_is_written_atomically(tmp_path):
     path = save_checkpoint(tmp_path, 5, _state())
     assert not list(path.glob("*.part")) and os.path.getsize(path / "manifest.json") > 0
+
+
+# ---------------------------------------------------------------------------------------------------- pieces
+
+
+def _cut(full: torch.Tensor, rows: list[int], cols: list[int]) -> list[tuple[tuple[int, int], torch.Tensor]]:
+    """The blocks of a 2-D tensor cut at the given row and column edges (views of ``full``)."""
+    blocks = []
+    for r0, r1 in itertools.pairwise(rows):
+        for c0, c1 in itertools.pairwise(cols):
+            blocks.append(((r0, c0), full[r0:r1, c0:c1]))
+    return blocks
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_pieces_load_under_any_other_cut(tmp_path):
+    full = torch.randn(7, 5, generator=torch.Generator().manual_seed(3))
+    # saved as 6 uneven blocks, with a whole tensor beside them
+    state = {"w": Pieces(full.shape, full.dtype, _cut(full, [0, 2, 7], [0, 1, 4, 5])), "b": torch.arange(3.0)}
+    path = save_checkpoint(tmp_path, 1, state)
+    whole = {"w": torch.full((7, 5), float("nan")), "b": torch.zeros(3)}
+    load_checkpoint(path, whole)
+    assert torch.equal(whole["w"], full) and torch.equal(whole["b"], torch.arange(3.0))
+    # loaded into other blocks, which are views of one buffer: the buffer is filled in place
+    buffer = torch.full((7, 5), float("nan"))
+    load_checkpoint(path, {"w": Pieces((7, 5), torch.float32, _cut(buffer, [0, 3, 4, 7], [0, 5]))})
+    assert torch.equal(buffer, full)
+    # a whole tensor saved, loaded as strided blocks (columns of a transposed view)
+    path = save_checkpoint(tmp_path, 2, {"w": full})
+    buffer = torch.full((5, 7), float("nan"))
+    load_checkpoint(path, {"w": Pieces((7, 5), torch.float32, _cut(buffer.t(), [0, 7], [0, 2, 5]))})
+    assert torch.equal(buffer.t(), full)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_pieces_that_miss_part_of_a_tensor_are_refused(tmp_path):
+    full = torch.randn(4, 3)
+    path = save_checkpoint(tmp_path, 1, {"w": Pieces((4, 3), torch.float32, _cut(full, [0, 1, 3], [0, 3]))})
+    with pytest.raises(CheckpointError, match=r"'w' .* holds 9 of its 12 elements"):
+        load_checkpoint(path, {"w": torch.zeros(4, 3)})
+
+
+@pytest.mark.parametrize(
+    "args, error, match",
+    [
+        (((4, 3), torch.float32, [((0, 0), torch.zeros(2, 3, dtype=torch.float64))]), TypeError, "float32 tensor"),
+        (((4, 3), torch.float32, [((3, 0), torch.zeros(2, 3))]), ValueError, r"at offsets \(3, 0\) does not fit"),
+        (((4, 3), torch.float32, [((0,), torch.zeros(2, 3))]), ValueError, "does not fit in a tensor of shape"),
+        (((4, 3), torch.float32, [((0, 0), [1.0])]), TypeError, "received list"),
+    ],
+)
+def test_bad_pieces_are_refused(args, error, match):
+    with pytest.raises(error, match=match):
+        Pieces(*args)
+
+
+def _save_rows_load_columns(rank, world_size, root):
+    """Each rank saves its own rows of the tensors (no rank holds a whole one), then loads its columns."""
+    from tessel.parallel.comm import count_bytes
+
+    gen = torch.Generator().manual_seed(5)
+    full = {"w": torch.randn(9, 6, generator=gen), "m": torch.randn(6, 4, generator=gen)}
+    rows = {k: torch.linspace(0, v.shape[0], world_size + 1).round().long().tolist() for k, v in full.items()}
+    mine = {k: Pieces(v.shape, v.dtype, [((rows[k][rank], 0), v[rows[k][rank] : rows[k][rank + 1]].clone())])
+            for k, v in full.items()}  # fmt: skip
+    with count_bytes() as moved:
+        path = save_checkpoint(root, 3, {**mine, "step": torch.tensor(3)})
+    assert moved.sent == 0  # nothing gathered through tessel's collectives
+    files = sorted(p.name for p in path.glob("*.distcp"))
+    col = [0, 3, 6][rank : rank + 2] if world_size == 2 else [0, 6]
+    got = {"w": torch.full((9, col[1] - col[0]), float("nan")), "step": torch.tensor(0)}
+    load_checkpoint(path, {"w": Pieces((9, 6), torch.float32, [((0, col[0]), got["w"])]), "step": got["step"]})
+    assert torch.equal(got["w"], full["w"][:, col[0] : col[1]]) and int(got["step"]) == 3
+    return files
+
+
+@pytest.mark.multiprocess
+def test_each_rank_writes_its_own_pieces_and_another_layout_reads_them(tmp_path):
+    files = run_ranks(_save_rows_load_columns, 2, tmp_path)
+    assert files[0] == files[1] and len(files[0]) == 2  # one file per rank: each wrote its own rows
+    # and a world of one reads them back whole
+    state = {"w": torch.zeros(9, 6), "m": torch.zeros(6, 4)}
+    load_checkpoint(latest_checkpoint(tmp_path), state)
+    gen = torch.Generator().manual_seed(5)
+    assert torch.equal(state["w"], torch.randn(9, 6, generator=gen)) and torch.equal(
+        state["m"], torch.randn(6, 4, generator=gen)
+    )

@@ -116,6 +116,23 @@ def test_checkpoint_saved_at_tp2_loads_in_a_world_of_one(uninterrupted, tmp_path
     assert _losses(resumed)[2:] == pytest.approx(_losses(uninterrupted)[2:], rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipelined_fsdp_checkpoint_loads_as_tensor_parallel_pieces(uninterrupted, tmp_path):
+    """Saved by FSDP+ZeroAdam (ZeRO-3) over 2 pipeline stages, each rank writing only its stages' shards;
+    continued at tp=2 by torch's AdamW, each rank reading only its TP shards' blocks."""
+    saved, resumed = tmp_path / "pp2-zero3", tmp_path / "tp2"
+    _ok(_train(saved, "--pp", "2", "--zero", "3", *RUN[4:], nproc=2, timeout=240))
+    ckpt = _checkpoint(saved, 2)
+    assert checkpoint_keys(ckpt) == checkpoint_keys(_checkpoint(uninterrupted, 2))
+    assert len(list(ckpt.glob("*.distcp"))) == 2
+    # pipelining splits the batch into microbatches: the same math, summed in another order
+    assert _losses(saved) == pytest.approx(_losses(uninterrupted), rel=1e-5)
+    _copy_checkpoint(ckpt, resumed)
+    _ok(_train(resumed, "--tp", "2", *RUN[4:], "--resume", nproc=2, timeout=240))
+    assert _losses(resumed)[2:] == pytest.approx(_losses(uninterrupted)[2:], rel=1e-5)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "corrupted"])
 @pytest.mark.slow
 @pytest.mark.multiprocess

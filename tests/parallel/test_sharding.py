@@ -1,11 +1,13 @@
 """Local shards of tensor-parallel parameters against their global tensors, and resharding a fused layer."""
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
 
 from tessel.layers.linear import ColumnParallelLinear, RowParallelLinear
-from tessel.parallel.sharding import full_tensor, local_shard, shard_like, tp_spec
+from tessel.parallel.sharding import flat_boxes, full_tensor, global_pieces, local_shard, shard_like, tp_spec
 from tests.multiprocess import run_ranks
 
 
@@ -44,3 +46,88 @@ def _reshard(rank, world_size):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_fused_layer_of_one_rank_reshards_part_by_part(world_size):
     run_ranks(_reshard, world_size)
+
+
+# ---------------------------------------------------------------------------------------------------- flat ranges
+
+
+@pytest.mark.parametrize("shape", [(7,), (3, 5), (2, 3, 4), (4, 1, 3, 2), ()])
+def test_flat_boxes_cover_a_range_once_in_contiguous_blocks(shape):
+    gen = torch.Generator().manual_seed(len(shape))
+    numel = torch.Size(shape).numel()
+    index = torch.arange(numel).view(shape)
+    for _ in range(40):
+        start, stop = sorted(torch.randint(numel + 1, (2,), generator=gen).tolist())
+        cover = torch.zeros(shape, dtype=torch.int64)
+        boxes = flat_boxes(shape, start, stop)
+        assert len(boxes) <= max(2 * len(shape) - 1, 1)
+        for offsets, sizes, first in boxes:
+            block = tuple(slice(o, o + n) for o, n in zip(offsets, sizes))
+            # contiguous in row-major order, starting at flat element `first`
+            assert index[block].flatten().tolist() == list(range(first, first + index[block].numel()))
+            cover[block] += 1
+        flat = cover.reshape(-1)
+        assert flat[start:stop].eq(1).all() and flat[:start].eq(0).all() and flat[stop:].eq(0).all()
+
+
+def _tagged(local: torch.Tensor, dim: int, parts: tuple[int, ...]) -> torch.nn.Parameter:
+    p = torch.nn.Parameter(local.clone())
+    p.tensor_parallel, p.tp_dim, p.tp_parts = True, dim, parts
+    return p
+
+
+@pytest.mark.parametrize(
+    "global_shape, dim, parts",
+    [((16, 6), 0, (8, 4, 4)), ((5, 12), 1, (12,)), ((12,), 0, (4, 8)), ((8, 3, 4), 0, (4, 4)), ((3, 8, 2), 1, (4, 4))],
+)
+@pytest.mark.parametrize("t", [1, 2, 4])
+def test_global_pieces_of_every_ranks_flat_ranges_rebuild_the_global_tensor(global_shape, dim, parts, t):
+    """ZeRO-style cuts of every TP rank's local tensor, placed by global_pieces, tile the global tensor."""
+    if any(n % t for n in parts):
+        pytest.skip("parts do not split over t")
+    gen = torch.Generator().manual_seed(t)
+    full = torch.randn(global_shape, generator=gen)
+    rebuilt = torch.full_like(full, float("nan"))
+    for rank in range(t):
+        local = local_shard(full, dim, parts, rank, t)
+        p = _tagged(local, dim, parts)
+        cuts = sorted(torch.randperm(local.numel() - 1, generator=gen)[:3].add(1).tolist())
+        edges = [0, *cuts, local.numel()]
+        for start, stop in itertools.pairwise(edges):
+            flat = local.reshape(-1)[start:stop]
+            for offsets, block in global_pieces(p, flat, start, t, rank):
+                where = tuple(slice(o, o + n) for o, n in zip(offsets, block.shape))
+                assert rebuilt[where].isnan().all(), "two pieces overlap"
+                rebuilt[where] = block
+    torch.testing.assert_close(rebuilt, full, rtol=0, atol=0)
+
+
+def test_global_pieces_are_views_that_write_through():
+    buffer = torch.zeros(12)
+    p = _tagged(torch.zeros(2, 6), 0, (2, 2))  # two fused parts of 2 rows, 1 row each per rank of 2
+    for offsets, block in global_pieces(p, buffer[3:10], 3, 2, 1):
+        block.fill_(offsets[0] + 1)  # global rows 1 and 3 (rank 1's row of each part)
+    assert buffer.tolist() == [0, 0, 0] + [2.0] * 3 + [4.0] * 4 + [0, 0]
+    plain = torch.nn.Parameter(torch.zeros(3, 4))
+    assert [(o, tuple(b.shape)) for o, b in global_pieces(plain, buffer[1:7], 1, 2, 1)] == [
+        ((0, 1), (1, 3)),
+        ((1, 0), (1, 3)),
+    ]
+
+
+@pytest.mark.parametrize(
+    "call, match",
+    [
+        (lambda: local_shard(torch.zeros(4, 2), 2, (4,), 0, 2), "dim must be a dimension of a 2-d tensor"),
+        (lambda: local_shard(torch.zeros(4, 2), 0, (4,), 2, 2), r"rank must be in \[0, 2\), received 2"),
+        (lambda: local_shard(torch.zeros(6, 2), 0, (3, 3), 0, 2), r"parts must be sizes divisible by the group"),
+        (lambda: local_shard(torch.zeros(4, 2), 0, (4,), 0, 0), "group size must be a positive int"),
+        (lambda: full_tensor(torch.zeros(3, 2), 0, (4,), None), r"local shard is 3, expected 4"),
+        (lambda: shard_like(torch.zeros(5, 2), _tagged(torch.zeros(4, 2), 0, (4,)), None), "expected 4"),
+        (lambda: flat_boxes((2, 3), 4, 7), "stop <= 6"),
+        (lambda: global_pieces(torch.zeros(4), torch.zeros(2, 2), 0, 1, 0), "flat must be 1-D"),
+    ],
+)
+def test_bad_layouts_are_refused(call, match):
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -137,11 +137,37 @@ def _checkpoint(rank, world_size):
             saved = opt.state_dict(), {k: v.clone() for k, v in net.state_dict().items()}
             opt.load_state_dict(saved[0])
             round_trip = _equal_state(opt.state_dict(), saved[0])
+            sharded = _sharded_round_trip(opt, saved[0])
         x, y = (_half(t, rank, world_size) for t in _batch(step))
         opt.scale_loss(_loss(ddp, x, y)).backward()
         opt.step()
         opt.zero_grad()
-    return saved, round_trip, [p.detach().clone() for p in net.parameters()]
+    return saved, round_trip, [p.detach().clone() for p in net.parameters()], sharded
+
+
+def _sharded_round_trip(opt, full: dict):
+    """``sharded_state``'s views hold the full state's flat ranges and move no bytes; filling them (after
+    scribbling over them) and ``load_sharded_state`` restore the optimizer exactly."""
+    from tessel.parallel.comm import count_bytes
+
+    with count_bytes() as moved:
+        sd = opt.sharded_state()
+    ranges, views_match = [], True
+    for i, pieces in sd["shards"].items():
+        for start, views in pieces:
+            n = views["master"].numel()
+            ranges.append((i, start, n))
+            for k, view in views.items():
+                views_match &= torch.equal(view, full["state"][i][k].reshape(-1)[start : start + n])
+                view.fill_(float("nan"))
+    assert any(p.isnan().any() for p in opt._params)  # fp32 masters are views of the parameters
+    for i, pieces in sd["shards"].items():  # what a checkpoint reader does
+        for start, views in pieces:
+            for k, view in views.items():
+                view.copy_(full["state"][i][k].reshape(-1)[start : start + view.numel()])
+    opt.load_sharded_state(sd["step"], sd["loss_scale"], sd["growth_tracker"])
+    restored = _equal_state(opt.state_dict(), full)
+    return moved.sent + moved.received, ranges, views_match, restored, (sd["step"], sd["loss_scale"])
 
 
 def _equal_state(a, b) -> bool:
@@ -193,11 +219,23 @@ def test_non_finite_gradient_on_one_rank_skips_everywhere(two_rank_results):
 
 
 @pytest.mark.multiprocess
+def test_sharded_state_is_each_ranks_own_ranges_as_live_views(two_rank_results):
+    covered = {i: torch.zeros(p.numel(), dtype=torch.int64) for i, p in enumerate(_net().parameters())}
+    for results in two_rank_results:
+        moved, ranges, views_match, restored, (step, scale) = results["checkpoint"][3]
+        assert moved == 0, "sharded_state communicated"
+        assert views_match and restored and step == 2 and scale == results["checkpoint"][0][0]["loss_scale"]
+        for i, start, n in ranges:
+            covered[i][start : start + n] += 1
+    assert all(c.eq(1).all() for c in covered.values()), "the two ranks' ranges must cover each parameter once"
+
+
+@pytest.mark.multiprocess
 def test_checkpoint_saved_at_dp2_continues_at_dp1(two_rank_results):
     from tessel.parallel.ddp import DDP
     from tessel.parallel.zero import ZeroAdam
 
-    (opt_state, model_state), round_trip, uninterrupted = two_rank_results[0]["checkpoint"]
+    (opt_state, model_state), round_trip, uninterrupted, _ = two_rank_results[0]["checkpoint"]
     assert round_trip and two_rank_results[1]["checkpoint"][1]
     assert opt_state["step"] == 2 and opt_state["world_size"] == 2
     net = _net()
