@@ -3,12 +3,19 @@
     out[b, h, i] = Σ_j softmax_j(scale · q[b, h, i] · k[b, h // G, j]) · v[b, h // G, j]
     lse[b, h, i] = log Σ_j exp(scale · q[b, h, i] · k[b, h // G, j])          (natural log, fp32)
 
-with ``j ≤ i`` when causal (the top-left aligned mask of ``scaled_dot_product_attention(is_causal=True)``).
+over all ``Sk`` keys, or, when causal, over ``j ≤ i + (Sk - Sq)``: the mask is BOTTOM-RIGHT aligned, as
+in FlashAttention ≥ 2.1, so the last query sees every key. That is what a KV cache needs: a decode step
+(``Sq = 1``) sees the whole cache, a chunk of ``Sq`` new queries after ``Sk - Sq`` cached tokens sees
+the cache and its own causal triangle, and ``Sq == Sk`` is the ordinary causal mask (equal to
+``scaled_dot_product_attention(is_causal=True)``). For ``Sq ≠ Sk`` torch's ``is_causal`` is TOP-LEFT
+aligned (``j ≤ i``) and differs from this. When ``Sq > Sk`` the first ``Sq - Sk`` queries see no key:
+their output is 0, their ``lse`` is ``-inf`` and they receive and pass on no gradient (no NaN anywhere).
 Query head ``h`` reads key/value head ``h // G`` by indexing: repeated keys and values are never built.
 
 Legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G = Hq / Hkv`` query heads per
-key/value head (1: MHA, ``Hq``: MQA), ``S`` sequence, ``D`` head dim in {16, 32, 64, 128}.
-``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]``, ``out [B, Hq, S, D]``, ``lse [B, Hq, S]``.
+key/value head (1: MHA, ``Hq``: MQA), ``Sq`` query length, ``Sk`` key/value length, ``D`` head dim in
+{16, 32, 64, 128}. ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]``, ``out [B, Hq, Sq, D]``,
+``lse [B, Hq, Sq]``.
 
 The log-sum-exp is what the backward recomputes the probabilities from, ``P = exp(scale·QKᵀ - lse)``,
 and what lets partial results over disjoint key blocks be merged (context parallelism, ring attention):
@@ -30,8 +37,9 @@ The three tiers and their kernels (the ``@triton.jit`` functions and their block
 - ``flash_attention`` validates and launches (differentiable through ``_FlashAttentionFunction``);
   ``flash_attention_reference`` is the plain-PyTorch definition.
 
-Causal masking skips every block above the diagonal, and only the blocks on the diagonal and the
-sequence tail pay for masks: the others run a ``MASK=False`` copy of the inner loop.
+Causal masking skips every block above the (shifted) diagonal, and only the blocks crossing it and the
+query and key tails pay for masks: the others run a ``MASK=False`` copy of the inner loop. The shift
+``Sk - Sq`` is a runtime int, so decode steps reuse one compiled kernel.
 
 Numerics: scores, softmax statistics and all accumulators are fp32; P (and dS in the backward) are
 rounded to the input dtype before their GEMMs, as on tensor cores in FlashAttention-2. Under Triton's
@@ -62,6 +70,7 @@ from .attention_kernels import (
     dkdv_kernel_tuned,
     dq_kernel_tuned,
     fwd_kernel_tuned,
+    sk_bucket,
 )
 
 __all__ = ["HEAD_DIMS", "flash_attention", "flash_attention_reference"]
@@ -87,12 +96,17 @@ def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
             raise ValueError(
                 f"{name}: {arg} must be 4-D [batch, heads, seq, head_dim], received shape {tuple(t.shape)}"
             )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"{name}: k and v must have the same sequence length (one value per key), received k "
+            f"{tuple(k.shape)} and v {tuple(v.shape)}"
+        )
     if k.shape != v.shape:
         raise ValueError(
             f"{name}: k and v must have the same shape, received k {tuple(k.shape)} and v {tuple(v.shape)}"
         )
     hq, d, hkv = q.shape[1], q.shape[3], k.shape[1]
-    for what, dim in (("batch", 0), ("sequence", 2), ("head-dim", 3)):
+    for what, dim in (("batch", 0), ("head-dim", 3)):  # q's sequence length may differ from k's
         if k.shape[dim] != q.shape[dim]:
             raise ValueError(
                 f"{name}: {what} sizes differ: q is {tuple(q.shape)} and k, v are {tuple(k.shape)}; "
@@ -180,20 +194,23 @@ def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: 
 
 
 def _forward(q, k, v, causal: bool, scale: float, backend: str):
-    """out [B, Hq, S, D] in q's memory layout, and lse [B, Hq, S] fp32."""
-    b, hq, s, _ = q.shape
+    """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32."""
+    b, hq, sq, _ = q.shape
+    sk = k.shape[2]
     out = _empty_in_layout_of(q)
-    lse = torch.empty((b, hq, s), device=q.device, dtype=torch.float32)
+    lse = torch.empty((b, hq, sq), device=q.device, dtype=torch.float32)
     if out.numel() == 0:
         return out, lse
+    if sk == 0:  # no key at all: every row is a row that sees none
+        return out.zero_(), lse.fill_(float("-inf"))
     args = (
         q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // k.shape[1], s, scale * _LOG2E,
+        hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E,
     )  # fmt: skip
     with _device(q):
         _launch(
-            _flash_attention_fwd_kernel, fwd_kernel_tuned, INTERPRETER_FWD_BLOCKS, backend, "BLOCK_M", s, b * hq,
+            _flash_attention_fwd_kernel, fwd_kernel_tuned, INTERPRETER_FWD_BLOCKS, backend, "BLOCK_M", sq, b * hq,
             args, _flags(q, causal, backend),
         )  # fmt: skip
     return out, lse
@@ -201,13 +218,13 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str):
 
 def _backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool):
     """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels."""
-    b, hq, s, d = q.shape
-    hkv = k.shape[1]
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
     dq = _empty_in_layout_of(q) if need_dq else None
     dk = _empty_in_layout_of(k) if need_dkv else None
     dv = _empty_in_layout_of(v) if need_dkv else None
-    if q.numel() == 0:
-        return dq, dk, dv
+    if q.numel() == 0 or k.numel() == 0:  # no query or no key: nothing depends on anything
+        return tuple(None if t is None else t.zero_() for t in (dq, dk, dv))
     # Gradients may arrive in another dtype or as broadcast views (the gradient of out.sum() has stride 0
     # everywhere): dO's batch/head/sequence strides go to the kernels, dlse is read as a flat row.
     dout = _unit_last_stride(dout.to(q.dtype))
@@ -216,27 +233,27 @@ def _backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend
     delta = torch.empty_like(lse)
     flags = _flags(q, causal, backend)
     with _device(q):
-        _flash_attention_bwd_preprocess_kernel[(triton.cdiv(s, PREPROCESS_BLOCK_M), b * hq)](
+        _flash_attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_BLOCK_M), b * hq)](
             out, dout, dlse if dlse is not None else delta, delta,
-            out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), hq, s,
+            out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), hq, sq,
             HAS_DLSE=dlse is not None, HEAD_DIM=d, BLOCK_M=PREPROCESS_BLOCK_M,
         )  # fmt: skip
         common = (
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         )  # fmt: skip
-        tail = (hq, hq // hkv, s, scale * _LOG2E, scale)
+        tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale)
         if need_dkv:
             args = (q, k, v, dout, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3], *tail)
             _launch(
                 _flash_attention_bwd_dkdv_kernel, dkdv_kernel_tuned, INTERPRETER_DKDV_BLOCKS, backend, "BLOCK_N",
-                s, b * hkv, args, flags,
+                sk, b * hkv, args, flags,
             )  # fmt: skip
         if need_dq:
             args = (q, k, v, dout, lse, delta, dq, *common, *dq.stride()[:3], *tail)
             _launch(
                 _flash_attention_bwd_dq_kernel, dq_kernel_tuned, INTERPRETER_DQ_BLOCKS, backend, "BLOCK_M",
-                s, b * hq, args, flags,
+                sq, b * hq, args, flags,
             )  # fmt: skip
     return dq, dk, dv
 
@@ -250,8 +267,10 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     """Plain-PyTorch definition of :func:`flash_attention` (differentiable through autograd).
 
     Computes in fp32 (in float64 when the inputs are float64, which is how tests build their exact
-    reference), materialising the ``[B, Hq, S, S]`` scores and repeating key/value heads for GQA, and
-    rounds the output once to the input dtype. ``lse`` is returned in the compute dtype.
+    reference), materialising the ``[B, Hq, Sq, Sk]`` scores and repeating key/value heads for GQA, and
+    rounds the output once to the input dtype. ``lse`` is returned in the compute dtype. The causal mask
+    is bottom-right aligned (``j ≤ i + Sk - Sq``); rows that see no key give 0 and ``lse = -inf``, and
+    autograd through them gives zero gradients, never NaN.
     """
     _validate("flash_attention_reference", q, k, v, causal, scale, (*_DTYPES, torch.float64))
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -261,11 +280,14 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     v = v.to(compute).repeat_interleave(group, dim=1)
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
     if causal:
-        s = q.shape[2]
-        above = torch.ones(s, s, dtype=torch.bool, device=q.device).triu(1)
+        sq, sk = q.shape[2], k.shape[2]
+        above = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)  # j > i + sk - sq
         scores = scores.masked_fill(above, float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
-    out = (torch.exp(scores - lse.unsqueeze(-1)) @ v).to(q.dtype)
+    # A row that sees no key has lse = -inf: subtracting 0 instead makes its probabilities exp(-inf) = 0
+    # (not NaN), and masked_fill's backward gives its scores a zero gradient.
+    lse_finite = lse.masked_fill(torch.isneginf(lse), 0.0)
+    out = (torch.exp(scores - lse_finite.unsqueeze(-1)) @ v).to(q.dtype)
     return (out, lse) if return_lse else out
 
 
@@ -298,25 +320,31 @@ class _FlashAttentionFunction(torch.autograd.Function):
 
 
 def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False):
-    """Softmax attention in one pass over the keys, never materialising the ``S × S`` scores; differentiable.
+    """Softmax attention in one pass over the keys, never materialising the ``Sq × Sk`` scores; differentiable.
 
     Args:
-        q: ``[B, Hq, S, D]``, float32/float16/bfloat16, any batch/head/sequence strides (a transposed
-            ``[B, S, Hq, D]`` view or a slice of a fused QKV buffer is read in place; a head_dim
+        q: ``[B, Hq, Sq, D]``, float32/float16/bfloat16, any batch/head/sequence strides (a transposed
+            ``[B, Sq, Hq, D]`` view or a slice of a fused QKV buffer is read in place; a head_dim
             that is not contiguous is copied first). ``D`` in {16, 32, 64, 128}.
-        k, v: ``[B, Hkv, S, D]`` with ``Hq % Hkv == 0``; query head ``h`` attends with key/value head
-            ``h // (Hq / Hkv)`` (GQA; ``Hkv = 1`` is MQA). q's dtype and device.
-        causal: query ``i`` attends to keys ``j ≤ i`` only.
+        k, v: ``[B, Hkv, Sk, D]`` with ``Hq % Hkv == 0``; query head ``h`` attends with key/value head
+            ``h // (Hq / Hkv)`` (GQA; ``Hkv = 1`` is MQA). q's dtype, device, batch and head dim; any
+            length ``Sk`` (k and v the same), which may differ from ``Sq`` (decode, chunked prefill
+            over a KV cache, cross attention).
+        causal: query ``i`` attends to keys ``j ≤ i + (Sk - Sq)`` only: the mask is bottom-right
+            aligned, as in FlashAttention ≥ 2.1, so ``Sq = 1`` sees every key and ``Sq == Sk`` is the
+            usual ``j ≤ i``. torch's ``scaled_dot_product_attention(is_causal=True)`` is top-left
+            aligned (``j ≤ i``) and differs when ``Sq ≠ Sk``. When ``Sq > Sk`` the first ``Sq - Sk``
+            queries see no key: their output is 0, their lse ``-inf``, their gradients 0.
         scale: multiplier of the scores, ``1/sqrt(D)`` by default.
         return_lse: also return the log-sum-exp.
 
     Returns:
-        ``out [B, Hq, S, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
-        memory: for q a ``[B, Hq, S, D]`` view of a ``[B, S, ...]`` projection, ``out`` is laid out
-        ``[B, S, Hq, D]`` and ``out.transpose(1, 2).reshape(B, S, Hq * D)``, what an attention layer
+        ``out [B, Hq, Sq, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
+        memory: for q a ``[B, Hq, Sq, D]`` view of a ``[B, Sq, ...]`` projection, ``out`` is laid out
+        ``[B, Sq, Hq, D]`` and ``out.transpose(1, 2).reshape(B, Sq, Hq * D)``, what an attention layer
         does next, copies nothing (dq, dk, dv likewise follow q, k, v).
 
-        With ``return_lse=True`` the pair ``(out, lse)``, where ``lse [B, Hq, S]`` float32 is the
+        With ``return_lse=True`` the pair ``(out, lse)``, where ``lse [B, Hq, Sq]`` float32 is the
         natural-log log-sum-exp of the scaled (and masked) scores of each query row,
         ``lse = log Σ_j exp(scale · q·k_j)``. Partial results over disjoint key sets merge exactly
         with it (``lse = logaddexp(lse₁, lse₂)``, ``out = Σ_i exp(lse_i - lse)·out_i``), which is what

@@ -1,8 +1,18 @@
 """The Triton kernels of flash attention and their block sizes; the host side is :mod:`.attention`.
 
-Legend and numerics as in :mod:`.attention`: ``q [B, Hq, S, D]``, ``k, v [B, Hkv, S, D]``, ``G = Hq / Hkv``;
-scores and accumulators in fp32, exp2 with ``scale·log2 e`` folded into the scores. ``DOT_FP32`` casts
-every dot operand to fp32 (Triton's interpreter multiplies fp16/bf16 dot operands as raw bits).
+Legend and numerics as in :mod:`.attention`: ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]``,
+``G = Hq / Hkv``; scores and accumulators in fp32, exp2 with ``scale·log2 e`` folded into the scores.
+``DOT_FP32`` casts every dot operand to fp32 (Triton's interpreter multiplies fp16/bf16 dot operands as
+raw bits).
+
+Causal masks are bottom-right aligned: query ``i`` sees keys ``j ≤ i + OFF`` with ``OFF = SK - SQ``, a
+runtime int computed in the kernels (a constexpr would compile a new kernel at every decode step). A
+block of queries ``[m, m + BLOCK_M)`` therefore sees every key below ``m + OFF + 1`` (no mask needed),
+a band of keys up to ``min(m + BLOCK_M, SQ) + OFF`` through the mask, and nothing beyond; a block of
+keys ``[n, n + BLOCK_N)`` is seen by no query below ``n - OFF`` and entirely by every query from
+``n + BLOCK_N - 1 - OFF`` on. Rows with ``i + OFF < 0`` (only when ``SQ > SK``) see no key: their
+running maximum stays ``-inf``, their sum 0, and they store ``out = 0``, ``lse = -inf``; the backward
+masks them out (``exp2(s - lse)`` is ``+inf`` there, and only ever read through the mask).
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ __all__ = [
     "dkdv_kernel_tuned",
     "dq_kernel_tuned",
     "fwd_kernel_tuned",
+    "sk_bucket",
 ]
 
 
@@ -28,33 +39,35 @@ __all__ = [
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, lo, hi,
+    acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the key blocks starting in [lo, hi); MASK: mask the tail and the diagonal."""
+    """Online softmax over the key blocks starting in [lo, hi); MASK: mask the key tail and the diagonal band."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
         kT_ptrs = k_ptr + cols[None, :] * stride_ks + offs_d[:, None]
         v_ptrs = v_ptr + cols[:, None] * stride_vs + offs_d[None, :]
-        kT = tl.load(kT_ptrs, mask=cols[None, :] < S, other=0.0) if MASK else tl.load(kT_ptrs)
+        kT = tl.load(kT_ptrs, mask=cols[None, :] < SK, other=0.0) if MASK else tl.load(kT_ptrs)
         if DOT_FP32:
             kT = kT.to(tl.float32)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         qk = qk * qk_scale  # base-2 logits: scale·log2(e)·q·k
         if MASK:
-            keep = cols[None, :] < S
+            keep = cols[None, :] < SK
             if CAUSAL:
-                keep = keep & (offs_m[:, None] >= cols[None, :])
+                keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
             qk = tl.where(keep, qk, float("-inf"))
-        # Every row has a finite logit in its first key block (column 0 is never masked), so m_new is
-        # finite from the first iteration on and exp2(-inf - m_new) is an exact 0, never a NaN.
+        # A row that sees any key sees key 0, which is in its first key block: m_new is finite from the
+        # first iteration on and exp2(-inf - m_new) is an exact 0. Rows that see no key at all (causal,
+        # SQ > SK) keep m_new = -inf: subtracting 0 instead keeps their p and alpha 0 rather than NaN.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        p = tl.math.exp2(qk - m_new[:, None])
-        alpha = tl.math.exp2(m_i - m_new)
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if MASK and CAUSAL else m_new
+        p = tl.math.exp2(qk - m_sub[:, None])
+        alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = tl.load(v_ptrs, mask=cols[:, None] < S, other=0.0) if MASK else tl.load(v_ptrs)
+        v = tl.load(v_ptrs, mask=cols[:, None] < SK, other=0.0) if MASK else tl.load(v_ptrs)
         # P is rounded to the input dtype for the tensor cores, as in FlashAttention-2; its row sum
         # l_i was taken in fp32 before that rounding.
         p = p.to(v_ptr.dtype.element_ty)
@@ -67,15 +80,32 @@ def _fwd_inner(
 
 
 @triton.jit
+def _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The keys of the query block [start_m, start_m + BLOCK_M): [0, full_end) unmasked, [full_end, masked_end)
+    masked (the diagonal band and the key tail), none beyond. full_end is a multiple of BLOCK_N.
+
+    With OFF = 0 and BLOCK_M a multiple of BLOCK_N this is [0, start_m) and [start_m, min(start_m + BLOCK_M, SK)):
+    the square case's diagonal block, unchanged.
+    """
+    if CAUSAL:  # row start_m sees keys below start_m + OFF + 1; the last valid row, below its own + OFF + 1
+        full_end = (tl.maximum(tl.minimum(start_m + OFF + 1, SK), 0) // BLOCK_N) * BLOCK_N
+        masked_end = tl.maximum(tl.minimum(tl.minimum(start_m + BLOCK_M, SQ) + OFF, SK), full_end)
+    else:  # only the key block holding the key tail needs a mask
+        full_end = (SK // BLOCK_N) * BLOCK_N
+        masked_end = SK
+    return full_end, masked_end
+
+
+@triton.jit
 def _flash_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    HQ, GROUP, S, qk_scale,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)  # the diagonal block starts on a key-block edge
+    """SK_BUCKET is read by the autotuner only (see _TUNE)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // HQ).to(tl.int64)
@@ -84,12 +114,12 @@ def _flash_attention_fwd_kernel(
     k_ptr += off_b * stride_kb + (off_h // GROUP) * stride_kh
     v_ptr += off_b * stride_vb + (off_h // GROUP) * stride_vh
     out_ptr += off_b * stride_ob + off_h * stride_oh
-    lse_ptr += pid_bh.to(tl.int64) * S
+    lse_ptr += pid_bh.to(tl.int64) * SQ
 
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < S
+    row_ok = offs_m < SQ
     q = tl.load(q_ptr + offs_m[:, None] * stride_qs + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     if DOT_FP32:
         q = q.to(tl.float32)
@@ -97,23 +127,22 @@ def _flash_attention_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    if CAUSAL:  # keys left of the diagonal block need no mask; keys right of it are skipped
-        full_end = start_m
-        masked_end = tl.minimum(start_m + BLOCK_M, S)
-    else:  # only the key block holding the sequence tail needs a mask
-        full_end = (S // BLOCK_N) * BLOCK_N
-        masked_end = S
+    OFF = SK - SQ
+    full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, 0, full_end,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, 0, full_end,
         False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, full_end, masked_end,
-        True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
+        masked_end, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
-    acc = acc / l_i[:, None]
-    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back to the natural log: · ln 2
+    # A row that saw a key has l_i ≥ 1 (its maximum contributes exp2(0)); one that saw none has l_i = 0
+    # and m_i = -inf, and stores out = 0 and lse = -inf.
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse = (m_i + tl.math.log2(l_safe)) * 0.6931471805599453  # back to the natural log: · ln 2
     tl.store(lse_ptr + offs_m, lse, mask=row_ok)
     out_ptrs = out_ptr + offs_m[:, None] * stride_os + offs_d[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
@@ -123,7 +152,7 @@ def _flash_attention_fwd_kernel(
 def _flash_attention_bwd_preprocess_kernel(
     out_ptr, dout_ptr, dlse_ptr, delta_ptr,
     stride_ob, stride_oh, stride_os, stride_db, stride_dh, stride_ds,
-    HQ, S,
+    HQ, SQ,
     HAS_DLSE: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """Δ = rowsum(dO ∘ O) - dlse: the term dS = P ∘ (dP - Δ) subtracts in every block of the backward."""
@@ -133,7 +162,7 @@ def _flash_attention_bwd_preprocess_kernel(
     off_h = (pid_bh % HQ).to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < S
+    row_ok = offs_m < SQ
     o = tl.load(
         out_ptr + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_os + offs_d[None, :],
         mask=row_ok[:, None],
@@ -145,7 +174,7 @@ def _flash_attention_bwd_preprocess_kernel(
         other=0.0,
     )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    row_base = pid_bh.to(tl.int64) * S
+    row_base = pid_bh.to(tl.int64) * SQ
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + row_base + offs_m, mask=row_ok, other=0.0)
     tl.store(delta_ptr + row_base + offs_m, delta, mask=row_ok)
@@ -153,7 +182,7 @@ def _flash_attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale, lo, hi,
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF, qk_scale, lo, hi,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
@@ -163,7 +192,7 @@ def _bwd_dkdv_inner(
         offs_m = start_m + offs_m0
         qT_ptrs = q_ptr + offs_m[None, :] * stride_qs + offs_d[:, None]
         do_ptrs = do_ptr + offs_m[:, None] * stride_ds + offs_d[None, :]
-        row_ok = offs_m < S
+        row_ok = offs_m < SQ
         if MASK:
             qT = tl.load(qT_ptrs, mask=row_ok[None, :], other=0.0)
             do = tl.load(do_ptrs, mask=row_ok[:, None], other=0.0)
@@ -179,10 +208,10 @@ def _bwd_dkdv_inner(
             do = do.to(tl.float32)
         qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
         pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
-        if MASK:
+        if MASK:  # rows that see no key (lse = -inf, so pT = +inf) are among the masked ones
             keep = row_ok[None, :]
             if CAUSAL:
-                keep = keep & (offs_m[None, :] >= offs_n[:, None])
+                keep = keep & (offs_m[None, :] + OFF >= offs_n[:, None])
             pT = tl.where(keep, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ - Δ); scale is applied once at the end
@@ -203,11 +232,11 @@ def _flash_attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    HQ, GROUP, S, qk_scale, scale,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_N % BLOCK_M == 0)  # the query blocks below the diagonal start on a block edge
+    """SK_BUCKET is read by the autotuner only (see _TUNE)."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # batch · kv head
     hkv = HQ // GROUP
@@ -216,7 +245,7 @@ def _flash_attention_bwd_dkdv_kernel(
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
-    col_ok = offs_n < S
+    col_ok = offs_n < SK
     k = tl.load(
         k_ptr + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
         mask=col_ok[:, None],
@@ -232,37 +261,41 @@ def _flash_attention_bwd_dkdv_kernel(
         v = v.to(tl.float32)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    if CAUSAL:  # query blocks above the diagonal see none of these keys: skipped
-        diag_lo = start_n
-        diag_hi = tl.minimum(start_n + BLOCK_N, S)
-        full_lo = start_n + BLOCK_N
-        full_hi = tl.maximum(full_lo, (S // BLOCK_M) * BLOCK_M)
+    OFF = SK - SQ
+    if CAUSAL:
+        # Query rows below start_n - OFF see none of these keys: skipped. Rows from start_n + BLOCK_N - 1 - OFF
+        # on see all of them: no mask. Both edges rounded outwards to query-block edges; with OFF = 0 and
+        # BLOCK_N a multiple of BLOCK_M they are start_n and start_n + BLOCK_N, the square case's diagonal.
+        diag_lo = (tl.maximum(start_n - OFF, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - OFF, 0), BLOCK_M) * BLOCK_M
+        diag_hi = tl.minimum(full_lo, SQ)
+        full_hi = tl.maximum(full_lo, (SQ // BLOCK_M) * BLOCK_M)
     else:
         diag_lo = 0
         diag_hi = 0
         full_lo = 0
-        full_hi = (S // BLOCK_M) * BLOCK_M
-    # Key rows past S hold zeros; their dK/dV rows are computed but never stored.
+        full_hi = (SQ // BLOCK_M) * BLOCK_M
+    # Key rows past SK hold zeros; their dK/dV rows are computed but never stored.
     for g in range(GROUP):  # the query heads sharing this kv head, summed in registers
         off_h = off_hkv * GROUP + g
         q_head = q_ptr + off_b * stride_qb + off_h * stride_qh
         do_head = do_ptr + off_b * stride_db + off_h * stride_dh
-        lse_head = lse_ptr + (off_b * HQ + off_h) * S
-        delta_head = delta_ptr + (off_b * HQ + off_h) * S
-        # the query blocks crossing the diagonal (none without a causal mask)
+        lse_head = lse_ptr + (off_b * HQ + off_h) * SQ
+        delta_head = delta_ptr + (off_b * HQ + off_h) * SQ
+        # the query blocks crossing the diagonal band (none without a causal mask)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale,
-            diag_lo, diag_hi, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
+            qk_scale, diag_lo, diag_hi, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
         # the query blocks that see the whole key block
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale,
-            full_lo, full_hi, False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
+            qk_scale, full_lo, full_hi, False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
-        # the query block holding the sequence tail
+        # the query block holding the query tail
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, S, qk_scale,
-            full_hi, S, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
+            qk_scale, full_hi, SQ, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
         )  # fmt: skip
     dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
     tl.store(
@@ -279,7 +312,7 @@ def _flash_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, lo, hi,
+    dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
@@ -290,8 +323,8 @@ def _bwd_dq_inner(
         kT_ptrs = k_ptr + cols[None, :] * stride_ks + offs_d[:, None]
         vT_ptrs = v_ptr + cols[None, :] * stride_vs + offs_d[:, None]
         if MASK:
-            kT = tl.load(kT_ptrs, mask=cols[None, :] < S, other=0.0)
-            vT = tl.load(vT_ptrs, mask=cols[None, :] < S, other=0.0)
+            kT = tl.load(kT_ptrs, mask=cols[None, :] < SK, other=0.0)
+            vT = tl.load(vT_ptrs, mask=cols[None, :] < SK, other=0.0)
         else:
             kT = tl.load(kT_ptrs)
             vT = tl.load(vT_ptrs)
@@ -300,10 +333,10 @@ def _bwd_dq_inner(
             vT = vT.to(tl.float32)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
-        if MASK:
-            keep = cols[None, :] < S
+        if MASK:  # rows that see no key (lse = -inf, so p = +inf) are among the masked ones
+            keep = cols[None, :] < SK
             if CAUSAL:
-                keep = keep & (offs_m[:, None] >= cols[None, :])
+                keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(k_ptr.dtype.element_ty)  # rounded for the tensor cores
@@ -318,11 +351,11 @@ def _flash_attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
-    HQ, GROUP, S, qk_scale, scale,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    tl.static_assert(BLOCK_M % BLOCK_N == 0)
+    """SK_BUCKET is read by the autotuner only (see _TUNE)."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // HQ).to(tl.int64)
@@ -332,7 +365,7 @@ def _flash_attention_bwd_dq_kernel(
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
-    row_ok = offs_m < S
+    row_ok = offs_m < SQ
     q = tl.load(
         q_ptr + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
         mask=row_ok[:, None],
@@ -346,23 +379,19 @@ def _flash_attention_bwd_dq_kernel(
     if DOT_FP32:
         q = q.to(tl.float32)
         do = do.to(tl.float32)
-    row_base = pid_bh.to(tl.int64) * S
+    row_base = pid_bh.to(tl.int64) * SQ
     lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    if CAUSAL:
-        full_end = start_m
-        masked_end = tl.minimum(start_m + BLOCK_M, S)
-    else:
-        full_end = (S // BLOCK_N) * BLOCK_N
-        masked_end = S
+    OFF = SK - SQ
+    full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, 0, full_end,
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, 0, full_end,
         False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, S, qk_scale, full_end, masked_end,
-        True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
+        masked_end, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -381,10 +410,25 @@ def _configs(shapes) -> list[triton.Config]:
     return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s) for bm, bn, w, s in shapes]
 
 
+def sk_bucket(sk: int) -> int:
+    """The autotuning key for the key length: its power-of-two bucket (at least 16).
+
+    Decode calls the kernels with a key length one longer at every step; an exact key would re-run the
+    autotuner (tens of timed launches) at every token. The query length stays exact, so with SQ == SK
+    the key (SQ, bucket) is as fine as the former S and the square case tunes exactly as before.
+    """
+    return max(16, triton.next_power_of_2(sk))
+
+
 def _prune_for_short_sequences(configs, named_args, **kwargs):
-    """For S ≤ 64, drop the 128-wide tiles: mostly past the end of the sequence, and costly to tune."""
-    longest = max(16, triton.next_power_of_2(named_args["S"]))
-    kept = [c for c in configs if max(c.kwargs["BLOCK_M"], c.kwargs["BLOCK_N"]) <= max(64, longest)]
+    """Drop tiles longer than 64 over a shorter sequence (query tiles BLOCK_M over SQ, key tiles BLOCK_N over
+    SK): mostly past the end, and costly to tune."""
+
+    def fits(block: int, length: int) -> bool:
+        return block <= max(64, triton.next_power_of_2(length))
+
+    sq, sk = named_args["SQ"], named_args["SK"]
+    kept = [c for c in configs if fits(c.kwargs["BLOCK_M"], sq) and fits(c.kwargs["BLOCK_N"], sk)]
     return kept or configs
 
 
@@ -404,13 +448,15 @@ _DQ_CONFIGS = _configs([
     (128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 16, 4, 2),
 ])  # fmt: skip
 
-_TUNE = dict(key=["S", "HEAD_DIM", "CAUSAL"], prune_configs_by={"early_config_prune": _prune_for_short_sequences})
+_TUNE = dict(
+    key=["SQ", "SK_BUCKET", "HEAD_DIM", "CAUSAL"], prune_configs_by={"early_config_prune": _prune_for_short_sequences}
+)
 fwd_kernel_tuned = triton.autotune(configs=_FWD_CONFIGS, **_TUNE)(_flash_attention_fwd_kernel)
 dkdv_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, **_TUNE)(_flash_attention_bwd_dkdv_kernel)
 dq_kernel_tuned = triton.autotune(configs=_DQ_CONFIGS, **_TUNE)(_flash_attention_bwd_dq_kernel)
 
 # Under the interpreter every block operation costs milliseconds of numpy work: blocks just large
-# enough that the test sequences (1..130) span several query and key blocks, tails and diagonals.
+# enough that the test sequences (1..130) span several query and key blocks, tails and diagonal bands.
 INTERPRETER_FWD_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 16}
 INTERPRETER_DKDV_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32}
 INTERPRETER_DQ_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 16}

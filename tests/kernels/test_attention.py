@@ -42,26 +42,35 @@ def assert_close(got, want, dtype, what, floor=1e-30):
     assert err <= TOL[dtype], f"{what}: max error {err:.3g} of max|want|, above {TOL[dtype]:.3g} ({dtype})"  # NaN fails
 
 
-def make_qkv(layout, s, d, dtype, device="cpu", q_scale=1.0):
+def assert_lse_close(got, want, what):
+    """lse in fp32 (computed from exact products whatever the input dtype); rows that see no key are -inf in both."""
+    no_key = torch.isneginf(want)
+    assert torch.equal(torch.isneginf(got), no_key), f"{what}: -inf rows differ"
+    assert_close(got[~no_key], want[~no_key], torch.float32, what)
+
+
+def make_qkv(layout, s, d, dtype, device="cpu", q_scale=1.0, sk=None):
+    """q [B, Hq, s, d]; k, v [B, Hkv, sk, d] (sk = s by default)."""
     hq, hkv = LAYOUTS[layout]
+    sk = s if sk is None else sk
     q = (torch.randn(B, hq, s, d, device=device) * q_scale).to(dtype)
-    k = torch.randn(B, hkv, s, d, device=device).to(dtype)
-    v = torch.randn(B, hkv, s, d, device=device).to(dtype)
+    k = torch.randn(B, hkv, sk, d, device=device).to(dtype)
+    v = torch.randn(B, hkv, sk, d, device=device).to(dtype)
     return q, k, v
 
 
-def reference_with_grads(q, k, v, causal, grad_out, grad_lse=None, scale=None):
-    """float64 out, lse and the gradients of <out, grad_out> (+ <lse, grad_lse>) w.r.t. q, k, v."""
-    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+def reference_with_grads(q, k, v, causal, grad_out, grad_lse=None, scale=None, compute=torch.float64):
+    """out, lse (in `compute`, float64 by default) and the gradients of <out, grad_out> (+ <lse, grad_lse>)."""
+    q64, k64, v64 = (t.detach().to(compute).requires_grad_() for t in (q, k, v))
     out, lse = flash_attention_reference(q64, k64, v64, causal, scale, return_lse=True)
-    loss = (out * grad_out.double()).sum()
+    loss = (out * grad_out.to(compute)).sum()
     if grad_lse is not None:
-        loss = loss + (lse * grad_lse.double()).sum()
+        loss = loss + (lse * grad_lse.to(compute)).sum()
     loss.backward()
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
-def check_against_reference(q, k, v, causal, dtype, scale=None, with_lse_grad=False):
+def check_against_reference(q, k, v, causal, dtype, scale=None, with_lse_grad=False, compute=torch.float64):
     q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
     out, lse = flash_attention(q, k, v, causal, scale, return_lse=True)
     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == q.shape[:3]
@@ -69,18 +78,17 @@ def check_against_reference(q, k, v, causal, dtype, scale=None, with_lse_grad=Fa
     grad_lse = torch.randn_like(lse) if with_lse_grad else None
     loss = (out * grad_out).float().sum() + ((lse * grad_lse).sum() if with_lse_grad else 0)
     loss.backward()
-    want = reference_with_grads(q, k, v, causal, grad_out, grad_lse, scale)
-    # lse is computed in fp32 from exact products whatever the input dtype.
-    lse_dtype = torch.float32
+    want = reference_with_grads(q, k, v, causal, grad_out, grad_lse, scale, compute)
     # With one key the softmax is constant: dq and dk are exactly 0, so their error is measured against
     # the O(1) scale of the random inputs instead.
-    floor = 1.0 if q.shape[2] == 1 else 1e-30
-    for name, got, ref, tol_dtype in zip(
-        ("out", "lse", "dq", "dk", "dv"), (out, lse, q.grad, k.grad, v.grad), want, (dtype, lse_dtype, *[dtype] * 3)
-    ):
+    floor = 1.0 if k.shape[2] == 1 else 1e-30
+    for name, got, ref in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, q.grad, k.grad, v.grad), want):
         assert got.dtype == (torch.float32 if name == "lse" else dtype)
         what = f"{name} (causal={causal}, shape {tuple(q.shape)}, kv {tuple(k.shape)})"
-        assert_close(got, ref, tol_dtype, what, floor)
+        if name == "lse":
+            assert_lse_close(got, ref, what)
+        else:
+            assert_close(got, ref, dtype, what, floor)
 
 
 # ---------------------------------------------------------------------------------------------------- sweeps
@@ -273,8 +281,9 @@ def test_outputs_follow_the_input_layout(seed, order):
     assert q.grad.stride() == q.stride() and k.grad.is_contiguous() and v.grad.is_contiguous()
 
 
-def test_every_output_element_is_written(seed, monkeypatch):
-    """torch.empty{,_like} return NaN-filled tensors for the whole test: out, lse, Δ, dq, dk, dv are all written."""
+@pytest.fixture
+def nan_empty(monkeypatch):
+    """torch.empty{,_like} return NaN-filled tensors for the whole test."""
     empty, empty_like = torch.empty, torch.empty_like
 
     def nan_empty(*args, **kwargs):
@@ -287,17 +296,28 @@ def test_every_output_element_is_written(seed, monkeypatch):
 
     monkeypatch.setattr(attention_module.torch, "empty", nan_empty)
     monkeypatch.setattr(attention_module.torch, "empty_like", nan_empty_like)
-    check_against_reference(*make_qkv("mqa", 37, 16, torch.float32), True, torch.float32, with_lse_grad=True)
 
 
-@pytest.mark.parametrize("shape", [(0, 4, 19, 16), (2, 4, 0, 16)])
-def test_empty_batch_or_sequence(shape):
+@pytest.mark.parametrize("sq, sk", [(37, 37), (64, 19), (19, 64)])  # Sq > Sk: rows that see no key
+def test_every_output_element_is_written(seed, nan_empty, sq, sk):
+    """With NaN-filled allocations, out, lse, Δ, dq, dk, dv are all written."""
+    check_against_reference(*make_qkv("mqa", sq, 16, torch.float32, sk=sk), True, torch.float32, with_lse_grad=True)
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize(
+    "shape, sk", [((0, 4, 19, 16), 19), ((2, 4, 0, 16), 0), ((2, 4, 19, 16), 0), ((2, 4, 0, 16), 19)]
+)
+def test_empty_batch_or_sequence(nan_empty, shape, sk, causal):
+    """No query or no key: out is 0 (no key to average), lse -inf, and every gradient 0; nothing is left unwritten."""
     q = torch.randn(shape, requires_grad=True)
-    k = torch.randn(shape[0], 2, shape[2], 16, requires_grad=True)
-    out, lse = flash_attention(q, k, k, return_lse=True)
+    k = torch.randn(shape[0], 2, sk, 16, requires_grad=True)
+    out, lse = flash_attention(q, k, k, causal, return_lse=True)
     assert out.shape == shape and lse.shape == shape[:3]
-    out.sum().backward()
+    assert torch.count_nonzero(out) == 0 and torch.isneginf(lse).all()
+    (out.sum() + lse.sum()).backward()  # a loss of -inf, but its gradient is 1 everywhere
     assert q.grad.shape == q.shape and k.grad.shape == k.shape
+    assert torch.count_nonzero(q.grad) == 0 and torch.count_nonzero(k.grad) == 0
 
 
 def test_reference_backend_without_the_interpreter(seed, monkeypatch):
@@ -329,9 +349,9 @@ GOOD = dict(q=(2, 4, 5, 16), k=(2, 2, 5, 16), v=(2, 2, 5, 16))
         (dict(q=_t(4, 5, 16)), ValueError, ["q must be 4-D", "(4, 5, 16)"]),
         (dict(k=_t(2, 2, 5, 16, 1)), ValueError, ["k must be 4-D"]),
         (dict(v=[[1.0]]), TypeError, ["v must be a torch.Tensor", "list"]),
-        (dict(v=_t(2, 2, 6, 16)), ValueError, ["k and v must have the same shape", "(2, 2, 6, 16)"]),
+        (dict(v=_t(2, 2, 6, 16)), ValueError, ["k and v must have the same sequence length", "(2, 2, 6, 16)"]),
+        (dict(v=_t(2, 1, 5, 16)), ValueError, ["k and v must have the same shape", "(2, 1, 5, 16)"]),
         (dict(k=_t(3, 2, 5, 16), v=_t(3, 2, 5, 16)), ValueError, ["batch sizes differ", "(3, 2, 5, 16)"]),
-        (dict(k=_t(2, 2, 6, 16), v=_t(2, 2, 6, 16)), ValueError, ["sequence sizes differ", "(2, 2, 6, 16)"]),
         (dict(k=_t(2, 2, 5, 32), v=_t(2, 2, 5, 32)), ValueError, ["head-dim sizes differ", "(2, 2, 5, 32)"]),
         (dict(k=_t(2, 3, 5, 16), v=_t(2, 3, 5, 16)), ValueError, ["head count 4", "multiple", "head count 3"]),
         (dict(k=_t(2, 0, 5, 16), v=_t(2, 0, 5, 16)), ValueError, ["positive multiple", "head count 0"]),
