@@ -109,26 +109,20 @@ class Engine:
         return self._global_loss(local)
 
     def _run_pipeline(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """One schedule step over the microbatches, reducing the DDP gradients once instead of per microbatch.
+        """One schedule step over the microbatches, reducing the DDP/FSDP gradients once instead of per backward.
 
-        The schedule runs a backward per microbatch and stage, each of which would reduce every bucket;
-        under ``no_sync`` they accumulate locally, and a backward of ``0 · Σ p`` afterwards (zeros into
-        every gradient) fires DDP's hooks once, launching each bucket's reduction of the sum. FSDP
-        (``--zero 3``) reduce-scatters per backward and accumulates the shards: its ``no_sync`` would keep
-        a full gradient per unit, and its parameters hold no storage outside a unit's use, so the zero
-        backward cannot read them.
+        The schedule runs a backward per microbatch and stage, each of which would reduce every bucket or
+        unit; under ``no_sync`` they accumulate locally, and ``sync_gradients()`` reduces the sums once.
+        (FSDP then holds each unit's full gradient until the step's last backward, as torch's pipelining
+        does with FSDP.)
         """
         self._microbatch_losses.clear()
         inputs = (x,) if self.is_first else ()
-        no_sync = getattr(self.wrapper, "no_sync", None) if self.args.zero != 3 else None
+        no_sync = getattr(self.wrapper, "no_sync", None)
         with no_sync() if no_sync else contextlib.nullcontext():
             self.schedule.step(*inputs, target=y if self.is_last else None)
         if no_sync:
-            self._zero_backward()
-
-    def _zero_backward(self) -> None:
-        params = [p for p in self.named.values() if p.requires_grad]
-        torch.autograd.backward(torch.stack([p.sum() for p in params]).sum() * 0.0)
+            self.wrapper.sync_gradients()
 
     def _global_loss(self, local: torch.Tensor) -> torch.Tensor:
         """Mean over DP of the last pipeline stage's loss (TP ranks hold the same value)."""

@@ -59,6 +59,13 @@ def broadcast_from_first_rank(tensors, group) -> None:
         dist.broadcast(t, src=src, group=group)
 
 
+def _check_sync_call(name: str, sync: bool) -> None:
+    if torch._C._current_graph_task_id() != -1:
+        raise RuntimeError(f"{name}.sync_gradients: called during backward; call it after backward returns")
+    if not sync:
+        raise RuntimeError(f"{name}.sync_gradients: called inside no_sync(); call it after leaving the block")
+
+
 def _is_slot(grad: torch.Tensor | None, view: torch.Tensor) -> bool:
     return grad is not None and grad.data_ptr() == view.data_ptr() and grad.shape == view.shape
 
@@ -115,6 +122,29 @@ class DDP(nn.Module):
             yield
         finally:
             self._sync = previous
+
+    @property
+    def has_unsynced_gradients(self) -> bool:
+        """Whether backwards under :meth:`no_sync` left gradients that no reduction has averaged yet."""
+        return any(self._touched)
+
+    def sync_gradients(self) -> None:
+        """Reduce now what backwards under :meth:`no_sync` accumulated, as a backward outside it would have.
+
+        For loops whose last backward cannot run outside ``no_sync``, such as a pipeline schedule that
+        runs one backward per microbatch and stage: run them all inside, then call this once. Every
+        bucket is reduced, in bucket order (a collective over the group: every rank calls it). Outside
+        backward and outside ``no_sync`` only.
+        """
+        _check_sync_call("DDP", self._sync)
+        try:
+            for bi in range(len(self.buckets)):
+                self._launch(bi)
+            for bi, work in self._works:
+                work.wait()
+                self._after_reduce(bi)
+        finally:
+            self._reset_backward_state()
 
     # ------------------------------------------------------------------------------------------------ backward
 

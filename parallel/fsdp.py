@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import all_gather, group_rank, group_size, reduce_scatter
-from .ddp import OWNER_ATTR, broadcast_from_first_rank, check_data_parallel_args
+from .ddp import OWNER_ATTR, _check_sync_call, broadcast_from_first_rank, check_data_parallel_args
 from .flat import shard_tensors
 from .fsdp_units import Unit, assign_params, choose_units
 
@@ -141,15 +141,36 @@ class FSDP(nn.Module):
         accumulation, as with torch's FSDP ``no_sync``; the memory account counts the buffers while they
         exist. Communication: a backward inside moves only the parameters' all-gathers.
 
-        Run a backward outside the block before ``ZeroAdam.step()``: the step reads the reduced shards
-        only, so gradients still held as local sums would not be part of it (the same rule as DDP's
-        ``no_sync``; neither checks it). ``ZeroAdam.zero_grad()`` drops the local sums too.
+        Run a backward outside the block (or :meth:`sync_gradients`) before ``ZeroAdam.step()``, which
+        reads the reduced shards only and refuses to step while local sums are unreduced.
+        ``ZeroAdam.zero_grad()`` drops the local sums too.
         """
         previous, self._sync = self._sync, False
         try:
             yield
         finally:
             self._sync = previous
+
+    @property
+    def has_unsynced_gradients(self) -> bool:
+        """Whether backwards under :meth:`no_sync` left full gradients that are not reduced yet."""
+        return any(u.bucket.grad is not None for u in self.units)
+
+    def sync_gradients(self) -> None:
+        """Reduce-scatter now the full gradients that backwards under :meth:`no_sync` accumulated.
+
+        For loops whose last backward cannot run outside ``no_sync`` (a pipeline schedule's backward per
+        microbatch and stage): run them all inside, then call this once. A collective over the group;
+        outside backward and outside ``no_sync`` only.
+        """
+        _check_sync_call("FSDP", self._sync)
+        try:
+            for u in self.units:
+                if u.bucket.grad is not None:
+                    self._reduce(u)
+        finally:
+            while self._pending:
+                self._complete(*self._pending.pop(0))
 
     # ------------------------------------------------------------------------------------------------ forward
 

@@ -292,6 +292,11 @@ class ZeroAdam(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if getattr(self._owner, "has_unsynced_gradients", False):
+            raise RuntimeError(
+                "ZeroAdam.step: gradients accumulated under no_sync() are not reduced yet; run a backward outside "
+                "no_sync() or call the wrapper's sync_gradients() first"
+            )
         self._settle_skip()
         grad_scale, found_inf = self._grad_scale_and_found_inf()
         step = self._applied_steps + 1

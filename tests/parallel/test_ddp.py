@@ -51,7 +51,7 @@ def _reference(micro: int = 1):
     return [p.detach().clone() for p in net.parameters()], net(_probe()).detach(), first_grads
 
 
-def _train_ddp(rank, world_size, micro: int):
+def _train_ddp(rank, world_size, micro: int, explicit_sync: bool = False):
     from tessel.parallel.ddp import DDP
 
     net = _net(seed=rank)  # different on every rank: DDP must broadcast rank 0's parameters
@@ -67,11 +67,17 @@ def _train_ddp(rank, world_size, micro: int):
         x, y = _batch(step)
         x, y = x[rank * half : (rank + 1) * half], y[rank * half : (rank + 1) * half]
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
-            if i < micro - 1:
+            if i < micro - 1 or explicit_sync:
                 with ddp.no_sync():
                     (_loss(ddp, xm, ym) / micro).backward()
             else:
                 (_loss(ddp, xm, ym) / micro).backward()
+        if explicit_sync:  # every backward ran under no_sync (a pipeline schedule's): reduce the sums now
+            assert ddp.has_unsynced_gradients
+            with pytest.raises(RuntimeError, match="inside no_sync"), ddp.no_sync():
+                ddp.sync_gradients()
+            ddp.sync_gradients()
+            assert not ddp.has_unsynced_gradients
         if first_grads is None:
             first_grads = [p.grad.clone() for p in net.parameters()]
         opt.step()
@@ -95,7 +101,10 @@ def _check(got, want_weights, want_out, want_grads):
 
 
 def _both(rank, world_size):
-    return {micro: _train_ddp(rank, world_size, micro) for micro in (1, 3)}
+    return {
+        **{micro: _train_ddp(rank, world_size, micro) for micro in (1, 3)},
+        "sync_gradients": _train_ddp(rank, world_size, 3, True),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -104,15 +113,16 @@ def two_rank_results():
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("micro", [1, 3], ids=["sync", "no_sync"])
+@pytest.mark.parametrize("micro", [1, 3, "sync_gradients"], ids=["sync", "no_sync", "sync_gradients"])
 def test_ddp_matches_whole_batch_training(two_rank_results, micro):
-    weights, out, grads = _reference(micro)
+    weights, out, grads = _reference(3 if micro == "sync_gradients" else micro)
     results = [r[micro] for r in two_rank_results]
     for rank, got in enumerate(results):
         assert got["broadcast_ok"], f"rank {rank} did not start from rank 0's parameters"
         assert got["buckets"] >= 3
         # Buckets of later layers were launched while backward still had the first layer to do.
-        assert got["launched_before_backward_ended"] >= 1
+        if micro != "sync_gradients":  # there every reduction waits for sync_gradients()
+            assert got["launched_before_backward_ended"] >= 1
         _check(got, weights, out, grads)
     for a, b in zip(results[0]["weights"], results[1]["weights"]):
         assert torch.equal(a, b), "ranks diverged"

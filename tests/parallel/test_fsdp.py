@@ -37,6 +37,7 @@ class Case(NamedTuple):
     micro: int  # backwards accumulated per step
     no_sync: bool = False  # all but the last backward of a step inside FSDP.no_sync()
     frozen: str | None = None  # a parameter that does not train (nor in the reference)
+    sync_gradients: bool = False  # every backward inside no_sync(), then one sync_gradients() (a pipeline's)
 
 
 CASES = {
@@ -46,6 +47,8 @@ CASES = {
     "accumulate_3_backwards": Case(None, torch.float32, 1e-2, None, False, 3),
     # 2 of 3 backwards per step under no_sync; block 1's first weight frozen (still needed by backward).
     "no_sync_frozen_clip": Case(None, torch.float32, 1e-2, 0.05, False, 3, no_sync=True, frozen="blocks.1.fc.weight"),
+    # all 3 backwards under no_sync, then sync_gradients(), with clipping of the reduced shards
+    "sync_gradients_clip": Case(None, torch.float32, 1e-2, 0.05, False, 3, no_sync=True, sync_gradients=True),
     "bf16": Case(None, torch.bfloat16, 1e-3, None, False, 1),
 }
 
@@ -112,9 +115,15 @@ def _train(rank, world_size, name):
     for step in range(STEPS):
         x, y = (t[rank * n : (rank + 1) * n] for t in _batch(step, dtype))
         for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
-            with fsdp.no_sync() if case.no_sync and i < micro - 1 else contextlib.nullcontext():
+            inside = case.no_sync and (i < micro - 1 or case.sync_gradients)
+            with fsdp.no_sync() if inside else contextlib.nullcontext():
                 (_loss(fsdp, xm, ym) / micro).backward()
             full_grads_held.append(sorted({b.grad is not None for b in fsdp.buckets}))
+        if case.sync_gradients:
+            with pytest.raises(RuntimeError, match="not reduced yet"):
+                opt.step()  # refused before anything changes: the run below still matches the reference
+            fsdp.sync_gradients()
+            assert not fsdp.has_unsynced_gradients
         opt.step()
         opt.zero_grad()
     freed = all(p.untyped_storage().nbytes() == 0 for p in net.parameters())
@@ -197,7 +206,8 @@ def test_fsdp_zero3_matches_whole_batch_adamw(two_rank_results, name):
         assert got["copies_exact"], "the bf16 shards must be exactly the fp32 masters cast"
         # Every unit holds a full [P] gradient after a no_sync backward, none after a syncing one.
         case = CASES[name]
-        held = [[case.no_sync and i % case.micro < case.micro - 1] for i in range(STEPS * case.micro)]
+        last = case.micro - 1 + case.sync_gradients  # the first backward that syncs (none with sync_gradients)
+        held = [[case.no_sync and i % case.micro < last] for i in range(STEPS * case.micro)]
         assert got["full_grads_held"] == held, "full gradients must live exactly from no_sync to the syncing backward"
     units = two_rank_results[0]["linear_units_no_root"]["units"]
     assert units == ["inp", "blocks.0.fc", "blocks.0.proj", "blocks.1.fc", "blocks.1.proj", "blocks.2.fc",
