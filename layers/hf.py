@@ -341,19 +341,20 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
                              is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
     """A Hugging Face attention implementation running :func:`tessel.kernels.attention.flash_attention`.
 
-    ``query [B, Hq, S, D]``, ``key``/``value [B, Hkv, S, D]`` → ``(attn_output [B, S, Hq, D], None)``.
-    tessel's kernel computes causal or full attention over equal query and key lengths. Everything else
-    is passed to Hugging Face's ``sdpa`` implementation, with the same result: an explicit mask (padding,
-    packed sequences, sliding windows that bite — Hugging Face passes ``None`` for a plain causal mask),
-    query and key lengths that differ (decoding with a cache), attention dropout, a position bias, and
-    head dims or dtypes the kernel does not take.
+    ``query [B, Hq, Sq, D]``, ``key``/``value [B, Hkv, Sk, D]`` → ``(attn_output [B, Sq, Hq, D], None)``.
+    tessel's kernel computes causal or full attention over equal query and key lengths, and one query
+    over a key-value cache (a decoding step: it sees every cached key). Everything else is passed to
+    Hugging Face's ``sdpa`` implementation, with the same result: an explicit mask (padding, packed
+    sequences, sliding windows that bite, several queries over a cache — Hugging Face passes ``None``
+    for a plain causal mask and for one query), attention dropout, a position bias, and head dims or
+    dtypes the kernel does not take.
     """
     from ..kernels.attention import HEAD_DIMS, flash_attention
 
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     kernel_ok = (
         attention_mask is None
-        and query.shape[2] == key.shape[2]
+        and (query.shape[2] == key.shape[2] or query.shape[2] == 1)
         and not (dropout and module.training)
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None

@@ -227,6 +227,34 @@ def test_tessel_attention_matches_eager_and_sdpa(family, monkeypatch):
 
 
 @needs_hf
+def test_decoding_with_a_cache_runs_the_kernel_one_query_at_a_time(monkeypatch):
+    import tessel.kernels.attention as attention
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    lengths = []
+    kernel = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: lengths.append((q.shape[2], k.shape[2]))
+                        or kernel(q, k, v, **kw))  # fmt: skip
+    model = _model("llama", num_hidden_layers=2).eval()
+    prompt = _batch()[0][:, :5]
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model.generate(
+            prompt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+        model.set_attn_implementation("tessel")
+        got = model.generate(
+            prompt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
+        )
+    # the prompt at full length, then 3 steps of one query over a growing cache, in each of the 2 layers
+    assert lengths == [(5, 5)] * 2 + [(1, 6)] * 2 + [(1, 7)] * 2 + [(1, 8)] * 2
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (g, w) in enumerate(zip(got.logits, want.logits)):
+        _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")
+
+
+@needs_hf
 def test_padding_masks_fall_back_to_sdpa(monkeypatch):
     import tessel.kernels.attention as attention
     from tessel.layers.hf import register_hf_attention
