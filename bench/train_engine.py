@@ -226,7 +226,7 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
         max_grad_norm=(args.grad_clip or None) if args.pp == 1 else None,
         **({"stage": args.zero} if args.zero < 3 else {}),
     )
-    return opt, ZeroAdamState(opt, named, dims.tp_group, dims.dp_group)
+    return opt, ZeroAdamState(opt, named, dims.tp_group)
 
 
 def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:

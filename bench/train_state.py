@@ -137,7 +137,7 @@ class ZeroAdamState:
     owns_params = True
     WHAT = (("master", "model.{}"), ("exp_avg", "optim.{}.exp_avg"), ("exp_avg_sq", "optim.{}.exp_avg_sq"))
 
-    def __init__(self, optimizer, named: dict[str, nn.Parameter], tp_group, dp_group):
+    def __init__(self, optimizer, named: dict[str, nn.Parameter], tp_group):
         self.optimizer, self.named, self.tp_group = optimizer, named, tp_group
         self.tp_writer = group_rank(tp_group) == 0  # TP ranks hold the same shard of a replicated parameter
 
