@@ -20,6 +20,7 @@ with dZ = dOut·act'(Z)), and ``matmul_reference`` (plain PyTorch, the definitio
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -53,47 +54,64 @@ def _apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
-def _matmul_kernel(
-    a_ptr, b_ptr, out_ptr, bias_ptr, preact_ptr,
+def _matmul_tile(
+    tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, STORE_PREACT: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
+    """One BLOCK_M x BLOCK_N tile of out: main loop over K, then the epilogue."""
     # Grouped tile order: GROUP_M row-tiles share each column of B while it is hot in L2.
-    pid = tl.program_id(0)
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
     pids_per_group = GROUP_M * num_pid_n
-    first_pid_m = (pid // pids_per_group) * GROUP_M
+    first_pid_m = (tile_id // pids_per_group) * GROUP_M
     group_m = min(num_pid_m - first_pid_m, GROUP_M)
-    pid_m = first_pid_m + (pid % pids_per_group) % group_m
-    pid_n = (pid % pids_per_group) // group_m
+    pid_m = first_pid_m + (tile_id % pids_per_group) % group_m
+    pid_n = (tile_id % pids_per_group) // group_m
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if INDEX_64:
         offs_m = offs_m.to(tl.int64)
         offs_n = offs_n.to(tl.int64)
-    offs_k = tl.arange(0, BLOCK_K)
-    # Rows/columns past the edge wrap around (their results are never stored), so only K is masked.
-    rows_a = offs_m % M
-    cols_b = offs_n % N
-    a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
-    b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
-
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, tl.cdiv(K, BLOCK_K)):
-        k_left = K - k * BLOCK_K
-        a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
-        b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
-        if DOT_FP32:
-            a = a.to(tl.float32)
-            b = b.to(tl.float32)
-        acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
-        a_ptrs += BLOCK_K * stride_ak
-        b_ptrs += BLOCK_K * stride_bk
+    if TMA:
+        # The copy engine zero-fills blocks past every edge, so nothing is masked.
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            off_k = k * BLOCK_K
+            if A_T:  # noqa: SIM108 - a constexpr branch: only one side is compiled
+                a = a_desc.load([off_k, pid_m * BLOCK_M]).T
+            else:
+                a = a_desc.load([pid_m * BLOCK_M, off_k])
+            if B_T:  # noqa: SIM108
+                b = b_desc.load([pid_n * BLOCK_N, off_k]).T
+            else:
+                b = b_desc.load([off_k, pid_n * BLOCK_N])
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+    else:
+        offs_k = tl.arange(0, BLOCK_K)
+        # Rows/columns past the edge wrap around (their results are never stored), so only K is masked.
+        rows_a = offs_m % M
+        cols_b = offs_n % N
+        a_ptrs = a_ptr + rows_a[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + offs_k[:, None] * stride_bk + cols_b[None, :] * stride_bn
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=offs_k[None, :] < k_left, other=0.0)
+            b = tl.load(b_ptrs, mask=offs_k[:, None] < k_left, other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
     if HAS_BIAS:
@@ -109,39 +127,130 @@ def _matmul_kernel(
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _matmul_kernel(
+    a_ptr, b_ptr, out_ptr, bias_ptr, preact_ptr,
+    M, N, K,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, STORE_PREACT: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    TMA_OK: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PERSISTENT: tl.constexpr, TMA: tl.constexpr,
+):  # fmt: skip
+    """Three variants, picked by the autotuner where each measures fastest:
+
+    - one program per output tile, operands loaded through pointers (any strides);
+    - PERSISTENT: one program per SM walks the tiles pid, pid + programs, ... (no tail wave, no
+      relaunch cost per tile);
+    - TMA: operands copied by the tensor memory accelerator through descriptors built on the device
+      (sm_90+, unit stride along one dimension, 16-byte aligned base and leading stride; the host
+      says so in TMA_OK). A_T/B_T: a (b) is read through its transpose, whose rows are contiguous.
+
+    The epilogue always stores through pointers, so ``out`` keeps any strides.
+    """
+    if TMA:
+        if A_T:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[K, M], strides=[stride_ak, 1], block_shape=[BLOCK_K, BLOCK_M]
+            )
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+        if B_T:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K]
+            )
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N]
+            )
+    else:
+        a_desc = a_ptr
+        b_desc = b_ptr
+    pid = tl.program_id(0)
+    if PERSISTENT:
+        num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+        for tile_id in range(pid, num_tiles, tl.num_programs(0)):
+            _matmul_tile(
+                tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, M, N, K,
+                stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
+                HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, TMA, A_T, B_T,
+                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            )  # fmt: skip
+    else:
+        _matmul_tile(
+            pid, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, M, N, K,
+            stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
+            HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, TMA, A_T, B_T,
+            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        )  # fmt: skip
+
+
+# Tile shapes for sm_90 (H100/H200): 128-256 wide tiles, deep software pipelines.
+# BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
+_TILE_SHAPES = [
+    (128, 256, 64, 3, 8),
+    (256, 128, 64, 3, 8),
+    (128, 256, 64, 4, 8),
+    (128, 128, 64, 4, 8),
+    (128, 128, 64, 3, 4),
+    (128, 64, 64, 4, 4),
+    (64, 128, 64, 4, 4),
+    (64, 256, 32, 4, 4),
+    (128, 128, 32, 4, 4),
+    (64, 64, 64, 5, 4),
+    (32, 64, 64, 5, 2),
+]
+# The large tiles again as persistent and TMA programs: where they win is the autotuner's measurement.
+_VARIANT_SHAPES = _TILE_SHAPES[:5]
+_VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (PERSISTENT, TMA)
+
+
 def _hopper_configs() -> list[triton.Config]:
-    """Tile shapes for sm_90 (H100/H200): 128-256 wide tiles, deep software pipelines."""
-    shapes = [
-        # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
-        (128, 256, 64, 3, 8),
-        (256, 128, 64, 3, 8),
-        (128, 256, 64, 4, 8),
-        (128, 128, 64, 4, 8),
-        (128, 128, 64, 3, 4),
-        (128, 64, 64, 4, 4),
-        (64, 128, 64, 4, 4),
-        (64, 256, 32, 4, 4),
-        (128, 128, 32, 4, 4),
-        (64, 64, 64, 5, 4),
-        (32, 64, 64, 5, 2),
-    ]
-    return [
-        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}, num_stages=s, num_warps=w)
-        for bm, bn, bk, s, w in shapes
-    ]
+    configs = []
+    for persistent, tma in _VARIANTS:
+        for bm, bn, bk, s, w in _TILE_SHAPES if (persistent, tma) == (False, False) else _VARIANT_SHAPES:
+            meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": persistent, "TMA": tma}
+            configs.append(triton.Config(meta, num_stages=s, num_warps=w))
+    return configs
+
+
+def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
+    """Drop TMA configurations the operands cannot use, and persistent ones that would fill no more
+    than one wave (there they only add a loop)."""
+    args = {**named_args, **kwargs}
+    sms = _num_sms(args["a_ptr"].device)
+    kept = []
+    for config in configs:
+        meta = config.kwargs
+        if meta["TMA"] and not args["TMA_OK"]:
+            continue
+        tiles = triton.cdiv(args["M"], meta["BLOCK_M"]) * triton.cdiv(args["N"], meta["BLOCK_N"])
+        if meta["PERSISTENT"] and tiles <= sms:
+            continue
+        kept.append(config)
+    return kept
 
 
 _matmul_kernel_tuned = triton.autotune(
     configs=_hopper_configs(),
-    key=["M", "N", "K", "HAS_BIAS", "ACTIVATION", "ACCUMULATE", "STORE_PREACT", "INDEX_64"],
+    key=["M", "N", "K", "HAS_BIAS", "ACTIVATION", "ACCUMULATE", "STORE_PREACT", "INDEX_64", "TMA_OK", "A_T", "B_T"],
+    prune_configs_by={"early_config_prune": _prune_configs},
     # Tuning launches the kernel once per configuration: with accumulate=True each launch would add
     # onto ``out`` again, so the autotuner restores it between trials.
     restore_value=["out_ptr"],
 )(_matmul_kernel)
 
+
 # Under the interpreter each block operation costs milliseconds of numpy work, so blocks are small
 # enough that tests with odd shapes exercise several tiles, tile groups and K iterations.
 _INTERPRETER_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
+# The interpreter runs one variant, the plain one unless a test picks another; a persistent launch
+# there uses this many programs, fewer than the tiles of most test shapes.
+_INTERPRETER_VARIANT = {"PERSISTENT": False, "TMA": False}
+_INTERPRETER_PROGRAMS = 3
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -231,6 +340,54 @@ def _needs_int64(*tensors: torch.Tensor) -> bool:
     return any(sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) > _INT32_MAX for t in tensors)
 
 
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRETER_PROGRAMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _tma_layout(t: torch.Tensor) -> bool | None:
+    """How the copy engine can read a 2-D operand: False row by row (unit column stride), True
+    through its transpose (unit row stride), None not at all. A descriptor needs a 16-byte aligned
+    base and a 16-byte multiple leading stride."""
+    size = t.element_size()
+    if t.data_ptr() % 16:
+        return None
+    for transposed, (unit, lead) in ((False, (1, 0)), (True, (0, 1))):
+        if t.stride(unit) == 1 and (t.stride(lead) * size) % 16 == 0 and t.stride(lead) >= 1:
+            return transposed
+    return None
+
+
+def _tma_flags(a: torch.Tensor, b: torch.Tensor, backend: str) -> dict:
+    """TMA_OK, A_T, B_T for the launch: TMA needs sm_90+ (the interpreter emulates it)."""
+    capable = backend == Backend.INTERPRETER or (
+        backend == Backend.TRITON and torch.cuda.get_device_capability(a.device) >= (9, 0)
+    )
+    a_t, b_t = _tma_layout(a), _tma_layout(b)
+    ok = capable and a_t is not None and b_t is not None
+    # B_T: b is read through b.t() ([N, K], rows contiguous along K).
+    return {"TMA_OK": ok, "A_T": bool(a_t), "B_T": bool(b_t)}
+
+
+def _scratch(size: int, alignment: int, stream) -> torch.Tensor:
+    """Global memory for the tensor descriptors that TMA programs build on the device."""
+    return torch.empty(size, dtype=torch.int8, device="cuda")
+
+
+def _ensure_scratch_allocator() -> None:
+    """Device-built descriptors need a scratch allocator. Triton keeps it per thread (a context
+    variable), and the autograd engine runs backward on its own threads, so this runs before every
+    launch and only fills in when nothing (ours or the user's) is set there."""
+    try:
+        from triton.runtime._allocation import NullAllocator, _allocator
+    except ImportError:  # pragma: no cover - an older Triton without descriptors' allocator
+        return
+    if isinstance(_allocator.get(), NullAllocator):
+        triton.set_allocator(_scratch)
+
+
 def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
     """Run ``out (+)= activation(a @ b + bias)`` on the right backend; optionally store the pre-activation."""
     (m, k), n = a.shape, b.shape[1]
@@ -253,13 +410,16 @@ def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
             "DOT_FP32": upcast_dot_operands(backend),
             "INPUT_PRECISION": _input_precision(a.dtype, backend),
             "INDEX_64": _needs_int64(a, b, out, *(() if preact is None else (preact,))),
+            **_tma_flags(a, b, backend),
         }
+        tiles = lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        grid = lambda meta: (min(tiles(meta), _num_sms(a.device)) if meta["PERSISTENT"] else tiles(meta),)
         if backend == Backend.INTERPRETER:
-            blocks = _INTERPRETER_BLOCKS
-            grid = (triton.cdiv(m, blocks["BLOCK_M"]) * triton.cdiv(n, blocks["BLOCK_N"]),)
-            _matmul_kernel[grid](*args, **flags, **blocks)
+            variant = {**_INTERPRETER_VARIANT, "TMA": _INTERPRETER_VARIANT["TMA"] and flags["TMA_OK"]}
+            meta = {**_INTERPRETER_BLOCKS, **variant}
+            _matmul_kernel[grid(meta)](*args, **flags, **meta)
         else:
-            grid = lambda meta: (triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"]),)
+            _ensure_scratch_allocator()
             _matmul_kernel_tuned[grid](*args, **flags)
 
 
