@@ -18,7 +18,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..kernels.matmul import matmul
+from ..kernels.matmul import last_program, matmul
 from .runner import geomean_rows, peak_tflops, time_fn
 from .shapes import MatmulShape, matmul_shapes
 
@@ -41,7 +41,7 @@ __all__ = [
 OPS = ("matmul", "bias+gelu")
 COLUMNS = (
     "case", "op", "M", "N", "K", "dtype", "max_rel_err", "tessel_ms", "torch_ms",
-    "tessel_tflops", "torch_tflops", "tessel/torch", "tessel_of_peak",
+    "tessel_tflops", "torch_tflops", "tessel/torch", "tessel_of_peak", "program",
 )  # fmt: skip
 
 # Error is max|tessel - torch| / max|torch|. Both sides accumulate in fp32 and round once to the
@@ -102,14 +102,22 @@ def _check(shape: MatmulShape, op: str, fns: tuple[Callable, Callable], dtype: t
 
 
 def _row(
-    shape: MatmulShape, op: str, dtype: torch.dtype, err: float, tessel_ms: float, torch_ms: float, peak: float | None
+    shape: MatmulShape,
+    op: str,
+    dtype: torch.dtype,
+    err: float,
+    tessel_ms: float,
+    torch_ms: float,
+    peak: float | None,
+    program: str | None = None,
 ) -> dict:
-    """One measured case; throughput ratio tessel/torch above 1 means tessel is faster."""
+    """One measured case; throughput ratio tessel/torch above 1 means tessel is faster. ``program``:
+    the tile shape and variant (plain, persistent, TMA) the autotuner picked."""
     tessel_tflops = shape.flops / tessel_ms / 1e9  # flop / (ms·1e-3) / 1e12
     torch_tflops = shape.flops / torch_ms / 1e9
     values = (
         shape.label, op, shape.m, shape.n, shape.k, _dtype_name(dtype), err, tessel_ms, torch_ms,
-        tessel_tflops, torch_tflops, tessel_tflops / torch_tflops, tessel_tflops / peak if peak else None,
+        tessel_tflops, torch_tflops, tessel_tflops / torch_tflops, tessel_tflops / peak if peak else None, program,
     )  # fmt: skip
     return dict(zip(COLUMNS, values, strict=True))
 
@@ -137,6 +145,8 @@ def run_matmul_suite(dtype: torch.dtype | None = None, quick: bool = False) -> l
         cases = matmul_cases(*make_inputs(shape, dtype, device))
         for op, fns in cases.items():
             err = _check(shape, op, fns, dtype, cuda)
-            tessel_ms, torch_ms = (time_fn(fn, cuda=cuda, reps=1 if quick else 3) for fn in fns)
-            rows.append(_row(shape, op, dtype, err, tessel_ms, torch_ms, peak))
+            tessel_ms = time_fn(fns[0], cuda=cuda, reps=1 if quick else 3)
+            program = last_program()
+            torch_ms = time_fn(fns[1], cuda=cuda, reps=1 if quick else 3)
+            rows.append(_row(shape, op, dtype, err, tessel_ms, torch_ms, peak, program))
     return rows + geomean_rows(rows, COLUMNS, "op", OPS, dtype=_dtype_name(dtype))

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for, upcast_dot_operands
+from ._dispatch import INTERPRET, Backend, backend_for, upcast_dot_operands
 
 __all__ = ["ACTIVATIONS", "matmul", "matmul_reference"]
 
@@ -244,6 +244,25 @@ _matmul_kernel_tuned = triton.autotune(
 )(_matmul_kernel)
 
 
+def describe_program(meta: dict, num_warps: int | None = None, num_stages: int | None = None) -> str:
+    """``"128x256x64 persistent+tma w8 s3"``: a program's tile, variant and launch shape."""
+    variant = "+".join(name for name in ("persistent", "tma") if meta.get(name.upper())) or "tiles"
+    text = f"{meta['BLOCK_M']}x{meta['BLOCK_N']}x{meta['BLOCK_K']} {variant}"
+    if num_warps is not None:
+        text += f" w{num_warps} s{num_stages}"
+    return text
+
+
+def last_program() -> str | None:
+    """The program the autotuner ran for the latest CUDA launch (None before any)."""
+    if INTERPRET and _interpreter_program:
+        return describe_program(_interpreter_program) + " (interpreter)"
+    config = getattr(_matmul_kernel_tuned, "best_config", None)
+    if config is None:
+        return None
+    return describe_program(config.kwargs, config.num_warps, config.num_stages)
+
+
 # Under the interpreter each block operation costs milliseconds of numpy work, so blocks are small
 # enough that tests with odd shapes exercise several tiles, tile groups and K iterations.
 _INTERPRETER_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2}
@@ -251,6 +270,7 @@ _INTERPRETER_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 32, "BLOCK_K": 32, "GROUP_M": 2
 # there uses this many programs, fewer than the tiles of most test shapes.
 _INTERPRETER_VARIANT = {"PERSISTENT": False, "TMA": False}
 _INTERPRETER_PROGRAMS = 3
+_interpreter_program: dict = {}
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -418,6 +438,7 @@ def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
             variant = {**_INTERPRETER_VARIANT, "TMA": _INTERPRETER_VARIANT["TMA"] and flags["TMA_OK"]}
             meta = {**_INTERPRETER_BLOCKS, **variant}
             _matmul_kernel[grid(meta)](*args, **flags, **meta)
+            _interpreter_program.update(meta)
         else:
             _ensure_scratch_allocator()
             _matmul_kernel_tuned[grid](*args, **flags)

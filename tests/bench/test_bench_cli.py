@@ -51,6 +51,7 @@ def test_quick_run_writes_json_with_every_case_and_a_geomean(quick_run):
     for row in measured:
         assert row["dtype"] == "float32" and row["tessel_of_peak"] is None
         assert row["max_rel_err"] < 1e-4 and row["tessel_ms"] > 0 and row["torch_ms"] > 0
+        assert row["program"] == "32x32x32 tiles (interpreter)"  # the program that ran, named
     geomeans = [row for row in rows if row["case"] == "geomean"]
     assert [row["op"] for row in geomeans] == list(OPS)
     assert all(row["tessel/torch"] > 0 for row in geomeans)

@@ -165,6 +165,17 @@ def test_backward_reads_transposes_through_descriptors(seed, launches, monkeypat
 # ---------------------------------------------------------------------------------------------------- host side
 
 
+def test_program_names(launches, monkeypatch):
+    describe = matmul_module.describe_program
+    meta = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "PERSISTENT": True, "TMA": True}
+    assert describe(meta, 8, 3) == "128x256x64 persistent+tma w8 s3"
+    assert describe({**meta, "PERSISTENT": False, "TMA": False}) == "128x256x64 tiles"
+    monkeypatch.setattr(matmul_module, "_INTERPRETER_VARIANT", VARIANTS["persistent"])
+    monkeypatch.setattr(matmul_module, "_interpreter_program", {})
+    matmul(torch.randn(40, 40), torch.randn(40, 40))
+    assert matmul_module.last_program() == "32x32x32 persistent (interpreter)"
+
+
 def test_tma_layout():
     layout = matmul_module._tma_layout
     assert layout(torch.empty(8, 40)) is False  # rows contiguous
