@@ -217,11 +217,25 @@ def _hopper_configs() -> list[triton.Config]:
     return configs
 
 
+# Shared memory one block may use on sm_90 (H100/H200: 227 KiB), when the device does not say.
+_SM90_SHARED_BYTES = 232448
+# Besides the pipeline's A and B blocks a program holds a few barriers (TMA) and scratch: this much.
+_SHARED_SLACK = 1024
+
+
+def _shared_bytes(meta: dict, num_stages: int, element_size: int) -> int:
+    """Shared memory a GEMM program holds: one A block and one B block per pipeline stage (this is
+    what the compiler allocates for sm_90; tests/kernels/sm90_compile.py checks it)."""
+    return num_stages * (meta["BLOCK_M"] * meta["BLOCK_K"] + meta["BLOCK_K"] * meta["BLOCK_N"]) * element_size
+
+
 def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
-    """Drop TMA configurations the operands cannot use, and persistent ones that would fill no more
-    than one wave (there they only add a loop)."""
+    """Drop configurations that cannot help: TMA ones the operands cannot use, persistent ones that
+    would fill no more than one wave (there they only add a loop), and ones whose pipeline does not
+    fit in shared memory (they would fail to launch after compiling). Never drops all of them."""
     args = {**named_args, **kwargs}
-    sms = _num_sms(args["a_ptr"].device)
+    a = args["a_ptr"]
+    sms, limit = _num_sms(a.device), _shared_limit(a.device)
     kept = []
     for config in configs:
         meta = config.kwargs
@@ -230,8 +244,10 @@ def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
         tiles = triton.cdiv(args["M"], meta["BLOCK_M"]) * triton.cdiv(args["N"], meta["BLOCK_N"])
         if meta["PERSISTENT"] and tiles <= sms:
             continue
+        if _shared_bytes(meta, config.num_stages, a.element_size()) + _SHARED_SLACK > limit:
+            continue
         kept.append(config)
-    return kept
+    return kept or [c for c in configs if not c.kwargs["TMA"] and not c.kwargs["PERSISTENT"]][-1:]
 
 
 _matmul_kernel_tuned = triton.autotune(
@@ -365,6 +381,14 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRETER_PROGRAMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+@functools.cache
+def _shared_limit(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _SM90_SHARED_BYTES
+    props = torch.cuda.get_device_properties(device)
+    return getattr(props, "shared_memory_per_block_optin", _SM90_SHARED_BYTES)
 
 
 def _tma_layout(t: torch.Tensor) -> bool | None:

@@ -213,6 +213,24 @@ def test_prune_drops_what_cannot_help():
     assert kept(128, 128, False) == {(False, False)}
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_prune_drops_pipelines_that_overflow_shared_memory(dtype):
+    configs = matmul_module._hopper_configs()
+    a = torch.empty(1, dtype=dtype)
+    kept = matmul_module._prune_configs(configs, {"a_ptr": a, "M": 4096, "N": 4096}, TMA_OK=True)
+    limit = matmul_module._SM90_SHARED_BYTES
+
+    def shared(c):
+        return matmul_module._shared_bytes(c.kwargs, c.num_stages, a.element_size())
+
+    assert kept and all(shared(c) + matmul_module._SHARED_SLACK <= limit for c in kept)
+    too_big = [c for c in configs if shared(c) + matmul_module._SHARED_SLACK > limit]
+    if dtype == torch.float32:  # 128x256x64 in 3 stages needs 288 KiB of fp32
+        assert too_big and not any(c in kept for c in too_big)
+    else:
+        assert not too_big  # every 16-bit tile fits
+
+
 def test_scratch_allocator_fills_in_only_where_none_is_set():
     from triton.runtime._allocation import NullAllocator, _allocator
 

@@ -1,0 +1,205 @@
+"""Compile every tessel kernel for Hopper (sm_90) with Triton's real compiler; no GPU needed.
+
+Run as a script (``python tests/kernels/sm90_compile.py``) in a process where ``TRITON_INTERPRET`` is
+unset: it prints one JSON object per compiled case with the shared memory the program needs and
+counts of the PTX instructions that show how it runs (wgmma: Hopper's tensor cores; cp.async:
+software-pipelined copies; cp.async.bulk.tensor: TMA copies). Each case specialises its arguments
+the way a launch on real tensors does (pointers and sizes divisible by 16, unit strides as constants),
+because that decides whether loads can be vectorised and pipelined.
+
+``tests/kernels/test_sm90_compile.py`` runs it and checks the results.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import sys
+import time
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+
+TARGET = GPUTarget("cuda", 90, 32)
+PTX_COUNTS = {
+    "wgmma": "wgmma.mma_async",
+    "cp_async": "cp.async.c",  # cp.async.ca / cp.async.cg
+    "tma": "cp.async.bulk.tensor",
+}
+
+
+def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_stages=3, **meta):
+    """Compile ``fn`` (a JITFunction) for sm_90.
+
+    ptrs: pointer argument -> element type ("bf16", "fp32", ...). constants: constexpr values and
+    arguments specialised to constants (unit strides). floats: fp32 scalar arguments. odd: integer
+    arguments not divisible by 16. Every other argument is an i32 divisible by 16.
+    """
+    signature, attrs = {}, {}
+    for i, param in enumerate(fn.params):
+        arg = param.name
+        if arg in constants or param.is_constexpr:
+            signature[arg] = "constexpr"
+        elif arg in ptrs:
+            signature[arg] = "*" + ptrs[arg]
+            attrs[(i,)] = [["tt.divisibility", 16]]
+        elif arg in floats:
+            signature[arg] = "fp32"
+        else:
+            signature[arg] = "i32"
+            if arg not in odd:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    missing = [p.name for p in fn.params if p.is_constexpr and p.name not in constants]
+    if missing:
+        raise ValueError(f"{name}: constexpr arguments without a value: {missing}")
+    source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
+    start = time.perf_counter()
+    kernel = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    ptx = kernel.asm["ptx"]
+    return {
+        "name": name,
+        "ok": True,
+        "seconds": round(time.perf_counter() - start, 2),
+        "shared": kernel.metadata.shared,
+        **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
+        **meta,
+    }
+
+
+def matmul_cases():
+    mm = importlib.import_module("tessel.kernels.matmul")
+    fn = mm._matmul_kernel
+    flags = dict(
+        HAS_BIAS=False, ACTIVATION="none", ACCUMULATE=False, STORE_PREACT=False, DOT_FP32=False,
+        INPUT_PRECISION="tf32", INDEX_64=False, GROUP_M=8,
+    )  # fmt: skip
+    ptr_names = ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "preact_ptr")
+    tile = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
+    cases = []
+    for dtype, persistent, tma, a_t, b_t, extra in [
+        ("bf16", False, False, False, False, {}),
+        ("bf16", True, False, False, False, {}),
+        ("bf16", False, True, False, False, {}),
+        ("bf16", True, True, False, False, {}),
+        ("bf16", True, True, True, False, {}),  # dB = Aᵀ·dZ
+        ("bf16", True, True, False, True, {}),  # dA = dZ·Bᵀ
+        ("fp16", False, False, False, False, dict(HAS_BIAS=True, ACTIVATION="gelu", STORE_PREACT=True)),
+        ("fp32", True, True, False, False, dict(ACCUMULATE=True, BLOCK_N=128, BLOCK_K=32)),
+    ]:
+        # Unit strides are specialised to constants: along K for a, along N for b (or the transposes).
+        units = {"stride_am" if a_t else "stride_ak": 1, "stride_bk" if b_t else "stride_bn": 1}
+        shape = {**tile, **{k: v for k, v in extra.items() if k.startswith("BLOCK")}}
+        constants = {
+            **flags, **tile, **extra, **units, "stride_on": 1, "stride_pn": 1,
+            "TMA_OK": tma, "A_T": a_t, "B_T": b_t, "PERSISTENT": persistent, "TMA": tma,
+        }  # fmt: skip
+        variant = "+".join(v for v, on in (("persistent", persistent), ("tma", tma)) if on) or "tiles"
+        name = f"matmul {dtype} {variant}" + (" A_T" if a_t else "") + (" B_T" if b_t else "")
+        meta = {"kernel": "matmul", "dtype": dtype, "stages": 3, "tile_bytes": _tile_bytes(dtype, **shape)}
+        cases.append((name, fn, dict.fromkeys(ptr_names, dtype), constants, (), (), 8, 3, meta))
+    return cases
+
+
+def _tile_bytes(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
+    """Shared memory one pipeline stage of a GEMM tile holds: an A block and a B block."""
+    size = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    return (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * size
+
+
+def attention_cases():
+    att = importlib.import_module("tessel.kernels.attention_kernels")
+    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32")
+    units = {}
+    cases = []
+    for label, tuned in (("fwd", att.fwd_kernel_tuned), ("dkdv", att.dkdv_kernel_tuned), ("dq", att.dq_kernel_tuned)):
+        fn = tuned.fn
+        config = tuned.configs[0]
+        ptrs = {p.name: "bf16" for p in fn.params if p.name.endswith("_ptr")}
+        ptrs.update({name: "fp32" for name in ("lse_ptr", "delta_ptr") if name in ptrs})
+        for causal in (False, True):
+            constants = {**common, **units, **config.kwargs, "CAUSAL": causal}
+            floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+            meta = {"kernel": f"attention {label}", "dtype": "bf16"}
+            name = f"attention {label} bf16 D=128 {'causal' if causal else 'full'}"
+            odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
+            cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
+    pre = att._flash_attention_bwd_preprocess_kernel
+    cases.append((
+        "attention preprocess bf16 D=128", pre,
+        {"out_ptr": "bf16", "dout_ptr": "bf16", "dlse_ptr": "fp32", "delta_ptr": "fp32"},
+        {"HAS_DLSE": True, "HEAD_DIM": 128, "BLOCK_M": att.PREPROCESS_BLOCK_M}, (), ("HQ", "SQ"), 4, 1,
+        {"kernel": "attention preprocess", "dtype": "bf16"},
+    ))  # fmt: skip
+    return cases
+
+
+def adam_cases():
+    adam = importlib.import_module("tessel.kernels.adam")
+    block, warps = adam._CUDA_BLOCKS["adam"]
+    step = adam._adam_step_kernel
+    ptrs = {
+        "param_ptr": "fp32", "grad_ptr": "bf16", "exp_avg_ptr": "fp32", "exp_avg_sq_ptr": "fp32",
+        "param_copy_ptr": "bf16", "grad_scale_ptr": "fp32", "found_inf_ptr": "fp32",
+    }  # fmt: skip
+    floats = ("decay", "beta1", "beta2", "step_size", "bias_correction2_sqrt", "eps")
+    constants = dict(HAS_GRAD_SCALE=True, HAS_FOUND_INF=True, HAS_PARAM_COPY=True, BF16_COPY_BY_BITS=False, BLOCK=block)
+    stats_block, stats_warps = adam._CUDA_BLOCKS["stats"]
+    return [
+        ("adam step bf16 grad", step, ptrs, constants, floats, (), warps, 1, {"kernel": "adam", "dtype": "bf16"}),
+        (
+            "adam grad stats bf16", adam._grad_stats_kernel, {"grad_ptr": "bf16", "partials_ptr": "fp32"},
+            {"FP32_MAX": adam._FP32_MAX, "BLOCK": stats_block}, (), (), stats_warps, 1,
+            {"kernel": "adam stats", "dtype": "bf16"},
+        ),
+    ]  # fmt: skip
+
+
+def norm_cases():
+    norm = importlib.import_module("tessel.kernels.norm")
+    block_h = 4096
+    block_rows, warps = norm._launch_config("triton", block_h)
+    fwd_ptrs = {
+        "x_ptr": "bf16",
+        "w_ptr": "bf16",
+        "b_ptr": "bf16",
+        "y_ptr": "bf16",
+        "mean_ptr": "fp32",
+        "rstd_ptr": "fp32",
+    }
+    bwd_ptrs = {
+        "x_ptr": "bf16", "w_ptr": "bf16", "dy_ptr": "bf16", "dx_ptr": "bf16", "mean_ptr": "fp32", "rstd_ptr": "fp32",
+        "dw_partial_ptr": "fp32", "db_partial_ptr": "fp32",
+    }  # fmt: skip
+    constants = {"IS_RMS": True, "HAS_BIAS": False, "BLOCK_ROWS": block_rows, "BLOCK_H": block_h}
+    units = {"stride_x1": 1}
+    return [
+        (
+            "rmsnorm fwd bf16 H=4096", norm._norm_fwd_kernel, fwd_ptrs, {**constants, **units, "stride_y1": 1},
+            ("eps",), (), warps, 1, {"kernel": "norm fwd", "dtype": "bf16"},
+        ),
+        (
+            "rmsnorm bwd bf16 H=4096", norm._norm_bwd_kernel, bwd_ptrs,
+            {**constants, **units, "stride_dy1": 1, "stride_dx1": 1}, (), (), warps, 1,
+            {"kernel": "norm bwd", "dtype": "bf16"},
+        ),
+    ]  # fmt: skip
+
+
+def main() -> int:
+    failed = 0
+    for name, fn, ptrs, constants, floats, odd, warps, stages, meta in (
+        matmul_cases() + attention_cases() + adam_cases() + norm_cases()
+    ):
+        try:
+            record = compile_case(name, fn, ptrs, constants, floats, odd, warps, stages, **meta)
+        except Exception as exc:  # every case reports, so one failure does not hide the others
+            failed += 1
+            record = {"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
+            traceback.print_exc(file=sys.stderr)
+        print(json.dumps(record), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
