@@ -440,8 +440,12 @@ _FWD_CONFIGS = _configs([
     (64, 32, 4, 2),
 ])  # fmt: skip
 # dK/dV: each program owns a wide key tile (BLOCK_N) and streams narrow query tiles (BLOCK_M) past it.
+# With D=128 the two fp32 accumulators (dK, dV: 2·BLOCK_N·D) crowd the registers: ptxas spills in
+# every tile of 32+ query rows there (tests/kernels/sm90_compile.py reports it), so 16-row tiles over
+# 8 warps, which compile without spilling, are candidates too.
 _DKDV_CONFIGS = _configs([
     (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2), (16, 32, 4, 2),
+    (16, 128, 8, 3), (16, 64, 8, 3),
 ])  # fmt: skip
 # dQ: each program owns a tall query tile (BLOCK_M) and streams narrow key tiles (BLOCK_N) past it.
 _DQ_CONFIGS = _configs([

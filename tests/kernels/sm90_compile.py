@@ -3,6 +3,7 @@
 Run as a script (``python tests/kernels/sm90_compile.py``) in a process where ``TRITON_INTERPRET`` is
 unset: it prints one JSON object per compiled case with the shared memory the program needs and
 counts of the PTX instructions that show how it runs (wgmma: Hopper's tensor cores; cp.async:
+mma.sync: the older tensor-core instruction, for tiles too small for wgmma;
 software-pipelined copies; cp.async.bulk.tensor: TMA copies). Each case specialises its arguments
 the way a launch on real tensors does (pointers and sizes divisible by 16, unit strides as constants),
 because that decides whether loads can be vectorised and pipelined.
@@ -14,7 +15,10 @@ from __future__ import annotations
 
 import importlib
 import json
+import re
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 
@@ -24,6 +28,7 @@ from triton.backends.compiler import GPUTarget
 TARGET = GPUTarget("cuda", 90, 32)
 PTX_COUNTS = {
     "wgmma": "wgmma.mma_async",
+    "mma": "mma.sync",  # Ampere-style tensor-core instruction: tiles too small for a warpgroup
     "cp_async": "cp.async.c",  # cp.async.ca / cp.async.cg
     "tma": "cp.async.bulk.tensor",
 }
@@ -63,8 +68,33 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         "seconds": round(time.perf_counter() - start, 2),
         "shared": kernel.metadata.shared,
         **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
+        **resource_usage(ptx),
+        "num_warps": num_warps,
+        "num_stages": num_stages,
         **meta,
     }
+
+
+def resource_usage(ptx: str) -> dict:
+    """Registers per thread and bytes spilled to local memory, from the ptxas Triton uses for sm_90."""
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(ptx)
+        source.flush()
+        proc = subprocess.run(
+            [get_ptxas(TARGET.arch).path, f"-arch=sm_{TARGET.arch}a", "-v", source.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+    report = proc.stdout + proc.stderr
+    registers = re.search(r"Used (\d+) registers", report)
+    spills = re.search(r"(\d+) bytes spill stores", report)
+    if registers is None or spills is None:
+        raise RuntimeError(f"unexpected ptxas report: {report[-500:]}")
+    return {"registers": int(registers.group(1)), "spill_bytes": int(spills.group(1))}
 
 
 def matmul_cases():
@@ -96,7 +126,10 @@ def matmul_cases():
         }  # fmt: skip
         variant = "+".join(v for v, on in (("persistent", persistent), ("tma", tma)) if on) or "tiles"
         name = f"matmul {dtype} {variant}" + (" A_T" if a_t else "") + (" B_T" if b_t else "")
-        meta = {"kernel": "matmul", "dtype": dtype, "stages": 3, "tile_bytes": _tile_bytes(dtype, **shape)}
+        meta = {
+            "kernel": "matmul", "dtype": dtype, "stages": 3, "tile_bytes": _tile_bytes(dtype, **shape),
+            "epilogue": bool(extra.get("ACTIVATION", "none") != "none" or extra.get("STORE_PREACT")),
+        }  # fmt: skip
         cases.append((name, fn, dict.fromkeys(ptr_names, dtype), constants, (), (), 8, 3, meta))
     return cases
 
@@ -108,21 +141,22 @@ def _tile_bytes(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
 
 
 def attention_cases():
+    """Every autotuning configuration of the three attention kernels at D=128, causal (the shape the
+    benchmark measures), and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
-    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32")
-    units = {}
+    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True)
+    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
     cases = []
     for label, tuned in (("fwd", att.fwd_kernel_tuned), ("dkdv", att.dkdv_kernel_tuned), ("dq", att.dq_kernel_tuned)):
         fn = tuned.fn
-        config = tuned.configs[0]
         ptrs = {p.name: "bf16" for p in fn.params if p.name.endswith("_ptr")}
         ptrs.update({name: "fp32" for name in ("lse_ptr", "delta_ptr") if name in ptrs})
-        for causal in (False, True):
-            constants = {**common, **units, **config.kwargs, "CAUSAL": causal}
-            floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
-            meta = {"kernel": f"attention {label}", "dtype": "bf16"}
-            name = f"attention {label} bf16 D=128 {'causal' if causal else 'full'}"
-            odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
+        floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+        for config in tuned.configs:
+            bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+            name = f"attention {label} bf16 D=128 causal {bm}x{bn} w{config.num_warps} s{config.num_stages}"
+            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128}
+            constants = {**common, **config.kwargs}
             cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
     pre = att._flash_attention_bwd_preprocess_kernel
     cases.append((

@@ -72,4 +72,27 @@ def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
 def test_attention_programs_use_tensor_cores_and_pipelines(compiled):
     for name, r in compiled.items():
         if r["kernel"] in ("attention fwd", "attention dkdv", "attention dq"):
-            assert r["wgmma"] > 0 and r["cp_async"] > 0, name
+            assert r["wgmma"] + r["mma"] > 0 and r["cp_async"] > 0, name  # tensor cores, pipelined copies
+            rows, cols = (int(x) for x in name.split()[-3].split("x"))  # "... 128x64 w8 s3"
+            if min(rows, cols) >= 32:
+                assert r["wgmma"] > 0, name  # tiles of 32+ rows and columns use Hopper's warpgroup MMA
+
+
+@pytest.mark.parametrize("kernel", ["attention fwd", "attention dkdv", "attention dq"])
+def test_attention_tuning_holds_a_configuration_that_does_not_spill(compiled, kernel):
+    """At D=128 the autotuner can pick a tile whose registers do not spill to local memory (spills
+    cost every step of the inner loop a round trip through L1/L2)."""
+    configs = [r for r in compiled.values() if r["kernel"] == kernel]
+    assert configs and all(r["head_dim"] == 128 for r in configs)
+    assert any(r["spill_bytes"] == 0 for r in configs), [(r["name"], r["spill_bytes"]) for r in configs]
+
+
+def test_gemm_main_loops_and_elementwise_programs_do_not_spill(compiled):
+    """The GEMM with a plain epilogue and the norm and Adam kernels keep everything in registers (the
+    widest tile with the fused bias+GELU+pre-activation epilogue may spill a little in the epilogue:
+    the autotuner weighs that against the other tiles)."""
+    for name, r in compiled.items():
+        if r["kernel"] == "matmul" and r["epilogue"]:
+            assert r["spill_bytes"] <= 1024, name
+        elif not r["kernel"].startswith("attention"):
+            assert r["spill_bytes"] == 0 and r["registers"] <= 255, name
