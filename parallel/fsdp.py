@@ -63,6 +63,11 @@ class FSDP(nn.Module):
         wrap: the unit policy: ``None`` (each child of an ``nn.ModuleList``/``nn.Sequential``), a set of
             module classes (every outermost module of those classes), or a callable ``module -> bool``.
         prefetch: issue the next unit's all-gather before the current unit computes.
+        accumulate_dtype: dtype of the full gradient sums that backwards under :meth:`no_sync` keep:
+            ``torch.float32`` (default; as Megatron-LM's fp32 gradient accumulation: bf16/fp16
+            gradients are added exactly and rounded once, when the sum is reduce-scattered) or
+            ``None``, the parameters' dtype (half the memory for 16-bit models, one rounding per
+            backward).
 
     Rank 0's parameters and buffers are broadcast at construction. Use with
     :class:`~tessel.parallel.zero.ZeroAdam`; outside forward and backward the parameters hold no data:
@@ -73,9 +78,23 @@ class FSDP(nn.Module):
     within a unit).
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, *, wrap=None, prefetch=True):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        *,
+        wrap=None,
+        prefetch=True,
+        accumulate_dtype: torch.dtype | None = torch.float32,
+    ):
         super().__init__()
         check_data_parallel_args("FSDP", module, group)
+        if accumulate_dtype not in (torch.float32, None):
+            raise TypeError(
+                f"FSDP: accumulate_dtype must be torch.float32 or None (the parameters' dtype), "
+                f"received {accumulate_dtype!r}"
+            )
+        self.accumulate_dtype = accumulate_dtype
         chosen = choose_units(module, wrap)
         assigned = assign_params(module, chosen)
         self.module = module
@@ -131,12 +150,13 @@ class FSDP(nn.Module):
         gradients stay full.
 
         Like DDP's, it is decided when backward runs: put the ``backward()`` inside the block. Nested
-        blocks are fine (the inner one changes nothing). The buffers have the parameters' dtype, the
-        dtype of every FSDP gradient (each backward's gradients, the reduce-scatter, the shard ZeroAdam
-        reads): an fp32 sum would be rounded to it at the reduce-scatter anyway, and in the parameters'
-        dtype bf16 models hold 2 bytes per gradient element instead of 4.
+        blocks are fine (the inner one changes nothing). The sums have ``accumulate_dtype``: by default
+        fp32, so a bf16/fp16 model's gradients of ``m`` backwards are added exactly and rounded once to
+        the parameters' dtype when the sum is reduce-scattered (the reduce-scatter, its traffic and the
+        shard ZeroAdam reads keep the parameters' dtype). With ``accumulate_dtype=None`` they have the
+        parameters' dtype: 2 bytes per element instead of 4 for bf16, rounded at every backward.
 
-        Memory: while gradients are accumulated every unit holds its full ``[P]`` gradient, ``Ψ``
+        Memory: while gradients are accumulated every unit holds its full ``[P]`` gradient sum, ``Ψ``
         elements per rank instead of ``Ψ/N``: ZeRO-3's saving on gradients is given up during the
         accumulation, as with torch's FSDP ``no_sync``; the memory account counts the buffers while they
         exist. Communication: a backward inside moves only the parameters' all-gathers.
@@ -252,8 +272,9 @@ class FSDP(nn.Module):
         next backward.
         """
         b = u.bucket
-        if b.grad is None:
-            b.grad = torch.zeros(b.padded, dtype=b.dtype, device=b.device)
+        if b.grad is None:  # a sum to keep (no_sync) takes accumulate_dtype; one reduced at once, the bucket's
+            dtype = b.dtype if self._sync or self.accumulate_dtype is None else self.accumulate_dtype
+            b.grad = torch.zeros(b.padded, dtype=dtype, device=b.device)
         for slot in b.slots:
             if slot.param.grad is not None:
                 b.slot_view(b.grad, slot).add_(slot.param.grad)
@@ -266,6 +287,8 @@ class FSDP(nn.Module):
         """Launch the reduce-scatter of ``u``'s full gradient into its shard; the full gradient is dropped."""
         b = u.bucket
         full_grad, b.grad = b.grad, None
+        if full_grad.dtype != b.dtype:  # an fp32 sum from no_sync: rounded once, reduced in the bucket's dtype
+            full_grad = full_grad.to(b.dtype)
         out = torch.empty_like(b.grad_shard) if u.accumulated else b.grad_shard
         _, work = reduce_scatter(full_grad, self.group, out=out, async_op=True)
         self._pending.append((u, work, full_grad, out))

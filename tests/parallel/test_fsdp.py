@@ -312,6 +312,65 @@ def test_no_sync_sum_of_a_unit_unused_by_the_syncing_backward_is_reduced_and_zer
     assert all(b.grad is None for b in fsdp.buckets) and all(b.grad_shard.eq(0).all() for b in fsdp.buckets)
 
 
+def _bf16_microbatch_sums(accumulate_dtype, micro=8):
+    """World of one, bf16: each microbatch's gradient shard alone (syncing backwards), then the shards
+    after ``micro - 1`` backwards under no_sync and a syncing one, and the bytes of gradients held
+    while accumulating."""
+    from tessel.parallel.fsdp import FSDP
+    from tessel.parallel.memory import memory_account
+
+    fsdp = FSDP(_net(torch.bfloat16), accumulate_dtype=accumulate_dtype)
+    g = torch.Generator().manual_seed(5)
+    x, y = (torch.randn(2 * micro, n, generator=g).to(torch.bfloat16) for n in (7, 5))
+    chunks = list(zip(x.chunk(micro), y.chunk(micro)))
+    assert len(chunks) == micro
+    alone = []
+    for xm, ym in chunks:
+        _loss(fsdp, xm, ym).backward()
+        alone.append([b.grad_shard.clone() for b in fsdp.buckets])
+        fsdp._zero_grads()
+    held = []
+    for i, (xm, ym) in enumerate(chunks):
+        with fsdp.no_sync() if i < micro - 1 else contextlib.nullcontext():
+            _loss(fsdp, xm, ym).backward()
+        if i == 0:
+            held.append(memory_account(fsdp).grads)
+    summed = [b.grad_shard.clone() for b in fsdp.buckets]
+    exact = [torch.stack([a[i].double() for a in alone]).sum(0) for i in range(len(fsdp.buckets))]
+    return summed, exact, held[0], fsdp
+
+
+def test_no_sync_accumulates_bf16_gradients_in_fp32_and_rounds_once(seed):
+    """8 microbatches of a bf16 model: the default fp32 sums give the exact sum of the 8 gradients
+    rounded once to bf16, bit for bit; sums kept in bf16 (``accumulate_dtype=None``) round at every
+    backward and land measurably further away."""
+    summed, exact, held, fsdp = _bf16_microbatch_sums(torch.float32)
+    for got, want in zip(summed, exact):
+        assert got.dtype == torch.bfloat16
+        torch.testing.assert_close(got, want.to(torch.bfloat16), rtol=0, atol=0)
+    shards = sum(2 * b.shard_numel for b in fsdp.buckets)
+    assert held == shards + sum(4 * b.padded for b in fsdp.buckets)  # fp32 [P] sums while accumulating
+
+    summed16, exact16, held16, fsdp16 = _bf16_microbatch_sums(None)
+    assert held16 == shards + sum(2 * b.padded for b in fsdp16.buckets)
+    err16 = max(((got.double() - want).abs() / want.abs().clamp_min(1e-3)).max().item()
+                for got, want in zip(summed16, exact16))  # fmt: skip
+    err32 = max(((got.double() - want).abs() / want.abs().clamp_min(1e-3)).max().item()
+                for got, want in zip(summed, exact))  # fmt: skip
+    assert err32 <= 2**-8 < err16  # one rounding (half an ulp of bf16) against eight
+
+
+def test_fsdp_refuses_an_unsupported_accumulate_dtype():
+    from tessel.parallel.fsdp import FSDP
+
+    net = _net()
+    ptrs = [p.data_ptr() for p in net.parameters()]
+    for bad in (torch.bfloat16, "fp32"):
+        with pytest.raises(TypeError, match=r"FSDP: accumulate_dtype must be torch\.float32 or None .*received"):
+            FSDP(net, accumulate_dtype=bad)
+    assert _unchanged(net, ptrs)
+
+
 def _unchanged(net, ptrs):
     return [p.data_ptr() for p in net.parameters()] == ptrs and not any(
         hasattr(p, "_tessel_data_parallel") for p in net.parameters()
@@ -355,7 +414,7 @@ def test_fsdp_refuses_units_it_cannot_shard():
 def test_cuda_bf16_world_of_one(micro):
     """ZeRO-3 on one GPU (storage resizing on CUDA, compiled kernels) against the fp32 CPU reference.
 
-    With 3 microbatches the first 2 backwards run under no_sync (bf16 [P] gradients summed on the GPU).
+    With 3 microbatches the first 2 backwards run under no_sync (bf16 gradients summed in fp32 on the GPU).
     """
     from tessel.parallel.fsdp import FSDP
     from tessel.parallel.zero import ZeroAdam
