@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from .adam import run_adam_suite
 from .attention import run_attention_suite
+from .decode import run_decode_suite
 from .matmul import BenchmarkError, run_matmul_suite
 from .overlap import run_overlap_suite
 from .pipeline import run_pipeline_suite
@@ -30,6 +31,7 @@ __all__ = ["SUITES", "main"]
 SUITES = {
     "matmul": run_matmul_suite,
     "attention": run_attention_suite,
+    "decode": run_decode_suite,
     "adam": run_adam_suite,
     "overlap": run_overlap_suite,
     "pipeline": run_pipeline_suite,

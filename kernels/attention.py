@@ -27,6 +27,11 @@ The three tiers and their kernels (the ``@triton.jit`` functions and their block
 
 - ``_flash_attention_fwd_kernel``: one program per (query block, batch·query head); online softmax in
   base 2 over key blocks, fp32 accumulators; writes ``out`` and ``lse``.
+- ``_flash_attention_split_kv_kernel`` (split-KV, as in flash-decoding): for short queries, one program
+  per (row block, batch·kv head, key split) whose rows are the ``G · Sq`` (query head, position) pairs
+  of one kv head, so a decode step reads each key/value head once; each split stores a partial output
+  and log-sum-exp, and ``_flash_attention_split_kv_combine_kernel`` merges them with the identity above.
+  It replaces the forward when ``num_splits`` asks for it or, on CUDA, when ``G · Sq ≤ 64``.
 - backward (FlashAttention-2 §3.2): ``_flash_attention_bwd_preprocess_kernel`` computes
   ``Δ = rowsum(dO ∘ O) - dlse``; ``_flash_attention_bwd_dkdv_kernel`` has one program per (key block,
   batch·kv head) that loops over the ``G`` query heads of its group and over their query blocks,
@@ -62,15 +67,20 @@ from .attention_kernels import (
     INTERPRETER_DKDV_BLOCKS,
     INTERPRETER_DQ_BLOCKS,
     INTERPRETER_FWD_BLOCKS,
+    INTERPRETER_SPLIT_KV_BLOCK_N,
     PREPROCESS_BLOCK_M,
+    SPLIT_KV_KEY_ALIGN,
     _flash_attention_bwd_dkdv_kernel,
     _flash_attention_bwd_dq_kernel,
     _flash_attention_bwd_preprocess_kernel,
     _flash_attention_fwd_kernel,
+    _flash_attention_split_kv_combine_kernel,
+    _flash_attention_split_kv_kernel,
     dkdv_kernel_tuned,
     dq_kernel_tuned,
     fwd_kernel_tuned,
     sk_bucket,
+    split_kv_kernel_tuned,
 )
 
 __all__ = ["HEAD_DIMS", "flash_attention", "flash_attention_reference"]
@@ -80,6 +90,9 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634  # the kernels use exp2: exp(x) = 2^(x·log2 e)
 _INT32_MAX = 2**31 - 1
 _MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (batch · heads)
+MAX_SPLITS = 64  # key splits of the split-KV forward; the merge holds one row's [splits, D] partials at once
+AUTO_SPLIT_KV_MAX_ROWS = 64  # automatic split-KV: at most this many (query head, position) rows per kv head
+_MIN_KEYS_PER_SPLIT = 256  # automatic split-KV: fewer keys per split cost more in the merge than they save
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -193,7 +206,74 @@ def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: 
         tuned[lambda meta: (triton.cdiv(rows, meta[program_rows]), bh)](*args, **flags)
 
 
-def _forward(q, k, v, causal: bool, scale: float, backend: str):
+def _check_num_splits(num_splits) -> None:
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
+        raise TypeError(f"flash_attention: num_splits must be None or an int, received {type(num_splits).__name__}")
+    if num_splits < 1:
+        raise ValueError(f"flash_attention: num_splits must be None or at least 1, received {num_splits}")
+
+
+def _split_kv_plan(q, k, num_splits: int | None, backend: str) -> tuple[int, int, int] | None:
+    """(BLOCK_M, keys per split, splits) for the split-KV forward, or None for the one-pass kernel.
+
+    ``num_splits=None`` chooses: on CUDA, a call with at most AUTO_SPLIT_KV_MAX_ROWS query rows per
+    kv head (``G · Sq``: decode and short verification chunks) runs split-KV, with enough splits for
+    two programs per SM and at least _MIN_KEYS_PER_SPLIT keys in each; everything else, and every
+    interpreter run, takes the one-pass kernel. An explicit count above 1 always runs split-KV, with at
+    most that many splits (fewer when the rounded split size covers the keys sooner).
+    """
+    b, hq, sq, _ = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    rows = hq // hkv * sq
+    if num_splits == 1:
+        return None
+    block_m = min(AUTO_SPLIT_KV_MAX_ROWS, max(16, triton.next_power_of_2(rows)))
+    if num_splits is None:
+        if backend != Backend.TRITON or rows > AUTO_SPLIT_KV_MAX_ROWS:
+            return None
+        programs = b * hkv * triton.cdiv(rows, block_m)
+        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+        num_splits = max(1, min(triton.cdiv(2 * sms, programs), sk // _MIN_KEYS_PER_SPLIT))
+    align = INTERPRETER_SPLIT_KV_BLOCK_N if backend == Backend.INTERPRETER else SPLIT_KV_KEY_ALIGN
+    keys = triton.cdiv(triton.cdiv(sk, min(num_splits, MAX_SPLITS)), align) * align
+    return block_m, keys, triton.cdiv(sk, keys)
+
+
+def _forward_split_kv(
+    q, k, v, out, lse, causal: bool, scale: float, backend: str, block_m: int, keys: int, splits: int
+) -> None:
+    """Split-KV forward into ``out`` and ``lse``: the split kernel, then the merge (none for one split)."""
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    final = splits == 1
+    if final:  # the kernel stores out and lse itself; the partial pointers are never read
+        part_out = part_lse = lse
+    else:
+        part_out = torch.empty((b * hq * sq, splits, d), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((b * hq * sq, splits), device=q.device, dtype=torch.float32)
+    args = (
+        q, k, v, part_out, part_lse, out, lse, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), hkv, hq // hkv, sq, sk, sk_bucket(sk), keys, splits,
+        scale * _LOG2E,
+    )  # fmt: skip
+    flags = {**_flags(q, causal, backend), "FINAL": final, "BLOCK_M": block_m}
+    grid = (triton.cdiv(hq // hkv * sq, block_m), b * hkv, splits)
+    with _device(q):
+        if backend == Backend.INTERPRETER:
+            _flash_attention_split_kv_kernel[grid](*args, **flags, BLOCK_N=INTERPRETER_SPLIT_KV_BLOCK_N)
+        else:
+            split_kv_kernel_tuned[grid](*args, **flags)
+        if not final:
+            _flash_attention_split_kv_combine_kernel[(b * hq * sq,)](
+                part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), hq, sq, splits,
+                HEAD_DIM=d, SPLITS=triton.next_power_of_2(splits),
+            )  # fmt: skip
+
+
+def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None = 1):
     """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
@@ -203,6 +283,10 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str):
         return out, lse
     if sk == 0:  # no key at all: every row is a row that sees none
         return out.zero_(), lse.fill_(float("-inf"))
+    plan = _split_kv_plan(q, k, num_splits, backend)
+    if plan is not None:
+        _forward_split_kv(q, k, v, out, lse, causal, scale, backend, *plan)
+        return out, lse
     args = (
         q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
@@ -298,8 +382,8 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = _forward(q, k, v, causal, scale, backend)
+    def forward(ctx, q, k, v, causal, scale, backend, num_splits):
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
         # An unused output (lse when only out is returned) gets None instead of a tensor of zeros.
@@ -316,10 +400,10 @@ class _FlashAttentionFunction(torch.autograd.Function):
         dq, dk, dv = _backward(
             q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale, ctx.backend, need_q, need_k or need_v
         )
-        return dq, dk if need_k else None, dv if need_v else None, None, None, None
+        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False):
+def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_splits=None):
     """Softmax attention in one pass over the keys, never materialising the ``Sq × Sk`` scores; differentiable.
 
     Args:
@@ -337,6 +421,13 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False):
             queries see no key: their output is 0, their lse ``-inf``, their gradients 0.
         scale: multiplier of the scores, ``1/sqrt(D)`` by default.
         return_lse: also return the log-sum-exp.
+        num_splits: how the forward cuts the keys (split-KV, "flash-decoding"). ``None`` (default)
+            chooses: on CUDA, a call with at most 64 query rows per key/value head (``Hq/Hkv · Sq``:
+            decode steps, short speculative chunks) runs the split-KV kernel, which packs each key/value
+            head's query heads and positions into one tile and cuts the keys into enough splits to fill
+            the GPU; anything longer runs one pass over the keys. ``1`` always takes the one-pass
+            kernel; ``n > 1`` always takes split-KV with at most ``min(n, 64)`` splits. The result is the
+            same up to the summation order; the backward is the same either way.
 
     Returns:
         ``out [B, Hq, Sq, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
@@ -355,6 +446,7 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False):
     and dQ in a second one; no atomics, so gradients are deterministic.
     """
     _validate("flash_attention", q, k, v, causal, scale, _DTYPES)
+    _check_num_splits(num_splits)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     backend = backend_for(q)
     if backend == Backend.TRITON and q.shape[0] * q.shape[1] > _MAX_GRID_Y:
@@ -367,7 +459,7 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False):
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend)
+        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits)
     else:
-        out, lse = _forward(q, k, v, causal, scale, backend)
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits)
     return (out, lse) if return_lse else out

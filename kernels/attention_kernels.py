@@ -24,11 +24,14 @@ __all__ = [
     "INTERPRETER_DKDV_BLOCKS",
     "INTERPRETER_DQ_BLOCKS",
     "INTERPRETER_FWD_BLOCKS",
+    "INTERPRETER_SPLIT_KV_BLOCK_N",
     "PREPROCESS_BLOCK_M",
+    "SPLIT_KV_KEY_ALIGN",
     "dkdv_kernel_tuned",
     "dq_kernel_tuned",
     "fwd_kernel_tuned",
     "sk_bucket",
+    "split_kv_kernel_tuned",
 ]
 
 
@@ -146,6 +149,115 @@ def _flash_attention_fwd_kernel(
     tl.store(lse_ptr + offs_m, lse, mask=row_ok)
     out_ptrs = out_ptr + offs_m[:, None] * stride_os + offs_d[None, :]
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit
+def _flash_attention_split_kv_kernel(
+    q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
+    stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
+    stride_ob, stride_oh, stride_os,
+    HKV, GROUP, SQ, SK, SK_BUCKET, KEYS_PER_SPLIT, NSPLIT, qk_scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """Split-KV forward (flash-decoding) for short queries: one program per (row block, batch·kv head, key split).
+
+    The rows of a tile are the ``GROUP · SQ`` (query head, query position) pairs of one key/value head,
+    row ``r`` being head ``kv_head·GROUP + r // SQ`` at position ``r % SQ``: a decode step's query heads
+    share one pass over their keys and values instead of reading them ``GROUP`` times, and a tile of 16
+    rows replaces one of 64+ rows holding a single query. Split ``s`` covers the keys
+    ``[s·KEYS_PER_SPLIT, (s+1)·KEYS_PER_SPLIT)``, a multiple of every BLOCK_N so that only the key tail
+    and the causal band are masked. Each split stores its normalised partial output and its base-2
+    log-sum-exp into ``part_out [B·Hq·SQ, NSPLIT, D]`` and ``part_lse [B·Hq·SQ, NSPLIT]`` (fp32), which
+    :func:`_flash_attention_split_kv_combine_kernel` merges; with ``FINAL`` (one split) it stores ``out``
+    and ``lse`` itself. A row that sees no key of its split stores lse ``-inf`` and a zero output.
+    SK_BUCKET is read by the autotuner only.
+    """
+    pid_r = tl.program_id(0)
+    pid_bkv = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    off_b = (pid_bkv // HKV).to(tl.int64)
+    off_kvh = (pid_bkv % HKV).to(tl.int64)
+    rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = rows < GROUP * SQ
+    head = off_kvh * GROUP + rows // SQ  # int64: the query head of each row
+    pos = rows % SQ  # its position among the queries
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = q_ptr + off_b * stride_qb + head[:, None] * stride_qh + pos[:, None] * stride_qs + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=row_ok[:, None], other=0.0)
+    if DOT_FP32:
+        q = q.to(tl.float32)
+    k_ptr += off_b * stride_kb + off_kvh * stride_kh
+    v_ptr += off_b * stride_vb + off_kvh * stride_vh
+
+    OFF = SK - SQ
+    lo = pid_s * KEYS_PER_SPLIT
+    hi = tl.minimum(lo + KEYS_PER_SPLIT, SK)
+    if CAUSAL:  # every row sees keys below its position + OFF + 1: unmasked up to the lowest row's limit
+        pos_lo = tl.min(tl.where(row_ok, pos, SQ - 1), 0)
+        pos_hi = tl.max(tl.where(row_ok, pos, 0), 0)
+        full_end = (tl.maximum(tl.minimum(pos_lo + OFF + 1, SK), 0) // BLOCK_N) * BLOCK_N
+        masked_end = tl.maximum(tl.minimum(pos_hi + OFF + 1, SK), full_end)
+    else:
+        full_end = (SK // BLOCK_N) * BLOCK_N
+        masked_end = SK
+    mid = tl.maximum(tl.minimum(full_end, hi), lo)
+    end = tl.maximum(tl.minimum(masked_end, hi), mid)
+
+    m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, lo, mid,
+        False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+    acc, l_i, m_i = _fwd_inner(
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, mid, end,
+        True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+    )  # fmt: skip
+
+    l_safe = tl.where(l_i > 0.0, l_i, 1.0)
+    acc = acc / l_safe[:, None]
+    lse2 = m_i + tl.math.log2(l_safe)  # -inf where the row saw no key of this split
+    if FINAL:
+        out_ptrs = out_ptr + off_b * stride_ob + head[:, None] * stride_oh + pos[:, None] * stride_os + offs_d[None, :]
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(lse_ptr + (off_b * HKV * GROUP + head) * SQ + pos, lse2 * 0.6931471805599453, mask=row_ok)
+    else:
+        part = ((off_b * HKV * GROUP + head) * SQ + pos) * NSPLIT + pid_s  # the row's slot of this split
+        tl.store(part_lse_ptr + part, lse2, mask=row_ok)
+        tl.store(part_out_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=row_ok[:, None])
+
+
+@triton.jit
+def _flash_attention_split_kv_combine_kernel(
+    part_out_ptr, part_lse_ptr, out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, HQ, SQ, NSPLIT,
+    HEAD_DIM: tl.constexpr, SPLITS: tl.constexpr,
+):  # fmt: skip
+    """Merge one query row's split results: ``lse = log2 Σ_s 2^lse_s``, ``out = Σ_s 2^(lse_s - lse)·out_s``.
+
+    One program per row of ``[B·Hq·SQ]``; SPLITS is NSPLIT rounded up to a power of two. Splits the row
+    did not see weigh 0; a row that saw no key at all stores out 0 and lse ``-inf``.
+    """
+    row = tl.program_id(0).to(tl.int64)
+    pos = row % SQ
+    off_b = row // SQ // HQ
+    off_h = row // SQ % HQ
+    offs_s = tl.arange(0, SPLITS)
+    offs_d = tl.arange(0, HEAD_DIM)
+    split_ok = offs_s < NSPLIT
+    lse_s = tl.load(part_lse_ptr + row * NSPLIT + offs_s, mask=split_ok, other=float("-inf"))
+    m = tl.max(lse_s, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)
+    w = tl.math.exp2(lse_s - m)
+    total = tl.sum(w, 0)
+    parts = tl.load(
+        part_out_ptr + (row * NSPLIT + offs_s[:, None]) * HEAD_DIM + offs_d[None, :], mask=split_ok[:, None], other=0.0
+    )
+    out = tl.sum(parts * w[:, None], 0) / tl.where(total > 0.0, total, 1.0)
+    out_ptr += off_b * stride_ob + off_h * stride_oh + pos * stride_os
+    tl.store(out_ptr + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(lse_ptr + row, (m + tl.math.log2(total)) * 0.6931471805599453)
 
 
 @triton.jit
@@ -459,9 +571,21 @@ fwd_kernel_tuned = triton.autotune(configs=_FWD_CONFIGS, **_TUNE)(_flash_attenti
 dkdv_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, **_TUNE)(_flash_attention_bwd_dkdv_kernel)
 dq_kernel_tuned = triton.autotune(configs=_DQ_CONFIGS, **_TUNE)(_flash_attention_bwd_dq_kernel)
 
+# Split-KV (decode): the host picks BLOCK_M from the rows (GROUP · SQ) and cuts the keys into splits of a
+# multiple of SPLIT_KV_KEY_ALIGN, the widest key tile here, so every tile of a split is whole or the tail.
+_SPLIT_KV_CONFIGS = [
+    triton.Config({"BLOCK_N": bn}, num_warps=w, num_stages=st)
+    for bn, w, st in ((64, 4, 3), (64, 4, 4), (128, 4, 3), (128, 8, 3), (64, 8, 2), (128, 4, 2))
+]
+SPLIT_KV_KEY_ALIGN = 128
+split_kv_kernel_tuned = triton.autotune(
+    configs=_SPLIT_KV_CONFIGS, key=["GROUP", "SQ", "SK_BUCKET", "HEAD_DIM", "CAUSAL", "FINAL", "BLOCK_M"]
+)(_flash_attention_split_kv_kernel)
+
 # Under the interpreter every block operation costs milliseconds of numpy work: blocks just large
 # enough that the test sequences (1..130) span several query and key blocks, tails and diagonal bands.
 INTERPRETER_FWD_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 16}
 INTERPRETER_DKDV_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32}
 INTERPRETER_DQ_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 16}
+INTERPRETER_SPLIT_KV_BLOCK_N = 16
 PREPROCESS_BLOCK_M = 64

@@ -141,8 +141,9 @@ def _tile_bytes(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
 
 
 def attention_cases():
-    """Every autotuning configuration of the three attention kernels at D=128, causal (the shape the
-    benchmark measures), and the backward's preprocessing."""
+    """Every autotuning configuration of the attention kernels at D=128, causal (the shape the benchmark
+    measures): forward, split-KV forward (at 16 and 64 rows), dK/dV and dQ; the split-KV merge and the
+    backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True)
     odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
@@ -158,6 +159,24 @@ def attention_cases():
             meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128}
             constants = {**common, **config.kwargs}
             cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
+    split = att.split_kv_kernel_tuned.fn  # decode: 16 rows (one kv head's query heads), or the widest 64
+    split_ptrs = {p.name: "bf16" for p in split.params if p.name.endswith("_ptr")}
+    split_ptrs.update({name: "fp32" for name in ("part_out_ptr", "part_lse_ptr", "lse_ptr")})
+    for block_m in (16, 64):
+        for config in att.split_kv_kernel_tuned.configs:
+            bn = config.kwargs["BLOCK_N"]
+            cases.append((
+                f"attention split-kv bf16 D=128 causal {block_m}x{bn} w{config.num_warps} s{config.num_stages}",
+                split, split_ptrs, {**common, **config.kwargs, "BLOCK_M": block_m, "FINAL": False},
+                ("qk_scale",), ("HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT"), config.num_warps,
+                config.num_stages, {"kernel": "attention split-kv", "dtype": "bf16", "head_dim": 128},
+            ))  # fmt: skip
+    cases.append((
+        "attention combine bf16 D=128 64 splits", att._flash_attention_split_kv_combine_kernel,
+        {"part_out_ptr": "fp32", "part_lse_ptr": "fp32", "out_ptr": "bf16", "lse_ptr": "fp32"},
+        {"HEAD_DIM": 128, "SPLITS": 64}, (), ("HQ", "SQ", "NSPLIT"), 4, 1,
+        {"kernel": "attention combine", "dtype": "bf16", "head_dim": 128},
+    ))  # fmt: skip
     pre = att._flash_attention_bwd_preprocess_kernel
     cases.append((
         "attention preprocess bf16 D=128", pre,
