@@ -2,9 +2,9 @@
 
 Run as a script (``python tests/kernels/sm90_compile.py``) in a process where ``TRITON_INTERPRET`` is
 unset: it prints one JSON object per compiled case with the shared memory the program needs and
-counts of the PTX instructions that show how it runs (wgmma: Hopper's tensor cores; cp.async:
-mma.sync: the older tensor-core instruction, for tiles too small for wgmma;
-software-pipelined copies; cp.async.bulk.tensor: TMA copies). Each case specialises its arguments
+counts of the PTX instructions that show how it runs (wgmma: Hopper's tensor cores; mma.sync: the
+older tensor-core instruction, for tiles too small for wgmma; cp.async: software-pipelined copies;
+cp.async.bulk.tensor: TMA copies). Each case specialises its arguments
 the way a launch on real tensors does (pointers and sizes divisible by 16, unit strides as constants),
 because that decides whether loads can be vectorised and pipelined.
 
@@ -13,8 +13,11 @@ because that decides whether loads can be vectorised and pipelined.
 
 from __future__ import annotations
 
+import concurrent.futures
 import importlib
 import json
+import multiprocessing
+import os
 import re
 import subprocess
 import sys
@@ -187,6 +190,37 @@ def attention_cases():
     return cases
 
 
+def attention_specialisation_cases():
+    """The attention kernels for the other dtypes and head dims a launch can specialise to: every
+    autotuning configuration in fp32 at D=128 (TF32 dots, twice the bytes per tile: the case most likely
+    to overflow shared memory or spill), the first and last configuration in fp16 at D=64 without the
+    mask and in bf16 at D=16. The autotuner skips a configuration that does not fit, so each (kernel,
+    dtype, head dim) needs at least one that does (the test checks)."""
+    att = importlib.import_module("tessel.kernels.attention_kernels")
+    odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT")
+    kernels = (
+        ("fwd", att.fwd_kernel_tuned, {}), ("dkdv", att.dkdv_kernel_tuned, {}), ("dq", att.dq_kernel_tuned, {}),
+        ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}),
+    )  # fmt: skip
+    cases = []
+    for dtype, head_dim, causal in (("fp32", 128, True), ("fp16", 64, False), ("bf16", 16, True)):
+        common = dict(HEAD_DIM=head_dim, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal)
+        for label, tuned, extra in kernels:
+            fn = tuned.fn
+            ptrs = {p.name: dtype for p in fn.params if p.name.endswith("_ptr")}
+            ptrs.update({n: "fp32" for n in ("lse_ptr", "delta_ptr", "part_out_ptr", "part_lse_ptr") if n in ptrs})
+            floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+            configs = tuned.configs if dtype == "fp32" else [tuned.configs[0], tuned.configs[-1]]
+            for config in configs:
+                blocks = {**config.kwargs, **extra}
+                tile = f"{blocks['BLOCK_M']}x{blocks['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+                name = f"attention {label} {dtype} D={head_dim} {'causal' if causal else 'full'} {tile}"
+                meta = {"kernel": f"attention {label}", "dtype": dtype, "head_dim": head_dim, "coverage": True}
+                constants = {**common, **blocks}
+                cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
+    return cases
+
+
 def adam_cases():
     adam = importlib.import_module("tessel.kernels.adam")
     block, warps = adam._CUDA_BLOCKS["adam"]
@@ -239,19 +273,36 @@ def norm_cases():
     ]  # fmt: skip
 
 
+def all_cases():
+    return matmul_cases() + attention_cases() + attention_specialisation_cases() + adam_cases() + norm_cases()
+
+
+_CASES = None
+
+
+def compile_indexed(index: int) -> dict:
+    """Compile case ``index`` of :func:`all_cases` (in a worker process, which builds the list once)."""
+    global _CASES
+    if _CASES is None:
+        _CASES = all_cases()
+    name, fn, ptrs, constants, floats, odd, warps, stages, meta = _CASES[index]
+    try:
+        return compile_case(name, fn, ptrs, constants, floats, odd, warps, stages, **meta)
+    except Exception as exc:  # every case reports, so one failure does not hide the others
+        return {"name": name, "ok": False, "error": "".join(traceback.format_exception(exc))[-3000:]}
+
+
 def main() -> int:
-    failed = 0
-    for name, fn, ptrs, constants, floats, odd, warps, stages, meta in (
-        matmul_cases() + attention_cases() + adam_cases() + norm_cases()
-    ):
-        try:
-            record = compile_case(name, fn, ptrs, constants, floats, odd, warps, stages, **meta)
-        except Exception as exc:  # every case reports, so one failure does not hide the others
-            failed += 1
-            record = {"name": name, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:2000]}
-            traceback.print_exc(file=sys.stderr)
+    """Compile every case on all cores (each compile is single-threaded) and print one JSON line each."""
+    count = len(all_cases())
+    context = multiprocessing.get_context("spawn")  # a fresh interpreter: no inherited Triton state
+    with concurrent.futures.ProcessPoolExecutor(max_workers=os.cpu_count() or 1, mp_context=context) as pool:
+        records = list(pool.map(compile_indexed, range(count)))
+    for record in records:
+        if not record["ok"]:
+            print(record["error"], file=sys.stderr)
         print(json.dumps(record), flush=True)
-    return 1 if failed else 0
+    return 1 if any(not r["ok"] for r in records) else 0
 
 
 if __name__ == "__main__":

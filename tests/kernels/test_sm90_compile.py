@@ -51,7 +51,24 @@ def test_every_kernel_compiles_and_fits_in_shared_memory(compiled):
         "attention preprocess", "adam", "adam stats", "norm fwd", "norm bwd",
     }  # fmt: skip
     for name, record in compiled.items():
-        assert 0 < record["shared"] <= H200_SHARED_BYTES, name
+        assert record["shared"] > 0, name
+        if not record.get("coverage"):  # the specialisations below may hold tiles the autotuner skips
+            assert record["shared"] <= H200_SHARED_BYTES, name
+
+
+def test_every_attention_specialisation_has_a_configuration_that_fits_without_spilling(compiled):
+    """fp32 at D=128 (where tiles are twice as large), fp16 at D=64, bf16 at D=16: for each kernel the
+    autotuner has a configuration within the shared memory of one block that keeps its registers."""
+    groups = {}
+    for r in compiled.values():
+        if r.get("coverage"):
+            groups.setdefault((r["kernel"], r["dtype"], r["head_dim"]), []).append(r)
+    kernels = ("attention fwd", "attention split-kv", "attention dkdv", "attention dq")
+    assert set(groups) == {(k, d, h) for k in kernels for d, h in (("fp32", 128), ("fp16", 64), ("bf16", 16))}
+    for key, records in groups.items():
+        fitting = [r for r in records if r["shared"] <= H200_SHARED_BYTES and r["spill_bytes"] == 0]
+        assert fitting, (key, [(r["name"], r["shared"], r["spill_bytes"]) for r in records])
+        assert all(r["wgmma"] + r["mma"] > 0 for r in records), key  # tensor cores in every dtype
 
 
 def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
@@ -71,7 +88,9 @@ def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
 
 def test_attention_programs_use_tensor_cores_and_pipelines(compiled):
     for name, r in compiled.items():
-        if r["kernel"] in ("attention fwd", "attention split-kv", "attention dkdv", "attention dq"):
+        if r["kernel"] in ("attention fwd", "attention split-kv", "attention dkdv", "attention dq") and not r.get(
+            "coverage"
+        ):
             assert r["wgmma"] + r["mma"] > 0 and r["cp_async"] > 0, name  # tensor cores, pipelined copies
             rows, cols = (int(x) for x in name.split()[-3].split("x"))  # "... 128x64 w8 s3"
             if min(rows, cols) >= 32:
@@ -82,7 +101,7 @@ def test_attention_programs_use_tensor_cores_and_pipelines(compiled):
 def test_attention_tuning_holds_a_configuration_that_does_not_spill(compiled, kernel):
     """At D=128 the autotuner can pick a tile whose registers do not spill to local memory (spills
     cost every step of the inner loop a round trip through L1/L2)."""
-    configs = [r for r in compiled.values() if r["kernel"] == kernel]
+    configs = [r for r in compiled.values() if r["kernel"] == kernel and not r.get("coverage")]
     assert configs and all(r["head_dim"] == 128 for r in configs)
     assert any(r["spill_bytes"] == 0 for r in configs), [(r["name"], r["spill_bytes"]) for r in configs]
 
