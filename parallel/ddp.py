@@ -77,19 +77,37 @@ class DDP(nn.Module):
         module: the model; its trainable parameters become views into flat buckets.
         group: the data-parallel process group (``None``: the default group, or a world of one).
         bucket_mb: bucket size in MiB; a bucket's reduction starts as soon as backward has filled it.
+        accumulate_dtype: dtype of the local gradient sums of bf16/fp16 parameters under
+            :meth:`no_sync`: ``torch.float32`` (default; as Megatron-LM's fp32 gradient accumulation,
+            and as :class:`~tessel.parallel.fsdp.FSDP`) or ``None``, the parameters' dtype (autograd
+            adds into ``p.grad`` in place, rounding at every backward, with no extra buffer). fp32
+            parameters accumulate in place either way.
 
     Rank 0's parameters and buffers are broadcast at construction. ``forward`` calls the module.
     Gradients are averaged over the group at the end of each backward; inside :meth:`no_sync` they
     accumulate locally and are reduced by the first backward outside it.
     """
 
-    def __init__(self, module: nn.Module, group: dist.ProcessGroup | None = None, bucket_mb: float = 25):
+    def __init__(
+        self,
+        module: nn.Module,
+        group: dist.ProcessGroup | None = None,
+        bucket_mb: float = 25,
+        *,
+        accumulate_dtype: torch.dtype | None = torch.float32,
+    ):
         super().__init__()
         check_data_parallel_args("DDP", module, group)
         if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, numbers.Real):
             raise TypeError(f"DDP: bucket_mb must be a number of MiB, received {type(bucket_mb).__name__}")
         if not bucket_mb > 0:
             raise ValueError(f"DDP: bucket_mb must be positive, received {bucket_mb}")
+        if accumulate_dtype not in (torch.float32, None):
+            raise TypeError(
+                f"DDP: accumulate_dtype must be torch.float32 or None (the parameters' dtype), "
+                f"received {accumulate_dtype!r}"
+            )
+        self.accumulate_dtype = accumulate_dtype
         self.module = module
         self.group, self.world_size, self.rank = group, group_size(group), group_rank(group)
         named = backward_order(module)
@@ -101,6 +119,8 @@ class DDP(nn.Module):
             bucket.grad = torch.zeros_like(bucket.params)
         self.zero_stage = 0  # 0: all-reduce; 1 or 2: reduce-scatter for ZeroAdam
         self._sync = True
+        self._sums: dict[int, torch.Tensor] = {}  # bucket -> fp32 [P] gradient sum of backwards under no_sync
+        self._summed: dict[int, set[int]] = {}  # bucket -> the slots with a gradient in that sum
         self._accumulated = [False] * len(self.buckets)  # a grad shard holds reduced grads not yet zeroed
         self._reset_backward_state()
         for bi, bucket in enumerate(self.buckets):
@@ -116,6 +136,13 @@ class DDP(nn.Module):
         """Accumulate gradients locally for the backwards run inside the block; the next backward outside reduces.
 
         Decided when backward runs (not at forward, unlike torch's DDP): put the ``backward()`` inside.
+        With ``accumulate_dtype=torch.float32`` (the default) the gradients of bf16/fp16 parameters are
+        added into an fp32 sum per bucket (``Ψ`` fp32 elements while accumulating, freed by the
+        reduction) and ``p.grad`` is ``None`` between those backwards; the first backward outside adds
+        its own gradients to the sum, rounds it once to the parameters' dtype and reduces it (in that
+        dtype: the traffic is unchanged). So ``m`` microbatches of a bf16 model give the exact sum of
+        their gradients rounded once, not ``m - 1`` roundings. With ``None`` autograd adds into
+        ``p.grad`` (a view of the bucket) in place, as torch's DDP does.
         """
         previous, self._sync = self._sync, False
         try:
@@ -126,7 +153,7 @@ class DDP(nn.Module):
     @property
     def has_unsynced_gradients(self) -> bool:
         """Whether backwards under :meth:`no_sync` left gradients that no reduction has averaged yet."""
-        return any(self._touched)
+        return any(self._touched) or bool(self._sums)
 
     def sync_gradients(self) -> None:
         """Reduce now what backwards under :meth:`no_sync` accumulated, as a backward outside it would have.
@@ -161,9 +188,22 @@ class DDP(nn.Module):
             torch.autograd.Variable._execution_engine.queue_callback(self._finish_backward)
             self._finish_queued = True
         bucket = self.buckets[bi]
+        if not self._sync and self._sums_in_fp32(bucket):
+            # Under no_sync a 16-bit gradient goes into the bucket's fp32 sum; p.grad is left None so that
+            # autograd hands the next backward's gradient over fresh.
+            if bi not in self._sums:
+                self._sums[bi] = torch.zeros(bucket.padded, dtype=torch.float32, device=bucket.device)
+                self._summed[bi] = set()
+            bucket.slot_view(self._sums[bi], bucket.slots[si]).add_(param.grad)
+            self._summed[bi].add(si)
+            param.grad = None
+            return
         self._touch(bi)
         view = bucket.slot_view(bucket.grad, bucket.slots[si])
-        if not _is_slot(param.grad, view):  # a fresh gradient: the slot's old content is stale
+        if bi in self._sums:  # the sum of the backwards under no_sync, plus this one, rounded once
+            view.copy_(bucket.slot_view(self._sums[bi], bucket.slots[si]).add_(param.grad))
+            param.grad = view
+        elif not _is_slot(param.grad, view):  # a fresh gradient: the slot's old content is stale
             view.copy_(param.grad)
             param.grad = view
         if self._sync:
@@ -184,13 +224,21 @@ class DDP(nn.Module):
         if bucket.grad is None:  # ZeRO-2 frees the full gradient after each reduction
             bucket.grad = torch.zeros(bucket.padded, dtype=bucket.dtype, device=bucket.device)
 
+    def _sums_in_fp32(self, bucket: Bucket) -> bool:
+        return self.accumulate_dtype is not None and bucket.dtype != self.accumulate_dtype
+
     def _launch(self, bi: int) -> None:
         bucket = self.buckets[bi]
         self._touch(bi)
-        for slot in bucket.slots:  # parameters that got no gradient in this cycle contribute zeros
-            view = bucket.slot_view(bucket.grad, slot)
+        held, summed = self._sums.pop(bi, None), self._summed.pop(bi, ())
+        for si, slot in enumerate(bucket.slots):  # parameters that got no gradient in this backward
+            view = bucket.slot_view(bucket.grad, slot)  # contribute their no_sync sum, or zeros
             if not _is_slot(slot.param.grad, view):
-                view.zero_()
+                if si in summed:
+                    view.copy_(bucket.slot_view(held, slot))
+                    slot.param.grad = view
+                else:
+                    view.zero_()
         if self.zero_stage == 0:
             _, work = all_reduce(bucket.grad, self.group, async_op=True)
         else:
@@ -248,6 +296,7 @@ class DDP(nn.Module):
 
     def _zero_grads(self) -> None:
         """ZeroAdam.zero_grad: drop every gradient, local and reduced."""
+        self._sums, self._summed = {}, {}
         for bi, bucket in enumerate(self.buckets):
             bucket.grad_shard.zero_()
             for slot in bucket.slots:
@@ -267,4 +316,5 @@ class DDP(nn.Module):
     def _memory_tensors(self) -> dict[str, list[torch.Tensor]]:
         grads = [b.grad for b in self.buckets if b.grad is not None]
         grads += [b.grad_shard for b in self.buckets if b.grad_shard is not None]
+        grads += list(self._sums.values())
         return {"params": list(self.flat_buffers), "grads": grads}
