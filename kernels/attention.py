@@ -57,6 +57,7 @@ on CUDA when ``torch.backends.cuda.matmul.allow_tf32`` is set (as torch's own GE
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 
 import torch
@@ -206,6 +207,12 @@ def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: 
         tuned[lambda meta: (triton.cdiv(rows, meta[program_rows]), bh)](*args, **flags)
 
 
+@functools.cache
+def _sm_count(device: torch.device) -> int:
+    """Streaming multiprocessors of a CUDA device, asked once per device (decode calls this every step)."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def _check_num_splits(num_splits) -> None:
     if num_splits is None:
         return
@@ -234,8 +241,7 @@ def _split_kv_plan(q, k, num_splits: int | None, backend: str) -> tuple[int, int
         if backend != Backend.TRITON or rows > AUTO_SPLIT_KV_MAX_ROWS:
             return None
         programs = b * hkv * triton.cdiv(rows, block_m)
-        sms = torch.cuda.get_device_properties(q.device).multi_processor_count
-        num_splits = max(1, min(triton.cdiv(2 * sms, programs), sk // _MIN_KEYS_PER_SPLIT))
+        num_splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), programs), sk // _MIN_KEYS_PER_SPLIT))
     align = INTERPRETER_SPLIT_KV_BLOCK_N if backend == Backend.INTERPRETER else SPLIT_KV_KEY_ALIGN
     keys = triton.cdiv(triton.cdiv(sk, min(num_splits, MAX_SPLITS)), align) * align
     return block_m, keys, triton.cdiv(sk, keys)
@@ -273,7 +279,7 @@ def _forward_split_kv(
             )  # fmt: skip
 
 
-def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None = 1):
+def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None):
     """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]

@@ -133,7 +133,11 @@ def _plan(shape_q, shape_k, num_splits, backend, monkeypatch=None, sms=132):
         props = SimpleNamespace(multi_processor_count=sms)
         monkeypatch.setattr(attention_module.torch.cuda, "get_device_properties", lambda device: props)
     q, k = torch.empty(shape_q), torch.empty(shape_k)
-    return attention_module._split_kv_plan(q, k, num_splits, backend)
+    attention_module._sm_count.cache_clear()  # the SM count is cached per device: never keep the mocked one
+    try:
+        return attention_module._split_kv_plan(q, k, num_splits, backend)
+    finally:
+        attention_module._sm_count.cache_clear()
 
 
 @needs_interpreter
