@@ -4,6 +4,8 @@ For every shape, with and without the causal mask, and for two passes:
 
 - ``fwd``:     ``flash_attention(q, k, v, causal)``            vs ``scaled_dot_product_attention(...)``
 - ``fwd+bwd``: the same plus ``torch.autograd.grad`` of ``out`` for ``q, k, v``
+- ``fwd+bwd-atomic``: the same with ``flash_attention(..., deterministic=False)``, whose backward adds
+  dQ up with atomics in the dK/dV kernel instead of running a dQ kernel (torch's side is unchanged)
 
 torch runs its FlashAttention-2 backend on CUDA (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``, or the older
 ``torch.backends.cuda.sdp_kernel`` switch) where the dtype allows it, and its default choice otherwise
@@ -48,7 +50,7 @@ __all__ = [
     "tolerance",
 ]
 
-PASSES = ("fwd", "fwd+bwd")
+PASSES = ("fwd", "fwd+bwd", "fwd+bwd-atomic")
 COLUMNS = (
     "case", "pass", "causal", "B", "H", "S", "D", "dtype", "torch_backend", "max_rel_err", "tessel_ms", "torch_ms",
     "tessel_tflops", "torch_tflops", "tessel/torch", "tessel_of_peak",
@@ -93,7 +95,7 @@ def attention_shapes(cuda: bool, quick: bool = False) -> tuple[AttentionShape, .
 
 
 def attention_flops(shape: AttentionShape, causal: bool, pass_: str) -> float:
-    """``4·B·H·S²·D`` forward (half when causal); the backward is 2.5× the forward."""
+    """``4·B·H·S²·D`` forward (half when causal); the backward is 2.5× the forward (either variant)."""
     fwd = 4 * shape.b * shape.h * shape.s**2 * shape.d * (0.5 if causal else 1.0)
     return fwd if pass_ == "fwd" else 3.5 * fwd
 
@@ -146,9 +148,9 @@ def attention_cases(q, k, v, grad_out, causal: bool, backend: str) -> dict[str, 
 
         return run
 
-    def forward_backward(fn):
+    def forward_backward(fn, **options):
         def run():
-            out = fn(q, k, v, causal)
+            out = fn(q, k, v, causal, **options)
             return [out, *torch.autograd.grad(out, (q, k, v), grad_out)]
 
         return run
@@ -156,6 +158,7 @@ def attention_cases(q, k, v, grad_out, causal: bool, backend: str) -> dict[str, 
     return {
         "fwd": (forward(flash_attention), forward(sdpa)),
         "fwd+bwd": (forward_backward(flash_attention), forward_backward(sdpa)),
+        "fwd+bwd-atomic": (forward_backward(flash_attention, deterministic=False), forward_backward(sdpa)),
     }
 
 

@@ -13,11 +13,14 @@ once, at import, and a later change of the environment cannot make kernels disag
 
 from __future__ import annotations
 
+import functools
 import os
 
+import numpy
 import torch
+import triton
 
-__all__ = ["INTERPRET", "Backend", "backend_for", "upcast_dot_operands"]
+__all__ = ["INTERPRET", "Backend", "backend_for", "check_interpreter", "upcast_dot_operands"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
 
@@ -34,8 +37,31 @@ def backend_for(*tensors: torch.Tensor) -> str:
     if device.type == "cuda":
         return Backend.TRITON
     if device.type == "cpu":
-        return Backend.INTERPRETER if INTERPRET else Backend.REFERENCE
+        if not INTERPRET:
+            return Backend.REFERENCE
+        check_interpreter(triton.__version__, numpy.__version__)
+        return Backend.INTERPRETER
     raise ValueError(f"tessel kernels run on 'cuda' or 'cpu' tensors, received a tensor on {device}")
+
+
+def _release(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+@functools.cache
+def check_interpreter(triton_version: str, numpy_version: str) -> None:
+    """Refuse a Triton interpreter that cannot run tessel's kernels, with the fix in the message.
+
+    Triton 3.6's interpreter turns loop bounds into Python integers with ``int()`` of a one-element
+    array, which NumPy 2.4 rejects; every kernel with a loop would fail deep inside Triton with "only
+    0-dimensional arrays can be converted to Python scalars". Triton 3.7 fixed it.
+    """
+    if _release(triton_version) < (3, 7) and _release(numpy_version) >= (2, 4):
+        raise RuntimeError(
+            f"Triton {triton_version}'s interpreter (TRITON_INTERPRET=1) cannot run with NumPy {numpy_version}: "
+            "it needs NumPy < 2.4 or Triton >= 3.7 (pip install 'numpy<2.4', or upgrade triton)"
+        )
 
 
 def upcast_dot_operands(backend: str) -> bool:

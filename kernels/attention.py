@@ -38,7 +38,9 @@ The three tiers and their kernels (the ``@triton.jit`` functions and their block
   summing dK and dV of the whole group in fp32 registers (deterministic, no fp32 scratch buffer, no
   atomics); ``_flash_attention_bwd_dq_kernel`` has one program per (query block, batch·query head) that
   loops over key blocks (recomputing P instead of sharing it with the dK/dV kernel, which keeps both
-  free of atomics and bit-reproducible).
+  free of atomics and bit-reproducible). With ``deterministic=False`` the dQ kernel is not launched:
+  the dK/dV kernel (``ATOMIC_DQ``) adds ``dS·K`` of every block pair into a zeroed fp32 ``dQ`` with
+  atomic adds, FlashAttention-2's own scheme, and the host scales and rounds it once.
 - ``flash_attention`` validates and launches (differentiable through ``_FlashAttentionFunction``);
   ``flash_attention_reference`` is the plain-PyTorch definition.
 
@@ -77,6 +79,7 @@ from .attention_kernels import (
     _flash_attention_fwd_kernel,
     _flash_attention_split_kv_combine_kernel,
     _flash_attention_split_kv_kernel,
+    dkdv_atomic_dq_kernel_tuned,
     dkdv_kernel_tuned,
     dq_kernel_tuned,
     fwd_kernel_tuned,
@@ -306,8 +309,13 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
     return out, lse
 
 
-def _backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool):
-    """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels."""
+def _backward(
+    q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool,
+    deterministic: bool = True,
+):  # fmt: skip
+    """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels, or, when
+    all three are needed and ``deterministic`` is False, the one dK/dV kernel that also adds dQ up
+    with fp32 atomics."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dq = _empty_in_layout_of(q) if need_dq else None
@@ -333,13 +341,18 @@ def _backward(q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         )  # fmt: skip
         tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale)
+        atomic_dq = need_dq and need_dkv and not deterministic
         if need_dkv:
-            args = (q, k, v, dout, lse, delta, dk, dv, *common, *dk.stride()[:3], *dv.stride()[:3], *tail)
+            # the accumulator of the atomic dQ, or (never read) any fp32 tensor
+            dq_acc = torch.zeros((b, hq, sq, d), device=q.device, dtype=torch.float32) if atomic_dq else delta
+            args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common, *dk.stride()[:3], *dv.stride()[:3], *tail)
             _launch(
-                _flash_attention_bwd_dkdv_kernel, dkdv_kernel_tuned, INTERPRETER_DKDV_BLOCKS, backend, "BLOCK_N",
-                sk, b * hkv, args, flags,
+                _flash_attention_bwd_dkdv_kernel, dkdv_atomic_dq_kernel_tuned if atomic_dq else dkdv_kernel_tuned,
+                INTERPRETER_DKDV_BLOCKS, backend, "BLOCK_N", sk, b * hkv, args, {**flags, "ATOMIC_DQ": atomic_dq},
             )  # fmt: skip
-        if need_dq:
+            if atomic_dq:
+                dq.copy_(dq_acc.mul_(scale))
+        if need_dq and not atomic_dq:
             args = (q, k, v, dout, lse, delta, dq, *common, *dq.stride()[:3], *tail)
             _launch(
                 _flash_attention_bwd_dq_kernel, dq_kernel_tuned, INTERPRETER_DQ_BLOCKS, backend, "BLOCK_M",
@@ -388,10 +401,10 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, num_splits):
+    def forward(ctx, q, k, v, causal, scale, backend, num_splits, deterministic):
         out, lse = _forward(q, k, v, causal, scale, backend, num_splits)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.causal, ctx.scale, ctx.backend, ctx.deterministic = causal, scale, backend, deterministic
         # An unused output (lse when only out is returned) gets None instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -403,13 +416,15 @@ class _FlashAttentionFunction(torch.autograd.Function):
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         if dout is None:  # only lse was used: Δ = -dlse and dO = 0
             dout = torch.zeros_like(out)
+        # torch.use_deterministic_algorithms(True) at the time of the backward wins over deterministic=False
+        deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv = _backward(
-            q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale, ctx.backend, need_q, need_k or need_v
+            q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale, ctx.backend, need_q, need_k or need_v, deterministic
         )
-        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None
+        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_splits=None):
+def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_splits=None, deterministic=True):
     """Softmax attention in one pass over the keys, never materialising the ``Sq × Sk`` scores; differentiable.
 
     Args:
@@ -434,6 +449,13 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
             the GPU; anything longer runs one pass over the keys. ``1`` always takes the one-pass
             kernel; ``n > 1`` always takes split-KV with at most ``min(n, 64)`` splits. The result is the
             same up to the summation order; the backward is the same either way.
+        deterministic: how the backward computes dQ. ``True`` (default): a second kernel per query
+            block recomputes the scores and dP (seven GEMMs per block pair in all), so gradients are
+            bit-for-bit reproducible. ``False``: the dK/dV kernel also adds each key block's share
+            of dQ into an fp32 buffer with atomic adds (five GEMMs, FlashAttention-2's scheme, plus
+            the atomic traffic); gradients then differ between runs in the last bits of fp32 before
+            rounding. ``torch.use_deterministic_algorithms(True)`` in force at the backward turns
+            ``False`` back into ``True``. Only the backward reads it.
 
     Returns:
         ``out [B, Hq, Sq, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
@@ -448,11 +470,13 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
         context-parallel attention needs; gradients may flow through ``lse`` as well.
 
     Softmax and all accumulation run in fp32. The backward recomputes the probabilities from the
-    saved ``lse`` (FlashAttention-2), computes dK and dV summed over each GQA group inside one kernel
-    and dQ in a second one; no atomics, so gradients are deterministic.
+    saved ``lse`` (FlashAttention-2) and computes dK and dV summed over each GQA group inside one
+    kernel; dQ comes from a second kernel or, with ``deterministic=False``, from atomic adds in the first.
     """
     _validate("flash_attention", q, k, v, causal, scale, _DTYPES)
     _check_num_splits(num_splits)
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"flash_attention: deterministic must be a bool, received {type(deterministic).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     backend = backend_for(q)
     if backend == Backend.TRITON and q.shape[0] * q.shape[1] > _MAX_GRID_Y:
@@ -465,7 +489,7 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits)
+        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits, deterministic)
     else:
         out, lse = _forward(q, k, v, causal, scale, backend, num_splits)
     return (out, lse) if return_lse else out

@@ -294,11 +294,16 @@ def _flash_attention_bwd_preprocess_kernel(
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF, qk_scale, lo, hi,
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
+    qk_scale, lo, hi,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
-    """dK, dV of one key block from the query blocks starting in [lo, hi), in transposed form (Sᵀ, Pᵀ)."""
+    """dK, dV of one key block from the query blocks starting in [lo, hi), in transposed form (Sᵀ, Pᵀ).
+
+    ATOMIC_DQ: also add this key block's share of dQ, dS·K (unscaled), onto the fp32 accumulator
+    dq_acc_ptr ([SQ, HEAD_DIM], contiguous) with atomic adds, reusing dS instead of recomputing it.
+    """
     offs_m0 = tl.arange(0, BLOCK_M)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_m0
@@ -336,19 +341,32 @@ def _bwd_dkdv_inner(
             dsT = dsT.to(tl.float32)
         dv = tl.dot(pT, do, dv, input_precision=INPUT_PRECISION)  # dV += Pᵀ dO
         dk = tl.dot(dsT, tl.trans(qT), dk, input_precision=INPUT_PRECISION)  # dK += dSᵀ Q
+        if ATOMIC_DQ:
+            dq = tl.dot(tl.trans(dsT), k, input_precision=INPUT_PRECISION)  # dQ += dS K, from every key block
+            dq_ptrs = dq_acc_ptr + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+            if MASK:
+                tl.atomic_add(dq_ptrs, dq, mask=row_ok[:, None], sem="relaxed")
+            else:
+                tl.atomic_add(dq_ptrs, dq, sem="relaxed")
     return dk, dv
 
 
 @triton.jit
 def _flash_attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE)."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE).
+
+    ATOMIC_DQ: the one-kernel backward. dQ (unscaled, fp32, [B, HQ, SQ, HEAD_DIM] contiguous and zeroed
+    by the caller) is accumulated into dq_acc_ptr with atomic adds as each key block's dS is formed,
+    so the backward runs five GEMMs per block pair instead of seven (the dQ kernel recomputes QKᵀ
+    and dO·Vᵀ), at the price of fp32 atomic traffic and a summation order that varies from run to run.
+    Otherwise dq_acc_ptr is never read."""
     pid_n = tl.program_id(0)
     pid_bh = tl.program_id(1)  # batch · kv head
     hkv = HQ // GROUP
@@ -394,20 +412,24 @@ def _flash_attention_bwd_dkdv_kernel(
         do_head = do_ptr + off_b * stride_db + off_h * stride_dh
         lse_head = lse_ptr + (off_b * HQ + off_h) * SQ
         delta_head = delta_ptr + (off_b * HQ + off_h) * SQ
+        dq_head = dq_acc_ptr + (off_b * HQ + off_h) * SQ * HEAD_DIM
         # the query blocks crossing the diagonal band (none without a causal mask)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
-            qk_scale, diag_lo, diag_hi, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
+            SQ, OFF, qk_scale, diag_lo, diag_hi, True, CAUSAL, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM,
+            BLOCK_M,
         )  # fmt: skip
         # the query blocks that see the whole key block
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
-            qk_scale, full_lo, full_hi, False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
+            SQ, OFF, qk_scale, full_lo, full_hi, False, CAUSAL, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM,
+            BLOCK_M,
         )  # fmt: skip
         # the query block holding the query tail
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
-            qk_scale, full_hi, SQ, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_M,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
+            SQ, OFF, qk_scale, full_hi, SQ, True, CAUSAL, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM,
+            BLOCK_M,
         )  # fmt: skip
     dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
     tl.store(
@@ -570,6 +592,11 @@ _TUNE = dict(
 fwd_kernel_tuned = triton.autotune(configs=_FWD_CONFIGS, **_TUNE)(_flash_attention_fwd_kernel)
 dkdv_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, **_TUNE)(_flash_attention_bwd_dkdv_kernel)
 dq_kernel_tuned = triton.autotune(configs=_DQ_CONFIGS, **_TUNE)(_flash_attention_bwd_dq_kernel)
+# The one-kernel backward (ATOMIC_DQ) adds onto its dQ accumulator: every timed launch of the autotuner
+# starts from zeros again, and so does the launch that follows the tuning.
+dkdv_atomic_dq_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, reset_to_zero=["dq_acc_ptr"], **_TUNE)(
+    _flash_attention_bwd_dkdv_kernel
+)
 
 # Split-KV (decode): the host picks BLOCK_M from the rows (GROUP · SQ) and cuts the keys into splits of a
 # multiple of SPLIT_KV_KEY_ALIGN, the widest key tile here, so every tile of a split is whole or the tail.

@@ -18,7 +18,7 @@ def test_quick_cpu_rows():
     assert [(r["case"], r["causal"], r["pass"]) for r in measured] == [
         (s.label, causal, p) for s in shapes for causal in (False, True) for p in PASSES
     ]
-    for row, shape in zip(measured, [s for s in shapes for _ in range(4)]):
+    for row, shape in zip(measured, [s for s in shapes for _ in range(2 * len(PASSES))]):
         assert tuple(row) == COLUMNS
         assert (row["B"], row["H"], row["S"], row["D"]) == (shape.b, shape.h, shape.s, shape.d)
         assert row["dtype"] == "float32" and row["torch_backend"] == "default" and row["tessel_of_peak"] is None
@@ -31,7 +31,7 @@ def test_quick_cpu_rows():
         numbers = [row[k] for k in ("max_rel_err", "tessel_ms", "torch_ms", "tessel_tflops", "torch_tflops")]
         assert all(math.isfinite(v) for v in numbers)
     geomeans = rows[len(measured) :]
-    assert [r["case"] for r in geomeans] == ["geomean"] * 2 and [r["pass"] for r in geomeans] == list(PASSES)
+    assert [r["case"] for r in geomeans] == ["geomean"] * 3 and [r["pass"] for r in geomeans] == list(PASSES)
     assert all(r["tessel/torch"] > 0 for r in geomeans)
 
 
@@ -41,16 +41,20 @@ def test_flop_counts():
     assert attention_flops(shape, False, "fwd") == fwd
     assert attention_flops(shape, True, "fwd") == fwd / 2
     assert attention_flops(shape, False, "fwd+bwd") == 3.5 * fwd
+    assert attention_flops(shape, True, "fwd+bwd-atomic") == 3.5 * fwd / 2
 
 
 @pytest.mark.parametrize("wrong_pass", PASSES)
 def test_a_wrong_kernel_stops_the_suite(monkeypatch, wrong_pass):
     flash_attention = attention_bench.flash_attention
 
-    def off_by_a_bit(q, k, v, causal):
-        out = flash_attention(q, k, v, causal)
-        # Forward: 1% off. Backward only: the output is right but its gradient is scaled by 1.01.
-        return out * 1.01 if wrong_pass == "fwd" else out + 0.01 * (out - out.detach())
+    def off_by_a_bit(q, k, v, causal, deterministic=True):
+        out = flash_attention(q, k, v, causal, deterministic=deterministic)
+        if wrong_pass == "fwd":
+            return out * 1.01  # 1% off
+        if wrong_pass == "fwd+bwd" or not deterministic:  # the output is right, its gradient 1% off
+            return out + 0.01 * (out - out.detach())
+        return out
 
     monkeypatch.setattr(attention_bench, "flash_attention", off_by_a_bit)
     with pytest.raises(BenchmarkError, match=re.escape(f"attention suite: tiny {wrong_pass} causal=False")):

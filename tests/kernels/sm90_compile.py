@@ -35,6 +35,12 @@ PTX_COUNTS = {
     "cp_async": "cp.async.c",  # cp.async.ca / cp.async.cg
     "tma": "cp.async.bulk.tensor",
 }
+# Instructions at the start of a line, predicated or not ("red.global" alone would also match
+# "cp.async.cg.shared.global").
+PTX_INSTRUCTIONS = {
+    "red": re.compile(r"^\s*(?:@!?%p\d+\s+)?red\.", re.M),  # atomic reductions whose result is unused
+    "atom": re.compile(r"^\s*(?:@!?%p\d+\s+)?atom\.", re.M),  # atomics that return the old value
+}
 
 
 def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_stages=3, **meta):
@@ -71,6 +77,7 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         "seconds": round(time.perf_counter() - start, 2),
         "shared": kernel.metadata.shared,
         **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
+        **{key: len(pattern.findall(ptx)) for key, pattern in PTX_INSTRUCTIONS.items()},
         **resource_usage(ptx),
         "num_warps": num_warps,
         "num_stages": num_stages,
@@ -143,24 +150,34 @@ def _tile_bytes(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
     return (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * size
 
 
+def _BACKWARD_AND_FORWARD(att):
+    """(label, autotuned kernel, constants beyond the configuration) of the one-pass forward and the backward."""
+    return (
+        ("fwd", att.fwd_kernel_tuned, {}),
+        ("dkdv", att.dkdv_kernel_tuned, {"ATOMIC_DQ": False}),
+        ("dkdv atomic-dq", att.dkdv_atomic_dq_kernel_tuned, {"ATOMIC_DQ": True}),
+        ("dq", att.dq_kernel_tuned, {}),
+    )
+
+
 def attention_cases():
     """Every autotuning configuration of the attention kernels at D=128, causal (the shape the benchmark
-    measures): forward, split-KV forward (at 16 and 64 rows), dK/dV and dQ; the split-KV merge and the
-    backward's preprocessing."""
+    measures): forward, split-KV forward (at 16 and 64 rows), dK/dV, dK/dV with the atomic dQ, and dQ;
+    the split-KV merge and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True)
     odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
     cases = []
-    for label, tuned in (("fwd", att.fwd_kernel_tuned), ("dkdv", att.dkdv_kernel_tuned), ("dq", att.dq_kernel_tuned)):
+    for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
         ptrs = {p.name: "bf16" for p in fn.params if p.name.endswith("_ptr")}
-        ptrs.update({name: "fp32" for name in ("lse_ptr", "delta_ptr") if name in ptrs})
+        ptrs.update({name: "fp32" for name in ("lse_ptr", "delta_ptr", "dq_acc_ptr") if name in ptrs})
         floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
         for config in tuned.configs:
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
             name = f"attention {label} bf16 D=128 causal {bm}x{bn} w{config.num_warps} s{config.num_stages}"
             meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128}
-            constants = {**common, **config.kwargs}
+            constants = {**common, **config.kwargs, **extra}
             cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
     split = att.split_kv_kernel_tuned.fn  # decode: 16 rows (one kv head's query heads), or the widest 64
     split_ptrs = {p.name: "bf16" for p in split.params if p.name.endswith("_ptr")}
@@ -198,17 +215,15 @@ def attention_specialisation_cases():
     dtype, head dim) needs at least one that does (the test checks)."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT")
-    kernels = (
-        ("fwd", att.fwd_kernel_tuned, {}), ("dkdv", att.dkdv_kernel_tuned, {}), ("dq", att.dq_kernel_tuned, {}),
-        ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}),
-    )  # fmt: skip
+    kernels = (*_BACKWARD_AND_FORWARD(att), ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}))
     cases = []
     for dtype, head_dim, causal in (("fp32", 128, True), ("fp16", 64, False), ("bf16", 16, True)):
         common = dict(HEAD_DIM=head_dim, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal)
         for label, tuned, extra in kernels:
             fn = tuned.fn
             ptrs = {p.name: dtype for p in fn.params if p.name.endswith("_ptr")}
-            ptrs.update({n: "fp32" for n in ("lse_ptr", "delta_ptr", "part_out_ptr", "part_lse_ptr") if n in ptrs})
+            fp32 = ("lse_ptr", "delta_ptr", "part_out_ptr", "part_lse_ptr", "dq_acc_ptr")
+            ptrs.update({n: "fp32" for n in fp32 if n in ptrs})
             floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
             configs = tuned.configs if dtype == "fp32" else [tuned.configs[0], tuned.configs[-1]]
             for config in configs:

@@ -18,6 +18,9 @@ import pytest
 
 SCRIPT = Path(__file__).with_name("sm90_compile.py")
 H200_SHARED_BYTES = 232448  # 227 KiB per block on sm_90
+ATTENTION_MAIN_LOOPS = (
+    "attention fwd", "attention split-kv", "attention dkdv", "attention dkdv atomic-dq", "attention dq",
+)  # fmt: skip
 
 
 def _has_nvidia_backend() -> bool:
@@ -47,7 +50,8 @@ def compiled():
 def test_every_kernel_compiles_and_fits_in_shared_memory(compiled):
     kernels = {r["kernel"] for r in compiled.values()}
     assert kernels == {
-        "matmul", "attention fwd", "attention split-kv", "attention combine", "attention dkdv", "attention dq",
+        "matmul", "attention fwd", "attention split-kv", "attention combine", "attention dkdv",
+        "attention dkdv atomic-dq", "attention dq",
         "attention preprocess", "adam", "adam stats", "norm fwd", "norm bwd",
     }  # fmt: skip
     for name, record in compiled.items():
@@ -63,7 +67,7 @@ def test_every_attention_specialisation_has_a_configuration_that_fits_without_sp
     for r in compiled.values():
         if r.get("coverage"):
             groups.setdefault((r["kernel"], r["dtype"], r["head_dim"]), []).append(r)
-    kernels = ("attention fwd", "attention split-kv", "attention dkdv", "attention dq")
+    kernels = ("attention fwd", "attention split-kv", "attention dkdv", "attention dkdv atomic-dq", "attention dq")
     assert set(groups) == {(k, d, h) for k in kernels for d, h in (("fp32", 128), ("fp16", 64), ("bf16", 16))}
     for key, records in groups.items():
         fitting = [r for r in records if r["shared"] <= H200_SHARED_BYTES and r["spill_bytes"] == 0]
@@ -88,16 +92,24 @@ def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
 
 def test_attention_programs_use_tensor_cores_and_pipelines(compiled):
     for name, r in compiled.items():
-        if r["kernel"] in ("attention fwd", "attention split-kv", "attention dkdv", "attention dq") and not r.get(
-            "coverage"
-        ):
+        if r["kernel"] in ATTENTION_MAIN_LOOPS and not r.get("coverage"):
             assert r["wgmma"] + r["mma"] > 0 and r["cp_async"] > 0, name  # tensor cores, pipelined copies
             rows, cols = (int(x) for x in name.split()[-3].split("x"))  # "... 128x64 w8 s3"
             if min(rows, cols) >= 32:
                 assert r["wgmma"] > 0, name  # tiles of 32+ rows and columns use Hopper's warpgroup MMA
 
 
-@pytest.mark.parametrize("kernel", ["attention fwd", "attention split-kv", "attention dkdv", "attention dq"])
+def test_only_the_atomic_dq_backward_uses_atomics(compiled):
+    """The atomic dQ compiles to fire-and-forget reductions (red, relaxed: nothing waits for an old
+    value); every other kernel is free of atomics."""
+    for name, r in compiled.items():
+        if r["kernel"] == "attention dkdv atomic-dq":
+            assert r["red"] > 0 and r["atom"] == 0, name
+        else:
+            assert r["red"] == 0 and r["atom"] == 0, name
+
+
+@pytest.mark.parametrize("kernel", ATTENTION_MAIN_LOOPS)
 def test_attention_tuning_holds_a_configuration_that_does_not_spill(compiled, kernel):
     """At D=128 the autotuner can pick a tile whose registers do not spill to local memory (spills
     cost every step of the inner loop a round trip through L1/L2)."""
