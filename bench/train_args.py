@@ -107,6 +107,13 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     add("--microbatches", type=int, default=None, help="microbatches per step when --pp > 1 (default: 2·pp)")
     add("--sequence-parallel", action="store_true", help="split activations over the sequence between TP layers")
     add(
+        "--attention-backward",
+        choices=("deterministic", "atomic"),
+        default="deterministic",
+        help="flash attention's backward: a dQ kernel of its own, bit-reproducible (default), or dQ added up "
+        "with atomics in the dK/dV kernel (fewer GEMMs, run-to-run differences in the last bits)",
+    )
+    add(
         "--dtype",
         choices=DTYPES,
         default="bf16" if cuda else "fp32",

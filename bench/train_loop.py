@@ -55,7 +55,8 @@ def _layout(args) -> str:
     text = f"dp={args.dp} pp={args.pp} tp={args.tp} zero={args.zero}"
     if args.pp > 1:
         text += f" schedule={args.schedule} microbatches={args.microbatches}"
-    return text + (" sequence-parallel" if args.sequence_parallel else "")
+    text += " sequence-parallel" if args.sequence_parallel else ""
+    return text + (" attention-backward=atomic" if args.attention_backward == "atomic" else "")
 
 
 def _meta(args, engine: Engine, history: list[StepRecord]) -> dict:
@@ -81,6 +82,11 @@ def _save(args, engine: Engine, step: int, history: list[StepRecord]) -> None:
     save_checkpoint(args.out / "checkpoints", step, state, _meta(args, engine, history), keep=args.keep_checkpoints)
 
 
+# Model settings that change how gradients are summed, not what the weights are: a run may resume with
+# another choice (and from a checkpoint written before the setting existed).
+_NUMERICS_ONLY = frozenset({"deterministic_attention"})
+
+
 def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
     """Load the latest complete checkpoint under ``--out``; ``(0, [], None)`` when there is none yet."""
     path = latest_checkpoint(args.out / "checkpoints")
@@ -88,7 +94,11 @@ def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
         return 0, [], None
     manifest = read_manifest(path)
     saved, built = manifest.get("model") or {}, asdict(engine.config)
-    differ = [f"{k}={saved.get(k)!r} (this run: {v!r})" for k, v in built.items() if saved.get(k) != v]
+    differ = [
+        f"{k}={saved.get(k)!r} (this run: {v!r})"
+        for k, v in built.items()
+        if k not in _NUMERICS_ONLY and saved.get(k) != v
+    ]
     if differ:
         raise CheckpointError(f"checkpoint {path} holds a different model: {', '.join(differ)}")
     same_world = manifest.get("world_size") == args.world_size

@@ -49,12 +49,18 @@ class ParallelAttention(nn.Module):
     Input and output are ``[B, S, E]`` (``[B, S/t, E]`` under ``sequence_parallel``: the QKV projection
     gathers the sequence inside its GEMM and the output projection reduce-scatters it, so attention
     itself always sees the whole sequence and rotary positions are global).
+
+    ``deterministic=False`` runs flash attention's one-kernel backward (dQ added up with atomics; see
+    :func:`~tessel.kernels.attention.flash_attention`); the default keeps gradients bit-reproducible.
     """
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int | None = None, *, head_dim: int | None = None,
                  bias: bool = False, rope_theta: float | None = 10000.0, causal: bool = True, tp_group=None,
-                 sequence_parallel: bool = False, overlap="auto", device=None, dtype=None):  # fmt: skip
+                 sequence_parallel: bool = False, overlap="auto", deterministic: bool = True, device=None,
+                 dtype=None):  # fmt: skip
         super().__init__()
+        if not isinstance(deterministic, bool):
+            raise TypeError(f"ParallelAttention: deterministic must be a bool, received {type(deterministic).__name__}")
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         check_heads(type(self).__name__, n_head, n_kv_head, group_size(tp_group))
         if head_dim is None:
@@ -62,7 +68,7 @@ class ParallelAttention(nn.Module):
                 raise ValueError(f"ParallelAttention: n_embd={n_embd} is not divisible by n_head={n_head}")
             head_dim = n_embd // n_head
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
-        self.rope_theta, self.causal = rope_theta, causal
+        self.rope_theta, self.causal, self.deterministic = rope_theta, causal, deterministic
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(n_embd, (n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim),
                                         bias, **kw)  # fmt: skip
@@ -78,11 +84,12 @@ class ParallelAttention(nn.Module):
         if self.rope_theta is not None:
             cos, sin = rotary_tables(q.shape[2], self.head_dim, self.rope_theta, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = flash_attention(q, k, v, causal=self.causal)
+        y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic)
         b, h, s, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, s, h * d))
 
     def extra_repr(self) -> str:
         local = self.qkv.local_parts
         return (f"n_head={self.n_head} (local {local[0] // self.head_dim}), n_kv_head={self.n_kv_head} "
-                f"(local {local[1] // self.head_dim}), head_dim={self.head_dim}, causal={self.causal}")  # fmt: skip
+                f"(local {local[1] // self.head_dim}), head_dim={self.head_dim}, causal={self.causal}"
+                + ("" if self.deterministic else ", deterministic=False"))  # fmt: skip

@@ -52,6 +52,7 @@ class GPTConfig:
     norm_eps: float = 1e-5
     mlp_hidden: int | None = None
     init_std: float = 0.02
+    deterministic_attention: bool = True  # False: flash attention's backward adds dQ up with atomics
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
@@ -70,6 +71,10 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: mlp must be one of {MLP_ACTIVATIONS}, received {self.mlp!r}")
         if self.norm not in NORMS:
             raise ValueError(f"GPTConfig: norm must be one of {tuple(NORMS)}, received {self.norm!r}")
+        if not isinstance(self.deterministic_attention, bool):
+            raise TypeError(
+                f"GPTConfig: deterministic_attention must be a bool, received {self.deterministic_attention!r}"
+            )
         if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
             self.mlp_hidden = 4 * self.n_embd if self.mlp == "gelu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
@@ -92,7 +97,8 @@ class TransformerBlock(nn.Module):
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
         self.attn_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.attn = ParallelAttention(config.n_embd, config.n_head, config.n_kv_head, bias=config.bias,
-                                      rope_theta=config.rope_theta, **kw)  # fmt: skip
+                                      rope_theta=config.rope_theta, deterministic=config.deterministic_attention,
+                                      **kw)  # fmt: skip
         self.mlp_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 

@@ -102,6 +102,15 @@ def test_resume_reproduces_the_uninterrupted_run_exactly(uninterrupted, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_resume_may_switch_the_attention_backward(uninterrupted, tmp_path):
+    """How dQ is summed is not part of the model: the run continues, to fp32 rounding of the same math."""
+    _copy_checkpoint(_checkpoint(uninterrupted, 2), tmp_path)
+    _ok(_train(tmp_path, *RUN, "--resume", "--attention-backward", "atomic", nproc=2))
+    assert _losses(tmp_path) == pytest.approx(_losses(uninterrupted), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoint_saved_at_tp2_loads_in_a_world_of_one(uninterrupted, tmp_path):
     saved, resumed = tmp_path / "tp2", tmp_path / "dense"
     _ok(_train(saved, "--tp", "2", "--zero", "1", *RUN[4:], nproc=2, timeout=240))
@@ -182,10 +191,17 @@ def test_killed_rank_restarts_from_its_checkpoint_and_ends_like_the_uninterrupte
 
 @pytest.mark.slow
 def test_interpreter_step_matches_reference(tmp_path):
-    """One step with tessel's Triton kernels (through the interpreter) against the PyTorch references."""
-    small = ["--steps", "1", "--seq-len", "16", "--batch-size", "2"]
+    """Two steps with tessel's Triton kernels (through the interpreter), with either attention backward,
+    against the PyTorch references: the second loss shows the first update."""
+    small = ["--steps", "2", "--seq-len", "16", "--batch-size", "2"]
     interp = _ok(_train(tmp_path / "interp", *small, env={"TRITON_INTERPRET": "1"}))
+    atomic = _ok(_train(tmp_path / "atomic", *small, "--attention-backward", "atomic", env={"TRITON_INTERPRET": "1"}))
     _ok(_train(tmp_path / "ref", *small))
-    assert "kernels: Triton's interpreter" in interp.stdout
+    assert "kernels: Triton's interpreter" in interp.stdout and "attention-backward=atomic" in atomic.stdout
+    record = json.loads((tmp_path / "atomic" / "run.json").read_text())
+    assert record["args"]["attention_backward"] == "atomic" and record["model"]["deterministic_attention"] is False
     # fp32 throughout; the kernels and references differ only in summation order.
-    assert _losses(tmp_path / "interp") == pytest.approx(_losses(tmp_path / "ref"), rel=1e-5)
+    reference = _losses(tmp_path / "ref")
+    assert len(reference) == 2
+    assert _losses(tmp_path / "interp") == pytest.approx(reference, rel=1e-5)
+    assert _losses(tmp_path / "atomic") == pytest.approx(reference, rel=1e-5)

@@ -20,6 +20,7 @@ CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         (["--seq-len", "257"], "--seq-len 257 exceeds the block size 256 of preset 'tiny'"),
         (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (["--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
+        (["--attention-backward", "fast"], "argument --attention-backward: invalid choice: 'fast'"),
     ],
 )
 def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
@@ -65,3 +66,4 @@ def test_defaults_fill_from_the_preset(monkeypatch):
     tiny = PRESETS["tiny"]
     assert (args.seq_len, args.batch_size, args.lr, args.steps) == (tiny.seq_len, tiny.batch_size, tiny.lr, tiny.steps)
     assert (args.dp, args.microbatches, args.stages_per_rank) == (1, 4, 1)
+    assert args.attention_backward == "deterministic"

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from tessel.layers.attention import check_heads
+from tessel.layers.attention import ParallelAttention, check_heads
 from tessel.layers.gpt import GPT, GPTConfig
 from tessel.parallel.sharding import shard_like
 from tests.multiprocess import run_ranks
@@ -49,6 +49,49 @@ def _batch(cfg, b=2, s=8, seed=7):
 def test_config_rejects_bad_values(kw, match):
     with pytest.raises(ValueError, match=match):
         _config(**kw)
+
+
+def test_config_deterministic_attention_must_be_a_bool():
+    with pytest.raises(TypeError, match="deterministic_attention must be a bool, received 0"):
+        _config(deterministic_attention=0)
+    with pytest.raises(TypeError, match="ParallelAttention: deterministic must be a bool, received str"):
+        ParallelAttention(64, 4, deterministic="no")
+
+
+def test_atomic_attention_backward_gives_the_same_gradients(seed, monkeypatch):
+    """deterministic_attention=False reaches flash attention (the one-kernel backward runs, and only it)
+    and changes gradients by the summation order of dQ only."""
+    import tessel.kernels.attention as attention_module
+
+    cfg = _config(n_embd=64, n_head=4, n_kv_head=2)
+    models = {flag: GPT(_config(deterministic_attention=flag)) for flag in (True, False)}
+    models[False].load_state_dict(models[True].state_dict())
+    assert "deterministic=False" in repr(models[False].blocks[0].attn)
+    seen = []
+    launch = attention_module._launch
+
+    def record(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags):
+        seen.append((kernel.__name__, flags.get("ATOMIC_DQ")))
+        return launch(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags)
+
+    monkeypatch.setattr(attention_module, "_launch", record)
+    idx, targets = _batch(cfg)
+    grads = {}
+    for flag, model in models.items():
+        seen.clear()
+        model.loss(idx, targets).backward()
+        backward = [name for name in seen if name[0] != "_flash_attention_fwd_kernel"]
+        if attention_module.backend_for(idx.float()) != "reference":
+            one_kernel = [("_flash_attention_bwd_dkdv_kernel", True)] * cfg.n_layer
+            assert backward == (
+                one_kernel
+                if not flag
+                else [("_flash_attention_bwd_dkdv_kernel", False), ("_flash_attention_bwd_dq_kernel", None)]
+                * cfg.n_layer
+            )
+        grads[flag] = {n: p.grad for n, p in model.named_parameters()}
+    for name, grad in grads[True].items():
+        torch.testing.assert_close(grads[False][name], grad, **TOL)
 
 
 def test_heads_that_do_not_split_are_refused():
