@@ -21,6 +21,23 @@ def seed():
     return 1234
 
 
+@pytest.fixture
+def attention_launches(monkeypatch):
+    """The ``(kernel name, ATOMIC_DQ)`` of every flash attention launch that goes through ``_launch``
+    (the forward and the backward's dK/dV and dQ kernels), in order, for the whole test."""
+    import tessel.kernels.attention as attention_module
+
+    seen = []
+    launch = attention_module._launch
+
+    def record(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags):
+        seen.append((kernel.__name__, flags.get("ATOMIC_DQ")))
+        return launch(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags)
+
+    monkeypatch.setattr(attention_module, "_launch", record)
+    return seen
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

@@ -11,7 +11,6 @@ and for when it is (not) taken.
 import pytest
 import torch
 
-import tessel.kernels.attention as attention_module
 from tessel.kernels._dispatch import INTERPRET
 from tessel.kernels.attention import flash_attention
 from tests.kernels.test_attention import (  # noqa: F401 (nan_empty is a fixture)
@@ -91,20 +90,6 @@ def test_strided_query_gets_its_gradient_in_its_own_layout(seed):
     assert leaf.grad.stride() == q.stride()
 
 
-@pytest.fixture
-def launches(monkeypatch):
-    """The (kernel, ATOMIC_DQ) of every backward launch."""
-    seen = []
-    launch = attention_module._launch
-
-    def record(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags):
-        seen.append((kernel.__name__, flags.get("ATOMIC_DQ")))
-        return launch(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags)
-
-    monkeypatch.setattr(attention_module, "_launch", record)
-    return seen
-
-
 DKDV, DQ, FWD = "_flash_attention_bwd_dkdv_kernel", "_flash_attention_bwd_dq_kernel", "_flash_attention_fwd_kernel"
 
 
@@ -118,31 +103,31 @@ DKDV, DQ, FWD = "_flash_attention_bwd_dkdv_kernel", "_flash_attention_bwd_dq_ker
         (False, "qv", [(DKDV, True)]),
     ],
 )
-def test_which_kernels_run(seed, launches, deterministic, needs, expected):
+def test_which_kernels_run(seed, attention_launches, deterministic, needs, expected):
     q, k, v = make_qkv("gqa", 19, 16, torch.float32)
     leaves = {"q": q, "k": k, "v": v}
     for name in needs:
         leaves[name].requires_grad_()
     out = flash_attention(q, k, v, True, deterministic=deterministic)
-    launches.clear()
+    attention_launches.clear()
     grads = torch.autograd.grad(out.sum(), [leaves[n] for n in needs])
-    assert launches == expected
+    assert attention_launches == expected
     want = torch.autograd.grad(flash_attention(q, k, v, True, deterministic=True).sum(), [leaves[n] for n in needs])
     for got, ref in zip(grads, want):
         assert_close(got, ref, torch.float32, f"{needs} gradients")
 
 
-def test_torch_deterministic_mode_wins(seed, launches):
+def test_torch_deterministic_mode_wins(seed, attention_launches):
     q, k, v = (t.requires_grad_() for t in make_qkv("gqa", 19, 16, torch.float32))
     out = flash_attention(q, k, v, deterministic=False)
-    launches.clear()
+    attention_launches.clear()
     previous = torch.are_deterministic_algorithms_enabled()
     torch.use_deterministic_algorithms(True)
     try:
         out.sum().backward()
     finally:
         torch.use_deterministic_algorithms(previous)
-    assert launches == [(DKDV, False), (DQ, None)]
+    assert attention_launches == [(DKDV, False), (DQ, None)]
 
 
 @pytest.mark.parametrize("bad", [None, 0, 1, "no"])

@@ -58,37 +58,24 @@ def test_config_deterministic_attention_must_be_a_bool():
         ParallelAttention(64, 4, deterministic="no")
 
 
-def test_atomic_attention_backward_gives_the_same_gradients(seed, monkeypatch):
+def test_atomic_attention_backward_gives_the_same_gradients(seed, attention_launches):
     """deterministic_attention=False reaches flash attention (the one-kernel backward runs, and only it)
     and changes gradients by the summation order of dQ only."""
-    import tessel.kernels.attention as attention_module
+    from tessel.kernels._dispatch import Backend, backend_for
 
     cfg = _config(n_embd=64, n_head=4, n_kv_head=2)
     models = {flag: GPT(_config(deterministic_attention=flag)) for flag in (True, False)}
     models[False].load_state_dict(models[True].state_dict())
     assert "deterministic=False" in repr(models[False].blocks[0].attn)
-    seen = []
-    launch = attention_module._launch
-
-    def record(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags):
-        seen.append((kernel.__name__, flags.get("ATOMIC_DQ")))
-        return launch(kernel, tuned, blocks, backend, program_rows, rows, bh, args, flags)
-
-    monkeypatch.setattr(attention_module, "_launch", record)
+    dkdv, dq = "_flash_attention_bwd_dkdv_kernel", "_flash_attention_bwd_dq_kernel"
+    expected = {True: [(dkdv, False), (dq, None)] * cfg.n_layer, False: [(dkdv, True)] * cfg.n_layer}
     idx, targets = _batch(cfg)
     grads = {}
     for flag, model in models.items():
-        seen.clear()
+        attention_launches.clear()
         model.loss(idx, targets).backward()
-        backward = [name for name in seen if name[0] != "_flash_attention_fwd_kernel"]
-        if attention_module.backend_for(idx.float()) != "reference":
-            one_kernel = [("_flash_attention_bwd_dkdv_kernel", True)] * cfg.n_layer
-            assert backward == (
-                one_kernel
-                if not flag
-                else [("_flash_attention_bwd_dkdv_kernel", False), ("_flash_attention_bwd_dq_kernel", None)]
-                * cfg.n_layer
-            )
+        if backend_for(idx.float()) != Backend.REFERENCE:  # the backward's launches, after the forward's
+            assert [k for k in attention_launches if k[0] != "_flash_attention_fwd_kernel"] == expected[flag]
         grads[flag] = {n: p.grad for n, p in model.named_parameters()}
     for name, grad in grads[True].items():
         torch.testing.assert_close(grads[False][name], grad, **TOL)
