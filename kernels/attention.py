@@ -350,8 +350,8 @@ def _backward(
                 _flash_attention_bwd_dkdv_kernel, dkdv_atomic_dq_kernel_tuned if atomic_dq else dkdv_kernel_tuned,
                 INTERPRETER_DKDV_BLOCKS, backend, "BLOCK_N", sk, b * hkv, args, {**flags, "ATOMIC_DQ": atomic_dq},
             )  # fmt: skip
-            if atomic_dq:
-                dq.copy_(dq_acc.mul_(scale))
+            if atomic_dq:  # scaled and rounded into q's dtype and layout in one pass
+                torch.mul(dq_acc, scale, out=dq)
         if need_dq and not atomic_dq:
             args = (q, k, v, dout, lse, delta, dq, *common, *dq.stride()[:3], *tail)
             _launch(
