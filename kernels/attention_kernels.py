@@ -566,24 +566,33 @@ def _prune_for_short_sequences(configs, named_args, **kwargs):
     return kept or configs
 
 
-# Hopper (sm_90): 128-row query tiles with 64/128-wide key tiles (FlashAttention-2's and the Triton
-# tutorial's choices), 4/8 warps, 2/3 stages; a 64×64 and a 64×32 tile for short sequences and for
-# fp32 with D=128, where the larger tiles overflow shared memory (the autotuner skips those).
+# Hopper (sm_90) candidates, chosen from what ptxas makes of them at bf16, D=128, causal and not
+# (tests/kernels/sm90_compile.py reports registers, spills and local-memory traffic per loop step):
+# every tile keeps its main loop free of register spills except the FlashAttention-2 backward tile
+# (64×128, 8 warps), kept as a candidate for its wide MMAs although it refills a few dozen registers per
+# step. Tiles of 128 query rows over 4 warps are left out: their fp32 accumulators (128×128 over 128
+# threads) spill at every step. The 64×64 and 64×32 tiles serve short sequences and fp32 with D=128,
+# where the larger tiles overflow shared memory (the autotuner skips those).
 _FWD_CONFIGS = _configs([
-    (128, 64, 4, 3), (128, 64, 8, 3), (128, 128, 8, 3), (128, 128, 8, 2), (128, 64, 4, 2), (64, 64, 4, 3),
+    (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
     (64, 32, 4, 2),
 ])  # fmt: skip
-# dK/dV: each program owns a wide key tile (BLOCK_N) and streams narrow query tiles (BLOCK_M) past it.
-# With D=128 the two fp32 accumulators (dK, dV: 2·BLOCK_N·D) crowd the registers: ptxas spills in
-# every tile of 32+ query rows there (tests/kernels/sm90_compile.py reports it), so 16-row tiles over
-# 8 warps, which compile without spilling, are candidates too.
+# dK/dV: each program owns a wide key tile (BLOCK_N) and streams narrow query tiles (BLOCK_M) past it. The
+# two fp32 accumulators (dK, dV: 2·BLOCK_N·D) crowd the registers, so the tiles spread over 8 warps.
 _DKDV_CONFIGS = _configs([
-    (32, 128, 4, 3), (64, 128, 8, 3), (32, 128, 8, 2), (64, 64, 4, 3), (32, 64, 4, 2), (16, 32, 4, 2),
-    (16, 128, 8, 3), (16, 64, 8, 3),
+    (64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3), (32, 128, 8, 2), (32, 64, 8, 3), (16, 128, 8, 3),
+    (16, 64, 8, 3), (16, 32, 4, 2),
+])  # fmt: skip
+# The one-kernel backward holds the dS·K product of each step as well: 32-row tiles of 64 keys keep
+# their loops spill-free, 32×128 refills a dozen registers per causal step.
+_DKDV_ATOMIC_DQ_CONFIGS = _configs([
+    (64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3), (32, 64, 8, 3), (32, 64, 8, 2), (16, 128, 8, 3),
+    (16, 64, 8, 3), (16, 32, 4, 2),
 ])  # fmt: skip
 # dQ: each program owns a tall query tile (BLOCK_M) and streams narrow key tiles (BLOCK_N) past it.
 _DQ_CONFIGS = _configs([
-    (128, 32, 4, 3), (128, 64, 8, 3), (128, 32, 8, 2), (64, 64, 4, 3), (64, 32, 4, 2), (32, 16, 4, 2),
+    (128, 64, 8, 3), (128, 64, 8, 2), (128, 32, 8, 2), (64, 64, 8, 3), (64, 64, 4, 3), (64, 32, 4, 2),
+    (32, 16, 4, 2),
 ])  # fmt: skip
 
 _TUNE = dict(
@@ -594,7 +603,7 @@ dkdv_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, **_TUNE)(_flash_atten
 dq_kernel_tuned = triton.autotune(configs=_DQ_CONFIGS, **_TUNE)(_flash_attention_bwd_dq_kernel)
 # The one-kernel backward (ATOMIC_DQ) adds onto its dQ accumulator: every timed launch of the autotuner
 # starts from zeros again, and so does the launch that follows the tuning.
-dkdv_atomic_dq_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, reset_to_zero=["dq_acc_ptr"], **_TUNE)(
+dkdv_atomic_dq_kernel_tuned = triton.autotune(configs=_DKDV_ATOMIC_DQ_CONFIGS, reset_to_zero=["dq_acc_ptr"], **_TUNE)(
     _flash_attention_bwd_dkdv_kernel
 )
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import importlib
+import itertools
 import json
 import multiprocessing
 import os
@@ -79,6 +80,7 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
         **{key: len(pattern.findall(ptx)) for key, pattern in PTX_INSTRUCTIONS.items()},
         **resource_usage(ptx),
+        "loop_local_ops": loop_local_ops(kernel.asm["cubin"]),
         "num_warps": num_warps,
         "num_stages": num_stages,
         **meta,
@@ -104,7 +106,47 @@ def resource_usage(ptx: str) -> dict:
     spills = re.search(r"(\d+) bytes spill stores", report)
     if registers is None or spills is None:
         raise RuntimeError(f"unexpected ptxas report: {report[-500:]}")
-    return {"registers": int(registers.group(1)), "spill_bytes": int(spills.group(1))}
+    return {
+        "registers": int(registers.group(1)),
+        "spill_bytes": int(spills.group(1)),
+        # ptxas' C7510-C7512 warnings: the warpgroup MMAs wait for one another (too few registers to keep
+        # several in flight, or an operand it cannot pipeline), which costs Hopper most of its MMA rate.
+        "wgmma_serialized": "wgmma.mma_async instructions are serialized" in report,
+    }
+
+
+_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*([^;]*);", re.M)
+_BACK_BRANCH = re.compile(r"\bBRA\s+0x([0-9a-f]+)")
+
+
+def loop_local_ops(cubin: bytes) -> int:
+    """Local-memory loads and stores (LDL/STL: spilled registers going out and coming back) in the most
+    crowded innermost loop of the program's SASS. Spills outside the loops cost once per program; these
+    cost at every step of a main loop. Loops are read from backward branches; innermost ones contain
+    no other."""
+    from triton import knobs
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as binary:
+        binary.write(cubin)
+        binary.flush()
+        sass = subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", binary.name], capture_output=True, text=True, timeout=300, check=True
+        ).stdout
+    code = [(int(addr, 16), _opcode(op)) for addr, op in _SASS_LINE.findall(sass)]
+    loops = []
+    for addr, op in _SASS_LINE.findall(sass):
+        branch = _BACK_BRANCH.search(op)
+        if branch and int(branch.group(1), 16) < int(addr, 16):
+            loops.append((int(branch.group(1), 16), int(addr, 16)))
+    inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
+    counts = [sum(op.startswith(("LDL", "STL")) for at, op in code if lo <= at <= hi) for lo, hi in inner]
+    return max(counts, default=0)
+
+
+def _opcode(instruction: str) -> str:
+    """'@!P0 LDL.64 R2, [R1+0x8]' -> 'LDL.64'."""
+    words = instruction.split()
+    return words[1] if words[0].startswith("@") else words[0]
 
 
 def matmul_cases():
@@ -161,8 +203,8 @@ def _BACKWARD_AND_FORWARD(att):
 
 
 def attention_cases():
-    """Every autotuning configuration of the attention kernels at D=128, causal (the shape the benchmark
-    measures): forward, split-KV forward (at 16 and 64 rows), dK/dV, dK/dV with the atomic dQ, and dQ;
+    """Every autotuning configuration of the attention kernels at D=128, causal and not (the shapes the
+    benchmark measures): forward, split-KV forward (at 16 and 64 rows), dK/dV, dK/dV with the atomic dQ, and dQ;
     the split-KV merge and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True)
@@ -173,11 +215,12 @@ def attention_cases():
         ptrs = {p.name: "bf16" for p in fn.params if p.name.endswith("_ptr")}
         ptrs.update({name: "fp32" for name in ("lse_ptr", "delta_ptr", "dq_acc_ptr") if name in ptrs})
         floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
-        for config in tuned.configs:
+        for causal, config in itertools.product((True, False), tuned.configs):
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
-            name = f"attention {label} bf16 D=128 causal {bm}x{bn} w{config.num_warps} s{config.num_stages}"
-            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128}
-            constants = {**common, **config.kwargs, **extra}
+            mask = "causal" if causal else "full"
+            name = f"attention {label} bf16 D=128 {mask} {bm}x{bn} w{config.num_warps} s{config.num_stages}"
+            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": causal}
+            constants = {**common, **config.kwargs, **extra, "CAUSAL": causal}
             cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
     split = att.split_kv_kernel_tuned.fn  # decode: 16 rows (one kv head's query heads), or the widest 64
     split_ptrs = {p.name: "bf16" for p in split.params if p.name.endswith("_ptr")}
@@ -189,7 +232,8 @@ def attention_cases():
                 f"attention split-kv bf16 D=128 causal {block_m}x{bn} w{config.num_warps} s{config.num_stages}",
                 split, split_ptrs, {**common, **config.kwargs, "BLOCK_M": block_m, "FINAL": False},
                 ("qk_scale",), ("HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT"), config.num_warps,
-                config.num_stages, {"kernel": "attention split-kv", "dtype": "bf16", "head_dim": 128},
+                config.num_stages,
+                {"kernel": "attention split-kv", "dtype": "bf16", "head_dim": 128, "causal": True},
             ))  # fmt: skip
     cases.append((
         "attention combine bf16 D=128 64 splits", att._flash_attention_split_kv_combine_kernel,

@@ -118,6 +118,29 @@ def test_attention_tuning_holds_a_configuration_that_does_not_spill(compiled, ke
     assert any(r["spill_bytes"] == 0 for r in configs), [(r["name"], r["spill_bytes"]) for r in configs]
 
 
+# Local-memory loads and stores per step of a main loop the attention tiles may cost (the FlashAttention-2
+# backward tile, 64×128 over 8 warps, refills a few dozen registers per step at bf16, D=128).
+ATTENTION_LOOP_LOCAL_OPS = 48
+
+
+@pytest.mark.parametrize(
+    ("kernel", "causal"),
+    [(k, c) for k in ATTENTION_MAIN_LOOPS for c in (True, False) if c or k != "attention split-kv"],  # decode: causal
+)
+def test_attention_main_loops_keep_their_registers(compiled, kernel, causal):
+    """At bf16, D=128 (the benchmark's shapes) no tile the autotuner may pick serialises its warpgroup
+    MMAs or spills heavily inside a main loop, and most tiles do not spill there at all. A tile that
+    does (e.g. 128 query rows over 4 warps in the forward: hundreds of spilled registers going out
+    and back at every step, read from the SASS) costs a large part of the MMA rate, and only slows
+    the autotuner down."""
+    configs = [r for r in compiled.values() if r["kernel"] == kernel and r.get("causal") == causal]
+    assert len(configs) >= 6 and all(not r.get("coverage") for r in configs), kernel
+    report = [(r["name"], r["loop_local_ops"], r["wgmma_serialized"]) for r in configs]
+    assert not any(r["wgmma_serialized"] for r in configs), report
+    assert all(r["loop_local_ops"] <= ATTENTION_LOOP_LOCAL_OPS for r in configs), report
+    assert 2 * sum(r["loop_local_ops"] == 0 for r in configs) > len(configs), report
+
+
 def test_gemm_main_loops_and_elementwise_programs_do_not_spill(compiled):
     """The GEMM with a plain epilogue, the norm and Adam kernels and the split-KV merge keep everything in
     registers (the widest tile with the fused bias+GELU+pre-activation epilogue may spill a little in
@@ -127,3 +150,5 @@ def test_gemm_main_loops_and_elementwise_programs_do_not_spill(compiled):
             assert r["spill_bytes"] <= 1024, name
         elif not r["kernel"].startswith("attention") or r["kernel"] == "attention combine":
             assert r["spill_bytes"] == 0 and r["registers"] <= 255, name
+        if r["kernel"] == "matmul" or not r["kernel"].startswith("attention"):
+            assert r["loop_local_ops"] == 0 and not r["wgmma_serialized"], name  # not one spill in a main loop
