@@ -114,6 +114,12 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "with atomics in the dK/dV kernel (fewer GEMMs, run-to-run differences in the last bits)",
     )
     add(
+        "--recompute",
+        action="store_true",
+        help="activation checkpointing: keep each block's input only and recompute its activations in backward "
+        "(far less activation memory for one more forward pass)",
+    )
+    add(
         "--dtype",
         choices=DTYPES,
         default="bf16" if cuda else "fp32",

@@ -280,7 +280,11 @@ def _schedule(args, wrapper: nn.Module, modules: list[nn.Module], dims: Parallel
 def build_engine(args, dims: ParallelDims) -> Engine:
     """The GPT of ``args.preset`` laid out on ``dims``, wrapped, with its optimizer (and pipeline schedule)."""
     torch.manual_seed(args.seed)
-    config = GPTConfig(**PRESETS[args.preset].model, deterministic_attention=args.attention_backward == "deterministic")
+    config = GPTConfig(
+        **PRESETS[args.preset].model,
+        deterministic_attention=args.attention_backward == "deterministic",
+        recompute=args.recompute,
+    )
     gpt = GPT(
         config,
         tp_group=dims.tp_group,

@@ -56,6 +56,7 @@ def _layout(args) -> str:
     if args.pp > 1:
         text += f" schedule={args.schedule} microbatches={args.microbatches}"
     text += " sequence-parallel" if args.sequence_parallel else ""
+    text += " recompute" if args.recompute else ""
     return text + (" attention-backward=atomic" if args.attention_backward == "atomic" else "")
 
 
@@ -82,9 +83,9 @@ def _save(args, engine: Engine, step: int, history: list[StepRecord]) -> None:
     save_checkpoint(args.out / "checkpoints", step, state, _meta(args, engine, history), keep=args.keep_checkpoints)
 
 
-# Model settings that change how gradients are summed, not what the weights are: a run may resume with
+# Model settings that change how gradients are computed, not what the weights are: a run may resume with
 # another choice (and from a checkpoint written before the setting existed).
-_NUMERICS_ONLY = frozenset({"deterministic_attention"})
+_NUMERICS_ONLY = frozenset({"deterministic_attention", "recompute"})
 
 
 def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:

@@ -19,6 +19,7 @@ from typing import ClassVar
 
 import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from ..kernels.attention import HEAD_DIMS
 from ..parallel.comm import group_size
@@ -53,6 +54,7 @@ class GPTConfig:
     mlp_hidden: int | None = None
     init_std: float = 0.02
     deterministic_attention: bool = True  # False: flash attention's backward adds dQ up with atomics
+    recompute: bool = False  # activation checkpointing: each block's activations are recomputed in backward
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
@@ -71,10 +73,9 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: mlp must be one of {MLP_ACTIVATIONS}, received {self.mlp!r}")
         if self.norm not in NORMS:
             raise ValueError(f"GPTConfig: norm must be one of {tuple(NORMS)}, received {self.norm!r}")
-        if not isinstance(self.deterministic_attention, bool):
-            raise TypeError(
-                f"GPTConfig: deterministic_attention must be a bool, received {self.deterministic_attention!r}"
-            )
+        for name in ("deterministic_attention", "recompute"):
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"GPTConfig: {name} must be a bool, received {getattr(self, name)!r}")
         if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
             self.mlp_hidden = 4 * self.n_embd if self.mlp == "gelu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
@@ -105,6 +106,21 @@ class TransformerBlock(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x))
         return x + self.mlp(self.mlp_norm(x))
+
+
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, recompute: bool) -> torch.Tensor:
+    """``x`` through ``blocks``; with ``recompute`` (activation checkpointing, when autograd records) each
+    block keeps only its input for backward and runs its forward again there, collectives included,
+    before its own backward: per block one ``[B, S, E]`` tensor (``[B, S/t, E]`` under sequence
+    parallelism) is held instead of every intermediate (norm outputs, q/k/v, the attention output and
+    its log-sum-exp, the MLP's hidden activations), for one more forward pass of compute. The
+    recomputation is non-reentrant (:func:`torch.utils.checkpoint.checkpoint` with ``use_reentrant=False``),
+    so the block's own module hooks run again, as :class:`~tessel.parallel.FSDP`'s regathering needs,
+    and gradients equal those of the plain forward bit for bit."""
+    recompute = recompute and torch.is_grad_enabled()
+    for block in blocks:
+        x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+    return x
 
 
 class GPT(nn.Module):
@@ -177,10 +193,7 @@ class GPT(nn.Module):
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """The final norm's output ``[B, S, E]`` (``[B, S/t, E]`` under sequence parallelism)."""
         self._check_idx(idx)
-        x = self.embed(idx)
-        for block in self.blocks:
-            x = block(x)
-        return self.norm(x)
+        return self.norm(run_blocks(self.blocks, self.embed(idx), self.config.recompute))
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.hidden_states(idx))
@@ -227,7 +240,7 @@ class GPTStage(nn.Module):
 
     def __init__(self, gpt: GPT, start: int, stop: int, *, first: bool, last: bool):
         super().__init__()
-        self.first, self.last, self.tp_group = first, last, gpt.tp_group
+        self.first, self.last, self.tp_group, self.recompute = first, last, gpt.tp_group, gpt.config.recompute
         self.embed = gpt.embed if first else None
         self.blocks = nn.ModuleList(gpt.blocks[start:stop])
         self.norm = gpt.norm if last else None
@@ -236,6 +249,5 @@ class GPTStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.first:
             x = self.embed(x)
-        for block in self.blocks:
-            x = block(x)
+        x = run_blocks(self.blocks, x, self.recompute)
         return self.lm_head(self.norm(x)) if self.last else x

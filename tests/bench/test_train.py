@@ -111,6 +111,34 @@ def test_resume_may_switch_the_attention_backward(uninterrupted, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_resume_may_turn_on_recompute(uninterrupted, tmp_path):
+    """Activation checkpointing is not part of the model either, and changes no bit of the run."""
+    _copy_checkpoint(_checkpoint(uninterrupted, 2), tmp_path)
+    proc = _ok(_train(tmp_path, *RUN, "--resume", "--recompute", nproc=2))
+    assert "zero=2 recompute" in proc.stdout
+    assert _losses(tmp_path) == _losses(uninterrupted)
+    resumed, reference = _tensors(_checkpoint(tmp_path, 4)), _tensors(_checkpoint(uninterrupted, 4))
+    for key in reference:
+        assert torch.equal(resumed[key], reference[key]), key
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [["--pp", "2", "--schedule", "zb"], ["--zero", "3"]], ids=["pp2-zb", "fsdp"])
+def test_recompute_trains_exactly_like_the_plain_run(tmp_path, layout):
+    """Under the zero-bubble schedule the recomputation runs in each microbatch's input-gradient pass and
+    the weight gradients it defers still come out right; under FSDP the recomputed block gathers its
+    parameters again. Either way the losses are the plain run's, bit for bit."""
+    small = [*layout, "--steps", "3", "--seq-len", "32"]
+    _ok(_train(tmp_path / "plain", *small, nproc=2))
+    _ok(_train(tmp_path / "recompute", *small, "--recompute", nproc=2))
+    assert _losses(tmp_path / "recompute") == _losses(tmp_path / "plain")
+    record = json.loads((tmp_path / "recompute" / "run.json").read_text())
+    assert record["model"]["recompute"] is True and record["summary"]["layout"].endswith("recompute")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoint_saved_at_tp2_loads_in_a_world_of_one(uninterrupted, tmp_path):
     saved, resumed = tmp_path / "tp2", tmp_path / "dense"
     _ok(_train(saved, "--tp", "2", "--zero", "1", *RUN[4:], nproc=2, timeout=240))

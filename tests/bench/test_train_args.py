@@ -66,4 +66,4 @@ def test_defaults_fill_from_the_preset(monkeypatch):
     tiny = PRESETS["tiny"]
     assert (args.seq_len, args.batch_size, args.lr, args.steps) == (tiny.seq_len, tiny.batch_size, tiny.lr, tiny.steps)
     assert (args.dp, args.microbatches, args.stages_per_rank) == (1, 4, 1)
-    assert args.attention_backward == "deterministic"
+    assert args.attention_backward == "deterministic" and args.recompute is False

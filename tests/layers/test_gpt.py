@@ -81,6 +81,77 @@ def test_atomic_attention_backward_gives_the_same_gradients(seed, attention_laun
         torch.testing.assert_close(grads[False][name], grad, **TOL)
 
 
+def test_config_recompute_must_be_a_bool():
+    with pytest.raises(TypeError, match="recompute must be a bool, received 'yes'"):
+        _config(recompute="yes")
+
+
+def _activation_bytes(model, idx, targets):
+    """Bytes of the non-parameter tensors autograd saves for backward during one forward and loss.
+
+    Inside a recomputed block the checkpoint's own saved-tensor hooks take over, so these hooks see only
+    what is saved outside the blocks' computations, the blocks' inputs (which the checkpoint saves) among
+    them."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in params:
+            seen[ptr] = max(seen.get(ptr, 0), t.untyped_storage().nbytes())
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = model.loss(idx, targets)
+    return loss, sum(seen.values())
+
+
+@pytest.mark.parametrize("mlp, norm", [("swiglu", "rmsnorm"), ("gelu", "layernorm")])
+def test_recompute_gives_the_same_gradients_and_holds_no_block_activations(seed, mlp, norm):
+    """Activation checkpointing changes what backward keeps, not what it computes: loss and every gradient
+    are bit-equal to the plain model's, the kernels' recomputed forward being the same launches on the
+    same inputs. With depth the saved activations grow by one [B, S, E] tensor per block (its input),
+    where the plain model's grow by every block's intermediates."""
+    results = {}
+    for n_layer in (2, 4):
+        for recompute in (False, True):
+            cfg = _config(n_layer=n_layer, mlp=mlp, norm=norm, bias=norm == "layernorm", recompute=recompute)
+            torch.manual_seed(0)
+            model = GPT(cfg)
+            idx, targets = _batch(cfg)
+            loss, saved = _activation_bytes(model, idx, targets)
+            loss.backward()
+            grads = {n: p.grad for n, p in model.named_parameters()}
+            results[n_layer, recompute] = loss.detach(), grads, saved
+    for n_layer in (2, 4):
+        (plain_loss, plain_grads, _), (loss, grads, _) = results[n_layer, False], results[n_layer, True]
+        assert torch.equal(loss, plain_loss)
+        for name, grad in plain_grads.items():
+            assert torch.equal(grads[name], grad), name
+    block = 2 * 8 * 64 * 4  # one [B, S, E] fp32 activation
+    plain_growth = results[4, False][2] - results[2, False][2]
+    assert plain_growth >= 2 * 8 * block  # two more blocks, each saving 8+ activations of [B, S, E] or wider
+    # Recomputed, a block keeps its input alone (saved by the checkpoint, outside the block's hooks).
+    assert results[4, True][2] - results[2, True][2] == 2 * block
+    assert results[2, True][2] < results[2, False][2]
+    assert GPT(_config(recompute=True)).pipeline_stage(0, 2).recompute
+
+
+def test_recompute_only_while_autograd_records(seed, monkeypatch):
+    """Under no_grad (evaluation, generation) the blocks run plainly: nothing to recompute for."""
+    import tessel.layers.gpt as gpt_module
+
+    model = GPT(_config(recompute=True))
+    idx, _ = _batch(model.config)
+    calls, checkpoint = [], gpt_module.checkpoint
+    monkeypatch.setattr(gpt_module, "checkpoint", lambda fn, *a, **k: calls.append(fn) or checkpoint(fn, *a, **k))
+    with torch.no_grad():
+        model(idx)
+    assert calls == []
+    model(idx)
+    assert calls == list(model.blocks)
+
+
 def test_heads_that_do_not_split_are_refused():
     with pytest.raises(ValueError, match="smaller than the tensor-parallel size 4"):
         check_heads("GPT", 8, 2, 4)
@@ -175,6 +246,13 @@ def test_tensor_parallel_gpt_matches_dense(world_size, sequence_parallel):
     cfg_kw = dict(n_kv_head=4) if world_size == 4 else {}
     losses = run_ranks(_tp_vs_dense, world_size, cfg_kw, sequence_parallel, timeout=300)
     assert len(set(losses)) == 1  # every rank computed the same (replicated) loss
+
+
+@pytest.mark.multiprocess
+def test_recomputed_tensor_parallel_gpt_matches_dense():
+    """Recomputation re-runs each block's overlapped all-gather and reduce-scatter rings inside backward,
+    on every rank in the same order; the sequence-parallel norm weights still get their TP-summed grads."""
+    run_ranks(_tp_vs_dense, 2, dict(n_layer=2, recompute=True), True, timeout=300)
 
 
 @pytest.mark.multiprocess
