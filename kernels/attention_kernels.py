@@ -293,6 +293,16 @@ def _flash_attention_bwd_preprocess_kernel(
 
 
 @triton.jit
+def _load_rows(ptr, offs, offs_d, stride, ok, DOT_FP32: tl.constexpr):
+    """Rows ``offs`` (those with ``ok``; zeros elsewhere) of a head's ``[rows, HEAD_DIM]`` block at ``ptr``,
+    widened to fp32 for the interpreter's dots under DOT_FP32."""
+    x = tl.load(ptr + offs[:, None] * stride + offs_d[None, :], mask=ok[:, None], other=0.0)
+    if DOT_FP32:
+        x = x.to(tl.float32)
+    return x
+
+
+@triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
     qk_scale, lo, hi,
@@ -376,19 +386,8 @@ def _flash_attention_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     col_ok = offs_n < SK
-    k = tl.load(
-        k_ptr + off_b * stride_kb + off_hkv * stride_kh + offs_n[:, None] * stride_ks + offs_d[None, :],
-        mask=col_ok[:, None],
-        other=0.0,
-    )
-    v = tl.load(
-        v_ptr + off_b * stride_vb + off_hkv * stride_vh + offs_n[:, None] * stride_vs + offs_d[None, :],
-        mask=col_ok[:, None],
-        other=0.0,
-    )
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
+    k = _load_rows(k_ptr + off_b * stride_kb + off_hkv * stride_kh, offs_n, offs_d, stride_ks, col_ok, DOT_FP32)
+    v = _load_rows(v_ptr + off_b * stride_vb + off_hkv * stride_vh, offs_n, offs_d, stride_vs, col_ok, DOT_FP32)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     OFF = SK - SQ
@@ -500,19 +499,8 @@ def _flash_attention_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < SQ
-    q = tl.load(
-        q_ptr + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qs + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    do = tl.load(
-        do_ptr + off_b * stride_db + off_h * stride_dh + offs_m[:, None] * stride_ds + offs_d[None, :],
-        mask=row_ok[:, None],
-        other=0.0,
-    )
-    if DOT_FP32:
-        q = q.to(tl.float32)
-        do = do.to(tl.float32)
+    q = _load_rows(q_ptr + off_b * stride_qb + off_h * stride_qh, offs_m, offs_d, stride_qs, row_ok, DOT_FP32)
+    do = _load_rows(do_ptr + off_b * stride_db + off_h * stride_dh, offs_m, offs_d, stride_ds, row_ok, DOT_FP32)
     row_base = pid_bh.to(tl.int64) * SQ
     lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)

@@ -132,14 +132,11 @@ def loop_local_ops(cubin: bytes) -> int:
         sass = subprocess.run(
             [knobs.nvidia.cuobjdump.path, "-sass", binary.name], capture_output=True, text=True, timeout=300, check=True
         ).stdout
-    code = [(int(addr, 16), _opcode(op)) for addr, op in _SASS_LINE.findall(sass)]
-    loops = []
-    for addr, op in _SASS_LINE.findall(sass):
-        branch = _BACK_BRANCH.search(op)
-        if branch and int(branch.group(1), 16) < int(addr, 16):
-            loops.append((int(branch.group(1), 16), int(addr, 16)))
+    code = [(int(addr, 16), op) for addr, op in _SASS_LINE.findall(sass)]
+    branches = ((addr, _BACK_BRANCH.search(op)) for addr, op in code)
+    loops = [(int(b.group(1), 16), addr) for addr, b in branches if b and int(b.group(1), 16) < addr]
     inner = [(lo, hi) for lo, hi in loops if not any(lo <= a and b <= hi and (a, b) != (lo, hi) for a, b in loops)]
-    counts = [sum(op.startswith(("LDL", "STL")) for at, op in code if lo <= at <= hi) for lo, hi in inner]
+    counts = [sum(_opcode(op).startswith(("LDL", "STL")) for at, op in code if lo <= at <= hi) for lo, hi in inner]
     return max(counts, default=0)
 
 
