@@ -1,7 +1,7 @@
 """Triton kernels with host launchers and a plain-PyTorch reference for each."""
 
 from .adam import adam_step, adam_step_reference, grad_stats, grad_stats_reference
-from .attention import HEAD_DIMS, flash_attention, flash_attention_reference
+from .attention import HEAD_DIMS, flash_attention, flash_attention_backward, flash_attention_reference
 from .matmul import ACTIVATIONS, matmul, matmul_reference
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
@@ -11,6 +11,7 @@ __all__ = [
     "adam_step",
     "adam_step_reference",
     "flash_attention",
+    "flash_attention_backward",
     "flash_attention_reference",
     "grad_stats",
     "grad_stats_reference",

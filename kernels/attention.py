@@ -87,7 +87,7 @@ from .attention_kernels import (
     split_kv_kernel_tuned,
 )
 
-__all__ = ["HEAD_DIMS", "flash_attention", "flash_attention_reference"]
+__all__ = ["HEAD_DIMS", "flash_attention", "flash_attention_backward", "flash_attention_reference"]
 
 HEAD_DIMS = (16, 32, 64, 128)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -392,6 +392,77 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     lse_finite = lse.masked_fill(torch.isneginf(lse), 0.0)
     out = (torch.exp(scores - lse_finite.unsqueeze(-1)) @ v).to(q.dtype)
     return (out, lse) if return_lse else out
+
+
+def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float):
+    """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs)."""
+    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    b, hq, sq, d = q.shape
+    hkv, sk = k.shape[1], k.shape[2]
+    group = hq // hkv
+    qc, doc = q.to(compute), dout.to(compute)
+    kc = k.to(compute).repeat_interleave(group, dim=1)
+    vc = v.to(compute).repeat_interleave(group, dim=1)
+    scores = (qc @ kc.transpose(-1, -2)) * scale
+    lse = lse.to(compute).unsqueeze(-1)
+    p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0))
+    if causal:
+        p = p.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), 0.0)
+    p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key
+    delta = (doc * out.to(compute)).sum(-1, keepdim=True)
+    ds = p * (doc @ vc.transpose(-1, -2) - delta)
+    dq = (ds @ kc) * scale
+    dk = ((ds.transpose(-1, -2) @ qc) * scale).view(b, hkv, group, sk, d).sum(2)
+    dv = (p.transpose(-1, -2) @ doc).view(b, hkv, group, sk, d).sum(2)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, *, deterministic=True):
+    """The backward of :func:`flash_attention` on its own: ``(dq, dk, dv)`` from the saved ``out`` and ``lse``.
+
+    Not differentiable; for callers that assemble an attention from pieces, such as context-parallel
+    (ring) attention, where ``out``, ``lse`` and ``dout`` are those of the whole softmax over every
+    key while ``k``, ``v`` hold only some of the keys: the probabilities are recomputed as
+    ``P = exp(scale·q·kᵀ - lse)`` and ``Δ = rowsum(dout ∘ out)``, so the result is this block's exact
+    share of the gradients of the whole attention (``dq`` summed over key blocks gives the full ``dq``;
+    ``dk``, ``dv`` are the full gradients of these keys and values from these queries).
+
+    Args:
+        q, k, v, causal, scale, deterministic: as for :func:`flash_attention`.
+        out: ``[B, Hq, Sq, D]`` in q's dtype; lse: ``[B, Hq, Sq]`` float32 (natural log; ``-inf`` for
+            a row that sees no key); dout: ``[B, Hq, Sq, D]``, any floating dtype (rounded to q's).
+
+    Returns:
+        ``dq``, ``dk``, ``dv`` in the dtype and memory order of ``q``, ``k``, ``v``.
+    """
+    _validate("flash_attention_backward", q, k, v, causal, scale, _DTYPES)
+    b, hq, sq, d = q.shape
+    for arg, t, shape in (("out", out, (b, hq, sq, d)), ("dout", dout, (b, hq, sq, d)), ("lse", lse, (b, hq, sq))):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"flash_attention_backward: {arg} must be a torch.Tensor, received {type(t).__name__}")
+        if tuple(t.shape) != shape:
+            raise ValueError(f"flash_attention_backward: {arg} must have shape {list(shape)} (from q), received "
+                             f"{tuple(t.shape)}")  # fmt: skip
+        if t.device != q.device:
+            raise ValueError(f"flash_attention_backward: {arg} must be on q's device {q.device}, received {t.device}")
+    if out.dtype != q.dtype:
+        raise TypeError(f"flash_attention_backward: out must have q's dtype {q.dtype}, received {out.dtype}")
+    if lse.dtype != torch.float32:
+        raise TypeError(f"flash_attention_backward: lse must be float32, received {lse.dtype}")
+    if not dout.is_floating_point():
+        raise TypeError(f"flash_attention_backward: dout must be a floating tensor, received {dout.dtype}")
+    if not isinstance(deterministic, bool):
+        raise TypeError(
+            f"flash_attention_backward: deterministic must be a bool, received {type(deterministic).__name__}"
+        )
+    scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    backend = backend_for(q)
+    if backend == Backend.REFERENCE:
+        return _backward_reference(q, k, v, out, lse, dout, causal, scale)
+    q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
+    _check_int32_rows(q, k, v, out)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    return _backward(q, k, v, out, lse.contiguous(), dout, None, causal, scale, backend, True, True, deterministic)
 
 
 # ----------------------------------------------------------------------------------------------------

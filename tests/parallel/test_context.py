@@ -1,0 +1,203 @@
+"""Context parallelism: the zigzag layout, and ring attention against the float64 attention of the whole sequence.
+
+Each rank holds its zigzag share of q, k, v; its output and its dq, dk, dv must equal the rows of the
+whole sequence's float64 attention (and gradients) at the positions it holds. Errors are
+max|got - want| / max|want| per tensor, with test_attention.py's tolerances: the ring merges partial
+outputs in fp32 from partials rounded to the input dtype, one more rounding than one flash call, well
+inside them.
+"""
+
+import pytest
+import torch
+
+from tests.kernels.test_attention import LAYOUTS, TOL, reference_with_grads
+from tests.multiprocess import run_ranks
+
+B, D = 2, 16
+
+
+def _whole(layout, s, dtype, seed=0):
+    """q, k, v of the whole sequence and the gradient of the output, the same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    hq, hkv = LAYOUTS[layout]
+    q = torch.randn(B, hq, s, D, generator=g).to(dtype)
+    k = torch.randn(B, hkv, s, D, generator=g).to(dtype)
+    v = torch.randn(B, hkv, s, D, generator=g).to(dtype)
+    dout = torch.randn(B, hq, s, D, generator=g).to(dtype)
+    return q, k, v, dout
+
+
+def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, reference_backend):
+    from tessel.parallel import count_bytes, record_events
+    from tessel.parallel.context import ring_attention, split_sequence
+
+    if reference_backend:  # CPU without the interpreter: the plain-PyTorch forward and backward
+        import tessel.kernels.attention as attention
+
+        attention.backend_for = lambda *t: attention.Backend.REFERENCE
+    q, k, v, dout = _whole(layout, s, dtype)
+    mine = [split_sequence(t, dim=2).requires_grad_() for t in (q, k, v)]
+    with record_events() as fwd_log, count_bytes() as fwd_bytes:
+        out = ring_attention(*mine, causal=causal, deterministic=deterministic)
+    with record_events() as bwd_log, count_bytes() as bwd_bytes:
+        out.backward(split_sequence(dout, dim=2))
+    return dict(
+        out=out.detach(), grads=[t.grad for t in mine], out_stride=out.stride(),
+        fwd=fwd_log.events, bwd=bwd_log.events,
+        fwd_bytes=(fwd_bytes.sent, fwd_bytes.received), bwd_bytes=(bwd_bytes.sent, bwd_bytes.received),
+    )  # fmt: skip
+
+
+def _check_against_whole(results, layout, s, causal, dtype):
+    from tessel.parallel.context import zigzag_positions
+
+    q, k, v, dout = _whole(layout, s, dtype)
+    want_out, _, *want_grads = reference_with_grads(q, k, v, causal, dout)
+    c = len(results)
+    for rank, got in enumerate(results):
+        pos = zigzag_positions(s, c, rank)
+        pairs = [("out", got["out"], want_out)] + [
+            (name, g, w) for name, g, w in zip(("dq", "dk", "dv"), got["grads"], want_grads)
+        ]
+        for name, g, w in pairs:
+            w = w[:, :, pos]
+            assert g.dtype == dtype and g.shape == w.shape, (name, g.shape, w.shape)
+            err = ((g.double() - w).abs().max() / w.abs().max()).item()
+            assert err <= TOL[dtype], f"rank {rank} {name}: error {err:.3g} > {TOL[dtype]} ({layout}, causal={causal})"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("layout", ["gqa", "mha"])
+def test_ring_attention_matches_the_whole_sequence(world_size, causal, layout):
+    s = 2 * world_size * 5  # chunks of 5 tokens: odd, and not a multiple of any block
+    results = run_ranks(_ring_rank, world_size, layout, s, causal, torch.float32, True, False)
+    _check_against_whole(results, layout, s, causal, torch.float32)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_fp16_mqa(causal):
+    results = run_ranks(_ring_rank, 2, "mqa", 28, causal, torch.float16, True, False)
+    _check_against_whole(results, "mqa", 28, causal, torch.float16)
+
+
+@pytest.mark.multiprocess
+def test_ring_attention_atomic_backward_and_reference_backend():
+    """deterministic=False (atomic dQ in each block) and the reference backend give the same result."""
+    for deterministic, reference in ((False, False), (True, True)):
+        results = run_ranks(_ring_rank, 2, "gqa", 20, True, torch.float32, deterministic, reference)
+        _check_against_whole(results, "gqa", 20, True, torch.float32)
+
+
+def _overlapping(events, op):
+    """Per transfer (op, step): was it issued before some GEMM and waited for only after that GEMM started?"""
+    found = {}
+    for i, (kind, name, step) in enumerate(events):
+        if kind == "send" and name == op:
+            wait = events.index(("wait", op, step), i)
+            found[step] = any(kind2 == "gemm" for kind2, _, _ in events[i + 1 : wait])
+    return found
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_overlaps_every_transfer_and_moves_the_ring_bytes(world_size):
+    s = 2 * world_size * 3
+    results = run_ranks(_ring_rank, world_size, "gqa", s, True, torch.float16, True, False)
+    hkv = LAYOUTS["gqa"][1]
+    kv_bytes = 2 * B * hkv * (s // world_size) * D * 2  # keys and values of one rank, fp16
+    for got in results:
+        # forward: the keys and values of step s+1 travel during step s's attention
+        assert _overlapping(got["fwd"], "ring_attention") == {step: True for step in range(1, world_size)}
+        assert got["fwd_bytes"] == ((world_size - 1) * kv_bytes,) * 2
+        # backward: the same for the keys and values, and each dK/dV accumulator travels during the next
+        # step's attention (the last one goes home at the end, with nothing left to hide behind)
+        assert _overlapping(got["bwd"], "ring_attention") == {step: True for step in range(1, world_size)}
+        dkv = _overlapping(got["bwd"], "ring_attention.dkv")
+        assert dkv == {step: step < world_size - 1 for step in range(world_size)}
+        dkv_bytes = kv_bytes * 2  # fp32 accumulators
+        assert got["bwd_bytes"] == ((world_size - 1) * kv_bytes + world_size * dkv_bytes,) * 2
+        assert got["out_stride"][1] == D  # [B, L, Hq, D] in memory: heads merge without a copy
+
+
+def _layout_rank(rank, world_size, s):
+    from tessel.parallel.context import gather_sequence, split_sequence, zigzag_positions
+
+    x = torch.arange(3 * s * 2, dtype=torch.float32).view(3, s, 2)
+    mine = split_sequence(x)
+    assert torch.equal(mine, x[:, zigzag_positions(s, world_size, rank)])
+    return gather_sequence(mine), gather_sequence(mine.transpose(0, 1).contiguous(), dim=0)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_and_gather_are_inverse(world_size):
+    s = 2 * world_size * 3
+    x = torch.arange(3 * s * 2, dtype=torch.float32).view(3, s, 2)
+    for whole, whole_t in run_ranks(_layout_rank, world_size, s):
+        assert torch.equal(whole, x)
+        assert torch.equal(whole_t, x.transpose(0, 1))
+
+
+def test_zigzag_positions_balance_the_causal_work():
+    from tessel.parallel.context import zigzag_positions
+
+    for c in (1, 2, 3, 4):
+        s = 2 * c * 4
+        held = [zigzag_positions(s, c, r) for r in range(c)]
+        assert torch.equal(torch.cat(held).sort().values, torch.arange(s))  # every token exactly once
+        # causal (query, key) pairs per rank: Σ (position + 1) over the tokens it holds, equal on every rank
+        assert len({int((p + 1).sum()) for p in held}) == 1
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+
+
+def test_world_of_one_is_flash_attention(seed):
+    from tessel.kernels.attention import flash_attention
+    from tessel.parallel.context import gather_sequence, ring_attention, split_sequence
+
+    q, k, v, _ = _whole("gqa", 9, torch.float32, seed=1)
+    assert torch.equal(ring_attention(q, k, v, causal=True), flash_attention(q, k, v, causal=True))
+    assert split_sequence(q, dim=2) is q and gather_sequence(q, dim=2) is q
+
+
+@pytest.mark.parametrize(
+    "call, error, words",
+    [
+        (lambda f, t: f.zigzag_positions(10, 2, 0), ValueError, "divisible by 2·cp = 4"),
+        (lambda f, t: f.zigzag_positions(8, 2, 2), ValueError, "cp_rank < cp_size"),
+        (lambda f, t: f.zigzag_positions(8.0, 2, 0), TypeError, "seq_len must be an int"),
+        (lambda f, t: f.split_sequence(t, dim=4), ValueError, "dim must be an int in"),
+        (lambda f, t: f.split_sequence([1, 2]), TypeError, "x must be a torch.Tensor"),
+        (lambda f, t: f.ring_attention(t, t[:, :, :3], t[:, :, :3]), ValueError, "same tokens"),
+        (lambda f, t: f.ring_attention(t, t[:, :1], t[:, :1], deterministic=None), TypeError, "deterministic"),
+        (lambda f, t: f.ring_attention(t[..., :3], t[..., :3], t[..., :3]), ValueError, "ring_attention: head_dim"),
+        (lambda f, t: f.ring_attention(t, t.half(), t), TypeError, "ring_attention: k must have q's dtype"),
+    ],
+)
+def test_bad_input(call, error, words):
+    import tessel.parallel.context as context
+
+    with pytest.raises(error, match=words):
+        call(context, torch.randn(1, 2, 6, 16))
+
+
+def _odd_rank(rank, world_size):
+    from tessel.parallel.context import ring_attention, split_sequence
+
+    t = torch.randn(1, 2, 6, 16)
+    try:
+        ring_attention(t[:, :, :5], t[:, :, :5], t[:, :, :5], causal=True)
+    except ValueError as e:
+        message = str(e)
+    with pytest.raises(ValueError, match="divisible by 2·cp = 4"):
+        split_sequence(t, dim=2)
+    return message
+
+
+@pytest.mark.multiprocess
+def test_odd_local_length_is_refused_under_the_causal_mask():
+    for message in run_ranks(_odd_rank, 2):
+        assert "local length must be even, received 5" in message
