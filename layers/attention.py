@@ -21,7 +21,8 @@ import torch
 from torch import nn
 
 from ..kernels.attention import flash_attention
-from ..parallel.comm import group_size
+from ..parallel.comm import group_rank, group_size
+from ..parallel.context import ring_attention, zigzag_positions
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rotary import apply_rotary, rotary_tables
 
@@ -52,12 +53,18 @@ class ParallelAttention(nn.Module):
 
     ``deterministic=False`` runs flash attention's one-kernel backward (dQ added up with atomics; see
     :func:`~tessel.kernels.attention.flash_attention`); the default keeps gradients bit-reproducible.
+
+    ``cp_group`` (context parallelism): the sequence is also split over this group's ``c`` ranks in
+    :func:`~tessel.parallel.context.split_sequence`'s zigzag order, so the input is ``[B, S/c, E]``
+    (``[B, S/(c·t), E]`` under sequence parallelism); attention runs as
+    :func:`~tessel.parallel.context.ring_attention` and rotary embeddings use the global positions of
+    the tokens this rank holds. ``None`` (default): no context parallelism, whatever the world size.
     """
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int | None = None, *, head_dim: int | None = None,
                  bias: bool = False, rope_theta: float | None = 10000.0, causal: bool = True, tp_group=None,
-                 sequence_parallel: bool = False, overlap="auto", deterministic: bool = True, device=None,
-                 dtype=None):  # fmt: skip
+                 sequence_parallel: bool = False, overlap="auto", deterministic: bool = True, cp_group=None,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
         if not isinstance(deterministic, bool):
             raise TypeError(f"ParallelAttention: deterministic must be a bool, received {type(deterministic).__name__}")
@@ -69,6 +76,7 @@ class ParallelAttention(nn.Module):
             head_dim = n_embd // n_head
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.rope_theta, self.causal, self.deterministic = rope_theta, causal, deterministic
+        self.cp_group = cp_group
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(n_embd, (n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim),
                                         bias, **kw)  # fmt: skip
@@ -81,10 +89,17 @@ class ParallelAttention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q, k, v = (self._heads(t) for t in self.qkv(x))
+        c = self.cp_size
         if self.rope_theta is not None:
-            cos, sin = rotary_tables(q.shape[2], self.head_dim, self.rope_theta, device=q.device)
+            positions = None
+            if c > 1:
+                positions = zigzag_positions(c * q.shape[2], c, group_rank(self.cp_group), device=q.device)
+            cos, sin = rotary_tables(q.shape[2], self.head_dim, self.rope_theta, positions=positions, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic)
+        if c > 1:
+            y = ring_attention(q, k, v, self.cp_group, causal=self.causal, deterministic=self.deterministic)
+        else:
+            y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic)
         b, h, s, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, s, h * d))
 
@@ -92,4 +107,10 @@ class ParallelAttention(nn.Module):
         local = self.qkv.local_parts
         return (f"n_head={self.n_head} (local {local[0] // self.head_dim}), n_kv_head={self.n_kv_head} "
                 f"(local {local[1] // self.head_dim}), head_dim={self.head_dim}, causal={self.causal}"
-                + ("" if self.deterministic else ", deterministic=False"))  # fmt: skip
+                + ("" if self.deterministic else ", deterministic=False")
+                + (f", cp={self.cp_size}" if self.cp_size > 1 else ""))  # fmt: skip
+
+    @property
+    def cp_size(self) -> int:
+        """Ranks the sequence is split over: 1 without ``cp_group`` (``None`` here never means the world)."""
+        return 1 if self.cp_group is None else group_size(self.cp_group)

@@ -90,16 +90,17 @@ def _norm(config: GPTConfig, tp_group, sequence_parallel: bool, device, dtype) -
 
 
 class TransformerBlock(nn.Module):
-    """``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``; ``[B, S, E]`` (``[B, S/t, E]`` under SP)."""
+    """``x + attn(attn_norm(x))``, then ``x + mlp(mlp_norm(x))``; ``[B, S, E]`` (``[B, S/t, E]`` under SP;
+    the sequence is further split over ``cp_group``, see :class:`~tessel.layers.attention.ParallelAttention`)."""
 
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False, overlap="auto",
-                 device=None, dtype=None):  # fmt: skip
+                 cp_group=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
         self.attn_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.attn = ParallelAttention(config.n_embd, config.n_head, config.n_kv_head, bias=config.bias,
                                       rope_theta=config.rope_theta, deterministic=config.deterministic_attention,
-                                      **kw)  # fmt: skip
+                                      cp_group=cp_group, **kw)  # fmt: skip
         self.mlp_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 
@@ -124,7 +125,14 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, recompute: bool) -> torch
 
 
 class GPT(nn.Module):
-    """``GPT(config)(idx [B, S]) -> logits [B, S, V/t]`` (the whole vocabulary when ``t = 1``)."""
+    """``GPT(config)(idx [B, S]) -> logits [B, S, V/t]`` (the whole vocabulary when ``t = 1``).
+
+    With ``cp_group`` of ``c`` ranks (context parallelism) ``idx`` and ``targets`` are this rank's
+    zigzag share of the sequence, ``[B, S/c]`` (:func:`~tessel.parallel.context.split_sequence`), the
+    logits are those of these tokens, and :meth:`loss` is the mean over them: the mean over the cp
+    ranks is the whole sequence's loss. Parameters are replicated over the cp ranks; average their
+    gradients over the cp group (with the data-parallel ranks, in one data-parallel wrapper).
+    """
 
     # Module-name glob → style, read by :func:`~tessel.layers.parallelize.parallelize`.
     tessel_tp_plan: ClassVar[dict[str, str]] = {
@@ -140,17 +148,20 @@ class GPT(nn.Module):
     }
 
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False, overlap="auto",
-                 device=None, dtype=None):  # fmt: skip
+                 cp_group=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT: config must be a GPTConfig, received {type(config).__name__}")
         check_heads("GPT", config.n_head, config.n_kv_head, group_size(tp_group))
         self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
+        self.cp_group = cp_group
         # Drawn before the submodules draw their own (layout-dependent) initial values.
         init_seed = int(torch.randint(2**62, (1,)).item())
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.embed = VocabParallelEmbedding(config.vocab_size, config.n_embd, **kw)
-        self.blocks = nn.ModuleList(TransformerBlock(config, overlap=overlap, **kw) for _ in range(config.n_layer))
+        self.blocks = nn.ModuleList(
+            TransformerBlock(config, overlap=overlap, cp_group=cp_group, **kw) for _ in range(config.n_layer)
+        )
         self.norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.lm_head = ColumnParallelLinear(config.n_embd, config.vocab_size, bias=False, overlap=overlap, **kw)
         self.reset_parameters(init_seed)
@@ -187,8 +198,10 @@ class GPT(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
             got = f"{idx.dtype} tensor of shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx)
             raise ValueError(f"GPT: idx must be an int64 [batch, seq] tensor, received {got}")
-        if idx.shape[1] > self.config.block_size:
-            raise ValueError(f"GPT: sequence length {idx.shape[1]} exceeds block_size={self.config.block_size}")
+        c = 1 if self.cp_group is None else group_size(self.cp_group)
+        if idx.shape[1] * c > self.config.block_size:
+            held = f"{idx.shape[1]}" if c == 1 else f"{idx.shape[1] * c} ({idx.shape[1]} on each of {c} cp ranks)"
+            raise ValueError(f"GPT: sequence length {held} exceeds block_size={self.config.block_size}")
 
     def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
         """The final norm's output ``[B, S, E]`` (``[B, S/t, E]`` under sequence parallelism)."""

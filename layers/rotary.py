@@ -13,13 +13,20 @@ __all__ = ["apply_rotary", "rotary_tables"]
 
 
 def rotary_tables(
-    seq_len: int, head_dim: int, theta: float = 10000.0, *, offset: int = 0, device=None
+    seq_len: int, head_dim: int, theta: float = 10000.0, *, offset: int = 0, positions=None, device=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cos, sin`` of shape ``[S, D/2]`` in fp32 for positions ``offset .. offset+S-1``."""
+    """``cos, sin`` of shape ``[S, D/2]`` in fp32 for positions ``offset .. offset+S-1``, or for the
+    ``S`` given ``positions`` (an int tensor; a context-parallel rank's tokens are not contiguous)."""
     if head_dim % 2:
         raise ValueError(f"rotary_tables: head_dim must be even, received {head_dim}")
     inv_freq = theta ** (-torch.arange(0, head_dim, 2, device=device, dtype=torch.float64) / head_dim)
-    pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
+    if positions is None:
+        pos = torch.arange(offset, offset + seq_len, device=device, dtype=torch.float64)
+    elif not isinstance(positions, torch.Tensor) or positions.shape != (seq_len,) or positions.is_floating_point():
+        got = f"{positions.dtype} {tuple(positions.shape)}" if isinstance(positions, torch.Tensor) else type(positions)
+        raise ValueError(f"rotary_tables: positions must be an int tensor of shape ({seq_len},), received {got}")
+    else:
+        pos = positions.to(device=device, dtype=torch.float64)
     angles = torch.outer(pos, inv_freq)
     return angles.cos().float(), angles.sin().float()
 

@@ -1,6 +1,7 @@
 """Process groups, collectives, communication/GEMM overlap, DDP, FSDP, ZeRO (pipeline: ``tessel.parallel.pipeline``)."""
 
 from .comm import ByteCounter, EventLog, count_bytes, record_events
+from .context import gather_sequence, ring_attention, split_sequence, zigzag_positions
 from .ddp import DDP
 from .dims import ParallelDims, init_parallel, shutdown
 from .fsdp import FSDP
@@ -18,13 +19,17 @@ __all__ = [
     "ZeroAdam",
     "all_gather_matmul",
     "count_bytes",
+    "gather_sequence",
     "init_parallel",
     "matmul_all_reduce",
     "matmul_grad_all_reduce",
     "matmul_reduce_scatter",
     "memory_account",
     "record_events",
+    "ring_attention",
     "shutdown",
+    "split_sequence",
     "zero_memory_bytes",
     "zero_traffic_bytes",
+    "zigzag_positions",
 ]

@@ -49,3 +49,17 @@ def test_bad_inputs_are_refused(make, error, match):
         apply_rotary(*make())
     with pytest.raises(ValueError, match="head_dim must be even"):
         rotary_tables(4, 7)
+
+
+def test_tables_at_given_positions_are_rows_of_the_contiguous_table():
+    """Context parallelism rotates a rank's tokens by their global (non-contiguous) positions."""
+    cos, sin = rotary_tables(12, 8)
+    positions = torch.tensor([0, 1, 2, 9, 10, 11])
+    cos_p, sin_p = rotary_tables(6, 8, positions=positions)
+    assert torch.equal(cos_p, cos[positions]) and torch.equal(sin_p, sin[positions])
+
+
+@pytest.mark.parametrize("positions", [torch.arange(5), torch.arange(6.0), [0, 1, 2, 3, 4, 5]])
+def test_bad_positions_are_refused(positions):
+    with pytest.raises(ValueError, match=r"positions must be an int tensor of shape \(6,\)"):
+        rotary_tables(6, 8, positions=positions)
