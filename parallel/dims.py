@@ -1,8 +1,10 @@
 """Process-group setup: ``init_parallel(tp, pp, dp) -> ParallelDims``.
 
 The world is laid out as a ``DeviceMesh`` of shape ``(dp, pp, tp)``, tp innermost, so the ranks of one
-tensor-parallel group are adjacent (on a multi-GPU node they share NVLink). Every layer and wrapper
-takes its group explicitly from the returned :class:`ParallelDims`: there is no global singleton.
+tensor-parallel group are adjacent (on a multi-GPU node they share NVLink). With context parallelism
+(``cp > 1``, the sequence split over ranks: :mod:`.context`) the mesh is ``(dp, cp, pp, tp)`` with the
+dimension names ``("dp", "cp", "pp", "tp")``. Every layer and wrapper takes its group explicitly from
+the returned :class:`ParallelDims`: there is no global singleton.
 """
 
 from __future__ import annotations
@@ -30,6 +32,23 @@ class ParallelDims:
     backend: str
     device: torch.device
     mesh: DeviceMesh = field(repr=False)
+    cp: int = 1
+    _dp_cp_group: dist.ProcessGroup | None = field(default=None, repr=False)
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup | None:
+        """The context-parallel group; ``None`` when ``cp == 1`` (layers then split no sequence)."""
+        return self.mesh.get_group("cp") if self.cp > 1 else None
+
+    @property
+    def cp_rank(self) -> int:
+        return self.mesh.get_local_rank("cp") if self.cp > 1 else 0
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup:
+        """The ranks that hold the same parameters (same pp and tp place): dp × cp, over which gradients are
+        averaged and ZeRO shards; the DP group when ``cp == 1``."""
+        return self.dp_group if self.cp == 1 else self._dp_cp_group
 
     @property
     def tp_group(self) -> dist.ProcessGroup:
@@ -64,18 +83,28 @@ def _check_size(name: str, value, allow_minus_one: bool = False) -> None:
         raise ValueError(f"init_parallel: {name} must be {expected}, received {value}")
 
 
-def _resolve_dp(tp: int, pp: int, dp: int, world_size: int) -> int:
+def _resolve_dp(tp: int, pp: int, dp: int, world_size: int, cp: int = 1) -> int:
     if dp == -1:
-        if world_size % (tp * pp):
+        if world_size % (cp * tp * pp):
+            names, sizes = ("cp*pp*tp", f"{cp}*{pp}*{tp}") if cp > 1 else ("tp*pp", f"{tp}*{pp}")
             raise ValueError(
-                f"init_parallel: the world size {world_size} is not divisible by tp*pp = {tp}*{pp} = {tp * pp}"
+                f"init_parallel: the world size {world_size} is not divisible by {names} = {sizes} = {cp * tp * pp}"
             )
-        dp = world_size // (tp * pp)
-    if dp * pp * tp != world_size:
+        dp = world_size // (cp * tp * pp)
+    if dp * cp * pp * tp != world_size:
+        names, sizes = ("dp*cp*pp*tp", f"{dp}*{cp}*{pp}*{tp}") if cp > 1 else ("dp*pp*tp", f"{dp}*{pp}*{tp}")
         raise ValueError(
-            f"init_parallel: dp*pp*tp = {dp}*{pp}*{tp} = {dp * pp * tp} must equal the world size {world_size}"
+            f"init_parallel: {names} = {sizes} = {dp * cp * pp * tp} must equal the world size {world_size}"
         )
     return dp
+
+
+def _dp_cp_group(dp: int, cp: int, pp: int, tp: int) -> dist.ProcessGroup:
+    """This rank's group of the ranks with its pp and tp place (every rank creates every such group)."""
+    groups = [
+        [((d * cp + c) * pp + p) * tp + t for d in range(dp) for c in range(cp)] for p in range(pp) for t in range(tp)
+    ]
+    return dist.new_subgroups_by_enumeration(groups)[0]
 
 
 def _default_backend() -> str:
@@ -102,35 +131,41 @@ def _init_process_group(backend: str) -> None:
         dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
 
 
-def init_parallel(tp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = None) -> ParallelDims:
+def init_parallel(tp: int = 1, pp: int = 1, dp: int = -1, backend: str | None = None, *, cp: int = 1) -> ParallelDims:
     """Initialise (if needed) the default process group and build the ``("dp", "pp", "tp")`` mesh.
 
     Args:
         tp, pp: tensor- and pipeline-parallel sizes (positive).
-        dp: data-parallel size; ``-1`` takes the world size divided by ``tp*pp``.
+        dp: data-parallel size; ``-1`` takes the world size divided by ``cp*tp*pp``.
         backend: ``"nccl"`` or ``"gloo"``; default NCCL when CUDA is available, gloo otherwise. Ignored
             when the default process group already exists.
+        cp: context-parallel size (positive): ranks that split each sequence between them. With
+            ``cp > 1`` the mesh is ``("dp", "cp", "pp", "tp")`` and ``dp*cp*pp*tp`` is the world size.
 
     Under ``torchrun`` the world comes from the environment; a single process without it is a world
     of one. Raises ``TypeError``/``ValueError`` when a size is not an int, not positive, or ``dp*pp*tp``
     is not the world size, and ``RuntimeError`` when ``WORLD_SIZE`` > 1 comes without ``MASTER_ADDR``;
     all of this is checked before any process group is created.
     """
-    for name, value in (("tp", tp), ("pp", pp)):
+    for name, value in (("tp", tp), ("pp", pp), ("cp", cp)):
         _check_size(name, value)
     _check_size("dp", dp, allow_minus_one=True)
     if backend is not None and backend not in ("nccl", "gloo"):
         raise ValueError(f"init_parallel: backend must be 'nccl', 'gloo' or None, received {backend!r}")
     world_size = dist.get_world_size() if dist.is_initialized() else int(os.environ.get("WORLD_SIZE", "1"))
-    dp = _resolve_dp(tp, pp, dp, world_size)
+    dp = _resolve_dp(tp, pp, dp, world_size, cp)
     if not dist.is_initialized():
         _check_rendezvous(world_size)
         _init_process_group(backend or _default_backend())
     backend = dist.get_backend()
     device_type = "cuda" if backend == "nccl" else "cpu"
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
-    return ParallelDims(tp, pp, dp, world_size, dist.get_rank(), backend, device, mesh)
+    if cp == 1:
+        mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+        return ParallelDims(tp, pp, dp, world_size, dist.get_rank(), backend, device, mesh)
+    mesh = init_device_mesh(device_type, (dp, cp, pp, tp), mesh_dim_names=("dp", "cp", "pp", "tp"))
+    dp_cp = _dp_cp_group(dp, cp, pp, tp)
+    return ParallelDims(tp, pp, dp, world_size, dist.get_rank(), backend, device, mesh, cp, dp_cp)
 
 
 def shutdown() -> None:

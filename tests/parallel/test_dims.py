@@ -67,6 +67,38 @@ def test_layouts_on_four_ranks_initialised_from_env():
         assert not still_initialised
 
 
+def _context_parallel_layouts(rank, world_size):
+    found = []
+    for kw in (dict(cp=2, tp=2), dict(cp=2, dp=2), dict(cp=4), dict(cp=1, tp=2)):
+        dims = init_parallel(**kw)
+        found.append({
+            "names": dims.mesh.mesh_dim_names,
+            "sizes": (dims.dp, dims.cp, dims.pp, dims.tp),
+            "cp": None if dims.cp_group is None else _members(dims.cp_group, world_size),
+            "cp_rank": dims.cp_rank,
+            "tp": _members(dims.tp_group, world_size),
+            "dp_cp": _members(dims.dp_cp_group, world_size),
+        })  # fmt: skip
+    return found
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_layouts_on_four_ranks():
+    """(dp, cp, pp, tp) row-major, tp innermost; dp_cp groups the ranks that hold the same parameters."""
+    results = run_ranks(_context_parallel_layouts, 4)
+    names = ("dp", "cp", "pp", "tp")
+    for rank, (cp_tp, cp_dp, cp_only, no_cp) in enumerate(results):
+        assert cp_tp == {"names": names, "sizes": (1, 2, 1, 2), "cp": [rank % 2, rank % 2 + 2], "cp_rank": rank // 2,
+                         "tp": [rank - rank % 2, rank - rank % 2 + 1], "dp_cp": [rank % 2, rank % 2 + 2]}  # fmt: skip
+        assert cp_dp == {"names": names, "sizes": (2, 2, 1, 1), "cp": [rank - rank % 2, rank - rank % 2 + 1],
+                         "cp_rank": rank % 2, "tp": [rank], "dp_cp": [0, 1, 2, 3]}  # fmt: skip
+        assert cp_only == {"names": names, "sizes": (1, 4, 1, 1), "cp": [0, 1, 2, 3], "cp_rank": rank, "tp": [rank],
+                           "dp_cp": [0, 1, 2, 3]}  # fmt: skip
+        # cp = 1: the contract's 3-D mesh, no cp group, and dp_cp is the DP group
+        assert no_cp == {"names": ("dp", "pp", "tp"), "sizes": (2, 1, 1, 2), "cp": None, "cp_rank": 0,
+                         "tp": [rank - rank % 2, rank - rank % 2 + 1], "dp_cp": [rank % 2, rank % 2 + 2]}  # fmt: skip
+
+
 def _reuse_default_group(rank, world_size):
     world = dist.group.WORLD
     # backend="nccl" is ignored because a group exists: on this CPU-only gloo world it would fail otherwise.
@@ -136,6 +168,9 @@ def no_process_group(monkeypatch):
         ({"tp": 2, "dp": 3}, ValueError, "init_parallel: dp*pp*tp = 3*1*2 = 6 must equal the world size 4"),
         ({"tp": 2, "pp": 2, "dp": 2}, ValueError, "dp*pp*tp = 2*2*2 = 8 must equal the world size 4"),
         ({"tp": 2, "dp": 2}, RuntimeError, "init_parallel: WORLD_SIZE=4 is set but MASTER_ADDR is not"),
+        ({"cp": 0}, ValueError, "init_parallel: cp must be a positive int, received 0"),
+        ({"cp": 3}, ValueError, "the world size 4 is not divisible by cp*pp*tp = 3*1*1 = 3"),
+        ({"cp": 2, "tp": 2, "dp": 2}, ValueError, "dp*cp*pp*tp = 2*2*1*2 = 8 must equal the world size 4"),
     ],
 )
 def test_bad_arguments_are_rejected_before_any_group_exists(no_process_group, kwargs, error, message):
