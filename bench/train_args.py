@@ -95,7 +95,13 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     )
     add("--tp", type=int, default=1, help="tensor-parallel size")
     add("--pp", type=int, default=1, help="pipeline-parallel size")
-    add("--dp", type=int, default=-1, help="data-parallel size (default: world size / (tp·pp))")
+    add("--dp", type=int, default=-1, help="data-parallel size (default: world size / (cp·tp·pp))")
+    add(
+        "--cp",
+        type=int,
+        default=1,
+        help="context-parallel size: ranks that split each sequence (ring attention; --seq-len divisible by 2·cp)",
+    )
     add(
         "--zero",
         type=int,
@@ -183,18 +189,19 @@ def _positive(args, *names: str) -> None:
 
 
 def _check_layout(args) -> None:
-    _positive(args, "tp", "pp")
+    _positive(args, "tp", "pp", "cp")
+    sizes = f"--tp {args.tp} × --pp {args.pp}" + (f" × --cp {args.cp}" if args.cp > 1 else "")
+    model_ranks = args.tp * args.pp * args.cp  # the ranks that share one data-parallel replica's batch
     if args.dp == -1:
-        if args.world_size % (args.tp * args.pp):
+        if args.world_size % model_ranks:
             raise ArgumentError(
-                f"--tp {args.tp} × --pp {args.pp} = {args.tp * args.pp} does not divide the world size "
-                f"{args.world_size} (torchrun --nproc_per_node)"
+                f"{sizes} = {model_ranks} does not divide the world size {args.world_size} (torchrun --nproc_per_node)"
             )
-        args.dp = args.world_size // (args.tp * args.pp)
+        args.dp = args.world_size // model_ranks
     _positive(args, "dp")
-    if args.tp * args.pp * args.dp != args.world_size:
+    if model_ranks * args.dp != args.world_size:
         raise ArgumentError(
-            f"--tp {args.tp} × --pp {args.pp} × --dp {args.dp} = {args.tp * args.pp * args.dp} does not match the "
+            f"{sizes} × --dp {args.dp} = {model_ranks * args.dp} does not match the "
             f"world size {args.world_size} (torchrun --nproc_per_node)"
         )
     if args.pp == 1 and args.microbatches not in (None, 1):
@@ -219,8 +226,13 @@ def _check_model(args, preset: Preset) -> None:
             f"{stages} pipeline stages (--pp {args.pp}, schedule {args.schedule}) exceed the {layers} layers of "
             f"preset {args.preset!r}"
         )
-    if args.sequence_parallel and args.seq_len % args.tp:
-        raise ArgumentError(f"--sequence-parallel needs --seq-len {args.seq_len} divisible by --tp {args.tp}")
+    if args.cp > 1 and args.seq_len % (2 * args.cp):
+        raise ArgumentError(
+            f"--cp {args.cp} needs --seq-len {args.seq_len} divisible by 2·cp = {2 * args.cp} (two chunks per rank)"
+        )
+    if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
+        what = f"--seq-len {args.seq_len}" if args.cp == 1 else f"the {args.seq_len // args.cp} tokens per cp rank"
+        raise ArgumentError(f"--sequence-parallel needs {what} divisible by --tp {args.tp}")
 
 
 def _check_run(args) -> None:

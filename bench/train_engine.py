@@ -8,13 +8,16 @@ layout gives it:
 - pipeline parallelism: the rank's stages (``GPT.pipeline_stage``; under the interleaved schedule pp
   rank ``r`` holds stages ``r, r + pp, …``), each a ``PipelineStage`` driven by one schedule; the
   parameters of other stages are released;
+- context parallelism (``--cp``): the GPT's attention runs as a ring over the mesh's CP group, and each
+  rank trains on its zigzag share of every sequence (``parallel/context.py``);
 - data parallelism: the rank's stages are wrapped in one tessel ``DDP`` (``--zero 0``: torch's AdamW;
-  1, 2: ``ZeroAdam``) or ``FSDP`` (``--zero 3``, with ``ZeroAdam``) on the DP group; with one DP rank
-  and ``--zero 0`` there is nothing to reduce and torch's AdamW updates the parameters directly.
+  1, 2: ``ZeroAdam``) or ``FSDP`` (``--zero 3``, with ``ZeroAdam``) on the DP × CP group (the ranks
+  that hold the same parameters; the DP group without ``--cp``); with one such rank and ``--zero 0``
+  there is nothing to reduce and torch's AdamW updates the parameters directly.
 
-The loss of a step is the mean over the global batch: each DP rank's loss is the mean over its rows
-(and over the microbatches of a pipeline), the gradients are averaged over DP, and the reported value
-is averaged over DP ranks on the last pipeline stage.
+The loss of a step is the mean over the global batch: each rank's loss is the mean over its tokens
+(and over the microbatches of a pipeline), the gradients are averaged over DP × CP (every rank holds as
+many tokens), and the reported value is averaged over those ranks on the last pipeline stage.
 """
 
 from __future__ import annotations
@@ -125,10 +128,10 @@ class Engine:
             self.wrapper.sync_gradients()
 
     def _global_loss(self, local: torch.Tensor) -> torch.Tensor:
-        """Mean over DP of the last pipeline stage's loss (TP ranks hold the same value)."""
+        """Mean over DP × CP of the last pipeline stage's loss (TP ranks hold the same value)."""
         total = local.reshape(1).to(self.device, torch.float32)
-        dist.all_reduce(total)  # only last-stage ranks contribute: dp·tp copies of DP-rank losses
-        return (total / (self.dims.dp * self.dims.tp)).cpu()[0]
+        dist.all_reduce(total)  # only last-stage ranks contribute: tp copies of each DP × CP rank's loss
+        return (total / (self.dims.dp * self.dims.cp * self.dims.tp)).cpu()[0]
 
     # ------------------------------------------------------------------------------------------------ state
 
@@ -186,7 +189,7 @@ def clip_grad_shards(wrapper: nn.Module, max_norm: float, dims: ParallelDims, lo
     for b in wrapper.buckets:
         for slot, lo, hi in b.shard_slices():
             sums[0 if is_tp_sharded(slot.param) else 1] += b.grad_shard[lo:hi].float().pow(2).sum()
-    dist.all_reduce(sums, group=dims.dp_group)
+    dist.all_reduce(sums, group=dims.dp_cp_group)
     if dims.tp > 1:
         dist.all_reduce(sums[:1], group=dims.tp_group)
     total = sums.sum().reshape(1)
@@ -212,7 +215,7 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
     if args.zero == 0:
         fused = dims.device.type == "cuda"
         opt = torch.optim.AdamW(params, lr=args.lr, betas=BETAS, eps=EPS, weight_decay=args.weight_decay, fused=fused)
-        return opt, TorchAdamWState(opt, named, dims.tp_group, dims.dp_group)
+        return opt, TorchAdamWState(opt, named, dims.tp_group, dims.dp_cp_group)
     zero = _need("parallel.zero", f"--zero {args.zero}")
     opt = zero.ZeroAdam(
         params,
@@ -220,7 +223,7 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
         betas=BETAS,
         eps=EPS,
         weight_decay=args.weight_decay,
-        group=dims.dp_group,
+        group=dims.dp_cp_group,
         tp_group=dims.tp_group,
         loss_scale="dynamic" if args.dtype == "fp16" else None,
         max_grad_norm=(args.grad_clip or None) if args.pp == 1 else None,
@@ -230,11 +233,11 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
 
 
 def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:
-    if args.dp == 1 and args.zero == 0:  # nothing to reduce: torch's AdamW on the module's own parameters
+    if args.dp * args.cp == 1 and args.zero == 0:  # nothing to reduce: torch's AdamW on the module's own parameters
         return module
     if args.zero == 3:  # units: the transformer blocks; the root: embedding, final norm, head
-        return _need("parallel.fsdp", "--zero 3").FSDP(module, group=dims.dp_group, wrap={TransformerBlock})
-    return _need("parallel.ddp", f"--zero {args.zero}").DDP(module, group=dims.dp_group)
+        return _need("parallel.fsdp", "--zero 3").FSDP(module, group=dims.dp_cp_group, wrap={TransformerBlock})
+    return _need("parallel.ddp", f"--zero {args.zero}").DDP(module, group=dims.dp_cp_group)
 
 
 class _Stages(nn.Module):
@@ -288,6 +291,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
     gpt = GPT(
         config,
         tp_group=dims.tp_group,
+        cp_group=dims.cp_group,
         sequence_parallel=args.sequence_parallel,
         device=dims.device,
         dtype=DTYPES[args.dtype],
@@ -304,7 +308,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
     wrapper = _wrap(args, stages[0] if args.pp == 1 else _Stages(stages), dims)
     optimizer, opt_state = _optimizer(args, list(named.values()), dims, named)
     engine = Engine(args, dims, gpt, stages, wrapper, named, optimizer, opt_state, num_params, flops_per_token,
-                    model_state=ModelState(named, dims.tp_group, dims.dp_group))  # fmt: skip
+                    model_state=ModelState(named, dims.tp_group, dims.dp_cp_group))  # fmt: skip
     if args.pp > 1:
         n = args.pp * args.stages_per_rank
         ids = _stage_ids(args, dims)

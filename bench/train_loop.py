@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from ..parallel.context import split_sequence
 from ..parallel.dims import init_parallel, shutdown
 from .checkpoint import (
     CheckpointError,
@@ -52,7 +53,7 @@ class RunError(RuntimeError):
 
 
 def _layout(args) -> str:
-    text = f"dp={args.dp} pp={args.pp} tp={args.tp} zero={args.zero}"
+    text = f"dp={args.dp} pp={args.pp} tp={args.tp}" + (f" cp={args.cp}" if args.cp > 1 else "") + f" zero={args.zero}"
     if args.pp > 1:
         text += f" schedule={args.schedule} microbatches={args.microbatches}"
     text += " sequence-parallel" if args.sequence_parallel else ""
@@ -64,7 +65,7 @@ def _meta(args, engine: Engine, history: list[StepRecord]) -> dict:
     """The JSON part of a checkpoint's manifest: what was trained, how, and the loss so far."""
     return {
         "world_size": args.world_size,
-        "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "zero": args.zero},
+        "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "cp": args.cp, "zero": args.zero},
         "model": asdict(engine.config),
         "run": {
             "seed": args.seed,
@@ -234,7 +235,7 @@ def run(args) -> None:
         )
     _cpu_threads()
     _join_torchrun_attempt()
-    dims = init_parallel(args.tp, args.pp, args.dp)
+    dims = init_parallel(args.tp, args.pp, args.dp, cp=args.cp)
     engine = build_engine(args, dims)
     args.out.mkdir(parents=True, exist_ok=True)
     start, history, resumed = _resume(args, engine) if args.resume else (0, [], None)
@@ -253,6 +254,8 @@ def run(args) -> None:
     for step in range(start, args.steps):
         _maybe_kill(args, dims.rank, step)
         x, y = data.batch(step, seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp)
+        if dims.cp > 1:  # this rank's zigzag share of every sequence
+            x, y = split_sequence(x, dims.cp_group), split_sequence(y, dims.cp_group)
         profiler.before(step)
         begin = time.perf_counter()
         loss = float(engine.train_step(x.to(engine.device), y.to(engine.device)))

@@ -139,6 +139,36 @@ def test_recompute_trains_exactly_like_the_plain_run(tmp_path, layout):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_context_parallel_run_trains_like_data_parallel_and_its_checkpoint_loads_at_dp2(uninterrupted, tmp_path):
+    """--cp 2: each rank holds half of every sequence (ring attention) where the reference's ranks hold half
+    of the batch: the same tokens, the same math, gradients averaged over the same two ranks."""
+    cp, resumed = tmp_path / "cp2", tmp_path / "dp2"
+    proc = _ok(_train(cp, "--cp", "2", *RUN[2:], nproc=2))
+    assert "dp=1 pp=1 tp=1 cp=2 zero=2" in proc.stdout
+    assert json.loads((cp / "run.json").read_text())["args"]["cp"] == 2
+    # fp32; the attention of each sequence is merged from two halves: agreement to fp32 rounding
+    assert _losses(cp) == pytest.approx(_losses(uninterrupted), rel=1e-5)
+    _copy_checkpoint(_checkpoint(cp, 2), resumed)
+    _ok(_train(resumed, *RUN, "--resume", nproc=2))
+    assert _losses(resumed)[2:] == pytest.approx(_losses(uninterrupted)[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [["--tp", "2", "--sequence-parallel", "--zero", "1"], ["--pp", "2", "--schedule", "1f1b", "--zero", "3"]],
+    ids=["cp2-tp2-sp", "cp2-pp2-fsdp"],
+)
+def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(uninterrupted, tmp_path, layout):
+    """Four ranks: cp=2 with tp=2 and sequence parallelism (each TP group gathers its CP share), and cp=2 with
+    two pipeline stages under FSDP over the dp × cp group; the loss curve is the reference's."""
+    _ok(_train(tmp_path, "--cp", "2", *layout, "--steps", "4", "--seq-len", "32", nproc=4))
+    assert _losses(tmp_path) == pytest.approx(_losses(uninterrupted), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoint_saved_at_tp2_loads_in_a_world_of_one(uninterrupted, tmp_path):
     saved, resumed = tmp_path / "tp2", tmp_path / "dense"
     _ok(_train(saved, "--tp", "2", "--zero", "1", *RUN[4:], nproc=2, timeout=240))

@@ -51,6 +51,11 @@ def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
         (["--kill-rank", "2", "--kill-at-step", "1"], 2, "--kill-rank 2 is not a rank of the world of 2"),
         (["--steps", "0"], 1, "--steps must be a positive integer"),
         (["--sequence-parallel", "--tp", "2", "--seq-len", "63"], 2, "--seq-len 63 divisible by --tp 2"),
+        (["--cp", "0"], 1, "--cp must be a positive integer, received 0"),
+        (["--cp", "3"], 4, "--tp 1 × --pp 1 × --cp 3 = 3 does not divide the world size 4"),
+        (["--cp", "2", "--dp", "1"], 4, "--tp 1 × --pp 1 × --cp 2 × --dp 1 = 2 does not match the world size 4"),
+        (["--cp", "2", "--seq-len", "30"], 2, "--cp 2 needs --seq-len 30 divisible by 2·cp = 4"),
+        (["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"], 8, "the 18 tokens per cp rank"),
     ],
 )
 def test_layout_and_run_checks(monkeypatch, args, world, expected):
@@ -66,4 +71,4 @@ def test_defaults_fill_from_the_preset(monkeypatch):
     tiny = PRESETS["tiny"]
     assert (args.seq_len, args.batch_size, args.lr, args.steps) == (tiny.seq_len, tiny.batch_size, tiny.lr, tiny.steps)
     assert (args.dp, args.microbatches, args.stages_per_rank) == (1, 4, 1)
-    assert args.attention_backward == "deterministic" and args.recompute is False
+    assert args.attention_backward == "deterministic" and args.recompute is False and args.cp == 1
