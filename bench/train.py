@@ -1,7 +1,7 @@
 """``torchrun --nproc_per_node=N -m tessel.bench.train [options]``: train tessel's GPT end to end.
 
 Also ``python -m tessel.bench.train`` (a world of one). Trains the GPT of a size preset on the bundled
-text (byte tokens) under any ``--dp × --pp × --tp`` layout, with ZeRO stages ``--zero`` and pipeline
+text (byte tokens) under any ``--dp × --cp × --pp × --tp`` layout, with ZeRO stages ``--zero`` and pipeline
 schedules ``--schedule``; shows a progress bar on rank 0, prints a summary table, and writes under
 ``--out``: ``run.json`` (arguments, environment, every step's loss and time, the summary),
 ``loss.png``, checkpoints (``--save-every``, ``--resume``) and, with ``--profile``, Chrome traces.
