@@ -150,22 +150,32 @@ def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse:
     lse_acc.copy_(new)
 
 
-def _ring_forward(q, k, v, group, causal: bool, scale: float):
+def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, causal: bool):
+    """Yield ``(step, rows, cols, block_causal, kv)`` for every ring step, where ``kv [2, B, Hkv, L, D]`` is
+    the key/value block the rank holds; the next block is in flight while the caller works on this one."""
     c, r = group_size(group), group_rank(group)
-    b, hq, length, d = q.shape
-    h = length // 2
-    kv, incoming = torch.stack((k, v)), None  # [2, B, Hkv, L, D]: keys and values travel as one message
-    out_acc = torch.empty((b, hq, length, d), device=q.device, dtype=torch.float32)
-    lse_acc = torch.empty((b, hq, length), device=q.device, dtype=torch.float32)
+    h = k.shape[2] // 2
+    kv, incoming = torch.stack((k, v)), None  # keys and values travel as one message
     for step in range(c):
-        src = (r - step) % c
         handle = None
         if step < c - 1:
             incoming = torch.empty_like(kv) if incoming is None else incoming
             handle = ring_exchange(kv, incoming, group)
             record_event("send", OP, step + 1)
-        rows, cols, block_causal = _block(r, src, step, causal, h)
+        rows, cols, block_causal = _block(r, (r - step) % c, step, causal, h)
         record_event("gemm", OP, step)
+        yield step, rows, cols, block_causal, kv
+        if handle is not None:
+            handle.wait()
+            record_event("wait", OP, step + 1)
+            kv, incoming = incoming, kv
+
+
+def _ring_forward(q, k, v, group, causal: bool, scale: float):
+    b, hq, length, d = q.shape
+    out_acc = torch.empty((b, hq, length, d), device=q.device, dtype=torch.float32)
+    lse_acc = torch.empty((b, hq, length), device=q.device, dtype=torch.float32)
+    for step, rows, cols, block_causal, kv in _kv_ring(k, v, group, causal):
         out, lse = flash_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=block_causal,
                                    scale=scale, return_lse=True)  # fmt: skip
         if step == 0:  # covers every row, and every row sees at least one key
@@ -173,10 +183,6 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float):
             lse_acc.copy_(lse)
         else:
             _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse)
-        if handle is not None:
-            handle.wait()
-            record_event("wait", OP, step + 1)
-            kv, incoming = incoming, kv
     # [B, L, Hq, D] in memory, like flash attention's output for a layer's [B, L, Hq·D] projection
     out = torch.empty((b, length, hq, d), device=q.device, dtype=q.dtype).transpose(1, 2)
     out.copy_(out_acc)
@@ -184,27 +190,17 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float):
 
 
 def _ring_backward(q, k, v, out, lse, dout, group, causal: bool, scale: float, deterministic: bool):
-    c, r = group_size(group), group_rank(group)
-    h = q.shape[2] // 2
+    c = group_size(group)
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    kv, incoming = torch.stack((k, v)), None
-    dkv = torch.zeros(kv.shape, device=q.device, dtype=torch.float32)  # this step's block's accumulator
+    dkv = torch.zeros((2, *k.shape), device=q.device, dtype=torch.float32)  # the accumulator of this step's block
     dkv_incoming, dkv_handle = torch.empty_like(dkv), None
-    for step in range(c):
-        src = (r - step) % c
-        handle = None
-        if step < c - 1:
-            incoming = torch.empty_like(kv) if incoming is None else incoming
-            handle = ring_exchange(kv, incoming, group)
-            record_event("send", OP, step + 1)
-        rows, cols, block_causal = _block(r, src, step, causal, h)
-        record_event("gemm", OP, step)
+    for step, rows, cols, block_causal, kv in _kv_ring(k, v, group, causal):
         dq, dk, dv = flash_attention_backward(
             q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
             dout[:, :, rows], block_causal, scale, deterministic=deterministic,
         )  # fmt: skip
         dq_acc[:, :, rows] += dq
-        if dkv_handle is not None:  # the accumulator of block src, sent by r-1 during this step
+        if dkv_handle is not None:  # the accumulator of this block, sent by r-1 during this step
             dkv_handle.wait()
             record_event("wait", DKV_OP, step - 1)
             dkv, dkv_incoming = dkv_incoming, dkv
@@ -212,10 +208,6 @@ def _ring_backward(q, k, v, out, lse, dout, group, causal: bool, scale: float, d
         dkv[1][:, :, cols] += dv
         dkv_handle = ring_exchange(dkv, dkv_incoming, group)  # on to r+1; after the last step, home
         record_event("send", DKV_OP, step)
-        if handle is not None:
-            handle.wait()
-            record_event("wait", OP, step + 1)
-            kv, incoming = incoming, kv
     dkv_handle.wait()
     record_event("wait", DKV_OP, c - 1)
     return dq_acc.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype)
