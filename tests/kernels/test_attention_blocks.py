@@ -33,9 +33,11 @@ def _blockwise_grads(q, k, v, causal, dout, cut, deterministic=True):
     dq2, dk2, dv2 = flash_attention_backward(q, k[:, :, second], v[:, :, second], out, lse, dout, True,
                                              deterministic=deterministic)  # fmt: skip
     dqa, dka, dva = flash_attention_backward(q[:, :, first], k[:, :, first], v[:, :, first], out[:, :, first],
-                                             lse[:, :, first], dout[:, :, first], True)  # fmt: skip
+                                             lse[:, :, first], dout[:, :, first], True,
+                                             deterministic=deterministic)  # fmt: skip
     dqb, dkb, dvb = flash_attention_backward(q[:, :, second], k[:, :, first], v[:, :, first], out[:, :, second],
-                                             lse[:, :, second], dout[:, :, second], False)  # fmt: skip
+                                             lse[:, :, second], dout[:, :, second], False,
+                                             deterministic=deterministic)  # fmt: skip
     dq = dq2.clone()
     dq[:, :, first] += dqa
     dq[:, :, second] += dqb
@@ -122,3 +124,16 @@ def test_bad_input(change, error, words):
 def test_deterministic_must_be_a_bool():
     with pytest.raises(TypeError, match="deterministic must be a bool"):
         flash_attention_backward(**_args(), deterministic=1)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True])
+def test_gpu_bf16_block_shares_add_up(seed, causal):
+    """The compiled kernels (bf16, D=128, a length that is no multiple of any tile) block by block."""
+    q, k, v = make_qkv("gqa", 1000, 128, torch.bfloat16, device="cuda")
+    dout = torch.randn_like(q)
+    want = reference_with_grads(q, k, v, causal, dout)
+    for deterministic in (True, False):
+        got = _blockwise_grads(q, k, v, causal, dout, cut=389, deterministic=deterministic)
+        for name, g, ref in zip(("dq", "dk", "dv"), got, want[2:]):
+            assert_close(g, ref, torch.bfloat16, f"{name} (causal={causal}, deterministic={deterministic})")
