@@ -366,6 +366,11 @@ def _backward(
 # ----------------------------------------------------------------------------------------------------
 
 
+def _above_diagonal(sq: int, sk: int, device) -> torch.Tensor:
+    """``[Sq, Sk]`` bool, True where the bottom-right aligned causal mask hides key j from query i (j > i + Sk - Sq)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
+
+
 def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False):
     """Plain-PyTorch definition of :func:`flash_attention` (differentiable through autograd).
 
@@ -383,9 +388,7 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     v = v.to(compute).repeat_interleave(group, dim=1)
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
     if causal:
-        sq, sk = q.shape[2], k.shape[2]
-        above = torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1)  # j > i + sk - sq
-        scores = scores.masked_fill(above, float("-inf"))
+        scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # A row that sees no key has lse = -inf: subtracting 0 instead makes its probabilities exp(-inf) = 0
     # (not NaN), and masked_fill's backward gives its scores a zero gradient.
@@ -407,7 +410,7 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float):
     lse = lse.to(compute).unsqueeze(-1)
     p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0))
     if causal:
-        p = p.masked_fill(torch.ones(sq, sk, dtype=torch.bool, device=q.device).triu(sk - sq + 1), 0.0)
+        p = p.masked_fill(_above_diagonal(sq, sk, q.device), 0.0)
     p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key
     delta = (doc * out.to(compute)).sum(-1, keepdim=True)
     ds = p * (doc @ vc.transpose(-1, -2) - delta)

@@ -26,7 +26,12 @@ from ..parallel.context import ring_attention, zigzag_positions
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rotary import apply_rotary, rotary_tables
 
-__all__ = ["ParallelAttention", "check_heads"]
+__all__ = ["ParallelAttention", "check_heads", "context_size"]
+
+
+def context_size(cp_group) -> int:
+    """Ranks a layer's sequence is split over: 1 without a ``cp_group`` (``None`` here never means the world)."""
+    return 1 if cp_group is None else group_size(cp_group)
 
 
 def check_heads(name: str, n_head: int, n_kv_head: int, tp_size: int) -> None:
@@ -112,5 +117,4 @@ class ParallelAttention(nn.Module):
 
     @property
     def cp_size(self) -> int:
-        """Ranks the sequence is split over: 1 without ``cp_group`` (``None`` here never means the world)."""
-        return 1 if self.cp_group is None else group_size(self.cp_group)
+        return context_size(self.cp_group)

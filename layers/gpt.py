@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from ..kernels.attention import HEAD_DIMS
 from ..parallel.comm import group_size
 from ..parallel.sharding import is_tp_sharded, shard_like, tp_spec
-from .attention import ParallelAttention, check_heads
+from .attention import ParallelAttention, check_heads, context_size
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
@@ -198,7 +198,7 @@ class GPT(nn.Module):
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
             got = f"{idx.dtype} tensor of shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx)
             raise ValueError(f"GPT: idx must be an int64 [batch, seq] tensor, received {got}")
-        c = 1 if self.cp_group is None else group_size(self.cp_group)
+        c = context_size(self.cp_group)
         if idx.shape[1] * c > self.config.block_size:
             held = f"{idx.shape[1]}" if c == 1 else f"{idx.shape[1] * c} ({idx.shape[1]} on each of {c} cp ranks)"
             raise ValueError(f"GPT: sequence length {held} exceeds block_size={self.config.block_size}")
