@@ -28,22 +28,37 @@ the ring's reduce-scatter sums every projection's input gradient over the group,
 gradients computed while it is in flight. Under sequence parallelism the intermediate
 ``output_hidden_states`` are sequence shards, and decoding one token at a time (whose length does not
 split) needs ``sequence_parallel=False``.
+
+Context parallelism in a Hugging Face decoder (:class:`HFContextLayout`, ``parallelize(cp_group=)``):
+every rank feeds its :func:`~tessel.parallel.context.split_sequence` share of the tokens, ``[B, S/c]``.
+The model's attention implementation becomes tessel's, which runs
+:func:`~tessel.parallel.context.ring_attention` for the modules marked with the group; the rotary
+module receives the tokens' global (zigzag) positions in place of the local ``0 … S/c-1``, while the
+base model keeps building its mask from local, contiguous positions (a plain causal mask is then
+``None``). What the local view would get wrong is refused with a ``ValueError`` instead: position ids
+from the caller, an attention mask (padding, packed sequences), a sliding window shorter than the whole
+sequence, a key-value cache longer than the tokens (decoding), and labels that the model would shift
+itself (a chunk's last token predicts the first token of the next chunk, held by another rank: pass
+``shift_labels``, the globally shifted labels split the same way).
 """
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from ..parallel.collectives import gather_from_tp, scatter_to_sequence
-from ..parallel.comm import group_size
+from ..parallel.comm import group_rank, group_size
+from ..parallel.context import ring_attention, zigzag_positions
 from ..parallel.overlap import all_gather_matmul
 from .linear import ColumnParallelLinear, _check_input, _from_token_major, _to_token_major, _use_overlap
 
 __all__ = [
     "HEAD_COUNT_ATTRS",
+    "HFContextLayout",
     "HFSequenceLayout",
     "RingColumnLinear",
     "SequenceRing",
@@ -333,6 +348,120 @@ def _inside(name: str, parents: list[str]) -> bool:
     return any(name.startswith(p + ".") for p in parents)
 
 
+# ---------------------------------------------------------------------------------------------------- context parallel
+
+# The attribute parallelize(cp_group=) sets on attention modules; tessel_attention_forward reads it.
+CP_GROUP_ATTR = "tessel_cp_group"
+
+
+def _bind(module: nn.Module, args, kwargs) -> inspect.BoundArguments:
+    return inspect.signature(module.forward).bind(*args, **kwargs)
+
+
+@dataclass
+class HFContextLayout:
+    """Where context parallelism reaches into a Hugging Face decoder (see the module docstring).
+
+    ``attention``: the modules that call the attention implementation (class names ending in
+    ``Attention``); ``rotary``: the base model's rotary-embedding module, fed the global positions;
+    ``base``: the base model, whose caller may not pass position ids; ``head``: whether ``model`` is a
+    head model above the base (its loss would shift ``labels`` itself).
+    """
+
+    attention: list[str]
+    rotary: str
+    base: str
+    head: bool
+
+    @classmethod
+    def find(cls, model: nn.Module) -> HFContextLayout:
+        prefix, base = base_model(model)
+        attention = [name for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+        rotary = [name for name, m in base.named_children() if "rotary" in type(m).__name__.lower()]
+        if not attention:
+            raise ValueError(f"parallelize: cp_group needs attention modules (class names ending in Attention) in "
+                             f"{type(model).__name__}, found none")  # fmt: skip
+        if len(rotary) != 1:
+            raise ValueError(
+                f"parallelize: cp_group needs one rotary-embedding module among the children of {type(base).__name__} "
+                f"(it is fed the global positions of this rank's tokens), found {rotary or 'none'}"
+            )
+        return cls(attention, prefix + rotary[0], prefix.rstrip("."), bool(prefix))
+
+    def install(self, model: nn.Module, cp_group) -> None:
+        """Mark the attention modules with ``cp_group``, switch the model to tessel's attention, and hook the
+        rotary module (global positions), the base model (no position ids) and the head (no self-shifted labels)."""
+        c, r = group_size(cp_group), group_rank(cp_group)
+        modules = dict(model.named_modules())
+        for name in self.attention:
+            setattr(modules[name], CP_GROUP_ATTR, cp_group)
+
+        def positions(module, args, kwargs):
+            bound = _bind(module, args, kwargs)
+            ids = bound.arguments.get("position_ids")
+            if not isinstance(ids, torch.Tensor):
+                raise ValueError(f"parallelize: {self.rotary} was called without position_ids under context "
+                                 "parallelism")  # fmt: skip
+            if ids.shape[-1] % 2:
+                raise ValueError(
+                    f"parallelize: under context parallelism each rank holds two equal chunks of the sequence "
+                    f"(tessel.parallel.split_sequence), so its length must be even, received {ids.shape[-1]}"
+                )
+            glob = zigzag_positions(ids.shape[-1] * c, c, r, device=ids.device)
+            bound.arguments["position_ids"] = glob.to(ids.dtype).expand_as(ids)
+            return bound.args, bound.kwargs
+
+        def no_positions(module, args, kwargs):
+            if _bind(module, args, kwargs).arguments.get("position_ids") is not None:
+                raise ValueError(
+                    "parallelize: under context parallelism tessel gives the rotary embeddings the global positions "
+                    "of this rank's tokens (tessel.parallel.zigzag_positions); call the model without position_ids"
+                )
+
+        def no_self_shift(module, args, kwargs):
+            if _bind(module, args, kwargs).arguments.get("labels") is not None and kwargs.get("shift_labels") is None:
+                raise ValueError(
+                    "parallelize: under context parallelism the model cannot shift labels itself (a chunk's last token "
+                    "predicts a token another rank holds): pass shift_labels=split_sequence(labels shifted left by one "
+                    "over the whole sequence, -100 at the end) along with labels"
+                )
+
+        modules[self.rotary].register_forward_pre_hook(positions, with_kwargs=True)
+        modules[self.base].register_forward_pre_hook(no_positions, with_kwargs=True)
+        if self.head:
+            model.register_forward_pre_hook(no_self_shift, with_kwargs=True)
+        register_hf_attention()
+        if hasattr(model, "set_attn_implementation"):
+            model.set_attn_implementation("tessel")
+        else:  # transformers < 4.56
+            model.config._attn_implementation = "tessel"
+
+
+def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask, dropout: float, scaling: float | None,
+                            causal: bool, cp_group, kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """tessel_attention_forward for a module marked with a context-parallel group of more than one rank."""
+    c, length = group_size(cp_group), query.shape[2]
+
+    def refuse(what: str):
+        raise ValueError(f"{type(module).__name__} under context parallelism over {c} ranks: {what}")
+
+    if attention_mask is not None:
+        refuse("an attention mask (padding, packed sequences) is not supported: each batch row is one whole "
+               "sequence, every token attends to all earlier ones")  # fmt: skip
+    if key.shape[2] != length:
+        refuse(f"the keys must be this rank's {length} tokens, received {key.shape[2]} (decoding with a key-value "
+               "cache is not supported)")  # fmt: skip
+    window = kwargs.get("sliding_window")
+    if window is not None and window < c * length:
+        refuse(f"a sliding window of {window} tokens, shorter than the whole sequence ({c * length}), is not supported")
+    if dropout and module.training:
+        refuse(f"attention dropout ({dropout}) is not supported")
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        refuse("logit soft-capping and position biases are not supported")
+    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling)
+    return out_BHSD.transpose(1, 2), None  # laid out [B, S, H, D] already
+
+
 # ---------------------------------------------------------------------------------------------------- attention
 
 
@@ -348,10 +477,18 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     sequences, sliding windows that bite, several queries over a cache — Hugging Face passes ``None``
     for a plain causal mask and for one query), attention dropout, a position bias, and head dims or
     dtypes the kernel does not take.
+
+    A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
+    :func:`~tessel.parallel.context.ring_attention` over the group instead, and refuses with a
+    ``ValueError`` what the ring does not compute (masks, caches, short sliding windows, dropout).
     """
     from ..kernels.attention import HEAD_DIMS, flash_attention
 
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    cp_group = getattr(module, CP_GROUP_ATTR, None)
+    if cp_group is not None and group_size(cp_group) > 1:
+        return _ring_attention_forward(module, query, key, value, attention_mask, dropout, scaling, causal, cp_group,
+                                       kwargs)  # fmt: skip
     kernel_ok = (
         attention_mask is None
         and (query.shape[2] == key.shape[2] or query.shape[2] == 1)

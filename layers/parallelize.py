@@ -52,6 +52,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..parallel.collectives import copy_to_tp, reduce_from_tp
@@ -60,6 +61,7 @@ from ..parallel.sharding import local_shard
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
 from .hf import (
+    HFContextLayout,
     HFSequenceLayout,
     RingColumnLinear,
     SequenceRing,
@@ -105,20 +107,30 @@ class _Entry:
     new: nn.Module | None = None
 
 
-def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None,
-                sequence_parallel: bool = False, overlap: bool | str | None = None) -> nn.Module:  # fmt: skip
+def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
+                overlap: bool | str | None = None, cp_group=None) -> nn.Module:  # fmt: skip
     """Split ``model``'s layers over ``tp_group`` in place, following ``plan`` or the model's own; returns it.
 
     ``tp_group=None`` is the default group (a world of one without a process group). Every rank of the
     group must call this on identical models (same weights): rank ``r`` keeps its shards. ``overlap``
     (``"auto"``, ``True``, ``False``) is given to every split linear layer; ``None`` keeps the setting
     of tessel's own layers and uses ``"auto"`` for ``nn.Linear``.
+
+    ``cp_group`` (context parallelism): the sequence is also split over this group, whose ranks must
+    be other ranks than ``tp_group``'s. Each rank then calls the model with its
+    :func:`~tessel.parallel.context.split_sequence` share of the tokens and attention runs as
+    :func:`~tessel.parallel.context.ring_attention`. tessel's GPT takes the group in its attention
+    modules (as ``GPT(cp_group=)`` does); a Hugging Face decoder is switched to tessel's attention
+    implementation, its rotary embeddings see the global positions, and what its local view would
+    compute wrongly is refused (see :mod:`tessel.layers.hf`). Parameters are replicated over the cp
+    ranks: reduce their gradients over the cp group as over a data-parallel one.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be an nn.Module, received {type(model).__name__}")
     if overlap not in (None, "auto", True, False):
         raise ValueError(f"parallelize: overlap must be None, 'auto', True or False, received {overlap!r}")
     t = group_size(tp_group)
+    context = _context_layout(model, tp_group, cp_group)
     entries = _match(model, _own_plan(model) if plan is None else plan)
     for e in entries:
         _validate_entry(e, t)
@@ -141,6 +153,11 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
             setattr(parent, attr, value)
     if layout is not None:
         layout.install(model, tp_group, rings)
+    if isinstance(context, HFContextLayout):
+        context.install(model, cp_group)
+    elif context is not None:
+        for m in context:
+            m.cp_group = cp_group
     for attr, value in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel)):
         if hasattr(model, attr):  # tessel's GPT: its loss reads the group
             setattr(model, attr, value)
@@ -207,6 +224,30 @@ def _sequence_layout(model: nn.Module, entries: list[_Entry]) -> HFSequenceLayou
     modules = dict(model.named_modules())
     entries.extend(_Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
     return layout
+
+
+def _context_layout(model: nn.Module, tp_group, cp_group) -> HFContextLayout | list[nn.Module] | None:
+    """What ``cp_group`` changes: a Hugging Face decoder's layout, or tessel's modules that take a cp group."""
+    if cp_group is None:
+        return None
+    if not isinstance(cp_group, dist.ProcessGroup):
+        raise TypeError(f"parallelize: cp_group must be None or a torch.distributed ProcessGroup, received "
+                        f"{type(cp_group).__name__}")  # fmt: skip
+    shared = set(dist.get_process_group_ranks(cp_group)) & set(
+        dist.get_process_group_ranks(dist.group.WORLD if tp_group is None else tp_group)
+    )
+    if shared != {dist.get_rank()}:
+        raise ValueError(
+            f"parallelize: tp_group and cp_group share the ranks {sorted(shared)}: a rank's tensor-parallel and "
+            "context-parallel peers must be distinct ranks (a (cp x tp) grid, as init_parallel(cp=) builds)"
+        )
+    if is_hf_model(model):
+        return HFContextLayout.find(model)
+    takers = [m for m in model.modules() if hasattr(m, "cp_group")]
+    if not takers:
+        raise ValueError(f"parallelize: cp_group needs tessel's GPT-style attention (modules with a cp_group) or a "
+                         f"Hugging Face decoder; {type(model).__name__} has neither")  # fmt: skip
+    return takers
 
 
 # ---------------------------------------------------------------------------------------------------- validation

@@ -35,7 +35,8 @@ def _gather(x, group, dim):
     return torch.cat(parts, dim=dim)
 
 
-def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw):
+def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw, via_parallelize=False):
+    from tessel.layers.parallelize import parallelize
     from tessel.parallel.context import gather_sequence, split_sequence
 
     cfg = _config(**{"n_layer": 1, **cfg_kw})
@@ -43,7 +44,12 @@ def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw):
     torch.manual_seed(0)
     dense = GPT(cfg, tp_group=solo)
     torch.manual_seed(0)
-    par = GPT(cfg, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel, overlap=True)
+    if via_parallelize:  # a dense GPT made parallel in place: the same model as one built parallel
+        par = parallelize(GPT(cfg, tp_group=solo), tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel,
+                          overlap=True)  # fmt: skip
+        assert all(m.cp_group is cp_group for m in par.modules() if hasattr(m, "cp_group"))
+    else:
+        par = GPT(cfg, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel, overlap=True)
     idx, targets = _batch(cfg, s=cfg.block_size)
     dense_logits = dense(idx)
     dense_loss = dense.loss_from_logits(dense_logits, targets)
@@ -80,6 +86,11 @@ def test_context_parallel_gpt_matches_dense(cfg_kw):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_context_and_tensor_parallel_gpt_matches_dense(sequence_parallel):
     run_ranks(_cp_vs_dense, 4, 2, sequence_parallel, {}, timeout=300)
+
+
+@pytest.mark.multiprocess
+def test_parallelize_with_a_cp_group_makes_a_dense_gpt_context_and_tensor_parallel():
+    run_ranks(_cp_vs_dense, 4, 2, True, {}, True, timeout=300)
 
 
 @pytest.mark.multiprocess

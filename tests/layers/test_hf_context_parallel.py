@@ -1,0 +1,153 @@
+"""Hugging Face Llama, Mistral and Qwen2 (tiny, random init) under context parallelism: ``parallelize(cp_group=)``.
+
+Every rank builds the same dense model from one seed and parallelizes a deep copy over a (cp × tp) grid
+(tp innermost); each rank feeds its zigzag share of the batch (``split_sequence``). The logits gathered
+over the cp ranks must equal the dense model's, and every gradient summed over the cp ranks (the loss is
+a sum over tokens, each rank holding its own) must equal the dense gradient's tensor-parallel shard.
+Rotary embeddings see the global positions, and every attention runs as the ring, so a wrong position,
+a missing cross-rank key or a local causal mask shows up in every logit past the first chunk.
+
+Tolerances as in test_hf.py (fp32, 1e-4 relative): the ring merges partial attention outputs through
+their log-sum-exps, reordering the softmax sums. The ranks run tessel's kernels through their
+plain-PyTorch references (``TRITON_INTERPRET=0``), as in test_hf.py: the kernels are proven in
+tests/kernels, the ring in tests/parallel/test_context.py.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.layers.test_context_parallel import _grid
+from tests.layers.test_hf import REFERENCE_KERNELS, B, S, _batch, _close, _forward_backward, _model, needs_hf
+from tests.multiprocess import run_ranks
+
+
+def _check_against_dense(dense, par, tp_group, cp_group, tag):
+    from tessel.parallel.context import gather_sequence, split_sequence
+    from tessel.parallel.sharding import shard_like
+
+    ids, weights = _batch()
+    want = _forward_backward(dense, ids, weights)
+    got = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group))
+    _close(gather_sequence(got, cp_group), want, msg=lambda m: f"{tag} logits: {m}")
+    dense_params = dict(dense.named_parameters())
+    for name, p in par.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=cp_group)
+        expected = shard_like(dense_params[name].grad, p, tp_group)
+        _close(grad, expected, msg=lambda m, name=name: f"{tag} grad of {name}: {m}")
+
+
+def _shifted(ids):
+    """Labels shifted left by one over the whole sequence, -100 (ignored) after the last token."""
+    return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
+
+
+def _grid_vs_dense(rank, world_size, cp, families, sp_options, kv_heads):
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.comm import record_events
+
+    _, tp_group, cp_group = _grid(rank, world_size, cp)
+    for family in families:
+        for sp in sp_options:
+            dense = _model(family, kv_heads=kv_heads)
+            par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp)
+            assert par.config._attn_implementation == "tessel"
+            with record_events() as log:
+                _check_against_dense(dense, par, tp_group, cp_group, f"{family} cp={cp} sp={sp}")
+            # the ring ran in every layer: c-1 key/value sends forward and again backward, in each of 2 layers
+            sends = [e for e in log.events if e[:2] == ("send", "ring_attention")]
+            assert len(sends) == 2 * 2 * (cp - 1), log.events
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
+    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2"), (False,), 2, timeout=300, env=REFERENCE_KERNELS)
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_models_under_context_and_tensor_parallelism_match_dense_on_four_ranks():
+    # cp2 x tp2, with and without sequence parallelism (the tp ranks split each cp share again)
+    run_ranks(_grid_vs_dense, 4, 2, ("llama", "qwen2"), (False, True), 2, timeout=300, env=REFERENCE_KERNELS)
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_model_on_four_context_parallel_ranks_matches_dense():
+    run_ranks(_grid_vs_dense, 4, 4, ("llama",), (False,), 2, timeout=300, env=REFERENCE_KERNELS)
+
+
+def _loss_and_refusals(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.context import split_sequence
+
+    _, tp_group, cp_group = _grid(rank, world_size, 2)
+    ids, _ = _batch()
+    local = split_sequence(ids, cp_group)
+    # the loss through shift_labels: each rank's sum over its labelled tokens divided by the whole batch's
+    # count adds up over the cp ranks to the dense model's mean (which shifts the labels itself)
+    dense = _model("llama")
+    par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group)
+    want = dense(ids, labels=ids).loss
+    shift = split_sequence(_shifted(ids), cp_group)
+    loss = par(local, labels=shift, shift_labels=shift, num_items_in_batch=torch.tensor(B * (S - 1))).loss
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp_group)
+    _close(total, want.detach())
+    want.backward()
+    loss.backward()
+    dense_params = dict(dense.named_parameters())
+    for name, p in par.named_parameters():
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=cp_group)
+        _close(grad, dense_params[name].grad, msg=lambda m, name=name: f"loss grad of {name}: {m}")
+
+    # what the local view would compute wrongly is refused
+    with pytest.raises(ValueError, match=r"cannot shift labels itself .* pass shift_labels"):
+        par(local, labels=local)
+    with pytest.raises(ValueError, match="call the model without position_ids"):
+        par(local, position_ids=torch.arange(local.shape[1])[None])
+    padding = torch.ones_like(local)
+    padding[0, 0] = 0
+    with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks: an attention mask"):
+        par(local, attention_mask=padding)
+    with pytest.raises(ValueError, match="its length must be even, received 3"):
+        par(local[:, :3])
+    with torch.no_grad():
+        cache = par(local, use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks"):
+            par(local[:, :2], past_key_values=cache)
+    windowed = parallelize(_model("mistral", sliding_window=S - 2), tp_group, cp_group=cp_group)
+    with pytest.raises(ValueError, match=f"a sliding window of {S - 2} tokens, shorter than the whole sequence \\({S}"):
+        windowed(local)
+    # ... and a window as long as the sequence is no window at all
+    wide = _model("mistral", sliding_window=S)
+    _check_against_dense(wide, parallelize(copy.deepcopy(wide), tp_group, cp_group=cp_group), tp_group, cp_group,
+                         "mistral window=S")  # fmt: skip
+
+    # bad groups change nothing
+    model = _model("qwen2")
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    types = [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"tp_group and cp_group share the ranks \[0, 1\]"):
+        parallelize(model, None, cp_group=cp_group)  # None: the world, which holds the cp ranks too
+    with pytest.raises(TypeError, match=r"cp_group must be None or a torch\.distributed ProcessGroup, received int"):
+        parallelize(model, tp_group, cp_group=2)
+    assert [type(m) for m in model.modules()] == types
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert model.config._attn_implementation != "tessel"
+    mlp = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 4))
+    with pytest.raises(ValueError, match=r"cp_group needs tessel's GPT-style attention .* Sequential has neither"):
+        parallelize(mlp, tp_group, plan={"0": "colwise", "1": "rowwise"}, cp_group=cp_group)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_loss_through_shift_labels_and_what_context_parallelism_refuses():
+    run_ranks(_loss_and_refusals, 2, timeout=300, env=REFERENCE_KERNELS)
