@@ -45,7 +45,14 @@ The three tiers and their kernels (the ``@triton.jit`` functions and their block
   ``flash_attention_reference`` is the plain-PyTorch definition.
 
 Causal masking skips every block above the (shifted) diagonal, and only the blocks crossing it and the
-query and key tails pay for masks: the others run a ``MASK=False`` copy of the inner loop. The shift
+query and key tails pay for masks: the others run a ``MASK=False`` copy of the inner loop.
+
+Packed documents (``segment_ids``, ``SEGMENTS``): a run of equal ids in a row is a segment, and a query
+sees only the keys of its own segment. The host turns the ids into each token's segment start and end
+(``[B, S]`` int32); a query block reads the key blocks from its first row's segment start to its last
+row's segment end (the causal bound still applies), and a key block the query blocks of its segments,
+so blocks between unrelated documents are never loaded. A block whose rows all lie in one segment runs
+the blocks inside that segment without masks; one spanning a boundary masks every block it reads. The shift
 ``Sk - Sq`` is a runtime int, so decode steps reuse one compiled kernel.
 
 Numerics: scores, softmax statistics and all accumulators are fp32; P (and dS in the backward) are
@@ -148,6 +155,33 @@ def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
             raise TypeError(f"{name}: scale must be a number or None, received {type(scale).__name__}")
         if not math.isfinite(scale):
             raise ValueError(f"{name}: scale must be finite, received {scale}")
+
+
+def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(start, end)`` int32 ``[B, S]``: the first index and one past the last of each token's segment (a run
+    of equal ids), or None without ``segment_ids``. Raises naming what is wrong."""
+    if segment_ids is None:
+        return None
+    if not isinstance(segment_ids, torch.Tensor):
+        raise TypeError(f"{name}: segment_ids must be None or a torch.Tensor, received {type(segment_ids).__name__}")
+    if segment_ids.is_floating_point() or segment_ids.is_complex() or segment_ids.dtype == torch.bool:
+        raise TypeError(f"{name}: segment_ids must be an integer tensor, received {segment_ids.dtype}")
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    if sq != sk:
+        raise ValueError(f"{name}: segment_ids needs queries and keys of one sequence (Sq == Sk), received Sq={sq} "
+                         f"and Sk={sk}")  # fmt: skip
+    if tuple(segment_ids.shape) != (b, sq):
+        raise ValueError(f"{name}: segment_ids must be [batch, seq] = {[b, sq]}, received {tuple(segment_ids.shape)}")
+    if segment_ids.device != q.device:
+        raise ValueError(f"{name}: segment_ids must be on q's device {q.device}, received {segment_ids.device}")
+    pos = torch.arange(sq, device=q.device, dtype=torch.int32).expand(b, sq)
+    first = torch.ones((b, sq), device=q.device, dtype=torch.bool)
+    first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.where(first, pos, 0).cummax(1).values
+    end = torch.where(last, pos + 1, sq).flip(1).cummin(1).values.flip(1)
+    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
 
 
 def _input_precision(dtype: torch.dtype, backend: str) -> str:
@@ -282,8 +316,9 @@ def _forward_split_kv(
             )  # fmt: skip
 
 
-def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None):
-    """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32."""
+def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None, segments=None):
+    """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32. ``segments``: the
+    ``(start, end)`` of :func:`_segment_bounds` (the one-pass kernel then runs whatever ``num_splits`` says)."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     out = _empty_in_layout_of(q)
@@ -292,30 +327,31 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
         return out, lse
     if sk == 0:  # no key at all: every row is a row that sees none
         return out.zero_(), lse.fill_(float("-inf"))
-    plan = _split_kv_plan(q, k, num_splits, backend)
+    plan = _split_kv_plan(q, k, num_splits, backend) if segments is None else None
     if plan is not None:
         _forward_split_kv(q, k, v, out, lse, causal, scale, backend, *plan)
         return out, lse
+    seg_start, seg_end = segments if segments is not None else (lse, lse)  # never read without segments
     args = (
-        q, k, v, out, lse, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
+        q, k, v, out, lse, seg_start, seg_end, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E,
     )  # fmt: skip
     with _device(q):
         _launch(
             _flash_attention_fwd_kernel, fwd_kernel_tuned, INTERPRETER_FWD_BLOCKS, backend, "BLOCK_M", sq, b * hq,
-            args, _flags(q, causal, backend),
+            args, {**_flags(q, causal, backend), "SEGMENTS": segments is not None},
         )  # fmt: skip
     return out, lse
 
 
 def _backward(
     q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool,
-    deterministic: bool = True,
+    deterministic: bool = True, segments=None,
 ):  # fmt: skip
     """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels, or, when
     all three are needed and ``deterministic`` is False, the one dK/dV kernel that also adds dQ up
-    with fp32 atomics."""
+    with fp32 atomics. ``segments`` as for :func:`_forward`."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dq = _empty_in_layout_of(q) if need_dq else None
@@ -329,7 +365,8 @@ def _backward(
     _check_int32_rows(dout)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty_like(lse)
-    flags = _flags(q, causal, backend)
+    flags = {**_flags(q, causal, backend), "SEGMENTS": segments is not None}
+    seg_start, seg_end = segments if segments is not None else (delta, delta)  # never read without segments
     with _device(q):
         _flash_attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_BLOCK_M), b * hq)](
             out, dout, dlse if dlse is not None else delta, delta,
@@ -345,7 +382,8 @@ def _backward(
         if need_dkv:
             # the accumulator of the atomic dQ, or (never read) any fp32 tensor
             dq_acc = torch.zeros((b, hq, sq, d), device=q.device, dtype=torch.float32) if atomic_dq else delta
-            args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, *common, *dk.stride()[:3], *dv.stride()[:3], *tail)
+            args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, seg_start, seg_end, *common, *dk.stride()[:3],
+                    *dv.stride()[:3], *tail)  # fmt: skip
             _launch(
                 _flash_attention_bwd_dkdv_kernel, dkdv_atomic_dq_kernel_tuned if atomic_dq else dkdv_kernel_tuned,
                 INTERPRETER_DKDV_BLOCKS, backend, "BLOCK_N", sk, b * hkv, args, {**flags, "ATOMIC_DQ": atomic_dq},
@@ -353,7 +391,7 @@ def _backward(
             if atomic_dq:  # scaled and rounded into q's dtype and layout in one pass
                 torch.mul(dq_acc, scale, out=dq)
         if need_dq and not atomic_dq:
-            args = (q, k, v, dout, lse, delta, dq, *common, *dq.stride()[:3], *tail)
+            args = (q, k, v, dout, lse, delta, dq, seg_start, seg_end, *common, *dq.stride()[:3], *tail)
             _launch(
                 _flash_attention_bwd_dq_kernel, dq_kernel_tuned, INTERPRETER_DQ_BLOCKS, backend, "BLOCK_M",
                 sq, b * hq, args, flags,
@@ -371,16 +409,17 @@ def _above_diagonal(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
 
 
-def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False):
+def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None):
     """Plain-PyTorch definition of :func:`flash_attention` (differentiable through autograd).
 
     Computes in fp32 (in float64 when the inputs are float64, which is how tests build their exact
     reference), materialising the ``[B, Hq, Sq, Sk]`` scores and repeating key/value heads for GQA, and
     rounds the output once to the input dtype. ``lse`` is returned in the compute dtype. The causal mask
     is bottom-right aligned (``j ≤ i + Sk - Sq``); rows that see no key give 0 and ``lse = -inf``, and
-    autograd through them gives zero gradients, never NaN.
+    autograd through them gives zero gradients, never NaN. ``segment_ids`` as for :func:`flash_attention`.
     """
     _validate("flash_attention_reference", q, k, v, causal, scale, (*_DTYPES, torch.float64))
+    segments = _segment_bounds("flash_attention_reference", segment_ids, q, k)
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -389,6 +428,9 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if segments is not None:  # [B, 1, S, S]: True where query i and key j lie in different segments
+        start = segments[0]
+        scores = scores.masked_fill((start[:, :, None] != start[:, None, :]).unsqueeze(1), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # A row that sees no key has lse = -inf: subtracting 0 instead makes its probabilities exp(-inf) = 0
     # (not NaN), and masked_fill's backward gives its scores a zero gradient.
@@ -475,9 +517,9 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, num_splits, deterministic):
-        out, lse = _forward(q, k, v, causal, scale, backend, num_splits)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, causal, scale, backend, num_splits, deterministic, segments):
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments)
+        ctx.save_for_backward(q, k, v, out, lse, *(segments or ()))
         ctx.causal, ctx.scale, ctx.backend, ctx.deterministic = causal, scale, backend, deterministic
         # An unused output (lse when only out is returned) gets None instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
@@ -486,19 +528,21 @@ class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable  # the Triton backward builds no graph of its own
     def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, *segments = ctx.saved_tensors
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         if dout is None:  # only lse was used: Δ = -dlse and dO = 0
             dout = torch.zeros_like(out)
         # torch.use_deterministic_algorithms(True) at the time of the backward wins over deterministic=False
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv = _backward(
-            q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale, ctx.backend, need_q, need_k or need_v, deterministic
-        )
-        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None
+            q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale, ctx.backend, need_q, need_k or need_v, deterministic,
+            tuple(segments) or None,
+        )  # fmt: skip
+        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None, None
 
 
-def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_splits=None, deterministic=True):
+def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_splits=None, deterministic=True,
+                    segment_ids=None):  # fmt: skip
     """Softmax attention in one pass over the keys, never materialising the ``Sq × Sk`` scores; differentiable.
 
     Args:
@@ -530,6 +574,13 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
             the atomic traffic); gradients then differ between runs in the last bits of fp32 before
             rounding. ``torch.use_deterministic_algorithms(True)`` in force at the backward turns
             ``False`` back into ``True``. Only the backward reads it.
+        segment_ids: ``None``, or an integer ``[B, S]`` tensor on q's device for queries and keys of one
+            sequence (``Sq == Sk == S``): documents packed into one row. A run of equal ids is a
+            segment, and a query attends only to the keys of its own segment (and, when causal, to
+            those up to its own position), as if each segment were a sequence of its own; each query
+            block reads the key blocks of its segments only, so the work grows with the sum of the
+            squared segment lengths rather than with ``S²``. Runs the one-pass kernel (a larger
+            ``num_splits`` is refused).
 
     Returns:
         ``out [B, Hq, Sq, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
@@ -549,6 +600,9 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
     """
     _validate("flash_attention", q, k, v, causal, scale, _DTYPES)
     _check_num_splits(num_splits)
+    if segment_ids is not None and num_splits not in (None, 1):
+        raise ValueError(f"flash_attention: segment_ids run the one-pass kernel; num_splits must be None or 1, "
+                         f"received {num_splits}")  # fmt: skip
     if not isinstance(deterministic, bool):
         raise TypeError(f"flash_attention: deterministic must be a bool, received {type(deterministic).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
@@ -559,11 +613,12 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
             f"{_MAX_GRID_Y}; call it on smaller batches"
         )
     if backend == Backend.REFERENCE:
-        return flash_attention_reference(q, k, v, causal, scale, return_lse=return_lse)
+        return flash_attention_reference(q, k, v, causal, scale, return_lse=return_lse, segment_ids=segment_ids)
+    segments = _segment_bounds("flash_attention", segment_ids, q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits, deterministic)
+        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits, deterministic, segments)
     else:
-        out, lse = _forward(q, k, v, causal, scale, backend, num_splits)
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments)
     return (out, lse) if return_lse else out

@@ -42,11 +42,12 @@ __all__ = [
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi, seg_q,
+    seg_ptr, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """Online softmax over the key blocks starting in [lo, hi); MASK: mask the key tail and the diagonal band."""
+    """Online softmax over the key blocks starting in [lo, hi); MASK: mask the key tail, the diagonal band
+    and (SEGMENTS) keys of other segments than their row's (seg_q: the rows' segment starts)."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -61,12 +62,16 @@ def _fwd_inner(
             keep = cols[None, :] < SK
             if CAUSAL:
                 keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
+            if SEGMENTS:
+                seg_k = tl.load(seg_ptr + cols, mask=cols < SK, other=-1)
+                keep = keep & (seg_q[:, None] == seg_k[None, :])
             qk = tl.where(keep, qk, float("-inf"))
-        # A row that sees any key sees key 0, which is in its first key block: m_new is finite from the
-        # first iteration on and exp2(-inf - m_new) is an exact 0. Rows that see no key at all (causal,
-        # SQ > SK) keep m_new = -inf: subtracting 0 instead keeps their p and alpha 0 rather than NaN.
+        # A row that sees any key sees key 0 (or its segment's first key), which is in its first key block:
+        # m_new is finite from then on and exp2(-inf - m_new) is an exact 0. Rows that see no key yet (causal
+        # with SQ > SK; a later segment's rows in the blocks before their segment) keep m_new = -inf:
+        # subtracting 0 instead keeps their p and alpha 0 rather than NaN.
         m_new = tl.maximum(m_i, tl.max(qk, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if MASK and CAUSAL else m_new
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new) if MASK and (CAUSAL or SEGMENTS) else m_new
         p = tl.math.exp2(qk - m_sub[:, None])
         alpha = tl.math.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -100,15 +105,36 @@ def _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
+def _segment_ranges(seg_start_ptr, seg_end_ptr, first, last, lo, full_lo, full_end, end, BLOCK: tl.constexpr):
+    """Under SEGMENTS: the blocks (of BLOCK partners: keys for a query block, queries for a key block) that
+    rows ``first..last`` need, as three loops: masked ``[head, mid_lo)``, whole ``[mid_lo, mid_hi)``, masked
+    ``[mid_hi, stop)``.
+
+    ``lo``: the first partner any of the rows may see (their first segment's start, or later under the
+    causal mask); ``[full_lo, full_end)``: where the causal mask lets every row see every partner;
+    ``end``: the causal bound. Rows spanning several segments mask every block; rows of one segment run
+    the whole blocks inside it unmasked.
+    """
+    one = tl.load(seg_start_ptr + first) == tl.load(seg_start_ptr + last)
+    stop = tl.minimum(end, tl.load(seg_end_ptr + last))
+    head = (lo // BLOCK) * BLOCK
+    mid_lo = tl.where(one, tl.maximum(tl.cdiv(lo, BLOCK) * BLOCK, full_lo), head)
+    mid_hi = tl.where(one, tl.maximum(tl.minimum(full_end, (stop // BLOCK) * BLOCK), mid_lo), head)
+    return head, mid_lo, mid_hi, stop
+
+
+@triton.jit
 def _flash_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_start_ptr, seg_end_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
     HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE)."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS (SQ == SK): seg_start_ptr/seg_end_ptr
+    ([B, S] int32) hold the first index and one past the last of each token's segment; a query sees only
+    the keys of its own segment. Otherwise they are never read."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // HQ).to(tl.int64)
@@ -132,13 +158,29 @@ def _flash_attention_fwd_kernel(
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     OFF = SK - SQ
     full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
+    head = 0
+    seg_q = 0
+    if SEGMENTS:  # masked, whole and masked key blocks of the query block's segments (see _segment_ranges)
+        seg_start_ptr += off_b * SQ
+        seg_end_ptr += off_b * SQ
+        seg_q = tl.load(seg_start_ptr + offs_m, mask=row_ok, other=-2)
+        last = tl.minimum(start_m + BLOCK_M, SQ) - 1
+        head, mid_lo, full_end, masked_end = _segment_ranges(
+            seg_start_ptr, seg_end_ptr, start_m, last, tl.load(seg_start_ptr + start_m), 0, full_end, masked_end,
+            BLOCK_N,
+        )  # fmt: skip
+        acc, l_i, m_i = _fwd_inner(
+            acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, mid_lo,
+            seg_q, seg_start_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+        head = mid_lo
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, 0, full_end,
-        False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, full_end,
+        seg_q, seg_start_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        masked_end, seg_q, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     # A row that saw a key has l_i ≥ 1 (its maximum contributes exp2(0)); one that saw none has l_i = 0
@@ -208,12 +250,12 @@ def _flash_attention_split_kv_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, lo, mid,
-        False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, lo, mid, 0, k_ptr,
+        False, CAUSAL, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, mid, end,
-        True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, mid, end, 0, k_ptr,
+        True, CAUSAL, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)
@@ -305,9 +347,9 @@ def _load_rows(ptr, offs, offs_d, stride, ok, DOT_FP32: tl.constexpr):
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
-    qk_scale, lo, hi,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    qk_scale, lo, hi, seg_k, seg_ptr,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block from the query blocks starting in [lo, hi), in transposed form (Sᵀ, Pᵀ).
 
@@ -339,6 +381,9 @@ def _bwd_dkdv_inner(
             keep = row_ok[None, :]
             if CAUSAL:
                 keep = keep & (offs_m[None, :] + OFF >= offs_n[:, None])
+            if SEGMENTS:
+                seg_q = tl.load(seg_ptr + offs_m, mask=row_ok, other=-2)
+                keep = keep & (seg_k[:, None] == seg_q[None, :])
             pT = tl.where(keep, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ - Δ); scale is applied once at the end
@@ -363,14 +408,14 @@ def _bwd_dkdv_inner(
 
 @triton.jit
 def _flash_attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, seg_start_ptr, seg_end_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE).
+    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS as in the forward kernel.
 
     ATOMIC_DQ: the one-kernel backward. dQ (unscaled, fp32, [B, HQ, SQ, HEAD_DIM] contiguous and zeroed
     by the caller) is accumulated into dq_acc_ptr with atomic adds as each key block's dS is formed,
@@ -404,6 +449,19 @@ def _flash_attention_bwd_dkdv_kernel(
         diag_hi = 0
         full_lo = 0
         full_hi = (SQ // BLOCK_M) * BLOCK_M
+    q_stop = SQ
+    seg_k = 0
+    if SEGMENTS:  # the query blocks of the key block's segments only (see _segment_ranges)
+        seg_start_ptr += off_b * SQ
+        seg_end_ptr += off_b * SQ
+        seg_k = tl.load(seg_start_ptr + offs_n, mask=col_ok, other=-1)
+        # causal: rows below start_n see none of these keys, rows from full_lo on all of them
+        q_lo = start_n if CAUSAL else tl.load(seg_start_ptr + start_n)
+        diag_lo, full_lo, full_hi, q_stop = _segment_ranges(
+            seg_start_ptr, seg_end_ptr, start_n, tl.minimum(start_n + BLOCK_N, SK) - 1, q_lo, full_lo, SQ, SQ,
+            BLOCK_M,
+        )  # fmt: skip
+        diag_hi = full_lo
     # Key rows past SK hold zeros; their dK/dV rows are computed but never stored.
     for g in range(GROUP):  # the query heads sharing this kv head, summed in registers
         off_h = off_hkv * GROUP + g
@@ -415,20 +473,20 @@ def _flash_attention_bwd_dkdv_kernel(
         # the query blocks crossing the diagonal band (none without a causal mask)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, diag_lo, diag_hi, True, CAUSAL, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM,
-            BLOCK_M,
+            SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
+            INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query blocks that see the whole key block
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_lo, full_hi, False, CAUSAL, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM,
-            BLOCK_M,
+            SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_start_ptr, False, CAUSAL, SEGMENTS, DOT_FP32,
+            INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
-        # the query block holding the query tail
+        # the query block holding the query tail (SEGMENTS: the blocks up to the last segment's end)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_hi, SQ, True, CAUSAL, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM,
-            BLOCK_M,
+            SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
+            INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
     dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
     tl.store(
@@ -445,9 +503,9 @@ def _flash_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi, seg_q,
+    seg_ptr, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block from the key blocks starting in [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -470,6 +528,9 @@ def _bwd_dq_inner(
             keep = cols[None, :] < SK
             if CAUSAL:
                 keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
+            if SEGMENTS:
+                seg_k = tl.load(seg_ptr + cols, mask=cols < SK, other=-1)
+                keep = keep & (seg_q[:, None] == seg_k[None, :])
             p = tl.where(keep, p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(k_ptr.dtype.element_ty)  # rounded for the tensor cores
@@ -481,14 +542,14 @@ def _bwd_dq_inner(
 
 @triton.jit
 def _flash_attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_start_ptr, seg_end_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
     HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE)."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS as in the forward kernel."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // HQ).to(tl.int64)
@@ -507,13 +568,29 @@ def _flash_attention_bwd_dq_kernel(
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     OFF = SK - SQ
     full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
+    head = 0
+    seg_q = 0
+    if SEGMENTS:  # the forward's three loops over the key blocks of the query block's segments
+        seg_start_ptr += off_b * SQ
+        seg_end_ptr += off_b * SQ
+        seg_q = tl.load(seg_start_ptr + offs_m, mask=row_ok, other=-2)
+        last = tl.minimum(start_m + BLOCK_M, SQ) - 1
+        head, mid_lo, full_end, masked_end = _segment_ranges(
+            seg_start_ptr, seg_end_ptr, start_m, last, tl.load(seg_start_ptr + start_m), 0, full_end, masked_end,
+            BLOCK_N,
+        )  # fmt: skip
+        dq = _bwd_dq_inner(
+            dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head,
+            mid_lo, seg_q, seg_start_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        )  # fmt: skip
+        head = mid_lo
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, 0, full_end,
-        False, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, full_end,
+        seg_q, seg_start_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, True, CAUSAL, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        masked_end, seg_q, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * scale
     tl.store(
@@ -584,7 +661,8 @@ _DQ_CONFIGS = _configs([
 ])  # fmt: skip
 
 _TUNE = dict(
-    key=["SQ", "SK_BUCKET", "HEAD_DIM", "CAUSAL"], prune_configs_by={"early_config_prune": _prune_for_short_sequences}
+    key=["SQ", "SK_BUCKET", "HEAD_DIM", "CAUSAL", "SEGMENTS"],
+    prune_configs_by={"early_config_prune": _prune_for_short_sequences},
 )
 fwd_kernel_tuned = triton.autotune(configs=_FWD_CONFIGS, **_TUNE)(_flash_attention_fwd_kernel)
 dkdv_kernel_tuned = triton.autotune(configs=_DKDV_CONFIGS, **_TUNE)(_flash_attention_bwd_dkdv_kernel)

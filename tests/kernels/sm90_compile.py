@@ -199,18 +199,25 @@ def _BACKWARD_AND_FORWARD(att):
     )
 
 
+def _attention_ptrs(fn, dtype: str) -> dict:
+    ptrs = {p.name: dtype for p in fn.params if p.name.endswith("_ptr")}
+    fp32 = ("lse_ptr", "delta_ptr", "part_out_ptr", "part_lse_ptr", "dq_acc_ptr")
+    ptrs.update({n: "fp32" for n in fp32 if n in ptrs})
+    ptrs.update({n: "i32" for n in ("seg_start_ptr", "seg_end_ptr") if n in ptrs})
+    return ptrs
+
+
 def attention_cases():
     """Every autotuning configuration of the attention kernels at D=128, causal and not (the shapes the
     benchmark measures): forward, split-KV forward (at 16 and 64 rows), dK/dV, dK/dV with the atomic dQ, and dQ;
     the split-KV merge and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
-    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True)
+    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False)
     odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
-        ptrs = {p.name: "bf16" for p in fn.params if p.name.endswith("_ptr")}
-        ptrs.update({name: "fp32" for name in ("lse_ptr", "delta_ptr", "dq_acc_ptr") if name in ptrs})
+        ptrs = _attention_ptrs(fn, "bf16")
         floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
         for causal, config in itertools.product((True, False), tuned.configs):
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
@@ -220,14 +227,13 @@ def attention_cases():
             constants = {**common, **config.kwargs, **extra, "CAUSAL": causal}
             cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
     split = att.split_kv_kernel_tuned.fn  # decode: 16 rows (one kv head's query heads), or the widest 64
-    split_ptrs = {p.name: "bf16" for p in split.params if p.name.endswith("_ptr")}
-    split_ptrs.update({name: "fp32" for name in ("part_out_ptr", "part_lse_ptr", "lse_ptr")})
+    split_ptrs = _attention_ptrs(split, "bf16")
     for block_m in (16, 64):
         for config in att.split_kv_kernel_tuned.configs:
             bn = config.kwargs["BLOCK_N"]
             cases.append((
                 f"attention split-kv bf16 D=128 causal {block_m}x{bn} w{config.num_warps} s{config.num_stages}",
-                split, split_ptrs, {**common, **config.kwargs, "BLOCK_M": block_m, "FINAL": False},
+                split, split_ptrs, {**_no_segments(common), **config.kwargs, "BLOCK_M": block_m, "FINAL": False},
                 ("qk_scale",), ("HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT"), config.num_warps,
                 config.num_stages,
                 {"kernel": "attention split-kv", "dtype": "bf16", "head_dim": 128, "causal": True},
@@ -262,9 +268,7 @@ def attention_specialisation_cases():
         common = dict(HEAD_DIM=head_dim, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal)
         for label, tuned, extra in kernels:
             fn = tuned.fn
-            ptrs = {p.name: dtype for p in fn.params if p.name.endswith("_ptr")}
-            fp32 = ("lse_ptr", "delta_ptr", "part_out_ptr", "part_lse_ptr", "dq_acc_ptr")
-            ptrs.update({n: "fp32" for n in fp32 if n in ptrs})
+            ptrs = _attention_ptrs(fn, dtype)
             floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
             configs = tuned.configs if dtype == "fp32" else [tuned.configs[0], tuned.configs[-1]]
             for config in configs:
@@ -273,7 +277,36 @@ def attention_specialisation_cases():
                 name = f"attention {label} {dtype} D={head_dim} {'causal' if causal else 'full'} {tile}"
                 meta = {"kernel": f"attention {label}", "dtype": dtype, "head_dim": head_dim, "coverage": True}
                 constants = {**common, **blocks}
+                if "SEGMENTS" in fn.arg_names:
+                    constants["SEGMENTS"] = False
                 cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
+    return cases
+
+
+def _no_segments(constants: dict) -> dict:
+    return {k: v for k, v in constants.items() if k != "SEGMENTS"}
+
+
+def attention_segment_cases():
+    """The one-pass forward and the backward with segment_ids (packed documents), bf16 at D=128, causal and
+    not, in every autotuning configuration: they compile, use tensor cores, and some tile of each keeps its
+    registers."""
+    att = importlib.import_module("tessel.kernels.attention_kernels")
+    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
+    cases = []
+    for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
+        fn = tuned.fn
+        floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+        for causal, config in itertools.product((True, False), tuned.configs):
+            bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+            mask = "causal" if causal else "full"
+            name = f"attention {label} segments bf16 D=128 {mask} {bm}x{bn} w{config.num_warps} s{config.num_stages}"
+            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": causal,
+                    "segments": True, "coverage": True}  # fmt: skip
+            constants = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal, SEGMENTS=True,
+                             **config.kwargs, **extra)  # fmt: skip
+            cases.append((name, fn, _attention_ptrs(fn, "bf16"), constants, floats, odd, config.num_warps,
+                          config.num_stages, meta))  # fmt: skip
     return cases
 
 
@@ -330,7 +363,8 @@ def norm_cases():
 
 
 def all_cases():
-    return matmul_cases() + attention_cases() + attention_specialisation_cases() + adam_cases() + norm_cases()
+    return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_segment_cases()
+            + adam_cases() + norm_cases())  # fmt: skip
 
 
 _CASES = None
