@@ -124,6 +124,21 @@ def _segment_ranges(seg_start_ptr, seg_end_ptr, first, last, lo, full_lo, full_e
 
 
 @triton.jit
+def _query_block_segments(
+    seg_start_ptr, seg_end_ptr, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """The rows' segment starts and the key loops of the query block at start_m (one batch row's segment
+    pointers): masked ``[head, mid_lo)``, whole ``[mid_lo, full_end)``, masked ``[full_end, masked_end)``."""
+    seg_q = tl.load(seg_start_ptr + offs_m, mask=row_ok, other=-2)
+    last = tl.minimum(start_m + BLOCK_M, SQ) - 1
+    head, mid_lo, full_end, masked_end = _segment_ranges(
+        seg_start_ptr, seg_end_ptr, start_m, last, tl.load(seg_start_ptr + start_m), 0, full_end, masked_end, BLOCK_N
+    )
+    return seg_q, head, mid_lo, full_end, masked_end
+
+
+@triton.jit
 def _flash_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_start_ptr, seg_end_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
@@ -162,11 +177,8 @@ def _flash_attention_fwd_kernel(
     seg_q = 0
     if SEGMENTS:  # masked, whole and masked key blocks of the query block's segments (see _segment_ranges)
         seg_start_ptr += off_b * SQ
-        seg_end_ptr += off_b * SQ
-        seg_q = tl.load(seg_start_ptr + offs_m, mask=row_ok, other=-2)
-        last = tl.minimum(start_m + BLOCK_M, SQ) - 1
-        head, mid_lo, full_end, masked_end = _segment_ranges(
-            seg_start_ptr, seg_end_ptr, start_m, last, tl.load(seg_start_ptr + start_m), 0, full_end, masked_end,
+        seg_q, head, mid_lo, full_end, masked_end = _query_block_segments(
+            seg_start_ptr, seg_end_ptr + off_b * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M,
             BLOCK_N,
         )  # fmt: skip
         acc, l_i, m_i = _fwd_inner(
@@ -572,11 +584,8 @@ def _flash_attention_bwd_dq_kernel(
     seg_q = 0
     if SEGMENTS:  # the forward's three loops over the key blocks of the query block's segments
         seg_start_ptr += off_b * SQ
-        seg_end_ptr += off_b * SQ
-        seg_q = tl.load(seg_start_ptr + offs_m, mask=row_ok, other=-2)
-        last = tl.minimum(start_m + BLOCK_M, SQ) - 1
-        head, mid_lo, full_end, masked_end = _segment_ranges(
-            seg_start_ptr, seg_end_ptr, start_m, last, tl.load(seg_start_ptr + start_m), 0, full_end, masked_end,
+        seg_q, head, mid_lo, full_end, masked_end = _query_block_segments(
+            seg_start_ptr, seg_end_ptr + off_b * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M,
             BLOCK_N,
         )  # fmt: skip
         dq = _bwd_dq_inner(
