@@ -1,4 +1,5 @@
-"""Hugging Face models in tessel: their tensor-parallel plans, their decoder layout, and tessel's flash attention.
+"""Hugging Face models in tessel: their tensor-parallel plans and their decoder layout (tessel's attention
+implementation for them is in :mod:`tessel.layers.hf_attention`, re-exported here).
 
 Nothing here imports ``transformers`` at module level: :func:`register_hf_attention` imports it when it
 is called, and the rest reads models by duck typing (``config.base_model_tp_plan``,
@@ -52,8 +53,9 @@ from torch import nn
 
 from ..parallel.collectives import gather_from_tp, scatter_to_sequence
 from ..parallel.comm import group_rank, group_size
-from ..parallel.context import ring_attention, zigzag_positions
+from ..parallel.context import zigzag_positions
 from ..parallel.overlap import all_gather_matmul
+from .hf_attention import CP_GROUP_ATTR, register_hf_attention, tessel_attention_forward
 from .linear import ColumnParallelLinear, _check_input, _from_token_major, _to_token_major, _use_overlap
 
 __all__ = [
@@ -350,9 +352,6 @@ def _inside(name: str, parents: list[str]) -> bool:
 
 # ---------------------------------------------------------------------------------------------------- context parallel
 
-# The attribute parallelize(cp_group=) sets on attention modules; tessel_attention_forward reads it.
-CP_GROUP_ATTR = "tessel_cp_group"
-
 
 def _bind(module: nn.Module, args, kwargs) -> inspect.BoundArguments:
     return inspect.signature(module.forward).bind(*args, **kwargs)
@@ -435,94 +434,3 @@ class HFContextLayout:
             model.set_attn_implementation("tessel")
         else:  # transformers < 4.56
             model.config._attn_implementation = "tessel"
-
-
-def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask, dropout: float, scaling: float | None,
-                            causal: bool, cp_group, kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """tessel_attention_forward for a module marked with a context-parallel group of more than one rank."""
-    c, length = group_size(cp_group), query.shape[2]
-
-    def refuse(what: str):
-        raise ValueError(f"{type(module).__name__} under context parallelism over {c} ranks: {what}")
-
-    if attention_mask is not None:
-        refuse("an attention mask (padding, packed sequences) is not supported: each batch row is one whole "
-               "sequence, every token attends to all earlier ones")  # fmt: skip
-    if key.shape[2] != length:
-        refuse(f"the keys must be this rank's {length} tokens, received {key.shape[2]} (decoding with a key-value "
-               "cache is not supported)")  # fmt: skip
-    window = kwargs.get("sliding_window")
-    if window is not None and window < c * length:
-        refuse(f"a sliding window of {window} tokens, shorter than the whole sequence ({c * length}), is not supported")
-    if dropout and module.training:
-        refuse(f"attention dropout ({dropout}) is not supported")
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        refuse("logit soft-capping and position biases are not supported")
-    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling)
-    return out_BHSD.transpose(1, 2), None  # laid out [B, S, H, D] already
-
-
-# ---------------------------------------------------------------------------------------------------- attention
-
-
-def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
-                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
-    """A Hugging Face attention implementation running :func:`tessel.kernels.attention.flash_attention`.
-
-    ``query [B, Hq, Sq, D]``, ``key``/``value [B, Hkv, Sk, D]`` → ``(attn_output [B, Sq, Hq, D], None)``.
-    tessel's kernel computes causal or full attention over equal query and key lengths, and one query
-    over a key-value cache (a decoding step: it sees every cached key). Everything else is passed to
-    Hugging Face's ``sdpa`` implementation, with the same result: an explicit mask (padding, packed
-    sequences, sliding windows that bite, several queries over a cache — Hugging Face passes ``None``
-    for a plain causal mask and for one query), attention dropout, a position bias, and head dims or
-    dtypes the kernel does not take.
-
-    A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
-    :func:`~tessel.parallel.context.ring_attention` over the group instead, and refuses with a
-    ``ValueError`` what the ring does not compute (masks, caches, short sliding windows, dropout).
-    """
-    from ..kernels.attention import HEAD_DIMS, flash_attention
-
-    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
-    cp_group = getattr(module, CP_GROUP_ATTR, None)
-    if cp_group is not None and group_size(cp_group) > 1:
-        return _ring_attention_forward(module, query, key, value, attention_mask, dropout, scaling, causal, cp_group,
-                                       kwargs)  # fmt: skip
-    kernel_ok = (
-        attention_mask is None
-        and (query.shape[2] == key.shape[2] or query.shape[2] == 1)
-        and not (dropout and module.training)
-        and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
-        and query.shape[-1] in HEAD_DIMS
-        and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
-        and query.shape[1] % key.shape[1] == 0
-    )
-    if not kernel_ok:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)  # fmt: skip
-    out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling)
-    return out_BHSD.transpose(1, 2).contiguous(), None
-
-
-def register_hf_attention() -> str:
-    """Register :func:`tessel_attention_forward` with transformers as ``attn_implementation="tessel"``.
-
-    Also registers Hugging Face's ``sdpa`` mask builder under the same name, which returns ``None`` for a
-    plain causal mask. Idempotent; returns ``"tessel"``. Use it with
-    ``AutoModelForCausalLM.from_config(config, attn_implementation="tessel")`` or
-    ``model.set_attn_implementation("tessel")``.
-    """
-    from transformers import AttentionInterface
-
-    AttentionInterface.register("tessel", tessel_attention_forward)
-    try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-    except ImportError:  # transformers < 4.53 builds masks without a registry
-        pass
-    else:
-        AttentionMaskInterface.register("tessel", sdpa_mask)
-    return "tessel"

@@ -1,0 +1,189 @@
+"""tessel's attention implementation for Hugging Face models: ``attn_implementation="tessel"``.
+
+:func:`tessel_attention_forward` runs :func:`~tessel.kernels.attention.flash_attention` wherever the
+kernel computes exactly what Hugging Face asked for, and Hugging Face's own ``sdpa`` implementation
+everywhere else, so switching a model to ``"tessel"`` never changes its results beyond rounding.
+
+The kernel takes:
+
+- a plain causal (or full) mask, which Hugging Face passes as ``None``;
+- one query over a key-value cache (a decoding step sees every cached key, ``None`` as well);
+- packed sequences: documents concatenated into one row, their ``position_ids`` restarting at each
+  document, as ``DataCollatorWithFlattening`` and padding-free trainers produce them. Hugging Face
+  builds a boolean ``[B, 1, S, S]`` mask for those; :func:`mask_segments` recognises one that is
+  causal attention within contiguous runs of tokens and hands the kernel their ``segment_ids``, so each
+  query block reads only the key blocks of its own document. The mask is checked entry by entry, once
+  per forward (the result is kept on the mask tensor, which every layer shares), in row chunks that
+  hold ``2**24`` entries at a time.
+
+Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, sliding windows that bite,
+several queries over a cache, attention dropout in training, soft-capping and position biases, and
+head dims or dtypes the kernel does not take.
+
+Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
+:func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).
+Nothing here imports ``transformers`` until :func:`register_hf_attention` or the ``sdpa`` fallback runs.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.comm import group_size
+from ..parallel.context import ring_attention
+
+__all__ = ["CP_GROUP_ATTR", "mask_segments", "register_hf_attention", "tessel_attention_forward"]
+
+# The attribute parallelize(cp_group=) sets on attention modules; tessel_attention_forward reads it.
+CP_GROUP_ATTR = "tessel_cp_group"
+# Mask entries compared at a time by mask_segments (bytes of the boolean chunk; 8x that for the row ids).
+MASK_CHUNK_ENTRIES = 2**24
+_SEGMENTS_ATTR = "_tessel_segments"
+
+
+def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
+    """Whether a Hugging Face attention mask is (causal) attention within contiguous runs of tokens, and the runs.
+
+    Args:
+        mask: the mask an attention implementation receives: a boolean ``[B or 1, 1, S, S]`` tensor
+            (``True`` attends) is analysed; anything else (``None``, an additive float mask, a per-head
+            mask, queries and keys of different lengths) is not.
+        causal: whether the module is causal: then query ``i`` must see exactly the keys ``j ≤ i`` of its run.
+
+    Returns:
+        ``(True, segment_ids)`` when every row of ``mask`` is exactly what
+        :func:`~tessel.kernels.attention.flash_attention` computes with ``segment_ids [B or 1, S]`` (int32,
+        ``0, 1, …`` along each row) and ``causal``; ``segment_ids`` is ``None`` when every row is one run
+        (the plain causal or full mask). ``(False, None)`` otherwise: padding (a padded key is masked for
+        every query, which no segmentation expresses), sliding windows shorter than a run, or any
+        other pattern.
+
+    Each query's run begins at its first visible key; the candidate segmentation is then compared with
+    the mask entry by entry. The result is kept on the mask tensor (recomputed if it is modified in
+    place), so the layers of one forward, which share the mask, analyse it once.
+    """
+    if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim == 4 and mask.shape[1] == 1
+            and mask.shape[2] == mask.shape[3] and mask.shape[3] > 0):  # fmt: skip
+        return False, None
+    key = (bool(causal), mask._version)
+    cached = getattr(mask, _SEGMENTS_ATTR, None)
+    if cached is not None and cached[0] == key:
+        return cached[1]
+    rows = mask[:, 0]  # [B, S, S]
+    n = rows.shape[-1]
+    step = max(1, MASK_CHUNK_ENTRIES // n)
+    first = torch.cat([rows[:, i : i + step].to(torch.uint8).argmax(-1) for i in range(0, n, step)], dim=1)
+    index = torch.arange(n, device=mask.device)
+    segments = (first == index).cumsum(-1, dtype=torch.int32) - 1  # a run begins where a query first sees itself
+    exact = True
+    for i in range(0, n, step):
+        want = segments[:, i : i + step, None] == segments[:, None, :]
+        if causal:
+            want &= index[None, i : i + step, None] >= index[None, None, :]
+        if not torch.equal(want, rows[:, i : i + step]):
+            exact = False
+            break
+    result = (False, None)
+    if exact:
+        result = (True, None if bool((segments[:, -1] == 0).all()) else segments)
+    setattr(mask, _SEGMENTS_ATTR, (key, result))
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------- context parallel
+
+
+def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask, dropout: float, scaling: float | None,
+                            causal: bool, cp_group, kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """tessel_attention_forward for a module marked with a context-parallel group of more than one rank."""
+    c, length = group_size(cp_group), query.shape[2]
+
+    def refuse(what: str):
+        raise ValueError(f"{type(module).__name__} under context parallelism over {c} ranks: {what}")
+
+    if attention_mask is not None:
+        refuse("an attention mask (padding, packed sequences) is not supported: each batch row is one whole "
+               "sequence, every token attends to all earlier ones")  # fmt: skip
+    if key.shape[2] != length:
+        refuse(f"the keys must be this rank's {length} tokens, received {key.shape[2]} (decoding with a key-value "
+               "cache is not supported)")  # fmt: skip
+    window = kwargs.get("sliding_window")
+    if window is not None and window < c * length:
+        refuse(f"a sliding window of {window} tokens, shorter than the whole sequence ({c * length}), is not supported")
+    if dropout and module.training:
+        refuse(f"attention dropout ({dropout}) is not supported")
+    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
+        refuse("logit soft-capping and position biases are not supported")
+    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling)
+    return out_BHSD.transpose(1, 2), None  # laid out [B, S, H, D] already
+
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                             attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None,
+                             is_causal: bool | None = None, **kwargs) -> tuple[torch.Tensor, None]:  # fmt: skip
+    """A Hugging Face attention implementation running :func:`tessel.kernels.attention.flash_attention`.
+
+    ``query [B, Hq, Sq, D]``, ``key``/``value [B, Hkv, Sk, D]`` → ``(attn_output [B, Sq, Hq, D], None)``.
+    The kernel runs for a plain causal or full mask over equal query and key lengths, for one query over
+    a key-value cache, and for packed sequences (a mask that :func:`mask_segments` reads as causal
+    attention within runs of tokens: the kernel gets their ``segment_ids``). Everything else is passed
+    to Hugging Face's ``sdpa`` implementation with the same mask, so the result is the same: padding,
+    sliding windows that bite, several queries over a cache, attention dropout, a position bias, and
+    head dims or dtypes the kernel does not take.
+
+    A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
+    :func:`~tessel.parallel.context.ring_attention` over the group instead, and refuses with a
+    ``ValueError`` what the ring does not compute (masks, caches, short sliding windows, dropout).
+    """
+    from ..kernels.attention import HEAD_DIMS, flash_attention
+
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    cp_group = getattr(module, CP_GROUP_ATTR, None)
+    if cp_group is not None and group_size(cp_group) > 1:
+        return _ring_attention_forward(module, query, key, value, attention_mask, dropout, scaling, causal, cp_group,
+                                       kwargs)  # fmt: skip
+    kernel_ok = (
+        (query.shape[2] == key.shape[2] or query.shape[2] == 1)
+        and not (dropout and module.training)
+        and kwargs.get("position_bias") is None
+        and kwargs.get("softcap") is None
+        and query.shape[-1] in HEAD_DIMS
+        and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
+        and query.shape[1] % key.shape[1] == 0
+    )
+    segments = None
+    if kernel_ok and attention_mask is not None:
+        exact, segments = mask_segments(attention_mask, causal) if query.shape[2] == key.shape[2] else (False, None)
+        kernel_ok = exact and (segments is None or segments.shape[0] in (1, query.shape[0]))
+    if not kernel_ok:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    extra = {} if segments is None else {"segment_ids": segments.expand(query.shape[0], -1)}
+    out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, **extra)
+    return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def register_hf_attention() -> str:
+    """Register :func:`tessel_attention_forward` with transformers as ``attn_implementation="tessel"``.
+
+    Also registers Hugging Face's ``sdpa`` mask builder under the same name: ``None`` for a plain causal
+    mask, a boolean ``[B, 1, S, S]`` mask otherwise (packed sequences among them). Idempotent; returns
+    ``"tessel"``. Use it with ``AutoModelForCausalLM.from_config(config, attn_implementation="tessel")`` or
+    ``model.set_attn_implementation("tessel")``.
+    """
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("tessel", tessel_attention_forward)
+    try:
+        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    except ImportError:  # transformers < 4.53 builds masks without a registry
+        pass
+    else:
+        AttentionMaskInterface.register("tessel", sdpa_mask)
+    return "tessel"
