@@ -24,7 +24,7 @@ from ..kernels.attention import flash_attention
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import ring_attention, zigzag_positions
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .rotary import apply_rotary, rotary_tables
+from .rotary import apply_rotary, rotary_tables, segment_positions
 
 __all__ = ["ParallelAttention", "check_heads", "context_size"]
 
@@ -92,21 +92,46 @@ class ParallelAttention(nn.Module):
         b, s, width = t.shape
         return t.view(b, s, width // self.head_dim, self.head_dim).transpose(1, 2)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """``x [B, S, E]`` → ``[B, S, E]`` (the local shapes above).
+
+        ``segment_ids``: ``None``, or an integer ``[B, S]`` tensor over the whole sequence (under sequence
+        parallelism too) on x's device: documents packed into one row. Each run of equal ids attends only
+        within itself and its rotary positions restart at 0 (:func:`~tessel.layers.rotary.segment_positions`),
+        so a document's outputs are those it would have alone. Not available with context parallelism.
+        """
+        if segment_ids is not None:
+            self._check_segments(x, segment_ids)
         q, k, v = (self._heads(t) for t in self.qkv(x))
         c = self.cp_size
         if self.rope_theta is not None:
             positions = None
             if c > 1:
                 positions = zigzag_positions(c * q.shape[2], c, group_rank(self.cp_group), device=q.device)
+            elif segment_ids is not None:
+                positions = segment_positions(segment_ids)
             cos, sin = rotary_tables(q.shape[2], self.head_dim, self.rope_theta, positions=positions, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if c > 1:
             y = ring_attention(q, k, v, self.cp_group, causal=self.causal, deterministic=self.deterministic)
         else:
-            y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic)
+            y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic, segment_ids=segment_ids)
         b, h, s, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, s, h * d))
+
+    def _check_segments(self, x: torch.Tensor, segment_ids) -> None:
+        name = type(self).__name__
+        if self.cp_size > 1:
+            raise ValueError(f"{name}: segment_ids (packed documents) are not supported under context parallelism "
+                             f"(cp={self.cp_size}): pass None")  # fmt: skip
+        length = x.shape[1] * (self.qkv.tp_size if self.qkv.sequence_parallel else 1) if x.dim() == 3 else None
+        ok = isinstance(segment_ids, torch.Tensor) and not segment_ids.is_floating_point()
+        ok = ok and segment_ids.dtype != torch.bool and tuple(segment_ids.shape) == (x.shape[0], length)
+        if not ok or segment_ids.device != x.device:
+            got = (f"{segment_ids.dtype} tensor of shape {tuple(segment_ids.shape)} on {segment_ids.device}"
+                   if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__)  # fmt: skip
+            raise ValueError(f"{name}: segment_ids must be an integer [B, S] = [{x.shape[0]}, {length}] tensor on "
+                             f"{x.device} (S: the whole sequence), received {got}")  # fmt: skip
 
     def extra_repr(self) -> str:
         local = self.qkv.local_parts

@@ -104,14 +104,15 @@ class TransformerBlock(nn.Module):
         self.mlp_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x))
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), segment_ids)
         return x + self.mlp(self.mlp_norm(x))
 
 
-def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, recompute: bool) -> torch.Tensor:
-    """``x`` through ``blocks``; with ``recompute`` (activation checkpointing, when autograd records) each
-    block keeps only its input for backward and runs its forward again there, collectives included,
+def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, recompute: bool, segment_ids=None) -> torch.Tensor:
+    """``x`` through ``blocks``, each given ``segment_ids`` (packed documents, or ``None``); with
+    ``recompute`` (activation checkpointing, when autograd records) each block keeps only its input for
+    backward and runs its forward again there, collectives included,
     before its own backward: per block one ``[B, S, E]`` tensor (``[B, S/t, E]`` under sequence
     parallelism) is held instead of every intermediate (norm outputs, q/k/v, the attention output and
     its log-sum-exp, the MLP's hidden activations), for one more forward pass of compute. The
@@ -120,7 +121,7 @@ def run_blocks(blocks: nn.ModuleList, x: torch.Tensor, recompute: bool) -> torch
     and gradients equal those of the plain forward bit for bit."""
     recompute = recompute and torch.is_grad_enabled()
     for block in blocks:
-        x = checkpoint(block, x, use_reentrant=False) if recompute else block(x)
+        x = checkpoint(block, x, segment_ids, use_reentrant=False) if recompute else block(x, segment_ids)
     return x
 
 
@@ -194,26 +195,42 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ forward
 
-    def _check_idx(self, idx) -> None:
+    def _check_idx(self, idx, segment_ids=None) -> None:
         if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int64, torch.int32) or idx.dim() != 2:
             got = f"{idx.dtype} tensor of shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx)
             raise ValueError(f"GPT: idx must be an int64 [batch, seq] tensor, received {got}")
         c = context_size(self.cp_group)
+        if segment_ids is not None:
+            if c > 1:
+                raise ValueError(f"GPT: segment_ids (packed documents) are not supported under context parallelism "
+                                 f"(cp={c}): pass None")  # fmt: skip
+            ok = isinstance(segment_ids, torch.Tensor) and not segment_ids.is_floating_point()
+            if not (ok and segment_ids.dtype != torch.bool and segment_ids.shape == idx.shape):
+                got = (f"{segment_ids.dtype} tensor of shape {tuple(segment_ids.shape)}"
+                       if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__)  # fmt: skip
+                raise ValueError(f"GPT: segment_ids must be an integer tensor of idx's shape {tuple(idx.shape)}, "
+                                 f"received {got}")  # fmt: skip
         if idx.shape[1] * c > self.config.block_size:
             held = f"{idx.shape[1]}" if c == 1 else f"{idx.shape[1] * c} ({idx.shape[1]} on each of {c} cp ranks)"
             raise ValueError(f"GPT: sequence length {held} exceeds block_size={self.config.block_size}")
 
-    def hidden_states(self, idx: torch.Tensor) -> torch.Tensor:
+    def hidden_states(self, idx: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """The final norm's output ``[B, S, E]`` (``[B, S/t, E]`` under sequence parallelism)."""
-        self._check_idx(idx)
-        return self.norm(run_blocks(self.blocks, self.embed(idx), self.config.recompute))
+        self._check_idx(idx, segment_ids)
+        return self.norm(run_blocks(self.blocks, self.embed(idx), self.config.recompute, segment_ids))
 
-    def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.hidden_states(idx))
+    def forward(self, idx: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits of ``idx [B, S]``. ``segment_ids`` (an integer ``[B, S]`` tensor, or ``None``): documents
+        packed into one row; each run of equal ids attends only within itself, with rotary positions
+        restarting at its first token, so its logits are those of the document alone (flash attention
+        skips the blocks between documents). Not available with context parallelism."""
+        return self.lm_head(self.hidden_states(idx, segment_ids))
 
-    def loss(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross entropy of next-token ``targets [B, S]`` (fp32), the logits never gathered."""
-        return self.loss_from_logits(self(idx), targets)
+    def loss(self, idx: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """Mean cross entropy of next-token ``targets [B, S]`` (fp32), the logits never gathered; ``segment_ids``
+        as in :meth:`forward` (a document's last target is the next document's first token unless the
+        caller sets it to ``-100``, which is ignored)."""
+        return self.loss_from_logits(self(idx, segment_ids), targets)
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of vocab-parallel ``logits [B, S, V/t]`` (a pipeline's last-stage loss function)."""

@@ -72,6 +72,11 @@ def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw, via_paralleliz
 
     with pytest.raises(ValueError, match=f"sequence length {cfg.block_size + 2 * cp} .* on each of {cp} cp ranks"):
         par(torch.zeros(1, cfg.block_size // cp + 2, dtype=torch.int64))
+    local = split_sequence(idx, cp_group)
+    with pytest.raises(ValueError, match=f"segment_ids .* not supported under context parallelism \\(cp={cp}\\)"):
+        par(local, segment_ids=torch.zeros_like(local))
+    with pytest.raises(ValueError, match=f"segment_ids .* not supported under context parallelism \\(cp={cp}\\)"):
+        par.blocks[0].attn(torch.randn(local.shape[0], local.shape[1], cfg.n_embd), torch.zeros_like(local))
     return par_loss.item()
 
 
