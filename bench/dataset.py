@@ -28,10 +28,11 @@ class ByteDataset:
     """The bytes of a file as int64 tokens, cut into ``(inputs, targets)`` windows of ``seq_len`` tokens.
 
     ``targets`` is ``inputs`` shifted by one byte. Raises ``ValueError`` when the file holds fewer than
-    ``seq_len + 1`` bytes.
+    ``seq_len + 1`` bytes. With ``doc_sep`` (bytes), each occurrence of it ends a document, and
+    :meth:`document_batch` gives the rows' documents as well.
     """
 
-    def __init__(self, path: str | Path = DEFAULT_DATASET, *, seq_len: int):
+    def __init__(self, path: str | Path = DEFAULT_DATASET, *, seq_len: int, doc_sep: bytes | None = None):
         path = Path(path)
         if seq_len < 1:
             raise ValueError(f"ByteDataset: seq_len must be a positive int, received {seq_len}")
@@ -41,6 +42,7 @@ class ByteDataset:
         self.path, self.seq_len = path, seq_len
         self.tokens = torch.from_numpy(data.copy())  # uint8; widened per batch
         self._offsets = torch.arange(seq_len + 1)
+        self.documents = None if doc_sep is None else _document_index(data, doc_sep)
 
     def __len__(self) -> int:
         return self.tokens.numel()
@@ -49,6 +51,30 @@ class ByteDataset:
         self, step: int, *, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's ``(inputs [B, S], targets [B, S])`` int64 rows of step ``step``'s global batch."""
+        mine = self._starts(step, seed, batch_size, dp_rank, dp_size)
+        window = self.tokens[mine[:, None] + self._offsets].long()  # [B, S + 1]
+        return window[:, :-1], window[:, 1:]
+
+    def document_batch(
+        self, step: int, *, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """:meth:`batch`'s rows with their documents: ``(inputs, targets, segment_ids)``, all ``[B, S]`` int64.
+
+        ``segment_ids`` numbers the documents along each row from 0 (the ``doc_sep`` the dataset was
+        built with ends each document, itself included), for ``GPT(idx, segment_ids)``; a target that is
+        the first token of the next document is ``-100`` (ignored by the loss): no token is asked to
+        predict a document it cannot see.
+        """
+        if self.documents is None:
+            raise ValueError("ByteDataset.document_batch: the dataset was built without doc_sep")
+        mine = self._starts(step, seed, batch_size, dp_rank, dp_size)
+        where = mine[:, None] + self._offsets
+        window, docs = self.tokens[where].long(), self.documents[where].long()  # [B, S + 1]
+        targets = window[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], -100)
+        return window[:, :-1], targets, docs[:, :-1] - docs[:, :1]
+
+    def _starts(self, step: int, seed: int, batch_size: int, dp_rank: int, dp_size: int) -> torch.Tensor:
+        """This rank's window starts of step ``step``: rows ``[r·B, (r+1)·B)`` of the global batch's."""
         if not 0 <= seed < _SEED_LIMIT:
             raise ValueError(f"ByteDataset.batch: seed must be in [0, 2**31), received {seed}")
         if not 0 <= step < 2**32:
@@ -60,6 +86,17 @@ class ByteDataset:
         gen = torch.Generator().manual_seed(seed * 2**32 + step)
         starts = torch.randint(0, len(self) - self.seq_len, (batch_size,), generator=gen)
         rows = batch_size // dp_size
-        mine = starts[dp_rank * rows : (dp_rank + 1) * rows]
-        window = self.tokens[mine[:, None] + self._offsets].long()  # [B, S + 1]
-        return window[:, :-1], window[:, 1:]
+        return starts[dp_rank * rows : (dp_rank + 1) * rows]
+
+
+def _document_index(data: np.ndarray, doc_sep: bytes) -> torch.Tensor:
+    """Each byte's document number: a document ends with (and includes) each occurrence of ``doc_sep``."""
+    if not isinstance(doc_sep, bytes) or not doc_sep:
+        raise ValueError(f"ByteDataset: doc_sep must be non-empty bytes, received {doc_sep!r}")
+    text, ends, at = data.tobytes(), [], 0
+    while (found := text.find(doc_sep, at)) >= 0:
+        at = found + len(doc_sep)
+        ends.append(at)
+    begins = np.zeros(data.size, dtype=np.int32)
+    begins[[e for e in ends if e < data.size]] = 1
+    return torch.from_numpy(np.cumsum(begins, dtype=np.int32))

@@ -150,6 +150,14 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     )
     add("--data", type=Path, default=DEFAULT_DATASET, help="text file to train on, read as bytes")
     add(
+        "--doc-sep",
+        type=_escaped_bytes,
+        default=None,
+        help="train on packed documents: this text (backslash escapes read, e.g. '\\n\\n\\n') ends each document; "
+        "tokens attend within their own document, rotary positions restart at its start, and no token predicts "
+        "the next document's first (default: off, the file is one stream)",
+    )
+    add(
         "--out",
         type=Path,
         default=Path("runs/train"),
@@ -162,6 +170,17 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     add("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)  # test switch: see _check_kill
     add("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _escaped_bytes(text: str) -> bytes:
+    """``--doc-sep``'s bytes: backslash escapes (``\\n``, ``\\x1e``) read, other characters in UTF-8."""
+    try:
+        sep = text.encode("utf-8").decode("unicode_escape").encode("latin-1")
+    except UnicodeError as err:
+        raise argparse.ArgumentTypeError(f"cannot read the escapes of {text!r}: {err.reason}") from None
+    if not sep:
+        raise argparse.ArgumentTypeError("the document separator must not be empty")
+    return sep
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -255,6 +274,9 @@ def _check_run(args) -> None:
         raise ArgumentError(f"--save-every must be 0 (never) or positive, received {args.save_every}")
     if not args.data.is_file():
         raise ArgumentError(f"--data {args.data}: no such file")
+    if args.doc_sep is not None and (args.pp > 1 or args.cp > 1):
+        raise ArgumentError(f"--doc-sep (packed documents) needs --pp 1 and --cp 1, received --pp {args.pp} "
+                            f"--cp {args.cp}")  # fmt: skip
     if args.dtype == "fp16" and args.zero == 0:
         raise ArgumentError("--dtype fp16 needs loss scaling: use --zero 1, 2 or 3 (ZeroAdam's dynamic loss scale)")
 

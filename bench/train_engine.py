@@ -94,11 +94,16 @@ class Engine:
         self._microbatch_losses.append(loss.detach().float())
         return self._scaled(loss)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on this rank's rows ``x, y [B, S]``; returns the global batch's mean loss (fp32)."""
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One optimizer step on this rank's rows ``x, y [B, S]`` (documents ``segment_ids``, without a
+        pipeline); returns the global batch's mean loss (fp32): the mean over data-parallel ranks of each
+        rank's mean over its targets (with ignored targets, ranks may count different numbers of them)."""
         self.optimizer.zero_grad(set_to_none=False)
+        if segment_ids is not None and self.schedule is not None:
+            raise ValueError("Engine.train_step: segment_ids (packed documents) need a run without a pipeline")
         if self.schedule is None:
-            loss = self.gpt.loss_from_logits(self.wrapper(x), y)
+            logits = self.wrapper(x) if segment_ids is None else self.wrapper(x, segment_ids=segment_ids)
+            loss = self.gpt.loss_from_logits(logits, y)
             self._scaled(loss).backward()
             local = loss.detach().float()
         else:

@@ -52,6 +52,12 @@ class RunError(RuntimeError):
     """A run that cannot go on; its message is the one line the command prints."""
 
 
+def _jsonable(value):
+    if isinstance(value, Path):
+        return str(value)
+    return value.decode("utf-8", "backslashreplace") if isinstance(value, bytes) else value
+
+
 def _layout(args) -> str:
     text = f"dp={args.dp} pp={args.pp} tp={args.tp}" + (f" cp={args.cp}" if args.cp > 1 else "") + f" zero={args.zero}"
     if args.pp > 1:
@@ -171,7 +177,7 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
         plot_loss(history, args.out / "loss.png", title)
     record = {
         "argv": sys.argv[1:],
-        "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "args": {k: _jsonable(v) for k, v in vars(args).items()},
         "environment": env,
         "model": asdict(engine.config),
         "resumed_from": str(resumed) if resumed else None,
@@ -190,6 +196,7 @@ def _banner(args, engine: Engine) -> str:
         f"tessel GPT {args.preset}: {engine.num_params / 1e6:.2f}M parameters, {_layout(args)}, {args.dtype} on "
         f"{engine.device.type} ({dist.get_backend()}, kernels: {_kernels(engine.device)}); "
         f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
+        + ("" if args.doc_sep is None else f", packed documents ending with {_jsonable(args.doc_sep)!r}")
     )
 
 
@@ -247,18 +254,24 @@ def run(args) -> None:
             print(f"no checkpoint under {args.out / 'checkpoints'} yet: starting at step 0", flush=True)
     if args.save_every:
         remove_stale(args.out / "checkpoints")
-    data = ByteDataset(args.data, seq_len=args.seq_len)
+    data = ByteDataset(args.data, seq_len=args.seq_len, doc_sep=args.doc_sep)
     progress = Progress(args.steps, start, enabled=engine.rank == 0)
     profiler = StepProfiler(args.out / f"trace_rank{dims.rank}.json", start, args.steps, args.profile)
     timed: list[StepRecord] = []  # the steps this process ran (throughput), unlike history
     for step in range(start, args.steps):
         _maybe_kill(args, dims.rank, step)
-        x, y = data.batch(step, seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp)
+        where = dict(seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp)
+        segments = None
+        if args.doc_sep is None:
+            x, y = data.batch(step, **where)
+        else:  # packed documents (--pp 1 and --cp 1)
+            x, y, segments = data.document_batch(step, **where)
+            segments = segments.to(engine.device)
         if dims.cp > 1:  # this rank's zigzag share of every sequence
             x, y = split_sequence(x, dims.cp_group), split_sequence(y, dims.cp_group)
         profiler.before(step)
         begin = time.perf_counter()
-        loss = float(engine.train_step(x.to(engine.device), y.to(engine.device)))
+        loss = float(engine.train_step(x.to(engine.device), y.to(engine.device), segments))
         record = StepRecord(step + 1, loss, time.perf_counter() - begin, args.batch_size * args.seq_len)
         profiler.after(step)
         history.append(record)

@@ -21,6 +21,8 @@ CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (["--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
         (["--attention-backward", "fast"], "argument --attention-backward: invalid choice: 'fast'"),
+        (["--doc-sep", ""], "argument --doc-sep: the document separator must not be empty"),
+        (["--doc-sep", "\\x4"], "argument --doc-sep: cannot read the escapes of '\\\\x4'"),
     ],
 )
 def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
@@ -56,6 +58,8 @@ def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
         (["--cp", "2", "--dp", "1"], 4, "--tp 1 × --pp 1 × --cp 2 × --dp 1 = 2 does not match the world size 4"),
         (["--cp", "2", "--seq-len", "30"], 2, "--cp 2 needs --seq-len 30 divisible by 2·cp = 4"),
         (["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"], 8, "the 18 tokens per cp rank"),
+        (["--doc-sep", "\\n", "--pp", "2"], 2, "--doc-sep (packed documents) needs --pp 1 and --cp 1, received --pp 2"),
+        (["--doc-sep", "\\n", "--cp", "2"], 2, "needs --pp 1 and --cp 1, received --pp 1 --cp 2"),
     ],
 )
 def test_layout_and_run_checks(monkeypatch, args, world, expected):
@@ -72,3 +76,9 @@ def test_defaults_fill_from_the_preset(monkeypatch):
     assert (args.seq_len, args.batch_size, args.lr, args.steps) == (tiny.seq_len, tiny.batch_size, tiny.lr, tiny.steps)
     assert (args.dp, args.microbatches, args.stages_per_rank) == (1, 4, 1)
     assert args.attention_backward == "deterministic" and args.recompute is False and args.cp == 1
+
+
+def test_document_separators_read_backslash_escapes():
+    assert parse_args(["--doc-sep", "\\n\\n\\n"]).doc_sep == b"\n\n\n"
+    assert parse_args(["--doc-sep", "é\\x1e"]).doc_sep == "é".encode() + b"\x1e"
+    assert parse_args([]).doc_sep is None
