@@ -96,14 +96,21 @@ class Engine:
 
     def train_step(self, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """One optimizer step on this rank's rows ``x, y [B, S]`` (documents ``segment_ids``, without a
-        pipeline); returns the global batch's mean loss (fp32): the mean over data-parallel ranks of each
-        rank's mean over its targets (with ignored targets, ranks may count different numbers of them)."""
+        pipeline); returns the global batch's mean loss (fp32) over its targets.
+
+        With documents, targets across a document boundary are ignored (``-100``) and the ranks count
+        different numbers of the others: each rank's mean is weighted by its share of the global count, so
+        that the gradients the data-parallel ranks average, and the loss, are those of the mean over every
+        target of the global batch, as in one process.
+        """
         self.optimizer.zero_grad(set_to_none=False)
         if segment_ids is not None and self.schedule is not None:
             raise ValueError("Engine.train_step: segment_ids (packed documents) need a run without a pipeline")
         if self.schedule is None:
             logits = self.wrapper(x) if segment_ids is None else self.wrapper(x, segment_ids=segment_ids)
             loss = self.gpt.loss_from_logits(logits, y)
+            if segment_ids is not None:
+                loss = loss * self._target_share(y)
             self._scaled(loss).backward()
             local = loss.detach().float()
         else:
@@ -115,6 +122,13 @@ class Engine:
             clip_grad_shards(self.wrapper, self.args.grad_clip, self.dims, self.optimizer.loss_scale)
         self.optimizer.step()
         return self._global_loss(local)
+
+    def _target_share(self, y: torch.Tensor) -> torch.Tensor:
+        """``ranks · local / global`` count of the targets that are not ignored, over the data-parallel ranks."""
+        local = (y != -100).sum().float()
+        total = local.clone()
+        dist.all_reduce(total, group=self.dims.dp_cp_group)
+        return local * (self.dims.dp * self.dims.cp) / total.clamp(min=1)
 
     def _run_pipeline(self, x: torch.Tensor, y: torch.Tensor) -> None:
         """One schedule step over the microbatches, reducing the DDP/FSDP gradients once instead of per backward.

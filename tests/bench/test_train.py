@@ -169,16 +169,20 @@ def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(uninterr
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_packed_documents_train_alike_under_tensor_and_sequence_parallelism(tmp_path):
-    """--doc-sep: the text's paragraphs (ending with a blank line) are documents. One process and tp=2 with
-    sequence parallelism give the same loss curve; without the documents the same batches give another."""
+def test_packed_documents_train_alike_under_tensor_and_data_parallelism(tmp_path):
+    """--doc-sep: the text's paragraphs (ending with a blank line) are documents. One process, tp=2 with
+    sequence parallelism, and dp=2 under FSDP give the same loss curve (the data-parallel ranks count
+    different numbers of ignored targets, and weigh their means by their share of the rest, ~1e-4 apart
+    without); without the documents the same batches give another curve."""
     docs = ["--doc-sep", "\\n\\n", "--steps", "3", "--seq-len", "64", "--batch-size", "4"]
     proc = _ok(_train(tmp_path / "one", *docs))
     assert "packed documents ending with '\\n\\n'" in proc.stdout
     assert json.loads((tmp_path / "one" / "run.json").read_text())["args"]["doc_sep"] == "\n\n"
     _ok(_train(tmp_path / "tp2", *docs, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "dp2", *docs, "--dp", "2", "--zero", "3", nproc=2))
     _ok(_train(tmp_path / "stream", *docs[2:]))
     assert _losses(tmp_path / "tp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+    assert _losses(tmp_path / "dp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     # a young model's loss hardly depends on what it attends to: ~7e-4 apart after two updates, 70x the tolerance
     assert _losses(tmp_path / "stream")[-1] != pytest.approx(_losses(tmp_path / "one")[-1], rel=1e-4)
 
