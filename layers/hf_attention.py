@@ -61,14 +61,16 @@ def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
 
     Each query's run begins at its first visible key; the candidate segmentation is then compared with
     the mask entry by entry. The result is kept on the mask tensor (recomputed if it is modified in
-    place), so the layers of one forward, which share the mask, analyse it once.
+    place), so the layers of one forward, which share the mask, analyse it once (a mask made under
+    ``torch.inference_mode`` has no version counter, and is analysed each time).
     """
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim == 4 and mask.shape[1] == 1
             and mask.shape[2] == mask.shape[3] and mask.shape[3] > 0):  # fmt: skip
         return False, None
-    key = (bool(causal), mask._version)
+    # inference tensors have no version counter: their result is not kept (analysed in every layer)
+    key = None if mask.is_inference() else (bool(causal), mask._version)
     cached = getattr(mask, _SEGMENTS_ATTR, None)
-    if cached is not None and cached[0] == key:
+    if key is not None and cached is not None and cached[0] == key:
         return cached[1]
     rows = mask[:, 0]  # [B, S, S]
     n = rows.shape[-1]
@@ -87,7 +89,8 @@ def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
     result = (False, None)
     if exact:
         result = (True, None if bool((segments[:, -1] == 0).all()) else segments)
-    setattr(mask, _SEGMENTS_ATTR, (key, result))
+    if key is not None:
+        setattr(mask, _SEGMENTS_ATTR, (key, result))
     return result
 
 
