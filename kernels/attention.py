@@ -158,8 +158,9 @@ def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
 
 
 def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(start, end)`` int32 ``[B, S]``: the first index and one past the last of each token's segment (a run
-    of equal ids), or None without ``segment_ids``. Raises naming what is wrong."""
+    """The segment tables of ``segment_ids`` (see :func:`_cross_segment_bounds`; here one table serves both
+    sides, with each token's segment start as its id), or None without ``segment_ids``. Raises naming
+    what is wrong."""
     if segment_ids is None:
         return None
     if not isinstance(segment_ids, torch.Tensor):
@@ -181,7 +182,44 @@ def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.T
     last[:, :-1] = first[:, 1:]
     start = torch.where(first, pos, 0).cummax(1).values
     end = torch.where(last, pos + 1, sq).flip(1).cummin(1).values.flip(1)
-    return start.to(torch.int32).contiguous(), end.to(torch.int32).contiguous()
+    table = torch.stack((start, start, end), 1).to(torch.int32).contiguous()
+    return table, table
+
+
+def _cross_segment_bounds(q_ids: torch.Tensor, k_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment tables of queries and keys that are different tokens of one packed sequence (a block of
+    ring attention): query ``i`` sees key ``j`` exactly when ``q_ids[b, i] == k_ids[b, j]``.
+
+    ``q_ids [B, Sq]``, ``k_ids [B, Sk]``: integer ids, non-decreasing along each row (the number of the
+    segment each token lies in, counted over the whole sequence; not checked). Returns ``[B, 3, Sq]`` and
+    ``[B, 3, Sk]`` int32: each token's id, and the first and one past the last partner (key for a query,
+    query for a key) with that id, an empty range where there is none.
+    """
+    q_ids, k_ids = q_ids.contiguous(), k_ids.contiguous()
+    tables = []
+    for ids, partners in ((q_ids, k_ids), (k_ids, q_ids)):
+        lo = torch.searchsorted(partners, ids)
+        hi = torch.searchsorted(partners, ids, right=True)
+        tables.append(torch.stack((ids, lo, hi), 1).to(torch.int32).contiguous())
+    return tables[0], tables[1]
+
+
+def _segment_mask(segments, device) -> torch.Tensor | None:
+    """``[B, 1, Sq, Sk]`` bool, True where a query and a key lie in different segments (None without)."""
+    if segments is None:
+        return None
+    return (segments[0][:, 0, :, None] != segments[1][:, 0, None, :]).unsqueeze(1).to(device)
+
+
+def check_grid(name: str, q: torch.Tensor) -> str:
+    """q's backend, after checking that its batch · query heads fit CUDA's grid (raises ValueError)."""
+    backend = backend_for(q)
+    if backend == Backend.TRITON and q.shape[0] * q.shape[1] > _MAX_GRID_Y:
+        raise ValueError(
+            f"{name}: batch · query heads = {q.shape[0] * q.shape[1]} exceeds the CUDA grid limit {_MAX_GRID_Y}; "
+            "call it on smaller batches"
+        )
+    return backend
 
 
 def _input_precision(dtype: torch.dtype, backend: str) -> str:
@@ -317,8 +355,9 @@ def _forward_split_kv(
 
 
 def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None, segments=None):
-    """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32. ``segments``: the
-    ``(start, end)`` of :func:`_segment_bounds` (the one-pass kernel then runs whatever ``num_splits`` says)."""
+    """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32. ``segments``: the query and key
+    segment tables of :func:`_segment_bounds` or :func:`_cross_segment_bounds` (the one-pass kernel then
+    runs whatever ``num_splits`` says)."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     out = _empty_in_layout_of(q)
@@ -331,9 +370,9 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
     if plan is not None:
         _forward_split_kv(q, k, v, out, lse, causal, scale, backend, *plan)
         return out, lse
-    seg_start, seg_end = segments if segments is not None else (lse, lse)  # never read without segments
+    seg_q, seg_k = segments if segments is not None else (lse, lse)  # never read without segments
     args = (
-        q, k, v, out, lse, seg_start, seg_end, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        q, k, v, out, lse, seg_q, seg_k, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
         hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E,
     )  # fmt: skip
@@ -366,7 +405,7 @@ def _backward(
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty_like(lse)
     flags = {**_flags(q, causal, backend), "SEGMENTS": segments is not None}
-    seg_start, seg_end = segments if segments is not None else (delta, delta)  # never read without segments
+    seg_q, seg_k = segments if segments is not None else (delta, delta)  # never read without segments
     with _device(q):
         _flash_attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_BLOCK_M), b * hq)](
             out, dout, dlse if dlse is not None else delta, delta,
@@ -382,7 +421,7 @@ def _backward(
         if need_dkv:
             # the accumulator of the atomic dQ, or (never read) any fp32 tensor
             dq_acc = torch.zeros((b, hq, sq, d), device=q.device, dtype=torch.float32) if atomic_dq else delta
-            args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, seg_start, seg_end, *common, *dk.stride()[:3],
+            args = (q, k, v, dout, lse, delta, dk, dv, dq_acc, seg_q, seg_k, *common, *dk.stride()[:3],
                     *dv.stride()[:3], *tail)  # fmt: skip
             _launch(
                 _flash_attention_bwd_dkdv_kernel, dkdv_atomic_dq_kernel_tuned if atomic_dq else dkdv_kernel_tuned,
@@ -391,7 +430,7 @@ def _backward(
             if atomic_dq:  # scaled and rounded into q's dtype and layout in one pass
                 torch.mul(dq_acc, scale, out=dq)
         if need_dq and not atomic_dq:
-            args = (q, k, v, dout, lse, delta, dq, seg_start, seg_end, *common, *dq.stride()[:3], *tail)
+            args = (q, k, v, dout, lse, delta, dq, seg_q, seg_k, *common, *dq.stride()[:3], *tail)
             _launch(
                 _flash_attention_bwd_dq_kernel, dq_kernel_tuned, INTERPRETER_DQ_BLOCKS, backend, "BLOCK_M",
                 sq, b * hq, args, flags,
@@ -420,26 +459,32 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     """
     _validate("flash_attention_reference", q, k, v, causal, scale, (*_DTYPES, torch.float64))
     segments = _segment_bounds("flash_attention_reference", segment_ids, q, k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    out, lse = _reference(q, k, v, causal, scale, segments)
+    return (out, lse) if return_lse else out
+
+
+def _reference(q, k, v, causal: bool, scale: float, segments):
+    """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments`` as for
+    :func:`_forward`."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     k = k.to(compute).repeat_interleave(group, dim=1)
     v = v.to(compute).repeat_interleave(group, dim=1)
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device), float("-inf"))
-    if segments is not None:  # [B, 1, S, S]: True where query i and key j lie in different segments
-        start = segments[0]
-        scores = scores.masked_fill((start[:, :, None] != start[:, None, :]).unsqueeze(1), float("-inf"))
+    if segments is not None:
+        scores = scores.masked_fill(_segment_mask(segments, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
     # A row that sees no key has lse = -inf: subtracting 0 instead makes its probabilities exp(-inf) = 0
     # (not NaN), and masked_fill's backward gives its scores a zero gradient.
     lse_finite = lse.masked_fill(torch.isneginf(lse), 0.0)
     out = (torch.exp(scores - lse_finite.unsqueeze(-1)) @ v).to(q.dtype)
-    return (out, lse) if return_lse else out
+    return out, lse
 
 
-def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float):
+def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None):
     """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, sq, d = q.shape
@@ -453,6 +498,8 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float):
     p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0))
     if causal:
         p = p.masked_fill(_above_diagonal(sq, sk, q.device), 0.0)
+    if segments is not None:
+        p = p.masked_fill(_segment_mask(segments, q.device), 0.0)
     p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key
     delta = (doc * out.to(compute)).sum(-1, keepdim=True)
     ds = p * (doc @ vc.transpose(-1, -2) - delta)
@@ -462,7 +509,8 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float):
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
-def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, *, deterministic=True):
+def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, *, deterministic=True,
+                             segment_ids=None):  # fmt: skip
     """The backward of :func:`flash_attention` on its own: ``(dq, dk, dv)`` from the saved ``out`` and ``lse``.
 
     Not differentiable; for callers that assemble an attention from pieces, such as context-parallel
@@ -473,7 +521,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
     ``dk``, ``dv`` are the full gradients of these keys and values from these queries).
 
     Args:
-        q, k, v, causal, scale, deterministic: as for :func:`flash_attention`.
+        q, k, v, causal, scale, deterministic, segment_ids: as for :func:`flash_attention`.
         out: ``[B, Hq, Sq, D]`` in q's dtype; lse: ``[B, Hq, Sq]`` float32 (natural log; ``-inf`` for
             a row that sees no key); dout: ``[B, Hq, Sq, D]``, any floating dtype (rounded to q's).
 
@@ -500,14 +548,34 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
         raise TypeError(
             f"flash_attention_backward: deterministic must be a bool, received {type(deterministic).__name__}"
         )
+    segments = _segment_bounds("flash_attention_backward", segment_ids, q, k)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
+    return _block_backward(q, k, v, out, lse, dout, causal, scale, deterministic, segments)
+
+
+def _block_forward(q, k, v, causal: bool, scale: float, segments):
+    """``(out, lse)`` of validated arguments on their backend, without autograd: for callers that assemble
+    an attention from blocks (:func:`~tessel.parallel.context.ring_attention`). ``segments`` as for
+    :func:`_forward` (e.g. from :func:`_cross_segment_bounds`)."""
     backend = backend_for(q)
     if backend == Backend.REFERENCE:
-        return _backward_reference(q, k, v, out, lse, dout, causal, scale)
+        return _reference(q, k, v, causal, scale, segments)
+    q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
+    _check_int32_rows(q, k, v)
+    return _forward(q, k, v, causal, scale, backend, None, segments)
+
+
+def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, deterministic: bool, segments):
+    """:func:`flash_attention_backward` of validated arguments; ``segments`` as for :func:`_block_forward`."""
+    backend = backend_for(q)
+    if backend == Backend.REFERENCE:
+        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments)
     q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
     _check_int32_rows(q, k, v, out)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
-    return _backward(q, k, v, out, lse.contiguous(), dout, None, causal, scale, backend, True, True, deterministic)
+    return _backward(
+        q, k, v, out, lse.contiguous(), dout, None, causal, scale, backend, True, True, deterministic, segments
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -606,12 +674,7 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
     if not isinstance(deterministic, bool):
         raise TypeError(f"flash_attention: deterministic must be a bool, received {type(deterministic).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    backend = backend_for(q)
-    if backend == Backend.TRITON and q.shape[0] * q.shape[1] > _MAX_GRID_Y:
-        raise ValueError(
-            f"flash_attention: batch · query heads = {q.shape[0] * q.shape[1]} exceeds the CUDA grid limit "
-            f"{_MAX_GRID_Y}; call it on smaller batches"
-        )
+    backend = check_grid("flash_attention", q)
     if backend == Backend.REFERENCE:
         return flash_attention_reference(q, k, v, causal, scale, return_lse=return_lse, segment_ids=segment_ids)
     segments = _segment_bounds("flash_attention", segment_ids, q, k)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_forward import _query_block_key_ranges, _query_block_segments, _segment_ranges
+from .attention_forward import _block_keep, _query_block_key_ranges, _query_block_segments, _segment_ranges
 
 __all__ = [
     "_flash_attention_bwd_dkdv_kernel",
@@ -124,7 +124,7 @@ def _bwd_dkdv_inner(
 
 @triton.jit
 def _flash_attention_bwd_dkdv_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, seg_start_ptr, seg_end_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
     HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
@@ -168,15 +168,15 @@ def _flash_attention_bwd_dkdv_kernel(
     q_stop = SQ
     seg_k = 0
     if SEGMENTS:  # the query blocks of the key block's segments only (see _segment_ranges)
-        seg_start_ptr += off_b * SQ
-        seg_end_ptr += off_b * SQ
-        seg_k = tl.load(seg_start_ptr + offs_n, mask=col_ok, other=-1)
-        # causal: rows below start_n see none of these keys, rows from full_lo on all of them
-        q_lo = start_n if CAUSAL else tl.load(seg_start_ptr + start_n)
+        seg_q_ptr += off_b * 3 * SQ
+        seg_k_ptr += off_b * 3 * SK
+        seg_k = tl.load(seg_k_ptr + offs_n, mask=col_ok, other=-1)
+        q_lo = tl.load(seg_k_ptr + SK + start_n)  # the first query of the block's first segment
+        if CAUSAL:  # rows below start_n - OFF see none of these keys, rows from full_lo on all of them
+            q_lo = tl.maximum(q_lo, start_n - OFF)
         diag_lo, full_lo, full_hi, q_stop = _segment_ranges(
-            seg_start_ptr, seg_end_ptr, start_n, tl.minimum(start_n + BLOCK_N, SK) - 1, q_lo, full_lo, SQ, SQ,
-            BLOCK_M,
-        )  # fmt: skip
+            seg_k_ptr, SK, start_n, tl.minimum(start_n + BLOCK_N, SK) - 1, q_lo, full_lo, SQ, SQ, BLOCK_M
+        )
         diag_hi = full_lo
     # Key rows past SK hold zeros; their dK/dV rows are computed but never stored.
     for g in range(GROUP):  # the query heads sharing this kv head, summed in registers
@@ -189,19 +189,19 @@ def _flash_attention_bwd_dkdv_kernel(
         # the query blocks crossing the diagonal band (none without a causal mask)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
+            SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_q_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
             INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query blocks that see the whole key block
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_start_ptr, False, CAUSAL, SEGMENTS, DOT_FP32,
+            SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_q_ptr, False, CAUSAL, SEGMENTS, DOT_FP32,
             INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query block holding the query tail (SEGMENTS: the blocks up to the last segment's end)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
+            SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_q_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
             INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
     dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
@@ -241,13 +241,7 @@ def _bwd_dq_inner(
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASK:  # rows that see no key (lse = -inf, so p = +inf) are among the masked ones
-            keep = cols[None, :] < SK
-            if CAUSAL:
-                keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
-            if SEGMENTS:
-                seg_k = tl.load(seg_ptr + cols, mask=cols < SK, other=-1)
-                keep = keep & (seg_q[:, None] == seg_k[None, :])
-            p = tl.where(keep, p, 0.0)
+            p = tl.where(_block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL, SEGMENTS), p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(k_ptr.dtype.element_ty)  # rounded for the tensor cores
         if DOT_FP32:
@@ -258,7 +252,7 @@ def _bwd_dq_inner(
 
 @triton.jit
 def _flash_attention_bwd_dq_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_start_ptr, seg_end_ptr,
+    q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
     HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
@@ -287,23 +281,22 @@ def _flash_attention_bwd_dq_kernel(
     head = 0
     seg_q = 0
     if SEGMENTS:  # the forward's three loops over the key blocks of the query block's segments
-        seg_start_ptr += off_b * SQ
+        seg_k_ptr += off_b * 3 * SK
         seg_q, head, mid_lo, full_end, masked_end = _query_block_segments(
-            seg_start_ptr, seg_end_ptr + off_b * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M,
-            BLOCK_N,
-        )  # fmt: skip
+            seg_q_ptr + off_b * 3 * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M, BLOCK_N
+        )
         dq = _bwd_dq_inner(
             dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head,
-            mid_lo, seg_q, seg_start_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+            mid_lo, seg_q, seg_k_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
         )  # fmt: skip
         head = mid_lo
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, full_end,
-        seg_q, seg_start_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        seg_q, seg_k_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, seg_q, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        masked_end, seg_q, seg_k_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * scale
     tl.store(

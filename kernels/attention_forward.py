@@ -11,6 +11,7 @@ import triton
 import triton.language as tl
 
 __all__ = [
+    "_block_keep",
     "_flash_attention_fwd_kernel",
     "_flash_attention_split_kv_combine_kernel",
     "_flash_attention_split_kv_kernel",
@@ -21,13 +22,26 @@ __all__ = [
 
 
 @triton.jit
+def _block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr):
+    """``[rows, cols]`` bool: which keys ``cols`` each query row ``offs_m`` sees (the key tail, the causal
+    band, and under SEGMENTS equal ids: ``seg_q`` the rows' segment ids, ``seg_ptr`` the keys')."""
+    keep = cols[None, :] < SK
+    if CAUSAL:
+        keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
+    if SEGMENTS:
+        seg_k = tl.load(seg_ptr + cols, mask=cols < SK, other=-1)
+        keep = keep & (seg_q[:, None] == seg_k[None, :])
+    return keep
+
+
+@triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi, seg_q,
     seg_ptr, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the key blocks starting in [lo, hi); MASK: mask the key tail, the diagonal band
-    and (SEGMENTS) keys of other segments than their row's (seg_q: the rows' segment starts)."""
+    and (SEGMENTS) keys of other segments than their row's (seg_q: the rows' segment ids, seg_ptr: the keys')."""
     offs_n = tl.arange(0, BLOCK_N)
     for start_n in range(lo, hi, BLOCK_N):
         cols = start_n + offs_n
@@ -39,13 +53,7 @@ def _fwd_inner(
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         qk = qk * qk_scale  # base-2 logits: scale·log2(e)·q·k
         if MASK:
-            keep = cols[None, :] < SK
-            if CAUSAL:
-                keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
-            if SEGMENTS:
-                seg_k = tl.load(seg_ptr + cols, mask=cols < SK, other=-1)
-                keep = keep & (seg_q[:, None] == seg_k[None, :])
-            qk = tl.where(keep, qk, float("-inf"))
+            qk = tl.where(_block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL, SEGMENTS), qk, float("-inf"))
         # A row that sees any key sees key 0 (or its segment's first key), which is in its first key block:
         # m_new is finite from then on and exp2(-inf - m_new) is an exact 0. Rows that see no key yet (causal
         # with SQ > SK; a later segment's rows in the blocks before their segment) keep m_new = -inf:
@@ -85,18 +93,19 @@ def _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL: tl.constexpr, BLOCK_M:
 
 
 @triton.jit
-def _segment_ranges(seg_start_ptr, seg_end_ptr, first, last, lo, full_lo, full_end, end, BLOCK: tl.constexpr):
+def _segment_ranges(seg_ptr, S, first, last, lo, full_lo, full_end, end, BLOCK: tl.constexpr):
     """Under SEGMENTS: the blocks (of BLOCK partners: keys for a query block, queries for a key block) that
     rows ``first..last`` need, as three loops: masked ``[head, mid_lo)``, whole ``[mid_lo, mid_hi)``, masked
     ``[mid_hi, stop)``.
 
-    ``lo``: the first partner any of the rows may see (their first segment's start, or later under the
-    causal mask); ``[full_lo, full_end)``: where the causal mask lets every row see every partner;
-    ``end``: the causal bound. Rows spanning several segments mask every block; rows of one segment run
-    the whole blocks inside it unmasked.
+    ``seg_ptr``: the rows' side of the segment table (``[3, S]`` of one batch row: ids, first partner, one
+    past the last partner). ``lo``: the first partner any of the rows may see (their first segment's
+    first partner, or later under the causal mask); ``[full_lo, full_end)``: where the causal mask lets
+    every row see every partner; ``end``: the causal bound. Rows spanning several segments mask every
+    block; rows of one segment run the whole blocks inside it unmasked.
     """
-    one = tl.load(seg_start_ptr + first) == tl.load(seg_start_ptr + last)
-    stop = tl.minimum(end, tl.load(seg_end_ptr + last))
+    one = tl.load(seg_ptr + first) == tl.load(seg_ptr + last)
+    stop = tl.minimum(end, tl.load(seg_ptr + 2 * S + last))
     head = (lo // BLOCK) * BLOCK
     mid_lo = tl.where(one, tl.maximum(tl.cdiv(lo, BLOCK) * BLOCK, full_lo), head)
     mid_hi = tl.where(one, tl.maximum(tl.minimum(full_end, (stop // BLOCK) * BLOCK), mid_lo), head)
@@ -105,31 +114,32 @@ def _segment_ranges(seg_start_ptr, seg_end_ptr, first, last, lo, full_lo, full_e
 
 @triton.jit
 def _query_block_segments(
-    seg_start_ptr, seg_end_ptr, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    seg_q_ptr, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr
 ):  # fmt: skip
-    """The rows' segment starts and the key loops of the query block at start_m (one batch row's segment
-    pointers): masked ``[head, mid_lo)``, whole ``[mid_lo, full_end)``, masked ``[full_end, masked_end)``."""
-    seg_q = tl.load(seg_start_ptr + offs_m, mask=row_ok, other=-2)
+    """The rows' segment ids and the key loops of the query block at start_m (``seg_q_ptr``: one batch row's
+    query side of the segment table): masked ``[head, mid_lo)``, whole ``[mid_lo, full_end)``, masked
+    ``[full_end, masked_end)``."""
+    seg_q = tl.load(seg_q_ptr + offs_m, mask=row_ok, other=-2)
     last = tl.minimum(start_m + BLOCK_M, SQ) - 1
     head, mid_lo, full_end, masked_end = _segment_ranges(
-        seg_start_ptr, seg_end_ptr, start_m, last, tl.load(seg_start_ptr + start_m), 0, full_end, masked_end, BLOCK_N
+        seg_q_ptr, SQ, start_m, last, tl.load(seg_q_ptr + SQ + start_m), 0, full_end, masked_end, BLOCK_N
     )
     return seg_q, head, mid_lo, full_end, masked_end
 
 
 @triton.jit
 def _flash_attention_fwd_kernel(
-    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_start_ptr, seg_end_ptr,
+    q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
     HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale,
     CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS (SQ == SK): seg_start_ptr/seg_end_ptr
-    ([B, S] int32) hold the first index and one past the last of each token's segment; a query sees only
-    the keys of its own segment. Otherwise they are never read."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS: seg_q_ptr ``[B, 3, SQ]`` and seg_k_ptr
+    ``[B, 3, SK]`` (int32) hold, for each query (key), its segment id, and the first and one past the last
+    key (query) of that segment, whose ids are equal and contiguous on both sides; a query sees only the
+    keys with its id. Otherwise they are never read."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b = (pid_bh // HQ).to(tl.int64)
@@ -156,23 +166,22 @@ def _flash_attention_fwd_kernel(
     head = 0
     seg_q = 0
     if SEGMENTS:  # masked, whole and masked key blocks of the query block's segments (see _segment_ranges)
-        seg_start_ptr += off_b * SQ
+        seg_k_ptr += off_b * 3 * SK
         seg_q, head, mid_lo, full_end, masked_end = _query_block_segments(
-            seg_start_ptr, seg_end_ptr + off_b * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M,
-            BLOCK_N,
-        )  # fmt: skip
+            seg_q_ptr + off_b * 3 * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M, BLOCK_N
+        )
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, mid_lo,
-            seg_q, seg_start_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+            seg_q, seg_k_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
         )  # fmt: skip
         head = mid_lo
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, full_end,
-        seg_q, seg_start_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        seg_q, seg_k_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, seg_q, seg_start_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        masked_end, seg_q, seg_k_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     # A row that saw a key has l_i ≥ 1 (its maximum contributes exp2(0)); one that saw none has l_i = 0

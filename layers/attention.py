@@ -96,24 +96,25 @@ class ParallelAttention(nn.Module):
         """``x [B, S, E]`` → ``[B, S, E]`` (the local shapes above).
 
         ``segment_ids``: ``None``, or an integer ``[B, S]`` tensor over the whole sequence (under sequence
-        parallelism too) on x's device: documents packed into one row. Each run of equal ids attends only
-        within itself and its rotary positions restart at 0 (:func:`~tessel.layers.rotary.segment_positions`),
-        so a document's outputs are those it would have alone. Not available with context parallelism.
+        and context parallelism too: every rank passes the same ids) on x's device: documents packed into
+        one row. Each run of equal ids attends only within itself and its rotary positions restart at 0
+        (:func:`~tessel.layers.rotary.segment_positions`), so a document's outputs are those it would
+        have alone.
         """
         if segment_ids is not None:
             self._check_segments(x, segment_ids)
         q, k, v = (self._heads(t) for t in self.qkv(x))
         c = self.cp_size
         if self.rope_theta is not None:
-            positions = None
-            if c > 1:
-                positions = zigzag_positions(c * q.shape[2], c, group_rank(self.cp_group), device=q.device)
-            elif segment_ids is not None:
-                positions = segment_positions(segment_ids)
+            positions = None if segment_ids is None else segment_positions(segment_ids)
+            if c > 1:  # the global positions of the tokens this rank holds (within their documents)
+                held = zigzag_positions(c * q.shape[2], c, group_rank(self.cp_group), device=q.device)
+                positions = held if positions is None else positions[:, held]
             cos, sin = rotary_tables(q.shape[2], self.head_dim, self.rope_theta, positions=positions, device=q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if c > 1:
-            y = ring_attention(q, k, v, self.cp_group, causal=self.causal, deterministic=self.deterministic)
+            y = ring_attention(q, k, v, self.cp_group, causal=self.causal, deterministic=self.deterministic,
+                               segment_ids=segment_ids)  # fmt: skip
         else:
             y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic, segment_ids=segment_ids)
         b, h, s, d = y.shape
@@ -121,10 +122,8 @@ class ParallelAttention(nn.Module):
 
     def _check_segments(self, x: torch.Tensor, segment_ids) -> None:
         name = type(self).__name__
-        if self.cp_size > 1:
-            raise ValueError(f"{name}: segment_ids (packed documents) are not supported under context parallelism "
-                             f"(cp={self.cp_size}): pass None")  # fmt: skip
-        length = x.shape[1] * (self.qkv.tp_size if self.qkv.sequence_parallel else 1) if x.dim() == 3 else None
+        held = x.shape[1] * (self.qkv.tp_size if self.qkv.sequence_parallel else 1) if x.dim() == 3 else None
+        length = None if held is None else held * self.cp_size
         ok = isinstance(segment_ids, torch.Tensor) and not segment_ids.is_floating_point()
         ok = ok and segment_ids.dtype != torch.bool and tuple(segment_ids.shape) == (x.shape[0], length)
         if not ok or segment_ids.device != x.device:

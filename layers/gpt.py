@@ -201,15 +201,13 @@ class GPT(nn.Module):
             raise ValueError(f"GPT: idx must be an int64 [batch, seq] tensor, received {got}")
         c = context_size(self.cp_group)
         if segment_ids is not None:
-            if c > 1:
-                raise ValueError(f"GPT: segment_ids (packed documents) are not supported under context parallelism "
-                                 f"(cp={c}): pass None")  # fmt: skip
+            whole = (idx.shape[0], idx.shape[1] * c)
             ok = isinstance(segment_ids, torch.Tensor) and not segment_ids.is_floating_point()
-            if not (ok and segment_ids.dtype != torch.bool and segment_ids.shape == idx.shape):
+            if not (ok and segment_ids.dtype != torch.bool and tuple(segment_ids.shape) == whole):
                 got = (f"{segment_ids.dtype} tensor of shape {tuple(segment_ids.shape)}"
                        if isinstance(segment_ids, torch.Tensor) else type(segment_ids).__name__)  # fmt: skip
-                raise ValueError(f"GPT: segment_ids must be an integer tensor of idx's shape {tuple(idx.shape)}, "
-                                 f"received {got}")  # fmt: skip
+                shape = "idx's shape" if c == 1 else f"[B, S] of the whole sequence ({c} cp ranks)"
+                raise ValueError(f"GPT: segment_ids must be an integer tensor of {shape} {whole}, received {got}")
         if idx.shape[1] * c > self.config.block_size:
             held = f"{idx.shape[1]}" if c == 1 else f"{idx.shape[1] * c} ({idx.shape[1]} on each of {c} cp ranks)"
             raise ValueError(f"GPT: sequence length {held} exceeds block_size={self.config.block_size}")
@@ -223,7 +221,8 @@ class GPT(nn.Module):
         """Logits of ``idx [B, S]``. ``segment_ids`` (an integer ``[B, S]`` tensor, or ``None``): documents
         packed into one row; each run of equal ids attends only within itself, with rotary positions
         restarting at its first token, so its logits are those of the document alone (flash attention
-        skips the blocks between documents). Not available with context parallelism."""
+        skips the blocks between documents). Under context parallelism ``idx`` is this rank's zigzag
+        share and ``segment_ids`` the whole sequence's ``[B, S]`` ids, the same on every rank."""
         return self.lm_head(self.hidden_states(idx, segment_ids))
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:

@@ -48,8 +48,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..kernels.attention import _block_backward, _block_forward, _cross_segment_bounds, check_grid, flash_attention
 from ..kernels.attention import _validate as _validate_attention
-from ..kernels.attention import flash_attention, flash_attention_backward
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
 __all__ = ["gather_sequence", "ring_attention", "split_sequence", "zigzag_positions"]
@@ -150,6 +150,26 @@ def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse:
     lse_acc.copy_(new)
 
 
+def _segment_tables(segment_ids: torch.Tensor | None, group, causal: bool) -> list | None:
+    """The kernels' segment tables of every ring step (``_cross_segment_bounds`` of the step's query rows and
+    key columns), or None without ``segment_ids``. Tokens are numbered by the segment (run of equal ids)
+    they lie in over the whole sequence; a rank's tokens, and any chunk of them, are in sequence order,
+    so the numbers are non-decreasing along every block."""
+    if segment_ids is None:
+        return None
+    c, r = group_size(group), group_rank(group)
+    seq_len = segment_ids.shape[1]
+    number = torch.zeros(segment_ids.shape, device=segment_ids.device, dtype=torch.int64)
+    torch.cumsum(segment_ids[:, 1:] != segment_ids[:, :-1], 1, out=number[:, 1:])
+    held = [number[:, zigzag_positions(seq_len, c, rank, device=number.device)] for rank in range(c)]
+    tables = []
+    for step in range(c):
+        src = (r - step) % c
+        rows, cols, _ = _block(r, src, step, causal, seq_len // (2 * c))
+        tables.append(_cross_segment_bounds(held[r][:, rows], held[src][:, cols]))
+    return tables
+
+
 def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, causal: bool):
     """Yield ``(step, rows, cols, block_causal, kv)`` for every ring step, where ``kv [2, B, Hkv, L, D]`` is
     the key/value block the rank holds; the next block is in flight while the caller works on this one."""
@@ -171,13 +191,13 @@ def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, causal: bool):
             kv, incoming = incoming, kv
 
 
-def _ring_forward(q, k, v, group, causal: bool, scale: float):
+def _ring_forward(q, k, v, group, causal: bool, scale: float, tables=None):
     b, hq, length, d = q.shape
     out_acc = torch.empty((b, hq, length, d), device=q.device, dtype=torch.float32)
     lse_acc = torch.empty((b, hq, length), device=q.device, dtype=torch.float32)
     for step, rows, cols, block_causal, kv in _kv_ring(k, v, group, causal):
-        out, lse = flash_attention(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], causal=block_causal,
-                                   scale=scale, return_lse=True)  # fmt: skip
+        out, lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], block_causal, scale,
+                                  None if tables is None else tables[step])  # fmt: skip
         if step == 0:  # covers every row, and every row sees at least one key
             out_acc.copy_(out)
             lse_acc.copy_(lse)
@@ -189,15 +209,16 @@ def _ring_forward(q, k, v, group, causal: bool, scale: float):
     return out, lse_acc
 
 
-def _ring_backward(q, k, v, out, lse, dout, group, causal: bool, scale: float, deterministic: bool):
+def _ring_backward(q, k, v, out, lse, dout, group, causal: bool, scale: float, deterministic: bool, tables=None):
     c = group_size(group)
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
     dkv = torch.zeros((2, *k.shape), device=q.device, dtype=torch.float32)  # the accumulator of this step's block
     dkv_incoming, dkv_handle = torch.empty_like(dkv), None
+    dout = dout.to(q.dtype)
     for step, rows, cols, block_causal, kv in _kv_ring(k, v, group, causal):
-        dq, dk, dv = flash_attention_backward(
+        dq, dk, dv = _block_backward(
             q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
-            dout[:, :, rows], block_causal, scale, deterministic=deterministic,
+            dout[:, :, rows], block_causal, scale, deterministic, None if tables is None else tables[step],
         )  # fmt: skip
         dq_acc[:, :, rows] += dq
         if dkv_handle is not None:  # the accumulator of this block, sent by r-1 during this step
@@ -215,21 +236,39 @@ def _ring_backward(q, k, v, out, lse, dout, group, causal: bool, scale: float, d
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, deterministic):
-        out, lse = _ring_forward(q, k, v, group, causal, scale)
+    def forward(ctx, q, k, v, group, causal, scale, deterministic, tables):
+        out, lse = _ring_forward(q, k, v, group, causal, scale, tables)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.deterministic = group, causal, scale, deterministic
+        ctx.group, ctx.causal, ctx.scale, ctx.deterministic, ctx.tables = group, causal, scale, deterministic, tables
         return out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _ring_backward(q, k, v, out, lse, dout, ctx.group, ctx.causal, ctx.scale, ctx.deterministic)
-        return dq, dk, dv, None, None, None, None
+        dq, dk, dv = _ring_backward(
+            q, k, v, out, lse, dout, ctx.group, ctx.causal, ctx.scale, ctx.deterministic, ctx.tables
+        )
+        return dq, dk, dv, None, None, None, None, None
 
 
-def ring_attention(q, k, v, group=None, *, causal=False, scale=None, deterministic=True) -> torch.Tensor:
+def _check_segment_ids(segment_ids, q, seq_len: int) -> None:
+    if segment_ids is None:
+        return
+    if not isinstance(segment_ids, torch.Tensor):
+        raise TypeError(f"ring_attention: segment_ids must be None or a torch.Tensor, received "
+                        f"{type(segment_ids).__name__}")  # fmt: skip
+    if segment_ids.is_floating_point() or segment_ids.is_complex() or segment_ids.dtype == torch.bool:
+        raise TypeError(f"ring_attention: segment_ids must be an integer tensor, received {segment_ids.dtype}")
+    if tuple(segment_ids.shape) != (q.shape[0], seq_len):
+        raise ValueError(f"ring_attention: segment_ids must be [batch, whole sequence] = {[q.shape[0], seq_len]} "
+                         f"(the whole sequence's ids, on every rank), received {tuple(segment_ids.shape)}")  # fmt: skip
+    if segment_ids.device != q.device:
+        raise ValueError(f"ring_attention: segment_ids must be on q's device {q.device}, received {segment_ids.device}")
+
+
+def ring_attention(q, k, v, group=None, *, causal=False, scale=None, deterministic=True,
+                   segment_ids=None) -> torch.Tensor:  # fmt: skip
     """Attention over a sequence split across the ranks of ``group``; differentiable.
 
     Args:
@@ -242,6 +281,13 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
             process group exists, where this is flash attention).
         causal: token at global position ``i`` attends to positions ``j ≤ i``.
         scale, deterministic: as for flash attention (``deterministic`` is read by the backward).
+        segment_ids: ``None``, or an integer ``[B, S]`` tensor of the WHOLE sequence (``S = c·L``, in
+            sequence order, the same on every rank) on q's device: documents packed into one row, as
+            for flash attention's ``segment_ids``. Each query attends only to the keys of its own run of
+            equal ids. The tokens must then be laid out as :func:`split_sequence` lays them out, causal
+            or not. Every rank numbers the segments itself, with no communication; each ring step runs
+            the kernel with the step's query and key segment tables, so key blocks of other documents
+            are skipped, not computed and masked.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype, laid out ``[B, L, Hq, D]`` in memory: the attention output of
@@ -255,12 +301,17 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
     if not isinstance(deterministic, bool):
         raise TypeError(f"ring_attention: deterministic must be a bool, received {type(deterministic).__name__}")
     c = group_size(group)
-    if causal and q.shape[2] % 2 and c > 1:
-        raise ValueError(f"ring_attention: under the causal mask each rank holds two equal chunks (see "
-                         f"split_sequence), so the local length must be even, received {q.shape[2]}")  # fmt: skip
+    _check_segment_ids(segment_ids, q, c * q.shape[2])
+    if (causal or segment_ids is not None) and q.shape[2] % 2 and c > 1:
+        raise ValueError(f"ring_attention: under the causal mask or with segment_ids each rank holds two equal "
+                         f"chunks (see split_sequence), so the local length must be even, received "
+                         f"{q.shape[2]}")  # fmt: skip
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if c == 1 or q.shape[2] == 0:
-        return flash_attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic)
+        return flash_attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic,
+                               segment_ids=segment_ids)  # fmt: skip
+    check_grid("ring_attention", q)
+    tables = _segment_tables(segment_ids, group, causal)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RingAttention.apply(q, k, v, group, causal, scale, deterministic)
-    return _ring_forward(q, k, v, group, causal, scale)[0]
+        return _RingAttention.apply(q, k, v, group, causal, scale, deterministic, tables)
+    return _ring_forward(q, k, v, group, causal, scale, tables)[0]

@@ -203,7 +203,7 @@ def _attention_ptrs(fn, dtype: str) -> dict:
     ptrs = {p.name: dtype for p in fn.params if p.name.endswith("_ptr")}
     fp32 = ("lse_ptr", "delta_ptr", "part_out_ptr", "part_lse_ptr", "dq_acc_ptr")
     ptrs.update({n: "fp32" for n in fp32 if n in ptrs})
-    ptrs.update({n: "i32" for n in ("seg_start_ptr", "seg_end_ptr") if n in ptrs})
+    ptrs.update({n: "i32" for n in ("seg_q_ptr", "seg_k_ptr") if n in ptrs})
     return ptrs
 
 

@@ -35,7 +35,14 @@ def _gather(x, group, dim):
     return torch.cat(parts, dim=dim)
 
 
-def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw, via_parallelize=False):
+def _documents(s: int) -> torch.Tensor:
+    """[2, s] segment ids: row 0 packs documents that cross the chunk and rank boundaries (lengths 3, s-7,
+    1, 3), row 1 is one document."""
+    lengths = torch.tensor([3, s - 7, 1, 3])
+    return torch.stack((torch.repeat_interleave(torch.arange(4), lengths), torch.zeros(s, dtype=torch.int64)))
+
+
+def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw, via_parallelize=False, documents=False):
     from tessel.layers.parallelize import parallelize
     from tessel.parallel.context import gather_sequence, split_sequence
 
@@ -51,11 +58,12 @@ def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw, via_paralleliz
     else:
         par = GPT(cfg, tp_group=tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel, overlap=True)
     idx, targets = _batch(cfg, s=cfg.block_size)
-    dense_logits = dense(idx)
+    ids = _documents(cfg.block_size) if documents else None  # the whole sequence's, on every rank
+    dense_logits = dense(idx, ids)
     dense_loss = dense.loss_from_logits(dense_logits, targets)
     dense_loss.backward()
 
-    par_logits = par(split_sequence(idx, cp_group))
+    par_logits = par(split_sequence(idx, cp_group), ids)
     par_loss = par.loss_from_logits(par_logits, split_sequence(targets, cp_group))
     par_loss.backward()
     logits = gather_sequence(_gather(par_logits.detach(), tp_group, -1), cp_group)
@@ -73,10 +81,12 @@ def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw, via_paralleliz
     with pytest.raises(ValueError, match=f"sequence length {cfg.block_size + 2 * cp} .* on each of {cp} cp ranks"):
         par(torch.zeros(1, cfg.block_size // cp + 2, dtype=torch.int64))
     local = split_sequence(idx, cp_group)
-    with pytest.raises(ValueError, match=f"segment_ids .* not supported under context parallelism \\(cp={cp}\\)"):
-        par(local, segment_ids=torch.zeros_like(local))
-    with pytest.raises(ValueError, match=f"segment_ids .* not supported under context parallelism \\(cp={cp}\\)"):
-        par.blocks[0].attn(torch.randn(local.shape[0], local.shape[1], cfg.n_embd), torch.zeros_like(local))
+    whole = f"\\[B, S\\] of the whole sequence \\({cp} cp ranks\\) \\(2, {cfg.block_size}\\)"
+    with pytest.raises(ValueError, match=f"segment_ids must be an integer tensor of {whole}"):
+        par(local, segment_ids=torch.zeros_like(local))  # this rank's share instead of the whole sequence's
+    x = torch.randn(local.shape[0], local.shape[1] // (tp_group.size() if sequence_parallel else 1), cfg.n_embd)
+    with pytest.raises(ValueError, match=f"segment_ids must be an integer \\[B, S\\] = \\[2, {cfg.block_size}\\]"):
+        par.blocks[0].attn(x, torch.zeros_like(local))
     return par_loss.item()
 
 
@@ -96,6 +106,14 @@ def test_context_and_tensor_parallel_gpt_matches_dense(sequence_parallel):
 @pytest.mark.multiprocess
 def test_parallelize_with_a_cp_group_makes_a_dense_gpt_context_and_tensor_parallel():
     run_ranks(_cp_vs_dense, 4, 2, True, {}, True, timeout=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("world_size", "cp", "sequence_parallel"), [(2, 2, False), (4, 2, True), (4, 4, False)],
+                         ids=["cp2", "cp2-tp2-sp", "cp4"])  # fmt: skip
+def test_context_parallel_packed_documents_match_dense(world_size, cp, sequence_parallel):
+    """segment_ids of the whole sequence: ring attention within documents, rotary positions restarting."""
+    run_ranks(_cp_vs_dense, world_size, cp, sequence_parallel, dict(block_size=24), False, True, timeout=300)
 
 
 @pytest.mark.multiprocess

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from tests.kernels.test_attention import LAYOUTS, TOL, reference_with_grads
+from tests.kernels.test_attention_segments import ids_from_lengths, per_segment_reference
 from tests.multiprocess import run_ranks
 
 B, D = 2, 16
@@ -27,7 +28,7 @@ def _whole(layout, s, dtype, seed=0):
     return q, k, v, dout
 
 
-def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, reference_backend):
+def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, reference_backend, ids=None):
     from tessel.parallel import count_bytes, record_events
     from tessel.parallel.context import ring_attention, split_sequence
 
@@ -38,7 +39,7 @@ def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, refere
     q, k, v, dout = _whole(layout, s, dtype)
     mine = [split_sequence(t, dim=2).requires_grad_() for t in (q, k, v)]
     with record_events() as fwd_log, count_bytes() as fwd_bytes:
-        out = ring_attention(*mine, causal=causal, deterministic=deterministic)
+        out = ring_attention(*mine, causal=causal, deterministic=deterministic, segment_ids=ids)
     with record_events() as bwd_log, count_bytes() as bwd_bytes:
         out.backward(split_sequence(dout, dim=2))
     return dict(
@@ -48,11 +49,14 @@ def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, refere
     )  # fmt: skip
 
 
-def _check_against_whole(results, layout, s, causal, dtype):
+def _check_against_whole(results, layout, s, causal, dtype, ids=None):
     from tessel.parallel.context import zigzag_positions
 
     q, k, v, dout = _whole(layout, s, dtype)
-    want_out, _, *want_grads = reference_with_grads(q, k, v, causal, dout)
+    if ids is None:
+        want_out, _, *want_grads = reference_with_grads(q, k, v, causal, dout)
+    else:  # every document run alone through the float64 reference
+        want_out, _, *want_grads = per_segment_reference(q, k, v, ids, causal, dout)
     c = len(results)
     for rank, got in enumerate(results):
         pos = zigzag_positions(s, c, rank)
@@ -89,6 +93,36 @@ def test_ring_attention_atomic_backward_and_reference_backend():
     for deterministic, reference in ((False, False), (True, True)):
         results = run_ranks(_ring_rank, 2, "gqa", 20, True, torch.float32, deterministic, reference)
         _check_against_whole(results, "gqa", 20, True, torch.float32)
+
+
+# segment lengths of the B = 2 rows over S = 2·c·5 tokens (chunks of 5): documents inside one chunk, across
+# the two chunks of one rank, across ranks, one token long, and one over the whole row
+SEGMENTS = {
+    2: [[3, 9, 1, 7], [20]],
+    4: [[2, 14, 1, 1, 17, 5], [11, 9, 10, 10]],
+}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("causal", [True, False])
+def test_ring_attention_with_packed_documents(world_size, causal):
+    """segment_ids of the whole sequence: each rank's rows equal every document run alone."""
+    s = 2 * world_size * 5
+    ids = ids_from_lengths(SEGMENTS[world_size])
+    ids[0] = torch.tensor([7, 0, 7, 0, 7, 0][: len(SEGMENTS[world_size][0])]).repeat_interleave(
+        torch.tensor(SEGMENTS[world_size][0])
+    )  # ids repeat: a segment is a run of equal ids, not an id
+    results = run_ranks(_ring_rank, world_size, "gqa", s, causal, torch.float32, True, False, ids)
+    _check_against_whole(results, "gqa", s, causal, torch.float32, ids)
+
+
+@pytest.mark.multiprocess
+def test_ring_attention_with_packed_documents_fp16_atomic_and_reference_backend():
+    ids = ids_from_lengths(SEGMENTS[2])
+    for dtype, deterministic, reference in ((torch.float16, False, False), (torch.float32, True, True)):
+        results = run_ranks(_ring_rank, 2, "mqa", 20, True, dtype, deterministic, reference, ids)
+        _check_against_whole(results, "mqa", 20, True, dtype, ids)
 
 
 def _overlapping(events, op):
@@ -160,6 +194,9 @@ def test_world_of_one_is_flash_attention(seed):
 
     q, k, v, _ = _whole("gqa", 9, torch.float32, seed=1)
     assert torch.equal(ring_attention(q, k, v, causal=True), flash_attention(q, k, v, causal=True))
+    ids = torch.tensor([[0, 0, 1, 1, 1, 2, 2, 2, 2]] * B)
+    assert torch.equal(ring_attention(q, k, v, causal=True, segment_ids=ids),
+                       flash_attention(q, k, v, causal=True, segment_ids=ids))  # fmt: skip
     assert split_sequence(q, dim=2) is q and gather_sequence(q, dim=2) is q
 
 
@@ -175,6 +212,13 @@ def test_world_of_one_is_flash_attention(seed):
         (lambda f, t: f.ring_attention(t, t[:, :1], t[:, :1], deterministic=None), TypeError, "deterministic"),
         (lambda f, t: f.ring_attention(t[..., :3], t[..., :3], t[..., :3]), ValueError, "ring_attention: head_dim"),
         (lambda f, t: f.ring_attention(t, t.half(), t), TypeError, "ring_attention: k must have q's dtype"),
+        (lambda f, t: f.ring_attention(t, t, t, segment_ids=torch.zeros(1, 6)), TypeError, "integer tensor"),
+        (lambda f, t: f.ring_attention(t, t, t, segment_ids=[0] * 6), TypeError, "segment_ids must be None or"),
+        (
+            lambda f, t: f.ring_attention(t, t, t, segment_ids=torch.zeros(1, 5, dtype=torch.int64)),
+            ValueError,
+            r"segment_ids must be \[batch, whole sequence\] = \[1, 6\]",
+        ),
     ],
 )
 def test_bad_input(call, error, words):
