@@ -274,9 +274,6 @@ def _check_run(args) -> None:
         raise ArgumentError(f"--save-every must be 0 (never) or positive, received {args.save_every}")
     if not args.data.is_file():
         raise ArgumentError(f"--data {args.data}: no such file")
-    if args.doc_sep is not None and (args.pp > 1 or args.cp > 1):
-        raise ArgumentError(f"--doc-sep (packed documents) needs --pp 1 and --cp 1, received --pp {args.pp} "
-                            f"--cp {args.cp}")  # fmt: skip
     if args.dtype == "fp16" and args.zero == 0:
         raise ArgumentError("--dtype fp16 needs loss scaling: use --zero 1, 2 or 3 (ZeroAdam's dynamic loss scale)")
 

@@ -71,6 +71,7 @@ class Engine:
     is_first: bool = True
     is_last: bool = True
     _microbatch_losses: list[torch.Tensor] = field(default_factory=list)
+    _target_weight: torch.Tensor | None = None  # with documents: dp·cp / the global batch's counted targets
 
     @property
     def config(self) -> GPTConfig:
@@ -90,31 +91,37 @@ class Engine:
         return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
 
     def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self.gpt.loss_from_logits(logits, target)
+        loss = self._weighted(self.gpt.loss_from_logits(logits, target), target, self.args.microbatches)
         self._microbatch_losses.append(loss.detach().float())
         return self._scaled(loss)
 
-    def train_step(self, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """One optimizer step on this rank's rows ``x, y [B, S]`` (documents ``segment_ids``, without a
-        pipeline); returns the global batch's mean loss (fp32) over its targets.
+    def _weighted(self, loss: torch.Tensor, target: torch.Tensor, parts: int = 1) -> torch.Tensor:
+        """With documents, the mean ``loss`` over ``target``'s counted tokens (one of ``parts`` equal pieces of
+        this rank's batch) times ``parts · dp·cp · count / global count``: averaged over the pieces and the
+        data-parallel ranks, the mean over every counted target of the global batch."""
+        if self._target_weight is None:
+            return loss
+        return loss * ((target != -100).sum() * parts * self._target_weight)
 
-        With documents, targets across a document boundary are ignored (``-100``) and the ranks count
-        different numbers of the others: each rank's mean is weighted by its share of the global count, so
-        that the gradients the data-parallel ranks average, and the loss, are those of the mean over every
-        target of the global batch, as in one process.
+    def train_step(self, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """One optimizer step on this rank's rows ``x, y [B, S]`` (documents ``segment_ids``: ``[B, S]`` of
+        the whole sequence under context parallelism); returns the global batch's mean loss (fp32) over its
+        targets.
+
+        With documents, targets across a document boundary are ignored (``-100``) and the ranks (and the
+        pipeline's microbatches) count different numbers of the others: each mean is weighted by its share
+        of the global count, so that the gradients the data-parallel ranks average, and the loss, are
+        those of the mean over every target of the global batch, as in one process.
         """
         self.optimizer.zero_grad(set_to_none=False)
-        if segment_ids is not None and self.schedule is not None:
-            raise ValueError("Engine.train_step: segment_ids (packed documents) need a run without a pipeline")
+        self._target_weight = None if segment_ids is None else self._global_target_weight(y)
         if self.schedule is None:
             logits = self.wrapper(x) if segment_ids is None else self.wrapper(x, segment_ids=segment_ids)
-            loss = self.gpt.loss_from_logits(logits, y)
-            if segment_ids is not None:
-                loss = loss * self._target_share(y)
+            loss = self._weighted(self.gpt.loss_from_logits(logits, y), y)
             self._scaled(loss).backward()
             local = loss.detach().float()
         else:
-            self._run_pipeline(x, y)
+            self._run_pipeline(x, y, segment_ids)
             local = torch.stack(self._microbatch_losses).mean() if self.is_last else torch.zeros((), device=x.device)
         if self.args.grad_clip > 0 and self.args.zero == 0:
             clip_grad_norm(self.named.values(), self.args.grad_clip, self.dims)
@@ -123,14 +130,13 @@ class Engine:
         self.optimizer.step()
         return self._global_loss(local)
 
-    def _target_share(self, y: torch.Tensor) -> torch.Tensor:
-        """``ranks · local / global`` count of the targets that are not ignored, over the data-parallel ranks."""
-        local = (y != -100).sum().float()
-        total = local.clone()
+    def _global_target_weight(self, y: torch.Tensor) -> torch.Tensor:
+        """``dp·cp / global count`` of the targets that are not ignored, over the data-parallel ranks."""
+        total = (y != -100).sum().float()
         dist.all_reduce(total, group=self.dims.dp_cp_group)
-        return local * (self.dims.dp * self.dims.cp) / total.clamp(min=1)
+        return (self.dims.dp * self.dims.cp) / total.clamp(min=1)
 
-    def _run_pipeline(self, x: torch.Tensor, y: torch.Tensor) -> None:
+    def _run_pipeline(self, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None) -> None:
         """One schedule step over the microbatches, reducing the DDP/FSDP gradients once instead of per backward.
 
         The schedule runs a backward per microbatch and stage, each of which would reduce every bucket or
@@ -139,7 +145,7 @@ class Engine:
         does with FSDP.)
         """
         self._microbatch_losses.clear()
-        inputs = (x,) if self.is_first else ()
+        inputs = () if not self.is_first else (x,) if segment_ids is None else (x, segment_ids)
         no_sync = getattr(self.wrapper, "no_sync", None)
         with no_sync() if no_sync else contextlib.nullcontext():
             self.schedule.step(*inputs, target=y if self.is_last else None)

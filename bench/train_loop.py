@@ -264,7 +264,7 @@ def run(args) -> None:
         segments = None
         if args.doc_sep is None:
             x, y = data.batch(step, **where)
-        else:  # packed documents (--pp 1 and --cp 1)
+        else:  # packed documents: segment ids of the whole sequence, on every cp rank and pipeline stage
             x, y, segments = data.document_batch(step, **where)
             segments = segments.to(engine.device)
         if dims.cp > 1:  # this rank's zigzag share of every sequence

@@ -265,7 +265,11 @@ class GPT(nn.Module):
 
 
 class GPTStage(nn.Module):
-    """Blocks ``[start, stop)`` of a GPT, with the embedding on the first stage and the head on the last."""
+    """Blocks ``[start, stop)`` of a GPT, with the embedding on the first stage and the head on the last.
+
+    ``forward(x, segment_ids=None)``: packed documents as in :meth:`GPT.forward`; a stage that is not the
+    last then returns ``(x, segment_ids)``, so that the ids travel to the next stage with the activation
+    (a few bytes per token beside its ``E`` values)."""
 
     def __init__(self, gpt: GPT, start: int, stop: int, *, first: bool, last: bool):
         super().__init__()
@@ -275,8 +279,10 @@ class GPTStage(nn.Module):
         self.norm = gpt.norm if last else None
         self.lm_head = gpt.lm_head if last else None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None):
         if self.first:
             x = self.embed(x)
-        x = run_blocks(self.blocks, x, self.recompute)
-        return self.lm_head(self.norm(x)) if self.last else x
+        x = run_blocks(self.blocks, x, self.recompute, segment_ids)
+        if self.last:
+            return self.lm_head(self.norm(x))
+        return x if segment_ids is None else (x, segment_ids)

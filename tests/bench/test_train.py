@@ -169,9 +169,9 @@ def test_context_parallel_composes_with_tensor_and_pipeline_parallelism(uninterr
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_packed_documents_train_alike_under_tensor_and_data_parallelism(tmp_path):
+def test_packed_documents_train_alike_under_every_layout(tmp_path):
     """--doc-sep: the text's paragraphs (ending with a blank line) are documents. One process, tp=2 with
-    sequence parallelism, and dp=2 under FSDP give the same loss curve (the data-parallel ranks count
+    sequence parallelism, dp=2 under FSDP, cp=2 and pp=2 give the same loss curve (the data-parallel ranks count
     different numbers of ignored targets, and weigh their means by their share of the rest, ~1e-4 apart
     without); without the documents the same batches give another curve."""
     docs = ["--doc-sep", "\\n\\n", "--steps", "3", "--seq-len", "64", "--batch-size", "4"]
@@ -183,6 +183,12 @@ def test_packed_documents_train_alike_under_tensor_and_data_parallelism(tmp_path
     _ok(_train(tmp_path / "stream", *docs[2:]))
     assert _losses(tmp_path / "tp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     assert _losses(tmp_path / "dp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+    # context parallelism (ring attention within documents) and pipeline stages (the ids travel with the
+    # activations; each microbatch's mean weighed by its share of the counted targets)
+    _ok(_train(tmp_path / "cp2", *docs, "--cp", "2", nproc=2))
+    _ok(_train(tmp_path / "pp2", *docs, "--pp", "2", "--microbatches", "2", "--zero", "1", nproc=2))
+    assert _losses(tmp_path / "cp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+    assert _losses(tmp_path / "pp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
     # a young model's loss hardly depends on what it attends to: ~7e-4 apart after two updates, 70x the tolerance
     assert _losses(tmp_path / "stream")[-1] != pytest.approx(_losses(tmp_path / "one")[-1], rel=1e-4)
 

@@ -112,6 +112,20 @@ def test_packed_documents_match_each_document_alone():
     torch.testing.assert_close(model.loss(idx, targets, segment_ids=_segments()).detach(), want, **TOL)
 
 
+def test_pipeline_stages_pass_the_segment_ids_on():
+    """A stage that is not the last returns (activation, segment_ids); chained, the stages are the model."""
+    cfg = _config(n_layer=2)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    idx, _ = _data(cfg)
+    ids = _segments()
+    first, last = model.pipeline_stage(0, 2), model.pipeline_stage(1, 2)
+    hidden, passed = first(idx, ids)
+    assert passed is ids
+    torch.testing.assert_close(last(hidden, passed), model(idx, ids), rtol=0, atol=0)
+    assert isinstance(first(idx), torch.Tensor)  # without documents: the activation alone, as before
+
+
 def test_recomputed_packed_documents_give_the_same_gradients():
     """Activation checkpointing hands each block the segment ids again when it recomputes the block."""
     grads = {}
