@@ -22,15 +22,14 @@ def sorted_ids(batch: int, length: int, high: int, generator) -> torch.Tensor:
 
 
 def masked_reference(q, k, v, q_ids, k_ids, causal, grad_out):
-    """float64 out, lse, dq, dk, dv with the mask written out pair by pair."""
+    """float64 out, lse, dq, dk, dv with the mask of its definition: equal ids (and j ≤ i + Sk - Sq)."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    b, hq, sq, d = q.shape
+    _, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
-    visible = torch.zeros(b, sq, sk, dtype=torch.bool)
-    for r in range(b):
-        for i in range(sq):
-            for j in range(sk):
-                visible[r, i, j] = q_ids[r, i] == k_ids[r, j] and (not causal or j <= i + sk - sq)
+    visible = q_ids[:, :, None] == k_ids[:, None, :]
+    if causal:
+        i, j = torch.arange(sq, device=q.device)[:, None], torch.arange(sk, device=q.device)
+        visible = visible & (j <= i + sk - sq)
     kk = k64.repeat_interleave(hq // hkv, 1)
     vv = v64.repeat_interleave(hq // hkv, 1)
     scores = (q64 @ kk.transpose(-1, -2)) / math.sqrt(d)
@@ -60,6 +59,24 @@ def test_cross_segments_match_the_masked_softmax(layout, sq, sk, high, causal, d
         assert_close(got, w, dtype, name)
     blind = ~visible.any(-1)[:, None].expand_as(lse)  # rows that see no key: exactly 0, -inf, no gradient
     assert torch.isneginf(lse[blind]).all() and (out[blind] == 0).all() and (dq[blind] == 0).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_cross_segments_in_bf16_on_cuda(causal):
+    """D=128, a ring step's shapes: 700 queries over 1000 keys, a few long documents and short ones."""
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = make_qkv("gqa", 700, 128, torch.bfloat16, device="cuda", sk=1000)
+    q_ids, k_ids = sorted_ids(2, 700, 9, gen).cuda(), sorted_ids(2, 1000, 9, gen).cuda()
+    segments = _cross_segment_bounds(q_ids, k_ids)
+    grad_out = torch.randn(q.shape, generator=gen).bfloat16().cuda()
+    *want, _ = masked_reference(q, k, v, q_ids, k_ids, causal, grad_out)
+    out, lse = _block_forward(q, k, v, causal, 1 / math.sqrt(128), segments)
+    assert_lse_close(lse, want[1], "lse")
+    for deterministic in (True, False):
+        grads = _block_backward(q, k, v, out, lse, grad_out, causal, 1 / math.sqrt(128), deterministic, segments)
+        for name, got, w in zip(("out", "dq", "dk", "dv"), (out, *grads), (want[0], *want[2:])):
+            assert_close(got, w, torch.bfloat16, f"{name} deterministic={deterministic}")
 
 
 def test_cross_segment_tables_give_each_token_its_partners():
