@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from tessel.kernels._dispatch import INTERPRET
-from tessel.kernels.attention import flash_attention, flash_attention_reference
+from tessel.kernels.attention import flash_attention, flash_attention_backward, flash_attention_reference
 from tests.kernels.test_attention import LAYOUTS, B, assert_close, assert_lse_close, make_qkv
 
 needs_interpreter = pytest.mark.skipif(not INTERPRET, reason="reasons about the interpreter's fixed block sizes")
@@ -136,6 +136,22 @@ def test_blocks_outside_the_segments_are_never_read(seed, causal, deterministic)
         keep = slice(*kept)
         for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
             assert_close(g[:, :, keep], w[:, :, keep], torch.float32, f"{name} of {kept} with {poisoned} poisoned")
+
+
+def test_the_backward_alone_takes_the_segment_ids(seed):
+    """flash_attention_backward(segment_ids=) gives the autograd gradients of flash_attention(segment_ids=),
+    bit for bit (the same kernels); without the ids it gives others."""
+    s, rows = CASES["inside-blocks"]
+    ids = ids_from_lengths(rows)
+    q, k, v = make_qkv("gqa", s, 32, torch.float32)
+    grad_out = torch.randn(q.shape)
+    out, lse, *want = kernel_with_grads(q, k, v, ids, True, grad_out)
+    got = flash_attention_backward(q, k, v, out, lse, grad_out, True, segment_ids=ids)
+    for name, g, w in zip(("dq", "dk", "dv"), got, want):
+        assert torch.equal(g, w), name
+    assert not torch.allclose(flash_attention_backward(q, k, v, out, lse, grad_out, True)[0], want[0])
+    with pytest.raises(ValueError, match=r"flash_attention_backward: segment_ids must be \[batch, seq\]"):
+        flash_attention_backward(q, k, v, out, lse, grad_out, True, segment_ids=ids[:, 1:])
 
 
 def test_bad_segment_ids_are_refused(seed):
