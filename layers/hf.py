@@ -36,11 +36,17 @@ The model's attention implementation becomes tessel's, which runs
 :func:`~tessel.parallel.context.ring_attention` for the modules marked with the group; the rotary
 module receives the tokens' global (zigzag) positions in place of the local ``0 … S/c-1``, while the
 base model keeps building its mask from local, contiguous positions (a plain causal mask is then
-``None``). What the local view would get wrong is refused with a ``ValueError`` instead: position ids
-from the caller, an attention mask (padding, packed sequences), a sliding window shorter than the whole
-sequence, a key-value cache longer than the tokens (decoding), and labels that the model would shift
-itself (a chunk's last token predicts the first token of the next chunk, held by another rank: pass
-``shift_labels``, the globally shifted labels split the same way).
+``None``). Packed documents: the caller passes the WHOLE sequence's ``position_ids [B or 1, S]``
+(restarting at each document, as a padding-free collator makes them; the same on every rank). The base
+model's hook takes each rank's positions from them for the rotary module, calls the base model without
+them (so it builds no mask), and hands the attention modules the documents' segment ids
+(:func:`packed_positions`) through the model's ``**kwargs``: the ring then attends within documents.
+Documents are read from position ids with or without a cache (Hugging Face itself reads them only
+with ``use_cache=False``). What the local view would get wrong is refused with a ``ValueError``
+instead: position ids that are not the whole sequence's, an attention mask (padding), a sliding window
+shorter than the whole sequence, a key-value cache longer than the tokens (decoding), and labels that
+the model would shift itself (a chunk's last token predicts the first token of the next chunk, held by
+another rank: pass ``shift_labels``, the globally shifted labels split the same way).
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ from ..parallel.collectives import gather_from_tp, scatter_to_sequence
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
 from ..parallel.overlap import all_gather_matmul
-from .hf_attention import CP_GROUP_ATTR, register_hf_attention, tessel_attention_forward
+from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention, tessel_attention_forward
 from .linear import ColumnParallelLinear, _check_input, _from_token_major, _to_token_major, _use_overlap
 
 __all__ = [
@@ -68,6 +74,7 @@ __all__ = [
     "hf_tp_plan",
     "is_hf_model",
     "local_head_updates",
+    "packed_positions",
     "register_hf_attention",
     "tessel_attention_forward",
 ]
@@ -357,6 +364,59 @@ def _bind(module: nn.Module, args, kwargs) -> inspect.BoundArguments:
     return inspect.signature(module.forward).bind(*args, **kwargs)
 
 
+def _replace_argument(module: nn.Module, args: tuple, kwargs: dict, name: str, value) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` of a call of ``module`` with argument ``name`` set to ``value`` where the caller put it
+    (positionally or by keyword); the other arguments stay as they were passed, since wrappers around
+    ``forward`` may add keywords of their own."""
+    index = list(inspect.signature(module.forward).parameters).index(name)
+    if index < len(args):
+        return (*args[:index], value, *args[index + 1 :]), kwargs
+    return args, {**kwargs, name: value}
+
+
+def _check_var_keyword(module: nn.Module) -> None:
+    """Raise unless ``module.forward`` takes ``**kwargs``, through which extra arguments reach the attention modules."""
+    kinds = [p.kind for p in inspect.signature(module.forward).parameters.values()]
+    if inspect.Parameter.VAR_KEYWORD not in kinds:
+        raise ValueError(
+            f"parallelize: under context parallelism, packed documents (position_ids) need "
+            f"{type(module).__name__}.forward to pass **kwargs on to its attention modules; it takes none"
+        )
+
+
+def packed_positions(position_ids, tokens: torch.Tensor, cp_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The whole sequence's ``position_ids`` given to a context-parallel Hugging Face model, checked, and its
+    documents: ``(position_ids, segment_ids [B, S] or None)``.
+
+    ``position_ids`` must cover the whole sequence, ``[B or 1, S]`` with ``S = cp_size ·`` the local
+    length of ``tokens [B, S/c, …]`` (the same on every rank), as a padding-free collator packs documents:
+    a document begins wherever a position is not the previous one plus one (Hugging Face's rule for
+    packed sequences). ``segment_ids`` numbers the documents ``0, 1, …`` along each row, ``None`` when every
+    row is one document. Raises a ValueError naming what is wrong.
+    """
+    b, local = tokens.shape[0], tokens.shape[1]
+    want = f"[{b} or 1, {cp_size * local}]"
+    ok = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
+    ok = ok and not (position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool)
+    if not ok or position_ids.shape[0] not in (1, b) or position_ids.shape[1] != cp_size * local:
+        got = type(position_ids).__name__
+        if isinstance(position_ids, torch.Tensor):
+            got = f"{position_ids.dtype} tensor of shape {list(position_ids.shape)}"
+        raise ValueError(
+            f"parallelize: under context parallelism position_ids must be the whole sequence's integer positions "
+            f"{want} (the same on every rank; each rank takes its own tokens' positions from them), received {got}"
+        )
+    if position_ids.device != tokens.device:
+        raise ValueError(f"parallelize: position_ids must be on the inputs' device {tokens.device}, received "
+                         f"{position_ids.device}")  # fmt: skip
+    begins = torch.ones(position_ids.shape, device=position_ids.device, dtype=torch.int32)
+    begins[:, 0] = 0
+    begins[:, 1:] = (position_ids[:, 1:] - position_ids[:, :-1] != 1).to(torch.int32)
+    if not bool(begins.any()):
+        return position_ids, None
+    return position_ids, begins.cumsum(1, dtype=torch.int32).expand(b, -1)
+
+
 @dataclass
 class HFContextLayout:
     """Where context parallelism reaches into a Hugging Face decoder (see the module docstring).
@@ -389,11 +449,15 @@ class HFContextLayout:
 
     def install(self, model: nn.Module, cp_group) -> None:
         """Mark the attention modules with ``cp_group``, switch the model to tessel's attention, and hook the
-        rotary module (global positions), the base model (no position ids) and the head (no self-shifted labels)."""
+        rotary module (global positions), the base model (whole-sequence position ids: packed documents)
+        and the head (no self-shifted labels)."""
         c, r = group_size(cp_group), group_rank(cp_group)
         modules = dict(model.named_modules())
         for name in self.attention:
             setattr(modules[name], CP_GROUP_ATTR, cp_group)
+        # the positions of this rank's tokens that the caller gave the base model, for its rotary module
+        # (None: the zigzag share of 0 … S-1); set by every call of the base model, before its rotary runs
+        held = {"positions": None}
 
         def positions(module, args, kwargs):
             bound = _bind(module, args, kwargs)
@@ -406,16 +470,35 @@ class HFContextLayout:
                     f"parallelize: under context parallelism each rank holds two equal chunks of the sequence "
                     f"(tessel.parallel.split_sequence), so its length must be even, received {ids.shape[-1]}"
                 )
-            glob = zigzag_positions(ids.shape[-1] * c, c, r, device=ids.device)
-            bound.arguments["position_ids"] = glob.to(ids.dtype).expand_as(ids)
+            given = held["positions"]
+            if given is None:
+                glob = zigzag_positions(ids.shape[-1] * c, c, r, device=ids.device).expand_as(ids)
+            else:
+                glob = given.expand(ids.shape[0], -1) if given.shape[0] == 1 else given
+            bound.arguments["position_ids"] = glob.to(ids.dtype)
             return bound.args, bound.kwargs
 
-        def no_positions(module, args, kwargs):
-            if _bind(module, args, kwargs).arguments.get("position_ids") is not None:
-                raise ValueError(
-                    "parallelize: under context parallelism tessel gives the rotary embeddings the global positions "
-                    "of this rank's tokens (tessel.parallel.zigzag_positions); call the model without position_ids"
-                )
+        def whole_positions(module, args, kwargs):
+            bound = _bind(module, args, kwargs)
+            given = bound.arguments.get("position_ids")
+            held["positions"] = None
+            if given is None:
+                return None
+            tokens = bound.arguments.get("input_ids")
+            tokens = bound.arguments.get("inputs_embeds") if tokens is None else tokens
+            whole, segment_ids = packed_positions(given, tokens, c)
+            held["positions"] = whole[:, zigzag_positions(whole.shape[1], c, r, device=whole.device)]
+            if c == 1:  # the local view is the whole: the model reads its documents itself
+                return None
+            # the local view: positions 0 … S/c-1, a plain causal mask
+            args, kwargs = _replace_argument(module, args, kwargs, "position_ids", None)
+            if segment_ids is not None:
+                _check_var_keyword(module)
+                kwargs = {**kwargs, SEGMENT_IDS_KWARG: segment_ids}
+            return args, kwargs
+
+        def forget_positions(module, args, output):
+            held["positions"] = None
 
         def no_self_shift(module, args, kwargs):
             if _bind(module, args, kwargs).arguments.get("labels") is not None and kwargs.get("shift_labels") is None:
@@ -426,7 +509,8 @@ class HFContextLayout:
                 )
 
         modules[self.rotary].register_forward_pre_hook(positions, with_kwargs=True)
-        modules[self.base].register_forward_pre_hook(no_positions, with_kwargs=True)
+        modules[self.base].register_forward_pre_hook(whole_positions, with_kwargs=True)
+        modules[self.base].register_forward_hook(forget_positions)
         if self.head:
             model.register_forward_pre_hook(no_self_shift, with_kwargs=True)
         register_hf_attention()

@@ -33,13 +33,16 @@ from torch import nn
 from ..parallel.comm import group_size
 from ..parallel.context import ring_attention
 
-__all__ = ["CP_GROUP_ATTR", "mask_segments", "register_hf_attention", "tessel_attention_forward"]
+__all__ = ["CP_GROUP_ATTR", "SEGMENT_IDS_KWARG", "mask_segments", "register_hf_attention", "tessel_attention_forward"]
 
 # The attribute parallelize(cp_group=) sets on attention modules; tessel_attention_forward reads it.
 CP_GROUP_ATTR = "tessel_cp_group"
 # Mask entries compared at a time by mask_segments (bytes of the boolean chunk; 8x that for the row ids).
 MASK_CHUNK_ENTRIES = 2**24
 _SEGMENTS_ATTR = "_tessel_segments"
+# The keyword argument through which a context-parallel model's base hands its attention modules the whole
+# sequence's segment ids (packed documents; see tessel.layers.hf.packed_positions)
+SEGMENT_IDS_KWARG = "tessel_segment_ids"
 
 
 def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
@@ -106,8 +109,8 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
         raise ValueError(f"{type(module).__name__} under context parallelism over {c} ranks: {what}")
 
     if attention_mask is not None:
-        refuse("an attention mask (padding, packed sequences) is not supported: each batch row is one whole "
-               "sequence, every token attends to all earlier ones")  # fmt: skip
+        refuse("an attention mask (padding) is not supported: each batch row is one whole sequence, or documents "
+               "packed into it that the model's position_ids delimit (restarting at each document)")  # fmt: skip
     if key.shape[2] != length:
         refuse(f"the keys must be this rank's {length} tokens, received {key.shape[2]} (decoding with a key-value "
                "cache is not supported)")  # fmt: skip
@@ -118,7 +121,8 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
         refuse(f"attention dropout ({dropout}) is not supported")
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         refuse("logit soft-capping and position biases are not supported")
-    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling)
+    segment_ids = kwargs.get(SEGMENT_IDS_KWARG)
+    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling, segment_ids=segment_ids)
     return out_BHSD.transpose(1, 2), None  # laid out [B, S, H, D] already
 
 
@@ -139,8 +143,10 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     head dims or dtypes the kernel does not take.
 
     A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
-    :func:`~tessel.parallel.context.ring_attention` over the group instead, and refuses with a
-    ``ValueError`` what the ring does not compute (masks, caches, short sliding windows, dropout).
+    :func:`~tessel.parallel.context.ring_attention` over the group instead, within the documents that
+    the ``tessel_segment_ids`` keyword delimits (set by the model's hook from the whole sequence's
+    ``position_ids``), and refuses with a ``ValueError`` what the ring does not compute (masks, caches,
+    short sliding windows, dropout).
     """
     from ..kernels.attention import HEAD_DIMS, flash_attention
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from tests.layers.test_context_parallel import _grid
-from tests.layers.test_hf import REFERENCE_KERNELS, B, S, _batch, _close, _forward_backward, _model, needs_hf
+from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, B, S, _batch, _close, _forward_backward, _model, needs_hf
 from tests.multiprocess import run_ranks
 
 
@@ -110,11 +110,22 @@ def _loss_and_refusals(rank, world_size):
     # what the local view would compute wrongly is refused
     with pytest.raises(ValueError, match=r"cannot shift labels itself .* pass shift_labels"):
         par(local, labels=local)
-    with pytest.raises(ValueError, match="call the model without position_ids"):
+    # position ids are the whole sequence's, not this rank's share
+    with pytest.raises(
+        ValueError,
+        match=r"position_ids must be the whole sequence's integer positions \[2 or 1, 8\] "
+        r"\(the same on every rank.*received torch.int64 tensor of shape \[1, 4\]",
+    ):
         par(local, position_ids=torch.arange(local.shape[1])[None])
+    with pytest.raises(ValueError, match=r"received torch.float32 tensor of shape \[1, 8\]"):
+        par(local, position_ids=torch.arange(S, dtype=torch.float32)[None])
     padding = torch.ones_like(local)
     padding[0, 0] = 0
-    with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks: an attention mask"):
+    with pytest.raises(
+        ValueError,
+        match="LlamaAttention under context parallelism over 2 ranks: an attention mask "
+        r"\(padding\) is not supported",
+    ):
         par(local, attention_mask=padding)
     with pytest.raises(ValueError, match="its length must be even, received 3"):
         par(local[:, :3])
@@ -151,3 +162,72 @@ def _loss_and_refusals(rank, world_size):
 @needs_hf
 def test_hf_loss_through_shift_labels_and_what_context_parallelism_refuses():
     run_ranks(_loss_and_refusals, 2, timeout=300, env=REFERENCE_KERNELS)
+
+
+# ---------------------------------------------------------------------------------------------------- packed documents
+
+PACKED_S = 16  # 4 chunks of 4 on 2 ranks, 8 chunks of 2 on 4
+
+
+def _packed_position_ids(rows):
+    """``[len(rows), PACKED_S]`` position ids of documents of the given lengths, each restarting at 0."""
+    return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
+
+
+def _packed_vs_dense(rank, world_size, cp, families):
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.context import gather_sequence, split_sequence
+    from tessel.parallel.sharding import shard_like
+
+    solo, tp_group, cp_group = _grid(rank, world_size, cp)
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(VOCAB, (B, PACKED_S), generator=gen)
+    weights = torch.randn(B, PACKED_S, VOCAB, generator=gen)
+    layouts = {
+        # documents inside a chunk, across a rank's chunks and across ranks; one-token documents
+        "per row": _packed_position_ids([[3, 1, 6, 5, 1], [9, 7]]),
+        "one row for all": _packed_position_ids([[1, 2, 10, 3]]),
+        # one document that starts at position 5: rotary positions from the caller, no segments
+        "offset": torch.arange(5, 5 + PACKED_S)[None],
+    }
+    for family in families:
+        dense = _model(family)
+        par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group)
+        for tag, positions in layouts.items():
+            dense.zero_grad()
+            par.zero_grad()
+            # without a cache: Hugging Face reads packed documents from position ids only then
+            want = _forward_backward(dense, ids, weights, position_ids=positions, use_cache=False)
+            got = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group),
+                                    position_ids=positions, use_cache=False)  # fmt: skip
+            _close(gather_sequence(got, cp_group), want, msg=lambda m, tag=f"{family} {tag}": f"{tag} logits: {m}")
+            dense_params = dict(dense.named_parameters())
+            for name, p in par.named_parameters():
+                grad = p.grad.clone()
+                dist.all_reduce(grad, group=cp_group)
+                _close(grad, shard_like(dense_params[name].grad, p, tp_group),
+                       msg=lambda m, name=name, tag=f"{family} {tag}": f"{tag} grad of {name}: {m}")  # fmt: skip
+        # documents matter: the packed logits differ from the same tokens as one sequence
+        plain = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group))
+        packed = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group),
+                                   position_ids=layouts["per row"])  # fmt: skip
+        assert not torch.allclose(plain, packed, rtol=1e-3, atol=1e-3)
+    # a context-parallel group of one: the model reads the documents from the position ids itself
+    dense = _model(families[0])
+    one = parallelize(copy.deepcopy(dense), solo, cp_group=solo)
+    want = _forward_backward(dense, ids, weights, position_ids=layouts["per row"], use_cache=False)
+    _close(_forward_backward(one, ids, weights, position_ids=layouts["per row"], use_cache=False), want)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_packed_documents_under_context_parallelism_match_dense_on_two_ranks():
+    run_ranks(_packed_vs_dense, 2, 2, ("llama", "mistral", "qwen2"), timeout=300, env=REFERENCE_KERNELS)
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_packed_documents_on_four_context_parallel_ranks_and_under_tensor_parallelism_match_dense():
+    run_ranks(_packed_vs_dense, 4, 4, ("llama",), timeout=300, env=REFERENCE_KERNELS)
+    run_ranks(_packed_vs_dense, 4, 2, ("qwen2",), timeout=300, env=REFERENCE_KERNELS)  # cp2 x tp2
