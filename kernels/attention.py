@@ -73,6 +73,7 @@ import torch
 import triton
 
 from ._dispatch import Backend, backend_for, upcast_dot_operands
+from ._memo import kept_on
 from .attention_kernels import (
     INTERPRETER_DKDV_BLOCKS,
     INTERPRETER_DQ_BLOCKS,
@@ -175,13 +176,18 @@ def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.T
         raise ValueError(f"{name}: segment_ids must be [batch, seq] = {[b, sq]}, received {tuple(segment_ids.shape)}")
     if segment_ids.device != q.device:
         raise ValueError(f"{name}: segment_ids must be on q's device {q.device}, received {segment_ids.device}")
-    pos = torch.arange(sq, device=q.device, dtype=torch.int32).expand(b, sq)
-    first = torch.ones((b, sq), device=q.device, dtype=torch.bool)
+    return kept_on(segment_ids, "segment_bounds", lambda: _self_segment_bounds(segment_ids))
+
+
+def _self_segment_bounds(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, s = segment_ids.shape
+    pos = torch.arange(s, device=segment_ids.device, dtype=torch.int32).expand(b, s)
+    first = torch.ones((b, s), device=segment_ids.device, dtype=torch.bool)
     first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
     last = torch.ones_like(first)
     last[:, :-1] = first[:, 1:]
     start = torch.where(first, pos, 0).cummax(1).values
-    end = torch.where(last, pos + 1, sq).flip(1).cummin(1).values.flip(1)
+    end = torch.where(last, pos + 1, s).flip(1).cummin(1).values.flip(1)
     table = torch.stack((start, start, end), 1).to(torch.int32).contiguous()
     return table, table
 

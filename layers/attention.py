@@ -17,9 +17,12 @@ copies then need their own gradient all-reduce; use a TP size that divides ``Hkv
 
 from __future__ import annotations
 
+import functools
+
 import torch
 from torch import nn
 
+from ..kernels._memo import kept_on
 from ..kernels.attention import flash_attention
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import ring_attention, zigzag_positions
@@ -27,6 +30,15 @@ from .linear import ColumnParallelLinear, RowParallelLinear
 from .rotary import apply_rotary, rotary_tables, segment_positions
 
 __all__ = ["ParallelAttention", "check_heads", "context_size"]
+
+
+@functools.lru_cache(maxsize=32)
+def _plain_rotary_tables(length: int, head_dim: int, theta: float, c: int, r: int, device, inference: bool):
+    """Rotary tables of rank ``r`` of ``c``'s tokens (all of them for ``c = 1``), kept per shape and device: each
+    layer of each forward needs the same ones. ``inference`` keys the tensors made under inference mode apart
+    (they cannot be saved for a backward)."""
+    positions = zigzag_positions(c * length, c, r, device=device) if c > 1 else None
+    return rotary_tables(length, head_dim, theta, positions=positions, device=device)
 
 
 def context_size(cp_group) -> int:
@@ -106,11 +118,7 @@ class ParallelAttention(nn.Module):
         q, k, v = (self._heads(t) for t in self.qkv(x))
         c = self.cp_size
         if self.rope_theta is not None:
-            positions = None if segment_ids is None else segment_positions(segment_ids)
-            if c > 1:  # the global positions of the tokens this rank holds (within their documents)
-                held = zigzag_positions(c * q.shape[2], c, group_rank(self.cp_group), device=q.device)
-                positions = held if positions is None else positions[:, held]
-            cos, sin = rotary_tables(q.shape[2], self.head_dim, self.rope_theta, positions=positions, device=q.device)
+            cos, sin = self._rotary_tables(q.shape[2], segment_ids, q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if c > 1:
             y = ring_attention(q, k, v, self.cp_group, causal=self.causal, deterministic=self.deterministic,
@@ -119,6 +127,23 @@ class ParallelAttention(nn.Module):
             y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic, segment_ids=segment_ids)
         b, h, s, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, s, h * d))
+
+    def _rotary_tables(self, length: int, segment_ids: torch.Tensor | None, device) -> tuple[torch.Tensor, ...]:
+        """cos, sin of the ``length`` tokens this rank holds; built once per forward, not once per layer: kept
+        on ``segment_ids`` (which every layer shares), or without documents cached by shape."""
+        c = self.cp_size
+        r = group_rank(self.cp_group) if c > 1 else 0
+        if segment_ids is None:
+            return _plain_rotary_tables(length, self.head_dim, self.rope_theta, c, r, device,
+                                        torch.is_inference_mode_enabled())  # fmt: skip
+
+        def make():
+            positions = segment_positions(segment_ids)  # within each document
+            if c > 1:  # the global positions of the tokens this rank holds
+                positions = positions[:, zigzag_positions(c * length, c, r, device=device)]
+            return rotary_tables(length, self.head_dim, self.rope_theta, positions=positions, device=device)
+
+        return kept_on(segment_ids, ("rotary", length, self.head_dim, self.rope_theta, c, r), make)
 
     def _check_segments(self, x: torch.Tensor, segment_ids) -> None:
         name = type(self).__name__

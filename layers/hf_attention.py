@@ -30,6 +30,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from ..kernels._memo import kept_on
 from ..parallel.comm import group_size
 from ..parallel.context import ring_attention
 
@@ -39,7 +40,6 @@ __all__ = ["CP_GROUP_ATTR", "SEGMENT_IDS_KWARG", "mask_segments", "register_hf_a
 CP_GROUP_ATTR = "tessel_cp_group"
 # Mask entries compared at a time by mask_segments (bytes of the boolean chunk; 8x that for the row ids).
 MASK_CHUNK_ENTRIES = 2**24
-_SEGMENTS_ATTR = "_tessel_segments"
 # The keyword argument through which a context-parallel model's base hands its attention modules the whole
 # sequence's segment ids (packed documents; see tessel.layers.hf.packed_positions)
 SEGMENT_IDS_KWARG = "tessel_segment_ids"
@@ -70,31 +70,23 @@ def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim == 4 and mask.shape[1] == 1
             and mask.shape[2] == mask.shape[3] and mask.shape[3] > 0):  # fmt: skip
         return False, None
-    # inference tensors have no version counter: their result is not kept (analysed in every layer)
-    key = None if mask.is_inference() else (bool(causal), mask._version)
-    cached = getattr(mask, _SEGMENTS_ATTR, None)
-    if key is not None and cached is not None and cached[0] == key:
-        return cached[1]
+    return kept_on(mask, ("mask_segments", bool(causal)), lambda: _read_segments(mask, causal))
+
+
+def _read_segments(mask: torch.Tensor, causal: bool) -> tuple[bool, torch.Tensor | None]:
     rows = mask[:, 0]  # [B, S, S]
     n = rows.shape[-1]
     step = max(1, MASK_CHUNK_ENTRIES // n)
     first = torch.cat([rows[:, i : i + step].to(torch.uint8).argmax(-1) for i in range(0, n, step)], dim=1)
     index = torch.arange(n, device=mask.device)
     segments = (first == index).cumsum(-1, dtype=torch.int32) - 1  # a run begins where a query first sees itself
-    exact = True
     for i in range(0, n, step):
         want = segments[:, i : i + step, None] == segments[:, None, :]
         if causal:
             want &= index[None, i : i + step, None] >= index[None, None, :]
         if not torch.equal(want, rows[:, i : i + step]):
-            exact = False
-            break
-    result = (False, None)
-    if exact:
-        result = (True, None if bool((segments[:, -1] == 0).all()) else segments)
-    if key is not None:
-        setattr(mask, _SEGMENTS_ATTR, (key, result))
-    return result
+            return False, None
+    return True, None if bool((segments[:, -1] == 0).all()) else segments
 
 
 # ---------------------------------------------------------------------------------------------------- context parallel
@@ -173,7 +165,10 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
-    extra = {} if segments is None else {"segment_ids": segments.expand(query.shape[0], -1)}
+    if segments is not None and segments.shape[0] != query.shape[0]:  # one view for all layers (it keeps the tables)
+        b, shared = query.shape[0], segments
+        segments = kept_on(attention_mask, ("segments_for_batch", b), lambda: shared.expand(b, -1))
+    extra = {} if segments is None else {"segment_ids": segments}
     out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, **extra)
     return out_BHSD.transpose(1, 2).contiguous(), None
 

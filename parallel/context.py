@@ -48,6 +48,7 @@ import math
 import torch
 import torch.distributed as dist
 
+from ..kernels._memo import kept_on
 from ..kernels.attention import _block_backward, _block_forward, _cross_segment_bounds, check_grid, flash_attention
 from ..kernels.attention import _validate as _validate_attention
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
@@ -158,6 +159,11 @@ def _segment_tables(segment_ids: torch.Tensor | None, group, causal: bool) -> li
     if segment_ids is None:
         return None
     c, r = group_size(group), group_rank(group)
+    # every layer of a forward passes the same ids: the tables are built once (and again if they change)
+    return kept_on(segment_ids, ("ring_tables", c, r, causal), lambda: _build_segment_tables(segment_ids, c, r, causal))
+
+
+def _build_segment_tables(segment_ids: torch.Tensor, c: int, r: int, causal: bool) -> list:
     seq_len = segment_ids.shape[1]
     number = torch.zeros(segment_ids.shape, device=segment_ids.device, dtype=torch.int64)
     torch.cumsum(segment_ids[:, 1:] != segment_ids[:, :-1], 1, out=number[:, 1:])

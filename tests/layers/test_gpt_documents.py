@@ -139,6 +139,56 @@ def test_recomputed_packed_documents_give_the_same_gradients():
         assert torch.equal(grad, grads[False][name]), name
 
 
+def _counting(monkeypatch, module, name):
+    calls = []
+    original = getattr(module, name)
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+def test_document_tables_are_built_once_per_forward_not_per_layer(monkeypatch, recompute):
+    """Every layer gets the same segment ids: the kernel's segment tables and the rotary tables are built
+    once for the whole model (forward, recomputation and backward), and again after the ids change."""
+    import tessel.kernels.attention as attention_kernels
+    import tessel.layers.attention as attention_layer
+
+    bounds = _counting(monkeypatch, attention_kernels, "_self_segment_bounds")
+    positions = _counting(monkeypatch, attention_layer, "segment_positions")
+    cfg = _config(n_layer=3, recompute=recompute)
+    idx, weights = _data(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    segments = _segments()
+    (model(idx, segment_ids=segments) * weights).sum().backward()
+    assert (len(bounds), len(positions)) == (1, 1)
+    # an in-place change of the ids is seen: the tables are rebuilt and the logits are those of new ids
+    segments[0] = 0
+    got = model(idx, segment_ids=segments)
+    assert (len(bounds), len(positions)) == (2, 2)
+    torch.testing.assert_close(got, model(idx, segment_ids=segments.clone()), rtol=0, atol=0)
+
+
+def test_rotary_tables_without_documents_are_shared_by_the_layers_and_survive_inference_mode():
+    import tessel.layers.attention as attention_layer
+
+    cfg = _config(n_layer=3)
+    idx, weights = _data(cfg)
+    torch.manual_seed(0)
+    model = GPT(cfg)
+    attention_layer._plain_rotary_tables.cache_clear()
+    with torch.inference_mode():
+        model(idx)
+    (model(idx) * weights).sum().backward()  # tables made under inference mode are not used here
+    info = attention_layer._plain_rotary_tables.cache_info()
+    assert (info.misses, info.hits) == (2, 2 * (cfg.n_layer - 1))
+
+
 def test_bad_segment_ids_are_refused():
     cfg = _config()
     model = GPT(cfg)

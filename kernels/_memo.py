@@ -1,0 +1,39 @@
+"""Values derived from a tensor, computed once and kept on it while it is unchanged.
+
+Every layer of a forward receives the same per-batch tensors (packed documents' ``segment_ids``, Hugging
+Face's attention mask), and each would otherwise rebuild the same tables from them: segment bounds,
+rotary tables, ring-step tables, a few small kernels per layer, again under activation recomputation.
+:func:`kept_on` computes such a value once and stores it on the tensor it derives from, keyed by the
+tensor's version counter: an in-place change of the tensor drops what was kept.
+
+Nothing is kept for inference tensors (they have no version counter) or while inference mode is on
+(its tensors cannot be saved for a later backward), and nothing outlives the tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable
+from typing import TypeVar
+
+import torch
+
+__all__ = ["kept_on"]
+
+T = TypeVar("T")
+_ATTR = "_tessel_kept"
+
+
+def kept_on(tensor: torch.Tensor, key: Hashable, make: Callable[[], T]) -> T:
+    """``make()``, computed on the first call for ``(tensor, key)`` and returned again while ``tensor`` is not
+    modified in place. ``key`` must name everything besides ``tensor``'s contents that the value depends on."""
+    if tensor.is_inference() or torch.is_inference_mode_enabled():
+        return make()
+    version = tensor._version
+    kept = tensor.__dict__.get(_ATTR)
+    if kept is None or kept[0] != version:
+        kept = (version, {})
+        setattr(tensor, _ATTR, kept)
+    values = kept[1]
+    if key not in values:
+        values[key] = make()
+    return values[key]
