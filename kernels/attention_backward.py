@@ -9,7 +9,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .attention_forward import _block_keep, _query_block_key_ranges, _query_block_segments, _segment_ranges
+from .attention_forward import (
+    _batch_and_head,
+    _block_keep,
+    _query_block_key_ranges,
+    _query_block_segments,
+    _segment_ranges,
+)
 
 __all__ = [
     "_flash_attention_bwd_dkdv_kernel",
@@ -28,8 +34,7 @@ def _flash_attention_bwd_preprocess_kernel(
     """Δ = rowsum(dO ∘ O) - dlse: the term dS = P ∘ (dP - Δ) subtracts in every block of the backward."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    off_b = (pid_bh // HQ).to(tl.int64)
-    off_h = (pid_bh % HQ).to(tl.int64)
+    off_b, off_h = _batch_and_head(pid_bh, HQ)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < SQ
@@ -139,10 +144,8 @@ def _flash_attention_bwd_dkdv_kernel(
     and dO·Vᵀ), at the price of fp32 atomic traffic and a summation order that varies from run to run.
     Otherwise dq_acc_ptr is never read."""
     pid_n = tl.program_id(0)
-    pid_bh = tl.program_id(1)  # batch · kv head
     hkv = HQ // GROUP
-    off_b = (pid_bh // hkv).to(tl.int64)
-    off_hkv = (pid_bh % hkv).to(tl.int64)
+    off_b, off_hkv = _batch_and_head(tl.program_id(1), hkv)  # the grid's second axis: batch · kv head
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -262,8 +265,7 @@ def _flash_attention_bwd_dq_kernel(
     """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS as in the forward kernel."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    off_b = (pid_bh // HQ).to(tl.int64)
-    off_h = (pid_bh % HQ).to(tl.int64)
+    off_b, off_h = _batch_and_head(pid_bh, HQ)
     k_ptr += off_b * stride_kb + (off_h // GROUP) * stride_kh
     v_ptr += off_b * stride_vb + (off_h // GROUP) * stride_vh
     start_m = pid_m * BLOCK_M

@@ -22,6 +22,13 @@ __all__ = [
 
 
 @triton.jit
+def _batch_and_head(pid, HEADS):
+    """The batch and head (int64) of a program whose grid axis ``pid`` enumerates ``batch · HEADS`` (heads
+    innermost)."""
+    return (pid // HEADS).to(tl.int64), (pid % HEADS).to(tl.int64)
+
+
+@triton.jit
 def _block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr):
     """``[rows, cols]`` bool: which keys ``cols`` each query row ``offs_m`` sees (the key tail, the causal
     band, and under SEGMENTS equal ids: ``seg_q`` the rows' segment ids, ``seg_ptr`` the keys')."""
@@ -142,8 +149,7 @@ def _flash_attention_fwd_kernel(
     keys with its id. Otherwise they are never read."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    off_b = (pid_bh // HQ).to(tl.int64)
-    off_h = (pid_bh % HQ).to(tl.int64)
+    off_b, off_h = _batch_and_head(pid_bh, HQ)
     q_ptr += off_b * stride_qb + off_h * stride_qh
     k_ptr += off_b * stride_kb + (off_h // GROUP) * stride_kh
     v_ptr += off_b * stride_vb + (off_h // GROUP) * stride_vh
@@ -217,10 +223,8 @@ def _flash_attention_split_kv_kernel(
     SK_BUCKET is read by the autotuner only.
     """
     pid_r = tl.program_id(0)
-    pid_bkv = tl.program_id(1)
     pid_s = tl.program_id(2)
-    off_b = (pid_bkv // HKV).to(tl.int64)
-    off_kvh = (pid_bkv % HKV).to(tl.int64)
+    off_b, off_kvh = _batch_and_head(tl.program_id(1), HKV)
     rows = pid_r * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = rows < GROUP * SQ
     head = off_kvh * GROUP + rows // SQ  # int64: the query head of each row
