@@ -179,11 +179,17 @@ def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.T
     return kept_on(segment_ids, "segment_bounds", lambda: _self_segment_bounds(segment_ids))
 
 
+def run_starts(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: True where a run of equal ``segment_ids`` (a packed document) begins."""
+    first = torch.ones(segment_ids.shape, device=segment_ids.device, dtype=torch.bool)
+    first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return first
+
+
 def _self_segment_bounds(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     b, s = segment_ids.shape
     pos = torch.arange(s, device=segment_ids.device, dtype=torch.int32).expand(b, s)
-    first = torch.ones((b, s), device=segment_ids.device, dtype=torch.bool)
-    first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    first = run_starts(segment_ids)
     last = torch.ones_like(first)
     last[:, :-1] = first[:, 1:]
     start = torch.where(first, pos, 0).cummax(1).values

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from ..kernels.attention import run_starts
+
 __all__ = ["apply_rotary", "rotary_tables", "segment_positions"]
 
 
@@ -65,6 +67,4 @@ def segment_positions(segment_ids: torch.Tensor) -> torch.Tensor:
         got = f"{segment_ids.dtype} {tuple(segment_ids.shape)}" if ok else type(segment_ids).__name__
         raise ValueError(f"segment_positions: segment_ids must be an integer [B, S] tensor, received {got}")
     index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
-    begins = torch.ones_like(segment_ids, dtype=torch.bool)
-    begins[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return index - torch.where(begins, index, 0).cummax(dim=1).values
+    return index - torch.where(run_starts(segment_ids), index, 0).cummax(dim=1).values

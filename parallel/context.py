@@ -49,7 +49,14 @@ import torch
 import torch.distributed as dist
 
 from ..kernels._memo import kept_on
-from ..kernels.attention import _block_backward, _block_forward, _cross_segment_bounds, check_grid, flash_attention
+from ..kernels.attention import (
+    _block_backward,
+    _block_forward,
+    _cross_segment_bounds,
+    check_grid,
+    flash_attention,
+    run_starts,
+)
 from ..kernels.attention import _validate as _validate_attention
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
@@ -165,8 +172,7 @@ def _segment_tables(segment_ids: torch.Tensor | None, group, causal: bool) -> li
 
 def _build_segment_tables(segment_ids: torch.Tensor, c: int, r: int, causal: bool) -> list:
     seq_len = segment_ids.shape[1]
-    number = torch.zeros(segment_ids.shape, device=segment_ids.device, dtype=torch.int64)
-    torch.cumsum(segment_ids[:, 1:] != segment_ids[:, :-1], 1, out=number[:, 1:])
+    number = run_starts(segment_ids).cumsum(1)  # 1, 2, … along each row
     held = [number[:, zigzag_positions(seq_len, c, rank, device=number.device)] for rank in range(c)]
     tables = []
     for step in range(c):
