@@ -174,7 +174,7 @@ def _packed_position_ids(rows):
     return torch.stack([torch.cat([torch.arange(n) for n in lengths]) for lengths in rows])
 
 
-def _packed_vs_dense(rank, world_size, cp, families):
+def _packed_vs_dense(rank, world_size, cp, families, sequence_parallel=False, recompute=False):
     from tessel.layers.parallelize import parallelize
     from tessel.parallel.context import gather_sequence, split_sequence
     from tessel.parallel.sharding import shard_like
@@ -192,7 +192,9 @@ def _packed_vs_dense(rank, world_size, cp, families):
     }
     for family in families:
         dense = _model(family)
-        par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group)
+        par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel)
+        if recompute:  # each recomputed layer must get the documents again
+            par.gradient_checkpointing_enable()
         for tag, positions in layouts.items():
             dense.zero_grad()
             par.zero_grad()
@@ -224,10 +226,11 @@ def _packed_vs_dense(rank, world_size, cp, families):
 @needs_hf
 def test_hf_packed_documents_under_context_parallelism_match_dense_on_two_ranks():
     run_ranks(_packed_vs_dense, 2, 2, ("llama", "mistral", "qwen2"), timeout=300, env=REFERENCE_KERNELS)
+    run_ranks(_packed_vs_dense, 2, 2, ("llama",), False, True, timeout=300, env=REFERENCE_KERNELS)  # recompute
 
 
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_packed_documents_on_four_context_parallel_ranks_and_under_tensor_parallelism_match_dense():
     run_ranks(_packed_vs_dense, 4, 4, ("llama",), timeout=300, env=REFERENCE_KERNELS)
-    run_ranks(_packed_vs_dense, 4, 2, ("qwen2",), timeout=300, env=REFERENCE_KERNELS)  # cp2 x tp2
+    run_ranks(_packed_vs_dense, 4, 2, ("qwen2",), True, timeout=300, env=REFERENCE_KERNELS)  # cp2 x tp2, with SP
