@@ -119,6 +119,10 @@ def _loss_and_refusals(rank, world_size):
         par(local, position_ids=torch.arange(local.shape[1])[None])
     with pytest.raises(ValueError, match=r"received torch.float32 tensor of shape \[1, 8\]"):
         par(local, position_ids=torch.arange(S, dtype=torch.float32)[None])
+    # a mask that masks nothing (what a tokenizer returns without padding) is no mask
+    with torch.no_grad():
+        torch.testing.assert_close(par(local, attention_mask=torch.ones_like(local)).logits, par(local).logits,
+                                   rtol=0, atol=0)  # fmt: skip
     padding = torch.ones_like(local)
     padding[0, 0] = 0
     with pytest.raises(
