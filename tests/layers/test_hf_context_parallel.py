@@ -170,6 +170,9 @@ def test_hf_loss_through_shift_labels_and_what_context_parallelism_refuses():
 
 # ---------------------------------------------------------------------------------------------------- packed documents
 
+# The caller passes the whole sequence's position ids, restarting at each document; the dense model
+# (without a cache) builds its block-diagonal mask from them, the parallel one runs the ring within the
+# documents. Qwen3 (per-head q/k norms) and Gemma (scaled embeddings, 1 + weight norms) as well.
 PACKED_S = 16  # 4 chunks of 4 on 2 ranks, 8 chunks of 2 on 4
 
 
@@ -229,7 +232,8 @@ def _packed_vs_dense(rank, world_size, cp, families, sequence_parallel=False, re
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_packed_documents_under_context_parallelism_match_dense_on_two_ranks():
-    run_ranks(_packed_vs_dense, 2, 2, ("llama", "mistral", "qwen2"), timeout=300, env=REFERENCE_KERNELS)
+    run_ranks(_packed_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "qwen3", "gemma"), timeout=300,
+              env=REFERENCE_KERNELS)  # fmt: skip
     run_ranks(_packed_vs_dense, 2, 2, ("llama",), False, True, timeout=300, env=REFERENCE_KERNELS)  # recompute
 
 
