@@ -119,6 +119,10 @@ def _loss_and_refusals(rank, world_size):
         par(local, position_ids=torch.arange(local.shape[1])[None])
     with pytest.raises(ValueError, match=r"received torch.float32 tensor of shape \[1, 8\]"):
         par(local, position_ids=torch.arange(S, dtype=torch.float32)[None])
+    with pytest.raises(ValueError, match=r"\[2 or 1, 8\] .* received torch.int64 tensor of shape \[3, 8\]"):
+        par(local, position_ids=torch.arange(S).expand(3, -1))  # another batch size
+    with pytest.raises(ValueError, match=r"\[2 or 1, 8\] .* received list"):
+        par(local, position_ids=list(range(S)))
     # a mask that masks nothing (what a tokenizer returns without padding) is no mask
     with torch.no_grad():
         torch.testing.assert_close(par(local, attention_mask=torch.ones_like(local)).logits, par(local).logits,
