@@ -274,9 +274,11 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
-def _flags(q: torch.Tensor, causal: bool, backend: str) -> dict:
+def _flags(q: torch.Tensor, causal: bool, backend: str, segments=None, window=None) -> dict:
     return {
         "CAUSAL": causal,
+        "SEGMENTS": segments is not None,
+        "WINDOWED": window is not None,
         "HEAD_DIM": q.shape[-1],
         "DOT_FP32": upcast_dot_operands(backend),
         "INPUT_PRECISION": _input_precision(q.dtype, backend),
@@ -353,6 +355,7 @@ def _forward_split_kv(
         scale * _LOG2E,
     )  # fmt: skip
     flags = {**_flags(q, causal, backend), "FINAL": final, "BLOCK_M": block_m}
+    del flags["SEGMENTS"], flags["WINDOWED"]  # the split kernel takes neither
     grid = (triton.cdiv(hq // hkv * sq, block_m), b * hkv, splits)
     with _device(q):
         if backend == Backend.INTERPRETER:
@@ -366,10 +369,10 @@ def _forward_split_kv(
             )  # fmt: skip
 
 
-def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None, segments=None):
+def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None, segments=None, window=None):
     """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32. ``segments``: the query and key
-    segment tables of :func:`_segment_bounds` or :func:`_cross_segment_bounds` (the one-pass kernel then
-    runs whatever ``num_splits`` says)."""
+    segment tables of :func:`_segment_bounds` or :func:`_cross_segment_bounds`; ``window``: None or the
+    causal window (the one-pass kernel runs with either, whatever ``num_splits`` says)."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     out = _empty_in_layout_of(q)
@@ -378,7 +381,7 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
         return out, lse
     if sk == 0:  # no key at all: every row is a row that sees none
         return out.zero_(), lse.fill_(float("-inf"))
-    plan = _split_kv_plan(q, k, num_splits, backend) if segments is None else None
+    plan = _split_kv_plan(q, k, num_splits, backend) if segments is None and window is None else None
     if plan is not None:
         _forward_split_kv(q, k, v, out, lse, causal, scale, backend, *plan)
         return out, lse
@@ -386,23 +389,23 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
     args = (
         q, k, v, out, lse, seg_q, seg_k, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E,
+        hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E, window or 0,
     )  # fmt: skip
     with _device(q):
         _launch(
             _flash_attention_fwd_kernel, fwd_kernel_tuned, INTERPRETER_FWD_BLOCKS, backend, "BLOCK_M", sq, b * hq,
-            args, {**_flags(q, causal, backend), "SEGMENTS": segments is not None},
+            args, _flags(q, causal, backend, segments, window),
         )  # fmt: skip
     return out, lse
 
 
 def _backward(
     q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool,
-    deterministic: bool = True, segments=None,
+    deterministic: bool = True, segments=None, window=None,
 ):  # fmt: skip
     """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels, or, when
     all three are needed and ``deterministic`` is False, the one dK/dV kernel that also adds dQ up
-    with fp32 atomics. ``segments`` as for :func:`_forward`."""
+    with fp32 atomics. ``segments`` and ``window`` as for :func:`_forward`."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dq = _empty_in_layout_of(q) if need_dq else None
@@ -416,7 +419,7 @@ def _backward(
     _check_int32_rows(dout)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty_like(lse)
-    flags = {**_flags(q, causal, backend), "SEGMENTS": segments is not None}
+    flags = _flags(q, causal, backend, segments, window)
     seg_q, seg_k = segments if segments is not None else (delta, delta)  # never read without segments
     with _device(q):
         _flash_attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_BLOCK_M), b * hq)](
@@ -428,7 +431,7 @@ def _backward(
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         )  # fmt: skip
-        tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale)
+        tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale, window or 0)
         atomic_dq = need_dq and need_dkv and not deterministic
         if need_dkv:
             # the accumulator of the atomic dQ, or (never read) any fp32 tensor
@@ -460,25 +463,43 @@ def _above_diagonal(sq: int, sk: int, device) -> torch.Tensor:
     return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
 
 
-def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None):
+def _outside_window(sq: int, sk: int, window: int, device) -> torch.Tensor:
+    """``[Sq, Sk]`` bool, True where key j lies ``window`` or more places before query i (i + Sk - Sq - j ≥ window)."""
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq - window)
+
+
+def _check_window(name: str, window, causal: bool) -> None:
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int):
+        raise TypeError(f"{name}: window must be None or an int, received {type(window).__name__}")
+    if window < 1:
+        raise ValueError(f"{name}: window must be None or at least 1, received {window}")
+    if not causal:
+        raise ValueError(f"{name}: window={window} needs causal=True (a query sees the window of keys up to its own)")
+
+
+def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None, window=None):
     """Plain-PyTorch definition of :func:`flash_attention` (differentiable through autograd).
 
     Computes in fp32 (in float64 when the inputs are float64, which is how tests build their exact
     reference), materialising the ``[B, Hq, Sq, Sk]`` scores and repeating key/value heads for GQA, and
     rounds the output once to the input dtype. ``lse`` is returned in the compute dtype. The causal mask
     is bottom-right aligned (``j ≤ i + Sk - Sq``); rows that see no key give 0 and ``lse = -inf``, and
-    autograd through them gives zero gradients, never NaN. ``segment_ids`` as for :func:`flash_attention`.
+    autograd through them gives zero gradients, never NaN. ``segment_ids`` and ``window`` as for
+    :func:`flash_attention`.
     """
     _validate("flash_attention_reference", q, k, v, causal, scale, (*_DTYPES, torch.float64))
+    _check_window("flash_attention_reference", window, causal)
     segments = _segment_bounds("flash_attention_reference", segment_ids, q, k)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = _reference(q, k, v, causal, scale, segments)
+    out, lse = _reference(q, k, v, causal, scale, segments, window)
     return (out, lse) if return_lse else out
 
 
-def _reference(q, k, v, causal: bool, scale: float, segments):
-    """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments`` as for
-    :func:`_forward`."""
+def _reference(q, k, v, causal: bool, scale: float, segments, window=None):
+    """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments`` and
+    ``window`` as for :func:`_forward`."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     k = k.to(compute).repeat_interleave(group, dim=1)
@@ -486,6 +507,8 @@ def _reference(q, k, v, causal: bool, scale: float, segments):
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
     if causal:
         scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device), float("-inf"))
+    if window is not None:
+        scores = scores.masked_fill(_outside_window(q.shape[2], k.shape[2], window, q.device), float("-inf"))
     if segments is not None:
         scores = scores.masked_fill(_segment_mask(segments, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -496,7 +519,7 @@ def _reference(q, k, v, causal: bool, scale: float, segments):
     return out, lse
 
 
-def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None):
+def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None):
     """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, sq, d = q.shape
@@ -510,6 +533,8 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, seg
     p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0))
     if causal:
         p = p.masked_fill(_above_diagonal(sq, sk, q.device), 0.0)
+    if window is not None:
+        p = p.masked_fill(_outside_window(sq, sk, window, q.device), 0.0)
     if segments is not None:
         p = p.masked_fill(_segment_mask(segments, q.device), 0.0)
     p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key
@@ -522,7 +547,7 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, seg
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, *, deterministic=True,
-                             segment_ids=None):  # fmt: skip
+                             segment_ids=None, window=None):  # fmt: skip
     """The backward of :func:`flash_attention` on its own: ``(dq, dk, dv)`` from the saved ``out`` and ``lse``.
 
     Not differentiable; for callers that assemble an attention from pieces, such as context-parallel
@@ -533,7 +558,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
     ``dk``, ``dv`` are the full gradients of these keys and values from these queries).
 
     Args:
-        q, k, v, causal, scale, deterministic, segment_ids: as for :func:`flash_attention`.
+        q, k, v, causal, scale, deterministic, segment_ids, window: as for :func:`flash_attention`.
         out: ``[B, Hq, Sq, D]`` in q's dtype; lse: ``[B, Hq, Sq]`` float32 (natural log; ``-inf`` for
             a row that sees no key); dout: ``[B, Hq, Sq, D]``, any floating dtype (rounded to q's).
 
@@ -560,33 +585,48 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
         raise TypeError(
             f"flash_attention_backward: deterministic must be a bool, received {type(deterministic).__name__}"
         )
+    _check_window("flash_attention_backward", window, causal)
     segments = _segment_bounds("flash_attention_backward", segment_ids, q, k)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _block_backward(q, k, v, out, lse, dout, causal, scale, deterministic, segments)
+    return _block_backward(q, k, v, out, lse, dout, causal, scale, deterministic, segments, window)
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, segments):
+def _block_forward(q, k, v, causal: bool, scale: float, segments, window=None):
     """``(out, lse)`` of validated arguments on their backend, without autograd: for callers that assemble
     an attention from blocks (:func:`~tessel.parallel.context.ring_attention`). ``segments`` as for
     :func:`_forward` (e.g. from :func:`_cross_segment_bounds`)."""
     backend = backend_for(q)
     if backend == Backend.REFERENCE:
-        return _reference(q, k, v, causal, scale, segments)
+        return _reference(q, k, v, causal, scale, segments, window)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
-    return _forward(q, k, v, causal, scale, backend, None, segments)
+    return _forward(q, k, v, causal, scale, backend, None, segments, window)
 
 
-def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, deterministic: bool, segments):
+def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, deterministic: bool, segments, window=None):
     """:func:`flash_attention_backward` of validated arguments; ``segments`` as for :func:`_block_forward`."""
     backend = backend_for(q)
     if backend == Backend.REFERENCE:
-        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments)
+        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments, window)
     q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
     _check_int32_rows(q, k, v, out)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     return _backward(
-        q, k, v, out, lse.contiguous(), dout, None, causal, scale, backend, True, True, deterministic, segments
+        q,
+        k,
+        v,
+        out,
+        lse.contiguous(),
+        dout,
+        None,
+        causal,
+        scale,
+        backend,
+        True,
+        True,
+        deterministic,
+        segments,
+        window,
     )
 
 
@@ -597,10 +637,11 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, determi
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, num_splits, deterministic, segments):
-        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments)
+    def forward(ctx, q, k, v, causal, scale, backend, num_splits, deterministic, segments, window):
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments, window)
         ctx.save_for_backward(q, k, v, out, lse, *(segments or ()))
         ctx.causal, ctx.scale, ctx.backend, ctx.deterministic = causal, scale, backend, deterministic
+        ctx.window = window
         # An unused output (lse when only out is returned) gets None instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -616,13 +657,13 @@ class _FlashAttentionFunction(torch.autograd.Function):
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv = _backward(
             q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale, ctx.backend, need_q, need_k or need_v, deterministic,
-            tuple(segments) or None,
+            tuple(segments) or None, ctx.window,
         )  # fmt: skip
-        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None, None
+        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None, None, None
 
 
 def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_splits=None, deterministic=True,
-                    segment_ids=None):  # fmt: skip
+                    segment_ids=None, window=None):  # fmt: skip
     """Softmax attention in one pass over the keys, never materialising the ``Sq × Sk`` scores; differentiable.
 
     Args:
@@ -661,6 +702,11 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
             block reads the key blocks of its segments only, so the work grows with the sum of the
             squared segment lengths rather than with ``S²``. Runs the one-pass kernel (a larger
             ``num_splits`` is refused).
+        window: ``None``, or a number of keys ``W ≥ 1`` with ``causal=True``: local (sliding-window)
+            attention as in Mistral and Gemma 2, query ``i`` attending to the ``W`` latest keys up to its
+            own, ``i + (Sk - Sq) - W < j ≤ i + (Sk - Sq)`` (Hugging Face's ``sliding_window``). Each query
+            block reads only the key blocks of its rows' windows, so the work grows with ``S · W``
+            rather than with ``S²``. Combines with ``segment_ids``; runs the one-pass kernel.
 
     Returns:
         ``out [B, Hq, Sq, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
@@ -683,17 +729,23 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
     if segment_ids is not None and num_splits not in (None, 1):
         raise ValueError(f"flash_attention: segment_ids run the one-pass kernel; num_splits must be None or 1, "
                          f"received {num_splits}")  # fmt: skip
+    _check_window("flash_attention", window, causal)
+    if window is not None and num_splits not in (None, 1):
+        raise ValueError(f"flash_attention: a window runs the one-pass kernel; num_splits must be None or 1, "
+                         f"received {num_splits}")  # fmt: skip
     if not isinstance(deterministic, bool):
         raise TypeError(f"flash_attention: deterministic must be a bool, received {type(deterministic).__name__}")
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     backend = check_grid("flash_attention", q)
     if backend == Backend.REFERENCE:
-        return flash_attention_reference(q, k, v, causal, scale, return_lse=return_lse, segment_ids=segment_ids)
+        return flash_attention_reference(q, k, v, causal, scale, return_lse=return_lse, segment_ids=segment_ids,
+                                         window=window)  # fmt: skip
     segments = _segment_bounds("flash_attention", segment_ids, q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits, deterministic, segments)
+        out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits, deterministic, segments,
+                                                 window)  # fmt: skip
     else:
-        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments)
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments, window)
     return (out, lse) if return_lse else out

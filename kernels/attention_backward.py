@@ -15,6 +15,7 @@ from .attention_forward import (
     _query_block_key_ranges,
     _query_block_segments,
     _segment_ranges,
+    _window_key_ranges,
 )
 
 __all__ = [
@@ -68,9 +69,10 @@ def _load_rows(ptr, offs, offs_d, stride, ok, DOT_FP32: tl.constexpr):
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
-    qk_scale, lo, hi, seg_k, seg_ptr,
-    MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+    qk_scale, lo, hi, seg_k, seg_ptr, WINDOW,
+    MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block from the query blocks starting in [lo, hi), in transposed form (Sᵀ, Pᵀ).
 
@@ -102,6 +104,8 @@ def _bwd_dkdv_inner(
             keep = row_ok[None, :]
             if CAUSAL:
                 keep = keep & (offs_m[None, :] + OFF >= offs_n[:, None])
+            if WINDOWED:
+                keep = keep & (offs_m[None, :] + OFF - offs_n[:, None] < WINDOW)
             if SEGMENTS:
                 seg_q = tl.load(seg_ptr + offs_m, mask=row_ok, other=-2)
                 keep = keep & (seg_k[:, None] == seg_q[None, :])
@@ -132,9 +136,10 @@ def _flash_attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
-    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS as in the forward kernel.
 
@@ -181,6 +186,9 @@ def _flash_attention_bwd_dkdv_kernel(
             seg_k_ptr, SK, start_n, tl.minimum(start_n + BLOCK_N, SK) - 1, q_lo, full_lo, SQ, SQ, BLOCK_M
         )
         diag_hi = full_lo
+    if WINDOWED:  # queries from start_n - OFF + WINDOW on miss the block's first key; from q_stop on, all its keys
+        full_hi = tl.maximum(tl.minimum(full_hi, (tl.maximum(start_n - OFF + WINDOW, 0) // BLOCK_M) * BLOCK_M), full_lo)
+        q_stop = tl.minimum(q_stop, tl.maximum(start_n + BLOCK_N - 1 - OFF + WINDOW, 0))
     # Key rows past SK hold zeros; their dK/dV rows are computed but never stored.
     for g in range(GROUP):  # the query heads sharing this kv head, summed in registers
         off_h = off_hkv * GROUP + g
@@ -192,20 +200,20 @@ def _flash_attention_bwd_dkdv_kernel(
         # the query blocks crossing the diagonal band (none without a causal mask)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_q_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
-            INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+            SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
+            DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query blocks that see the whole key block
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_q_ptr, False, CAUSAL, SEGMENTS, DOT_FP32,
-            INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+            SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_q_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED,
+            DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query block holding the query tail (SEGMENTS: the blocks up to the last segment's end)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_q_ptr, True, CAUSAL, SEGMENTS, DOT_FP32,
-            INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+            SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
+            DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
     dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
     tl.store(
@@ -223,8 +231,8 @@ def _flash_attention_bwd_dkdv_kernel(
 @triton.jit
 def _bwd_dq_inner(
     dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi, seg_q,
-    seg_ptr, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    seg_ptr, WINDOW, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block from the key blocks starting in [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -244,7 +252,7 @@ def _bwd_dq_inner(
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASK:  # rows that see no key (lse = -inf, so p = +inf) are among the masked ones
-            p = tl.where(_block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL, SEGMENTS), p, 0.0)
+            p = tl.where(_block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, WINDOW, CAUSAL, SEGMENTS, WINDOWED), p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
         ds = (p * (dp - delta[:, None])).to(k_ptr.dtype.element_ty)  # rounded for the tensor cores
         if DOT_FP32:
@@ -258,11 +266,11 @@ def _flash_attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale,
-    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS as in the forward kernel."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS and WINDOWED as in the forward kernel."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b, off_h = _batch_and_head(pid_bh, HQ)
@@ -281,24 +289,29 @@ def _flash_attention_bwd_dq_kernel(
     OFF = SK - SQ
     full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
     head = 0
+    mid_lo = 0
     seg_q = 0
     if SEGMENTS:  # the forward's three loops over the key blocks of the query block's segments
         seg_k_ptr += off_b * 3 * SK
         seg_q, head, mid_lo, full_end, masked_end = _query_block_segments(
             seg_q_ptr + off_b * 3 * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M, BLOCK_N
         )
+    if WINDOWED:
+        head, mid_lo, full_end = _window_key_ranges(
+            start_m, SQ, OFF, WINDOW, head, mid_lo, full_end, masked_end, BLOCK_M, BLOCK_N
+        )
+    if SEGMENTS or WINDOWED:
         dq = _bwd_dq_inner(
             dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head,
-            mid_lo, seg_q, seg_k_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+            mid_lo, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
         )  # fmt: skip
-        head = mid_lo
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, full_end,
-        seg_q, seg_k_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, mid_lo,
+        full_end, seg_q, seg_k_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
         dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, seg_q, seg_k_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        masked_end, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * scale
     tl.store(

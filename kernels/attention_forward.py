@@ -18,6 +18,7 @@ __all__ = [
     "_query_block_key_ranges",
     "_query_block_segments",
     "_segment_ranges",
+    "_window_key_ranges",
 ]
 
 
@@ -29,12 +30,18 @@ def _batch_and_head(pid, HEADS):
 
 
 @triton.jit
-def _block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr):
+def _block_keep(
+    offs_m, cols, SK, OFF, seg_q, seg_ptr, WINDOW, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+    WINDOWED: tl.constexpr,
+):  # fmt: skip
     """``[rows, cols]`` bool: which keys ``cols`` each query row ``offs_m`` sees (the key tail, the causal
-    band, and under SEGMENTS equal ids: ``seg_q`` the rows' segment ids, ``seg_ptr`` the keys')."""
+    band, under WINDOWED the WINDOW latest keys of each row, and under SEGMENTS equal ids: ``seg_q`` the
+    rows' segment ids, ``seg_ptr`` the keys')."""
     keep = cols[None, :] < SK
     if CAUSAL:
         keep = keep & (offs_m[:, None] + OFF >= cols[None, :])
+    if WINDOWED:
+        keep = keep & (offs_m[:, None] + OFF - cols[None, :] < WINDOW)
     if SEGMENTS:
         seg_k = tl.load(seg_ptr + cols, mask=cols < SK, other=-1)
         keep = keep & (seg_q[:, None] == seg_k[None, :])
@@ -44,8 +51,8 @@ def _block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL: tl.constexpr, SEG
 @triton.jit
 def _fwd_inner(
     acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi, seg_q,
-    seg_ptr, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    seg_ptr, WINDOW, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the key blocks starting in [lo, hi); MASK: mask the key tail, the diagonal band
     and (SEGMENTS) keys of other segments than their row's (seg_q: the rows' segment ids, seg_ptr: the keys')."""
@@ -60,7 +67,8 @@ def _fwd_inner(
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
         qk = qk * qk_scale  # base-2 logits: scale·log2(e)·q·k
         if MASK:
-            qk = tl.where(_block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, CAUSAL, SEGMENTS), qk, float("-inf"))
+            keep = _block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, WINDOW, CAUSAL, SEGMENTS, WINDOWED)
+            qk = tl.where(keep, qk, float("-inf"))
         # A row that sees any key sees key 0 (or its segment's first key), which is in its first key block:
         # m_new is finite from then on and exp2(-inf - m_new) is an exact 0. Rows that see no key yet (causal
         # with SQ > SK; a later segment's rows in the blocks before their segment) keep m_new = -inf:
@@ -135,16 +143,31 @@ def _query_block_segments(
 
 
 @triton.jit
+def _window_key_ranges(start_m, SQ, OFF, WINDOW, head, mid_lo, full_end, masked_end, BLOCK_M, BLOCK_N):
+    """Under WINDOWED: the query block's key loops (masked ``[head, mid_lo)``, whole ``[mid_lo, full_end)``,
+    masked ``[full_end, masked_end)``) narrowed to the WINDOW latest keys of its rows. Row ``start_m``
+    sees keys from ``start_m + OFF - WINDOW + 1`` on; every row sees every key from
+    ``last + OFF - WINDOW + 1`` on. With a window shorter than a block every block is masked."""
+    last = tl.minimum(start_m + BLOCK_M, SQ) - 1
+    first_seen = tl.maximum(start_m + OFF - WINDOW + 1, 0)
+    all_seen = tl.maximum(last + OFF - WINDOW + 1, 0)
+    head = tl.maximum(head, (first_seen // BLOCK_N) * BLOCK_N)
+    mid_lo = tl.maximum(tl.minimum(tl.maximum(mid_lo, tl.cdiv(all_seen, BLOCK_N) * BLOCK_N), masked_end), head)
+    return head, mid_lo, tl.maximum(full_end, mid_lo)
+
+
+@triton.jit
 def _flash_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale,
-    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, WINDOW,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS: seg_q_ptr ``[B, 3, SQ]`` and seg_k_ptr
-    ``[B, 3, SK]`` (int32) hold, for each query (key), its segment id, and the first and one past the last
+    """SK_BUCKET is read by the autotuner only (see _TUNE). WINDOWED (with CAUSAL): query i sees only the
+    WINDOW latest keys up to its own, ``i + OFF - WINDOW < j ≤ i + OFF``. SEGMENTS: seg_q_ptr ``[B, 3, SQ]``
+    and seg_k_ptr ``[B, 3, SK]`` (int32) hold, for each query (key), its segment id, and the first and one past the last
     key (query) of that segment, whose ids are equal and contiguous on both sides; a query sees only the
     keys with its id. Otherwise they are never read."""
     pid_m = tl.program_id(0)
@@ -170,24 +193,29 @@ def _flash_attention_fwd_kernel(
     OFF = SK - SQ
     full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
     head = 0
+    mid_lo = 0
     seg_q = 0
     if SEGMENTS:  # masked, whole and masked key blocks of the query block's segments (see _segment_ranges)
         seg_k_ptr += off_b * 3 * SK
         seg_q, head, mid_lo, full_end, masked_end = _query_block_segments(
             seg_q_ptr + off_b * 3 * SQ, offs_m, row_ok, start_m, SQ, full_end, masked_end, BLOCK_M, BLOCK_N
         )
+    if WINDOWED:
+        head, mid_lo, full_end = _window_key_ranges(
+            start_m, SQ, OFF, WINDOW, head, mid_lo, full_end, masked_end, BLOCK_M, BLOCK_N
+        )
+    if SEGMENTS or WINDOWED:
         acc, l_i, m_i = _fwd_inner(
             acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, mid_lo,
-            seg_q, seg_k_ptr, True, CAUSAL, True, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+            seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
         )  # fmt: skip
-        head = mid_lo
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, full_end,
-        seg_q, seg_k_ptr, False, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, mid_lo, full_end,
+        seg_q, seg_k_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
         acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, seg_q, seg_k_ptr, True, CAUSAL, SEGMENTS, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        masked_end, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     # A row that saw a key has l_i ≥ 1 (its maximum contributes exp2(0)); one that saw none has l_i = 0
@@ -255,12 +283,12 @@ def _flash_attention_split_kv_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, lo, mid, 0, k_ptr,
-        False, CAUSAL, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, lo, mid, 0, k_ptr, 0,
+        False, CAUSAL, False, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, mid, end, 0, k_ptr,
-        True, CAUSAL, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, mid, end, 0, k_ptr, 0,
+        True, CAUSAL, False, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

@@ -116,7 +116,7 @@ _DQ_CONFIGS = _configs([
 ])  # fmt: skip
 
 _TUNE = dict(
-    key=["SQ", "SK_BUCKET", "HEAD_DIM", "CAUSAL", "SEGMENTS"],
+    key=["SQ", "SK_BUCKET", "HEAD_DIM", "CAUSAL", "SEGMENTS", "WINDOWED"],
     prune_configs_by={"early_config_prune": _prune_for_short_sequences},
 )
 fwd_kernel_tuned = triton.autotune(configs=_FWD_CONFIGS, **_TUNE)(_flash_attention_fwd_kernel)

@@ -14,10 +14,13 @@ The kernel takes:
   causal attention within contiguous runs of tokens and hands the kernel their ``segment_ids``, so each
   query block reads only the key blocks of its own document. The mask is checked entry by entry, once
   per forward (the result is kept on the mask tensor, which every layer shares), in row chunks that
-  hold ``2**24`` entries at a time.
+  hold ``2**24`` entries at a time;
+- sliding windows (Mistral, Gemma 2's local layers: the module's ``sliding_window``) shorter than the
+  sequence, with or without packed documents: the mask is checked against the window as well, and the
+  kernel runs with ``window=``, reading only the key blocks inside each query block's windows.
 
-Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, sliding windows that bite,
-several queries over a cache, attention dropout in training, soft-capping and position biases, and
+Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, a window over a key-value
+cache, several queries over a cache, attention dropout in training, soft-capping and position biases, and
 head dims or dtypes the kernel does not take.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
@@ -45,7 +48,7 @@ MASK_CHUNK_ENTRIES = 2**24
 SEGMENT_IDS_KWARG = "tessel_segment_ids"
 
 
-def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
+def mask_segments(mask, causal: bool, window: int | None = None) -> tuple[bool, torch.Tensor | None]:
     """Whether a Hugging Face attention mask is (causal) attention within contiguous runs of tokens, and the runs.
 
     Args:
@@ -53,6 +56,8 @@ def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
             (``True`` attends) is analysed; anything else (``None``, an additive float mask, a per-head
             mask, queries and keys of different lengths) is not.
         causal: whether the module is causal: then query ``i`` must see exactly the keys ``j ≤ i`` of its run.
+        window: ``None``, or (with ``causal``) a sliding window: query ``i`` must see exactly the keys
+            ``i - window < j ≤ i`` of its run (Hugging Face's ``sliding_window``).
 
     Returns:
         ``(True, segment_ids)`` when every row of ``mask`` is exactly what
@@ -70,20 +75,24 @@ def mask_segments(mask, causal: bool) -> tuple[bool, torch.Tensor | None]:
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim == 4 and mask.shape[1] == 1
             and mask.shape[2] == mask.shape[3] and mask.shape[3] > 0):  # fmt: skip
         return False, None
-    return kept_on(mask, ("mask_segments", bool(causal)), lambda: _read_segments(mask, causal))
+    return kept_on(mask, ("mask_segments", bool(causal), window), lambda: _read_segments(mask, causal, window))
 
 
-def _read_segments(mask: torch.Tensor, causal: bool) -> tuple[bool, torch.Tensor | None]:
+def _read_segments(mask: torch.Tensor, causal: bool, window: int | None) -> tuple[bool, torch.Tensor | None]:
     rows = mask[:, 0]  # [B, S, S]
     n = rows.shape[-1]
     step = max(1, MASK_CHUNK_ENTRIES // n)
     first = torch.cat([rows[:, i : i + step].to(torch.uint8).argmax(-1) for i in range(0, n, step)], dim=1)
     index = torch.arange(n, device=mask.device)
-    segments = (first == index).cumsum(-1, dtype=torch.int32) - 1  # a run begins where a query first sees itself
+    # A run begins where a query first sees itself (within a window of one key every query does: runs of one
+    # token then give the same mask)
+    segments = (first == index).cumsum(-1, dtype=torch.int32) - 1
     for i in range(0, n, step):
         want = segments[:, i : i + step, None] == segments[:, None, :]
         if causal:
             want &= index[None, i : i + step, None] >= index[None, None, :]
+        if window is not None:
+            want &= index[None, i : i + step, None] - index[None, None, :] < window
         if not torch.equal(want, rows[:, i : i + step]):
             return False, None
     return True, None if bool((segments[:, -1] == 0).all()) else segments
@@ -128,10 +137,11 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 
     ``query [B, Hq, Sq, D]``, ``key``/``value [B, Hkv, Sk, D]`` → ``(attn_output [B, Sq, Hq, D], None)``.
     The kernel runs for a plain causal or full mask over equal query and key lengths, for one query over
-    a key-value cache, and for packed sequences (a mask that :func:`mask_segments` reads as causal
-    attention within runs of tokens: the kernel gets their ``segment_ids``). Everything else is passed
-    to Hugging Face's ``sdpa`` implementation with the same mask, so the result is the same: padding,
-    sliding windows that bite, several queries over a cache, attention dropout, a position bias, and
+    a key-value cache, and for packed sequences and sliding windows (a mask that :func:`mask_segments`
+    reads as causal attention within runs of tokens, in the module's ``sliding_window`` if one is given:
+    the kernel gets their ``segment_ids`` and the ``window``). Everything else is passed to Hugging
+    Face's ``sdpa`` implementation with the same mask, so the result is the same: padding, a window over
+    a key-value cache, several queries over a cache, attention dropout, a position bias, and
     head dims or dtypes the kernel does not take.
 
     A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
@@ -156,9 +166,15 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and query.shape[1] % key.shape[1] == 0
     )
-    segments = None
+    segments = window = None
     if kernel_ok and attention_mask is not None:
-        exact, segments = mask_segments(attention_mask, causal) if query.shape[2] == key.shape[2] else (False, None)
+        # a sliding window shorter than the keys is in the mask Hugging Face built (it builds none for a
+        # plain causal mask): the kernel runs it when the mask is exactly that window within runs of tokens
+        window = kwargs.get("sliding_window")
+        bites = isinstance(window, int) and not isinstance(window, bool) and 0 < window < key.shape[2] and causal
+        window = window if bites else None
+        exact, segments = (mask_segments(attention_mask, causal, window) if query.shape[2] == key.shape[2]
+                           else (False, None))  # fmt: skip
         kernel_ok = exact and (segments is None or segments.shape[0] in (1, query.shape[0]))
     if not kernel_ok:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -169,6 +185,8 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         b, shared = query.shape[0], segments
         segments = kept_on(attention_mask, ("segments_for_batch", b), lambda: shared.expand(b, -1))
     extra = {} if segments is None else {"segment_ids": segments}
+    if window is not None:
+        extra["window"] = window
     out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, **extra)
     return out_BHSD.transpose(1, 2).contiguous(), None
 

@@ -212,8 +212,8 @@ def attention_cases():
     benchmark measures): forward, split-KV forward (at 16 and 64 rows), dK/dV, dK/dV with the atomic dQ, and dQ;
     the split-KV merge and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
-    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False)
-    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
+    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False, WINDOWED=False)
+    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW")
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
@@ -278,13 +278,14 @@ def attention_specialisation_cases():
                 meta = {"kernel": f"attention {label}", "dtype": dtype, "head_dim": head_dim, "coverage": True}
                 constants = {**common, **blocks}
                 if "SEGMENTS" in fn.arg_names:
-                    constants["SEGMENTS"] = False
+                    constants["SEGMENTS"] = constants["WINDOWED"] = False
                 cases.append((name, fn, ptrs, constants, floats, odd, config.num_warps, config.num_stages, meta))
     return cases
 
 
 def _no_segments(constants: dict) -> dict:
-    return {k: v for k, v in constants.items() if k != "SEGMENTS"}
+    """The constants without those the split-KV kernel lacks (no segments, no window)."""
+    return {k: v for k, v in constants.items() if k not in ("SEGMENTS", "WINDOWED")}
 
 
 def attention_segment_cases():
@@ -304,7 +305,28 @@ def attention_segment_cases():
             meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": causal,
                     "segments": True, "coverage": True}  # fmt: skip
             constants = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal, SEGMENTS=True,
-                             **config.kwargs, **extra)  # fmt: skip
+                             WINDOWED=False, **config.kwargs, **extra)  # fmt: skip
+            cases.append((name, fn, _attention_ptrs(fn, "bf16"), constants, floats, odd, config.num_warps,
+                          config.num_stages, meta))  # fmt: skip
+    return cases
+
+
+def attention_window_cases():
+    """The one-pass forward and the backward with a causal window (sliding-window attention), bf16 at D=128,
+    in every autotuning configuration."""
+    att = importlib.import_module("tessel.kernels.attention_kernels")
+    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW")
+    cases = []
+    for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
+        fn = tuned.fn
+        floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+        for config in tuned.configs:
+            bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
+            name = f"attention {label} window bf16 D=128 causal {bm}x{bn} w{config.num_warps} s{config.num_stages}"
+            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": True,
+                    "window": True, "coverage": True}  # fmt: skip
+            constants = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False,
+                             WINDOWED=True, **config.kwargs, **extra)  # fmt: skip
             cases.append((name, fn, _attention_ptrs(fn, "bf16"), constants, floats, odd, config.num_warps,
                           config.num_stages, meta))  # fmt: skip
     return cases
@@ -364,7 +386,7 @@ def norm_cases():
 
 def all_cases():
     return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_segment_cases()
-            + adam_cases() + norm_cases())  # fmt: skip
+            + attention_window_cases() + adam_cases() + norm_cases())  # fmt: skip
 
 
 _CASES = None

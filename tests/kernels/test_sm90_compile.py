@@ -65,7 +65,7 @@ def test_every_attention_specialisation_has_a_configuration_that_fits_without_sp
     autotuner has a configuration within the shared memory of one block that keeps its registers."""
     groups = {}
     for r in compiled.values():
-        if r.get("coverage") and not r.get("segments"):
+        if r.get("coverage") and not r.get("segments") and not r.get("window"):
             groups.setdefault((r["kernel"], r["dtype"], r["head_dim"]), []).append(r)
     kernels = ("attention fwd", "attention split-kv", "attention dkdv", "attention dkdv atomic-dq", "attention dq")
     assert set(groups) == {(k, d, h) for k in kernels for d, h in (("fp32", 128), ("fp16", 64), ("bf16", 16))}
@@ -134,12 +134,27 @@ def test_attention_main_loops_keep_their_registers(compiled, kernel, causal):
     and back at every step, read from the SASS) costs a large part of the MMA rate, and only slows
     the autotuner down."""
     configs = [r for r in compiled.values()
-               if r["kernel"] == kernel and r.get("causal") == causal and not r.get("segments")]  # fmt: skip
+               if r["kernel"] == kernel and r.get("causal") == causal and not r.get("segments")
+               and not r.get("window")]  # fmt: skip
     assert len(configs) >= 6 and all(not r.get("coverage") for r in configs), kernel
     report = [(r["name"], r["loop_local_ops"], r["wgmma_serialized"]) for r in configs]
     assert not any(r["wgmma_serialized"] for r in configs), report
     assert all(r["loop_local_ops"] <= ATTENTION_LOOP_LOCAL_OPS for r in configs), report
     assert 2 * sum(r["loop_local_ops"] == 0 for r in configs) > len(configs), report
+
+
+@pytest.mark.parametrize("kernel", [k for k in ATTENTION_MAIN_LOOPS if k != "attention split-kv"])
+def test_attention_with_a_window_compiles_to_tensor_core_loops(compiled, kernel):
+    """A causal window (sliding-window attention) adds a masked loop and the window comparison: every tile still
+    compiles to tensor-core MMAs, and some tile the autotuner may pick fits in shared memory, pipelines its
+    copies and keeps its main loops free of spills."""
+    configs = [r for r in compiled.values() if r["kernel"] == kernel and r.get("window")]
+    assert len(configs) >= 6, kernel
+    report = [(r["name"], r["shared"], r["cp_async"], r["loop_local_ops"], r["wgmma_serialized"]) for r in configs]
+    assert all(r["wgmma"] + r["mma"] > 0 for r in configs), report
+    good = [r for r in configs if r["shared"] <= H200_SHARED_BYTES and r["cp_async"] > 0
+            and r["loop_local_ops"] == 0 and not r["wgmma_serialized"]]  # fmt: skip
+    assert good, report
 
 
 @pytest.mark.parametrize("kernel", [k for k in ATTENTION_MAIN_LOOPS if k != "attention split-kv"])

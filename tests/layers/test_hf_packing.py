@@ -75,8 +75,13 @@ def test_patterns_no_segmentation_expresses_are_refused():
     left = _packed_mask([[8]])[0].clone()
     left[..., :2] = False
     assert not mask_segments(right, True)[0] and not mask_segments(left, True)[0]
-    # a sliding window shorter than a document
-    assert not mask_segments(_packed_mask([[5, 3]], window=2)[0], True)[0]
+    # a sliding window shorter than a document, unless the window is asked for
+    windowed, seg = _packed_mask([[5, 3]], window=2)
+    assert not mask_segments(windowed, True)[0]
+    exact, got = mask_segments(windowed, True, window=2)
+    assert exact and torch.equal(got, seg)
+    assert not mask_segments(windowed, True, window=3)[0]  # another window
+    assert not mask_segments(_packed_mask([[5, 3]])[0], True, window=2)[0]  # no window in the mask
     assert mask_segments(_packed_mask([[5, 3]], window=5)[0], True)[0]  # a window the documents fit in
     # what is not a boolean [B, 1, S, S] mask
     full = _packed_mask([[6]])[0]
@@ -192,17 +197,34 @@ def test_packed_documents_run_the_kernel_and_match_each_document_alone(family, m
                 start += n
 
 
+def test_every_single_flipped_entry_of_a_windowed_mask_is_refused():
+    mask, _ = _packed_mask([[6, 3]], window=3)
+    assert mask_segments(mask, True, window=3)[0]
+    for i in range(9):
+        for j in range(9):
+            bad = mask.clone()
+            bad[0, 0, i, j] = ~bad[0, 0, i, j]
+            assert mask_segments(bad, True, window=3) == (False, None), (i, j)
+
+
 @needs_hf
-def test_packed_documents_with_a_sliding_window_that_bites_fall_back_to_sdpa(monkeypatch):
+@pytest.mark.parametrize("packed", [False, True], ids=["one-document", "packed"])
+def test_sliding_windows_that_bite_run_the_kernel(monkeypatch, packed):
+    """Mistral with a window of 3 over rows of 12 tokens: the kernel runs with window=3 (and the documents'
+    segments when packed), and the logits and gradients are those of eager attention."""
     import tessel.kernels.attention as attention
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
-    monkeypatch.setattr(attention, "flash_attention", lambda *a, **k: pytest.fail("a window reached the kernel"))
+    calls = []
+    kernel = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda *a, **k: calls.append(k) or kernel(*a, **k))
     model = _model("mistral", sliding_window=3)
     ids, positions, weights = _packed_batch()
+    positions = positions if packed else torch.arange(12).expand(2, -1)
     want = _run(model, "eager", ids, positions, weights)
     got = _run(model, "tessel", ids, positions, weights)
+    assert len(calls) == 1 and calls[0]["window"] == 3 and ("segment_ids" in calls[0]) == packed
     _close(got[0], want[0])
     for name, grad in got[1].items():
         _close(grad, want[1][name], msg=lambda m, n=name: f"grad of {n}: {m}")
