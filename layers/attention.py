@@ -29,7 +29,7 @@ from ..parallel.context import ring_attention, zigzag_positions
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .rotary import apply_rotary, rotary_tables, segment_positions
 
-__all__ = ["ParallelAttention", "check_heads", "context_size"]
+__all__ = ["ParallelAttention", "check_heads", "check_window", "context_size"]
 
 
 @functools.lru_cache(maxsize=32)
@@ -44,6 +44,19 @@ def _plain_rotary_tables(length: int, head_dim: int, theta: float, c: int, r: in
 def context_size(cp_group) -> int:
     """Ranks a layer's sequence is split over: 1 without a ``cp_group`` (``None`` here never means the world)."""
     return 1 if cp_group is None else group_size(cp_group)
+
+
+def check_window(name: str, window, causal: bool, cp_group=None, arg: str = "window") -> None:
+    """Raise unless ``window`` is None or a positive int with ``causal``, outside context parallelism."""
+    if window is None:
+        return
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"{name}: {arg} must be None or a positive int, received {window!r}")
+    if not causal:
+        raise ValueError(f"{name}: {arg}={window} needs causal attention")
+    if context_size(cp_group) > 1:
+        raise ValueError(f"{name}: {arg}={window} is not supported under context parallelism (cp over "
+                         f"{context_size(cp_group)} ranks): ring attention attends to every earlier token")  # fmt: skip
 
 
 def check_heads(name: str, n_head: int, n_kv_head: int, tp_size: int) -> None:
@@ -76,15 +89,20 @@ class ParallelAttention(nn.Module):
     (``[B, S/(c·t), E]`` under sequence parallelism); attention runs as
     :func:`~tessel.parallel.context.ring_attention` and rotary embeddings use the global positions of
     the tokens this rank holds. ``None`` (default): no context parallelism, whatever the world size.
+
+    ``window`` (with ``causal``): sliding-window attention, each token attending to the ``window`` latest
+    tokens up to itself (flash attention's ``window``; Mistral's ``sliding_window``). Not available under
+    context parallelism (the ring attends to every earlier token).
     """
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int | None = None, *, head_dim: int | None = None,
                  bias: bool = False, rope_theta: float | None = 10000.0, causal: bool = True, tp_group=None,
                  sequence_parallel: bool = False, overlap="auto", deterministic: bool = True, cp_group=None,
-                 device=None, dtype=None):  # fmt: skip
+                 window: int | None = None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         if not isinstance(deterministic, bool):
             raise TypeError(f"ParallelAttention: deterministic must be a bool, received {type(deterministic).__name__}")
+        check_window("ParallelAttention", window, causal, cp_group)
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         check_heads(type(self).__name__, n_head, n_kv_head, group_size(tp_group))
         if head_dim is None:
@@ -93,7 +111,7 @@ class ParallelAttention(nn.Module):
             head_dim = n_embd // n_head
         self.n_head, self.n_kv_head, self.head_dim = n_head, n_kv_head, head_dim
         self.rope_theta, self.causal, self.deterministic = rope_theta, causal, deterministic
-        self.cp_group = cp_group
+        self.cp_group, self.window = cp_group, window
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(n_embd, (n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim),
                                         bias, **kw)  # fmt: skip
@@ -121,10 +139,12 @@ class ParallelAttention(nn.Module):
             cos, sin = self._rotary_tables(q.shape[2], segment_ids, q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if c > 1:
+            check_window(type(self).__name__, self.window, self.causal, self.cp_group)  # a cp group set later
             y = ring_attention(q, k, v, self.cp_group, causal=self.causal, deterministic=self.deterministic,
                                segment_ids=segment_ids)  # fmt: skip
         else:
-            y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic, segment_ids=segment_ids)
+            y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic, segment_ids=segment_ids,
+                                window=self.window)  # fmt: skip
         b, h, s, d = y.shape
         return self.proj(y.transpose(1, 2).reshape(b, s, h * d))
 
@@ -162,6 +182,7 @@ class ParallelAttention(nn.Module):
         return (f"n_head={self.n_head} (local {local[0] // self.head_dim}), n_kv_head={self.n_kv_head} "
                 f"(local {local[1] // self.head_dim}), head_dim={self.head_dim}, causal={self.causal}"
                 + ("" if self.deterministic else ", deterministic=False")
+                + ("" if self.window is None else f", window={self.window}")
                 + (f", cp={self.cp_size}" if self.cp_size > 1 else ""))  # fmt: skip
 
     @property

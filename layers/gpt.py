@@ -24,7 +24,7 @@ from torch.utils.checkpoint import checkpoint
 from ..kernels.attention import HEAD_DIMS
 from ..parallel.comm import group_size
 from ..parallel.sharding import is_tp_sharded, shard_like, tp_spec
-from .attention import ParallelAttention, check_heads, context_size
+from .attention import ParallelAttention, check_heads, check_window, context_size
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
@@ -55,6 +55,7 @@ class GPTConfig:
     init_std: float = 0.02
     deterministic_attention: bool = True  # False: flash attention's backward adds dQ up with atomics
     recompute: bool = False  # activation checkpointing: each block's activations are recomputed in backward
+    sliding_window: int | None = None  # each token attends to this many latest tokens up to itself (Mistral's name)
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
@@ -76,6 +77,7 @@ class GPTConfig:
         for name in ("deterministic_attention", "recompute"):
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GPTConfig: {name} must be a bool, received {getattr(self, name)!r}")
+        check_window("GPTConfig", self.sliding_window, True, arg="sliding_window")
         if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
             self.mlp_hidden = 4 * self.n_embd if self.mlp == "gelu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
@@ -100,7 +102,7 @@ class TransformerBlock(nn.Module):
         self.attn_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.attn = ParallelAttention(config.n_embd, config.n_head, config.n_kv_head, bias=config.bias,
                                       rope_theta=config.rope_theta, deterministic=config.deterministic_attention,
-                                      cp_group=cp_group, **kw)  # fmt: skip
+                                      cp_group=cp_group, window=config.sliding_window, **kw)  # fmt: skip
         self.mlp_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 

@@ -128,3 +128,25 @@ def test_context_parallel_packed_documents_match_dense(world_size, cp, sequence_
 @pytest.mark.multiprocess
 def test_four_context_parallel_ranks_match_dense():
     run_ranks(_cp_vs_dense, 4, 4, False, dict(block_size=24), timeout=300)
+
+
+def _window_refusals(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    solo, _, cp_group = _grid(rank, world_size, 2)
+    cfg = _config(n_layer=1, sliding_window=4)
+    with pytest.raises(ValueError, match=r"ParallelAttention: window=4 is not supported under context parallelism "
+                                         r"\(cp over 2 ranks\)"):  # fmt: skip
+        GPT(cfg, tp_group=solo, cp_group=cp_group)
+    model = GPT(cfg, tp_group=solo)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"parallelize: window=4 is not supported under context parallelism"):
+        parallelize(model, solo, cp_group=cp_group)
+    assert all(m.cp_group is None for m in model.modules() if hasattr(m, "cp_group"))  # nothing changed
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    return "ok"
+
+
+@pytest.mark.multiprocess
+def test_sliding_windows_are_refused_under_context_parallelism():
+    run_ranks(_window_refusals, 2, timeout=120)

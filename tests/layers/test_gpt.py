@@ -181,6 +181,35 @@ def test_attention_is_causal(seed):
     assert not torch.allclose(model(idx)[:, 5:], model(changed)[:, 5:])
 
 
+def test_sliding_window_attention_sees_only_the_window(seed):
+    """One block with sliding_window=3: the logits at position i depend on tokens i-2..i only."""
+    cfg = _config(n_layer=1, sliding_window=3)
+    model = GPT(cfg)
+    assert model.blocks[0].attn.window == 3 and "window=3" in repr(model.blocks[0].attn)
+    idx, _ = _batch(cfg)
+    changed = idx.clone()
+    changed[:, 2] = (changed[:, 2] + 1) % cfg.vocab_size
+    before, after = model(idx), model(changed)
+    torch.testing.assert_close(before[:, :2], after[:, :2], rtol=0, atol=0)
+    torch.testing.assert_close(before[:, 5:], after[:, 5:], rtol=0, atol=0)  # beyond the window
+    assert not torch.allclose(before[:, 4], after[:, 4])  # the window's far edge
+    # a window as long as the sequence is plain causal attention
+    wide = GPT(_config(n_layer=1, sliding_window=cfg.block_size))
+    wide.load_state_dict(model.state_dict())
+    plain = GPT(_config(n_layer=1))
+    plain.load_state_dict(model.state_dict())
+    torch.testing.assert_close(wide(idx), plain(idx), rtol=0, atol=0)
+
+
+def test_bad_sliding_windows_are_refused():
+    for bad in (0, -2, 2.5, True):
+        with pytest.raises(ValueError, match=f"GPTConfig: sliding_window must be None or a positive int, received "
+                                             f"{bad!r}"):  # fmt: skip
+            _config(sliding_window=bad)
+    with pytest.raises(ValueError, match="ParallelAttention: window=4 needs causal attention"):
+        ParallelAttention(64, 4, causal=False, window=4)
+
+
 def test_bad_idx_is_refused(seed):
     model = GPT(_config())
     with pytest.raises(ValueError, match="exceeds block_size=16"):
@@ -253,6 +282,11 @@ def test_recomputed_tensor_parallel_gpt_matches_dense():
     """Recomputation re-runs each block's overlapped all-gather and reduce-scatter rings inside backward,
     on every rank in the same order; the sequence-parallel norm weights still get their TP-summed grads."""
     run_ranks(_tp_vs_dense, 2, dict(n_layer=2, recompute=True), True, timeout=300)
+
+
+@pytest.mark.multiprocess
+def test_tensor_parallel_gpt_with_a_sliding_window_matches_dense():
+    run_ranks(_tp_vs_dense, 2, dict(sliding_window=3), True, timeout=300)
 
 
 @pytest.mark.multiprocess
