@@ -126,6 +126,13 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "(far less activation memory for one more forward pass)",
     )
     add(
+        "--sliding-window",
+        type=int,
+        default=None,
+        help="sliding-window attention: each token attends to this many latest tokens up to itself (Mistral's "
+        "sliding_window; default: off, every earlier token)",
+    )
+    add(
         "--dtype",
         choices=DTYPES,
         default="bf16" if cuda else "fp32",
@@ -245,6 +252,11 @@ def _check_model(args, preset: Preset) -> None:
             f"{stages} pipeline stages (--pp {args.pp}, schedule {args.schedule}) exceed the {layers} layers of "
             f"preset {args.preset!r}"
         )
+    if args.sliding_window is not None:
+        _positive(args, "sliding_window")
+        if args.cp > 1:
+            raise ArgumentError(f"--sliding-window needs --cp 1: ring attention (--cp {args.cp}) attends to every "
+                                "earlier token")  # fmt: skip
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ArgumentError(
             f"--cp {args.cp} needs --seq-len {args.seq_len} divisible by 2·cp = {2 * args.cp} (two chunks per rank)"

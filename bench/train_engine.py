@@ -312,6 +312,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         **PRESETS[args.preset].model,
         deterministic_attention=args.attention_backward == "deterministic",
         recompute=args.recompute,
+        sliding_window=args.sliding_window,
     )
     gpt = GPT(
         config,

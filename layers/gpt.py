@@ -246,9 +246,11 @@ class GPT(nn.Module):
         return total if include_embedding else total - self.config.vocab_size * self.config.n_embd
 
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (PaLM, Chowdhery et al. 2022, App. B): ``6·N + 12·L·E·S``, N without embedding."""
+        """Training FLOPs per token (PaLM, Chowdhery et al. 2022, App. B): ``6·N + 12·L·E·S``, N without embedding;
+        under a sliding window ``W`` the attention term counts ``min(S, W)`` keys instead of ``S``."""
         c = self.config
-        return 6 * self.num_params(include_embedding=False) + 12 * c.n_layer * c.n_embd * seq_len
+        keys = seq_len if c.sliding_window is None else min(seq_len, c.sliding_window)
+        return 6 * self.num_params(include_embedding=False) + 12 * c.n_layer * c.n_embd * keys
 
     # ------------------------------------------------------------------------------------------------ pipeline
 

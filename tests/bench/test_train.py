@@ -138,6 +138,19 @@ def test_recompute_trains_exactly_like_the_plain_run(tmp_path, layout):
 
 
 @pytest.mark.slow
+def test_sliding_window_run_trains_with_local_attention(tmp_path):
+    """--sliding-window reaches every attention layer: the run records it, and its losses (from the first
+    step on) are not those of full causal attention over the same data and weights."""
+    small = ["--steps", "2", "--seq-len", "32"]
+    _ok(_train(tmp_path / "plain", *small))
+    _ok(_train(tmp_path / "window", *small, "--sliding-window", "4"))
+    record = json.loads((tmp_path / "window" / "run.json").read_text())
+    assert record["model"]["sliding_window"] == 4
+    windowed, plain = _losses(tmp_path / "window"), _losses(tmp_path / "plain")
+    assert len(windowed) == 2 and windowed[0] != plain[0]
+
+
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_context_parallel_run_trains_like_data_parallel_and_its_checkpoint_loads_at_dp2(uninterrupted, tmp_path):
     """--cp 2: each rank holds half of every sequence (ring attention) where the reference's ranks hold half

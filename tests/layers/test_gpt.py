@@ -201,6 +201,12 @@ def test_sliding_window_attention_sees_only_the_window(seed):
     torch.testing.assert_close(wide(idx), plain(idx), rtol=0, atol=0)
 
 
+def test_flops_per_token_count_the_keys_a_window_lets_through():
+    plain, windowed = GPT(_config()), GPT(_config(sliding_window=4))
+    assert windowed.flops_per_token(16) == plain.flops_per_token(4) < plain.flops_per_token(16)
+    assert windowed.flops_per_token(3) == plain.flops_per_token(3)  # sequences shorter than the window
+
+
 def test_bad_sliding_windows_are_refused():
     for bad in (0, -2, 2.5, True):
         with pytest.raises(ValueError, match=f"GPTConfig: sliding_window must be None or a positive int, received "
