@@ -42,7 +42,8 @@ The three tiers and their kernels (the ``@triton.jit`` functions and their block
   the dK/dV kernel (``ATOMIC_DQ``) adds ``dS·K`` of every block pair into a zeroed fp32 ``dQ`` with
   atomic adds, FlashAttention-2's own scheme, and the host scales and rounds it once.
 - ``flash_attention`` validates and launches (differentiable through ``_FlashAttentionFunction``);
-  ``flash_attention_reference`` is the plain-PyTorch definition.
+  ``flash_attention_reference`` (:mod:`.attention_reference`) is the plain-PyTorch definition, and
+  :mod:`.attention_inputs` holds the argument checks and the segment tables.
 
 Causal masking skips every block above the (shifted) diagonal, and only the blocks crossing it and the
 query and key tails pay for masks: the others run a ``MASK=False`` copy of the inner loop.
@@ -73,7 +74,14 @@ import torch
 import triton
 
 from ._dispatch import Backend, backend_for, upcast_dot_operands
-from ._memo import kept_on
+from .attention_inputs import (
+    _DTYPES,
+    HEAD_DIMS,
+    _check_num_splits,
+    _check_window,
+    _segment_bounds,
+    _validate,
+)
 from .attention_kernels import (
     INTERPRETER_DKDV_BLOCKS,
     INTERPRETER_DQ_BLOCKS,
@@ -94,11 +102,10 @@ from .attention_kernels import (
     sk_bucket,
     split_kv_kernel_tuned,
 )
+from .attention_reference import _backward_reference, _reference, flash_attention_reference
 
 __all__ = ["HEAD_DIMS", "flash_attention", "flash_attention_backward", "flash_attention_reference"]
 
-HEAD_DIMS = (16, 32, 64, 128)
-_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _LOG2E = 1.4426950408889634  # the kernels use exp2: exp(x) = 2^(x·log2 e)
 _INT32_MAX = 2**31 - 1
 _MAX_GRID_Y = 65535  # CUDA's limit on the grid's second dimension (batch · heads)
@@ -108,119 +115,8 @@ _MIN_KEYS_PER_SPLIT = 256  # automatic split-KV: fewer keys per split cost more 
 
 
 # ----------------------------------------------------------------------------------------------------
-# Host side: validation, dispatch, launch
+# Host side: dispatch, launch
 # ----------------------------------------------------------------------------------------------------
-
-
-def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
-    """Raise ValueError/TypeError naming what is wrong; shared by the kernel and the reference."""
-    for arg, t in (("q", q), ("k", k), ("v", v)):
-        if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{name}: {arg} must be a torch.Tensor, received {type(t).__name__}")
-        if t.dim() != 4:
-            raise ValueError(
-                f"{name}: {arg} must be 4-D [batch, heads, seq, head_dim], received shape {tuple(t.shape)}"
-            )
-    if k.shape[2] != v.shape[2]:
-        raise ValueError(
-            f"{name}: k and v must have the same sequence length (one value per key), received k "
-            f"{tuple(k.shape)} and v {tuple(v.shape)}"
-        )
-    if k.shape != v.shape:
-        raise ValueError(
-            f"{name}: k and v must have the same shape, received k {tuple(k.shape)} and v {tuple(v.shape)}"
-        )
-    hq, d, hkv = q.shape[1], q.shape[3], k.shape[1]
-    for what, dim in (("batch", 0), ("head-dim", 3)):  # q's sequence length may differ from k's
-        if k.shape[dim] != q.shape[dim]:
-            raise ValueError(
-                f"{name}: {what} sizes differ: q is {tuple(q.shape)} and k, v are {tuple(k.shape)}; "
-                f"expected k.shape[{dim}] == q.shape[{dim}] == {q.shape[dim]}"
-            )
-    if hkv == 0 or hq % hkv:
-        raise ValueError(f"{name}: q's head count {hq} must be a positive multiple of k's and v's head count {hkv}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"{name}: head_dim must be one of {HEAD_DIMS}, received {d}")
-    if q.dtype not in dtypes:
-        names = ", ".join(str(t).removeprefix("torch.") for t in dtypes)
-        raise TypeError(f"{name}: q must be {names}, received {q.dtype}")
-    for arg, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name}: {arg} must have q's dtype {q.dtype}, received {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name}: {arg} must be on q's device {q.device}, received {t.device}")
-    if not isinstance(causal, bool):
-        raise TypeError(f"{name}: causal must be a bool, received {type(causal).__name__}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
-            raise TypeError(f"{name}: scale must be a number or None, received {type(scale).__name__}")
-        if not math.isfinite(scale):
-            raise ValueError(f"{name}: scale must be finite, received {scale}")
-
-
-def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The segment tables of ``segment_ids`` (see :func:`_cross_segment_bounds`; here one table serves both
-    sides, with each token's segment start as its id), or None without ``segment_ids``. Raises naming
-    what is wrong."""
-    if segment_ids is None:
-        return None
-    if not isinstance(segment_ids, torch.Tensor):
-        raise TypeError(f"{name}: segment_ids must be None or a torch.Tensor, received {type(segment_ids).__name__}")
-    if segment_ids.is_floating_point() or segment_ids.is_complex() or segment_ids.dtype == torch.bool:
-        raise TypeError(f"{name}: segment_ids must be an integer tensor, received {segment_ids.dtype}")
-    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
-    if sq != sk:
-        raise ValueError(f"{name}: segment_ids needs queries and keys of one sequence (Sq == Sk), received Sq={sq} "
-                         f"and Sk={sk}")  # fmt: skip
-    if tuple(segment_ids.shape) != (b, sq):
-        raise ValueError(f"{name}: segment_ids must be [batch, seq] = {[b, sq]}, received {tuple(segment_ids.shape)}")
-    if segment_ids.device != q.device:
-        raise ValueError(f"{name}: segment_ids must be on q's device {q.device}, received {segment_ids.device}")
-    return kept_on(segment_ids, "segment_bounds", lambda: _self_segment_bounds(segment_ids))
-
-
-def run_starts(segment_ids: torch.Tensor) -> torch.Tensor:
-    """``[B, S]`` bool: True where a run of equal ``segment_ids`` (a packed document) begins."""
-    first = torch.ones(segment_ids.shape, device=segment_ids.device, dtype=torch.bool)
-    first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
-    return first
-
-
-def _self_segment_bounds(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    b, s = segment_ids.shape
-    pos = torch.arange(s, device=segment_ids.device, dtype=torch.int32).expand(b, s)
-    first = run_starts(segment_ids)
-    last = torch.ones_like(first)
-    last[:, :-1] = first[:, 1:]
-    start = torch.where(first, pos, 0).cummax(1).values
-    end = torch.where(last, pos + 1, s).flip(1).cummin(1).values.flip(1)
-    table = torch.stack((start, start, end), 1).to(torch.int32).contiguous()
-    return table, table
-
-
-def _cross_segment_bounds(q_ids: torch.Tensor, k_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The segment tables of queries and keys that are different tokens of one packed sequence (a block of
-    ring attention): query ``i`` sees key ``j`` exactly when ``q_ids[b, i] == k_ids[b, j]``.
-
-    ``q_ids [B, Sq]``, ``k_ids [B, Sk]``: integer ids, non-decreasing along each row (the number of the
-    segment each token lies in, counted over the whole sequence; not checked). Returns ``[B, 3, Sq]`` and
-    ``[B, 3, Sk]`` int32: each token's id, and the first and one past the last partner (key for a query,
-    query for a key) with that id, an empty range where there is none.
-    """
-    q_ids, k_ids = q_ids.contiguous(), k_ids.contiguous()
-    tables = []
-    for ids, partners in ((q_ids, k_ids), (k_ids, q_ids)):
-        lo = torch.searchsorted(partners, ids)
-        hi = torch.searchsorted(partners, ids, right=True)
-        tables.append(torch.stack((ids, lo, hi), 1).to(torch.int32).contiguous())
-    return tables[0], tables[1]
-
-
-def _segment_mask(segments, device) -> torch.Tensor | None:
-    """``[B, 1, Sq, Sk]`` bool, True where a query and a key lie in different segments (None without)."""
-    if segments is None:
-        return None
-    return (segments[0][:, 0, :, None] != segments[1][:, 0, None, :]).unsqueeze(1).to(device)
 
 
 def check_grid(name: str, q: torch.Tensor) -> str:
@@ -300,15 +196,6 @@ def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: 
 def _sm_count(device: torch.device) -> int:
     """Streaming multiprocessors of a CUDA device, asked once per device (decode calls this every step)."""
     return torch.cuda.get_device_properties(device).multi_processor_count
-
-
-def _check_num_splits(num_splits) -> None:
-    if num_splits is None:
-        return
-    if isinstance(num_splits, bool) or not isinstance(num_splits, int):
-        raise TypeError(f"flash_attention: num_splits must be None or an int, received {type(num_splits).__name__}")
-    if num_splits < 1:
-        raise ValueError(f"flash_attention: num_splits must be None or at least 1, received {num_splits}")
 
 
 def _split_kv_plan(q, k, num_splits: int | None, backend: str) -> tuple[int, int, int] | None:
@@ -454,96 +341,8 @@ def _backward(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Reference
+# The backward on its own, and blocks for callers that assemble attention from pieces
 # ----------------------------------------------------------------------------------------------------
-
-
-def _above_diagonal(sq: int, sk: int, device) -> torch.Tensor:
-    """``[Sq, Sk]`` bool, True where the bottom-right aligned causal mask hides key j from query i (j > i + Sk - Sq)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
-
-
-def _outside_window(sq: int, sk: int, window: int, device) -> torch.Tensor:
-    """``[Sq, Sk]`` bool, True where key j lies ``window`` or more places before query i (i + Sk - Sq - j ≥ window)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq - window)
-
-
-def _check_window(name: str, window, causal: bool) -> None:
-    if window is None:
-        return
-    if isinstance(window, bool) or not isinstance(window, int):
-        raise TypeError(f"{name}: window must be None or an int, received {type(window).__name__}")
-    if window < 1:
-        raise ValueError(f"{name}: window must be None or at least 1, received {window}")
-    if not causal:
-        raise ValueError(f"{name}: window={window} needs causal=True (a query sees the window of keys up to its own)")
-
-
-def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None, window=None):
-    """Plain-PyTorch definition of :func:`flash_attention` (differentiable through autograd).
-
-    Computes in fp32 (in float64 when the inputs are float64, which is how tests build their exact
-    reference), materialising the ``[B, Hq, Sq, Sk]`` scores and repeating key/value heads for GQA, and
-    rounds the output once to the input dtype. ``lse`` is returned in the compute dtype. The causal mask
-    is bottom-right aligned (``j ≤ i + Sk - Sq``); rows that see no key give 0 and ``lse = -inf``, and
-    autograd through them gives zero gradients, never NaN. ``segment_ids`` and ``window`` as for
-    :func:`flash_attention`.
-    """
-    _validate("flash_attention_reference", q, k, v, causal, scale, (*_DTYPES, torch.float64))
-    _check_window("flash_attention_reference", window, causal)
-    segments = _segment_bounds("flash_attention_reference", segment_ids, q, k)
-    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = _reference(q, k, v, causal, scale, segments, window)
-    return (out, lse) if return_lse else out
-
-
-def _reference(q, k, v, causal: bool, scale: float, segments, window=None):
-    """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments`` and
-    ``window`` as for :func:`_forward`."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[1] // k.shape[1]
-    k = k.to(compute).repeat_interleave(group, dim=1)
-    v = v.to(compute).repeat_interleave(group, dim=1)
-    scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
-    if causal:
-        scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device), float("-inf"))
-    if window is not None:
-        scores = scores.masked_fill(_outside_window(q.shape[2], k.shape[2], window, q.device), float("-inf"))
-    if segments is not None:
-        scores = scores.masked_fill(_segment_mask(segments, q.device), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    # A row that sees no key has lse = -inf: subtracting 0 instead makes its probabilities exp(-inf) = 0
-    # (not NaN), and masked_fill's backward gives its scores a zero gradient.
-    lse_finite = lse.masked_fill(torch.isneginf(lse), 0.0)
-    out = (torch.exp(scores - lse_finite.unsqueeze(-1)) @ v).to(q.dtype)
-    return out, lse
-
-
-def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None):
-    """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs)."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    b, hq, sq, d = q.shape
-    hkv, sk = k.shape[1], k.shape[2]
-    group = hq // hkv
-    qc, doc = q.to(compute), dout.to(compute)
-    kc = k.to(compute).repeat_interleave(group, dim=1)
-    vc = v.to(compute).repeat_interleave(group, dim=1)
-    scores = (qc @ kc.transpose(-1, -2)) * scale
-    lse = lse.to(compute).unsqueeze(-1)
-    p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0))
-    if causal:
-        p = p.masked_fill(_above_diagonal(sq, sk, q.device), 0.0)
-    if window is not None:
-        p = p.masked_fill(_outside_window(sq, sk, window, q.device), 0.0)
-    if segments is not None:
-        p = p.masked_fill(_segment_mask(segments, q.device), 0.0)
-    p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key
-    delta = (doc * out.to(compute)).sum(-1, keepdim=True)
-    ds = p * (doc @ vc.transpose(-1, -2) - delta)
-    dq = (ds @ kc) * scale
-    dk = ((ds.transpose(-1, -2) @ qc) * scale).view(b, hkv, group, sk, d).sum(2)
-    dv = (p.transpose(-1, -2) @ doc).view(b, hkv, group, sk, d).sum(2)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, *, deterministic=True,

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.attention import run_starts
+from ..kernels.attention_inputs import run_starts
 
 __all__ = ["apply_rotary", "rotary_tables", "segment_positions"]
 

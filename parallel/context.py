@@ -49,15 +49,9 @@ import torch
 import torch.distributed as dist
 
 from ..kernels._memo import kept_on
-from ..kernels.attention import (
-    _block_backward,
-    _block_forward,
-    _cross_segment_bounds,
-    check_grid,
-    flash_attention,
-    run_starts,
-)
-from ..kernels.attention import _validate as _validate_attention
+from ..kernels.attention import _block_backward, _block_forward, check_grid, flash_attention
+from ..kernels.attention_inputs import _cross_segment_bounds, run_starts
+from ..kernels.attention_inputs import _validate as _validate_attention
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
 __all__ = ["gather_sequence", "ring_attention", "split_sequence", "zigzag_positions"]

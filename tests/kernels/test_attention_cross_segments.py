@@ -13,7 +13,8 @@ import math
 import pytest
 import torch
 
-from tessel.kernels.attention import _block_backward, _block_forward, _cross_segment_bounds
+from tessel.kernels.attention import _block_backward, _block_forward
+from tessel.kernels.attention_inputs import _cross_segment_bounds
 from tests.kernels.test_attention import assert_close, assert_lse_close, make_qkv
 
 

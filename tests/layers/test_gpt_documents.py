@@ -155,10 +155,10 @@ def _counting(monkeypatch, module, name):
 def test_document_tables_are_built_once_per_forward_not_per_layer(monkeypatch, recompute):
     """Every layer gets the same segment ids: the kernel's segment tables and the rotary tables are built
     once for the whole model (forward, recomputation and backward), and again after the ids change."""
-    import tessel.kernels.attention as attention_kernels
+    import tessel.kernels.attention_inputs as attention_inputs
     import tessel.layers.attention as attention_layer
 
-    bounds = _counting(monkeypatch, attention_kernels, "_self_segment_bounds")
+    bounds = _counting(monkeypatch, attention_inputs, "_self_segment_bounds")
     positions = _counting(monkeypatch, attention_layer, "segment_positions")
     cfg = _config(n_layer=3, recompute=recompute)
     idx, weights = _data(cfg)

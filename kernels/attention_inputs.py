@@ -1,0 +1,156 @@
+"""Checks of flash attention's arguments, and the segment tables the kernels read for packed documents.
+
+Shared by the kernels' host side (:mod:`.attention`), the plain-PyTorch reference
+(:mod:`.attention_reference`) and ring attention (:mod:`tessel.parallel.context`): every refusal names
+the argument, what was expected and what was received.
+
+Segment tables (``SEGMENTS``): ``[B, 3, S]`` int32 per side, each token's segment id and the first and
+one-past-last partner (a key for a query, a query for a key) of that segment. :func:`_segment_bounds`
+builds one table for self attention (kept on the ids, so the layers of one forward build it once);
+:func:`_cross_segment_bounds` builds the two tables of queries and keys that are different tokens of
+one packed sequence (a ring step).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ._memo import kept_on
+
+__all__ = ["HEAD_DIMS", "run_starts"]
+
+HEAD_DIMS = (16, 32, 64, 128)
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _check_count(name: str, arg: str, value) -> None:
+    """Raise unless ``value`` (argument ``arg``) is None or an int of at least 1."""
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: {arg} must be None or an int, received {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: {arg} must be None or at least 1, received {value}")
+
+
+def _check_num_splits(num_splits) -> None:
+    _check_count("flash_attention", "num_splits", num_splits)
+
+
+def _check_window(name: str, window, causal: bool) -> None:
+    _check_count(name, "window", window)
+    if window is not None and not causal:
+        raise ValueError(f"{name}: window={window} needs causal=True (a query sees the window of keys up to its own)")
+
+
+def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
+    """Raise ValueError/TypeError naming what is wrong; shared by the kernel and the reference."""
+    for arg, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name}: {arg} must be a torch.Tensor, received {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(
+                f"{name}: {arg} must be 4-D [batch, heads, seq, head_dim], received shape {tuple(t.shape)}"
+            )
+    if k.shape[2] != v.shape[2]:
+        raise ValueError(
+            f"{name}: k and v must have the same sequence length (one value per key), received k "
+            f"{tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{name}: k and v must have the same shape, received k {tuple(k.shape)} and v {tuple(v.shape)}"
+        )
+    hq, d, hkv = q.shape[1], q.shape[3], k.shape[1]
+    for what, dim in (("batch", 0), ("head-dim", 3)):  # q's sequence length may differ from k's
+        if k.shape[dim] != q.shape[dim]:
+            raise ValueError(
+                f"{name}: {what} sizes differ: q is {tuple(q.shape)} and k, v are {tuple(k.shape)}; "
+                f"expected k.shape[{dim}] == q.shape[{dim}] == {q.shape[dim]}"
+            )
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"{name}: q's head count {hq} must be a positive multiple of k's and v's head count {hkv}")
+    if d not in HEAD_DIMS:
+        raise ValueError(f"{name}: head_dim must be one of {HEAD_DIMS}, received {d}")
+    if q.dtype not in dtypes:
+        names = ", ".join(str(t).removeprefix("torch.") for t in dtypes)
+        raise TypeError(f"{name}: q must be {names}, received {q.dtype}")
+    for arg, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name}: {arg} must have q's dtype {q.dtype}, received {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name}: {arg} must be on q's device {q.device}, received {t.device}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"{name}: causal must be a bool, received {type(causal).__name__}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)):
+            raise TypeError(f"{name}: scale must be a number or None, received {type(scale).__name__}")
+        if not math.isfinite(scale):
+            raise ValueError(f"{name}: scale must be finite, received {scale}")
+
+
+def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The segment tables of ``segment_ids`` (see :func:`_cross_segment_bounds`; here one table serves both
+    sides, with each token's segment start as its id), or None without ``segment_ids``. Raises naming
+    what is wrong."""
+    if segment_ids is None:
+        return None
+    if not isinstance(segment_ids, torch.Tensor):
+        raise TypeError(f"{name}: segment_ids must be None or a torch.Tensor, received {type(segment_ids).__name__}")
+    if segment_ids.is_floating_point() or segment_ids.is_complex() or segment_ids.dtype == torch.bool:
+        raise TypeError(f"{name}: segment_ids must be an integer tensor, received {segment_ids.dtype}")
+    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
+    if sq != sk:
+        raise ValueError(f"{name}: segment_ids needs queries and keys of one sequence (Sq == Sk), received Sq={sq} "
+                         f"and Sk={sk}")  # fmt: skip
+    if tuple(segment_ids.shape) != (b, sq):
+        raise ValueError(f"{name}: segment_ids must be [batch, seq] = {[b, sq]}, received {tuple(segment_ids.shape)}")
+    if segment_ids.device != q.device:
+        raise ValueError(f"{name}: segment_ids must be on q's device {q.device}, received {segment_ids.device}")
+    return kept_on(segment_ids, "segment_bounds", lambda: _self_segment_bounds(segment_ids))
+
+
+def run_starts(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` bool: True where a run of equal ``segment_ids`` (a packed document) begins."""
+    first = torch.ones(segment_ids.shape, device=segment_ids.device, dtype=torch.bool)
+    first[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return first
+
+
+def _self_segment_bounds(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    b, s = segment_ids.shape
+    pos = torch.arange(s, device=segment_ids.device, dtype=torch.int32).expand(b, s)
+    first = run_starts(segment_ids)
+    last = torch.ones_like(first)
+    last[:, :-1] = first[:, 1:]
+    start = torch.where(first, pos, 0).cummax(1).values
+    end = torch.where(last, pos + 1, s).flip(1).cummin(1).values.flip(1)
+    table = torch.stack((start, start, end), 1).to(torch.int32).contiguous()
+    return table, table
+
+
+def _cross_segment_bounds(q_ids: torch.Tensor, k_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The segment tables of queries and keys that are different tokens of one packed sequence (a block of
+    ring attention): query ``i`` sees key ``j`` exactly when ``q_ids[b, i] == k_ids[b, j]``.
+
+    ``q_ids [B, Sq]``, ``k_ids [B, Sk]``: integer ids, non-decreasing along each row (the number of the
+    segment each token lies in, counted over the whole sequence; not checked). Returns ``[B, 3, Sq]`` and
+    ``[B, 3, Sk]`` int32: each token's id, and the first and one past the last partner (key for a query,
+    query for a key) with that id, an empty range where there is none.
+    """
+    q_ids, k_ids = q_ids.contiguous(), k_ids.contiguous()
+    tables = []
+    for ids, partners in ((q_ids, k_ids), (k_ids, q_ids)):
+        lo = torch.searchsorted(partners, ids)
+        hi = torch.searchsorted(partners, ids, right=True)
+        tables.append(torch.stack((ids, lo, hi), 1).to(torch.int32).contiguous())
+    return tables[0], tables[1]
+
+
+def _segment_mask(segments, device) -> torch.Tensor | None:
+    """``[B, 1, Sq, Sk]`` bool, True where a query and a key lie in different segments (None without)."""
+    if segments is None:
+        return None
+    return (segments[0][:, 0, :, None] != segments[1][:, 0, None, :]).unsqueeze(1).to(device)
