@@ -170,6 +170,11 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _diagonal(sq: int, sk: int, offset: int | None) -> int:
+    """The kernels' OFF: query i sees keys j ≤ i + OFF under the causal mask (bottom-right aligned by default)."""
+    return sk - sq if offset is None else offset
+
+
 def _flags(q: torch.Tensor, causal: bool, backend: str, segments=None, window=None) -> dict:
     return {
         "CAUSAL": causal,
@@ -256,10 +261,13 @@ def _forward_split_kv(
             )  # fmt: skip
 
 
-def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None, segments=None, window=None):
+def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None, segments=None, window=None,
+             offset=None):  # fmt: skip
     """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32. ``segments``: the query and key
     segment tables of :func:`_segment_bounds` or :func:`_cross_segment_bounds`; ``window``: None or the
-    causal window (the one-pass kernel runs with either, whatever ``num_splits`` says)."""
+    causal window (the one-pass kernel runs with either, whatever ``num_splits`` says); ``offset``: where
+    the causal diagonal lies, query i seeing keys ``j ≤ i + offset`` (None: ``Sk - Sq``, bottom-right
+    aligned; another value runs the one-pass kernel)."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     out = _empty_in_layout_of(q)
@@ -268,7 +276,8 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
         return out, lse
     if sk == 0:  # no key at all: every row is a row that sees none
         return out.zero_(), lse.fill_(float("-inf"))
-    plan = _split_kv_plan(q, k, num_splits, backend) if segments is None and window is None else None
+    one_pass = segments is not None or window is not None or offset is not None
+    plan = None if one_pass else _split_kv_plan(q, k, num_splits, backend)
     if plan is not None:
         _forward_split_kv(q, k, v, out, lse, causal, scale, backend, *plan)
         return out, lse
@@ -276,7 +285,7 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
     args = (
         q, k, v, out, lse, seg_q, seg_k, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E, window or 0,
+        hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E, window or 0, _diagonal(sq, sk, offset),
     )  # fmt: skip
     with _device(q):
         _launch(
@@ -288,11 +297,11 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
 
 def _backward(
     q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool,
-    deterministic: bool = True, segments=None, window=None,
+    deterministic: bool = True, segments=None, window=None, offset=None,
 ):  # fmt: skip
     """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels, or, when
     all three are needed and ``deterministic`` is False, the one dK/dV kernel that also adds dQ up
-    with fp32 atomics. ``segments`` and ``window`` as for :func:`_forward`."""
+    with fp32 atomics. ``segments``, ``window`` and ``offset`` as for :func:`_forward`."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dq = _empty_in_layout_of(q) if need_dq else None
@@ -318,7 +327,7 @@ def _backward(
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         )  # fmt: skip
-        tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale, window or 0)
+        tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale, window or 0, _diagonal(sq, sk, offset))
         atomic_dq = need_dq and need_dkv and not deterministic
         if need_dkv:
             # the accumulator of the atomic dQ, or (never read) any fp32 tensor
@@ -390,23 +399,25 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
     return _block_backward(q, k, v, out, lse, dout, causal, scale, deterministic, segments, window)
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, segments, window=None):
+def _block_forward(q, k, v, causal: bool, scale: float, segments, window=None, offset=None):
     """``(out, lse)`` of validated arguments on their backend, without autograd: for callers that assemble
-    an attention from blocks (:func:`~tessel.parallel.context.ring_attention`). ``segments`` as for
-    :func:`_forward` (e.g. from :func:`_cross_segment_bounds`)."""
+    an attention from blocks (:func:`~tessel.parallel.context.ring_attention`). ``segments``, ``window``
+    and ``offset`` as for :func:`_forward` (segments e.g. from :func:`_cross_segment_bounds`; the offset
+    of a block whose first query lies ``o`` places after its first key is ``o``)."""
     backend = backend_for(q)
     if backend == Backend.REFERENCE:
-        return _reference(q, k, v, causal, scale, segments, window)
+        return _reference(q, k, v, causal, scale, segments, window, offset)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
-    return _forward(q, k, v, causal, scale, backend, None, segments, window)
+    return _forward(q, k, v, causal, scale, backend, None, segments, window, offset)
 
 
-def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, deterministic: bool, segments, window=None):
-    """:func:`flash_attention_backward` of validated arguments; ``segments`` as for :func:`_block_forward`."""
+def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, deterministic: bool, segments, window=None,
+                    offset=None):  # fmt: skip
+    """:func:`flash_attention_backward` of validated arguments; the rest as for :func:`_block_forward`."""
     backend = backend_for(q)
     if backend == Backend.REFERENCE:
-        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments, window)
+        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments, window, offset)
     q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
     _check_int32_rows(q, k, v, out)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
@@ -426,6 +437,7 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, determi
         deterministic,
         segments,
         window,
+        offset,
     )
 
 

@@ -68,8 +68,8 @@ def _load_rows(ptr, offs, offs_d, stride, ok, DOT_FP32: tl.constexpr):
 
 @triton.jit
 def _bwd_dkdv_inner(
-    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_qs, stride_ds, offs_n, offs_d, SQ, OFF,
-    qk_scale, lo, hi, seg_k, seg_ptr, WINDOW,
+    dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_qs, stride_ds, offs_n, col_ok, offs_d, SQ,
+    OFF, qk_scale, lo, hi, seg_k, seg_ptr, WINDOW,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -101,7 +101,9 @@ def _bwd_dkdv_inner(
         qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
         pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
         if MASK:  # rows that see no key (lse = -inf, so pT = +inf) are among the masked ones
-            keep = row_ok[None, :]
+            # the key tail too: with OFF > SK - SQ a row's window can reach past the last key, and the zero
+            # keys there would give such a row pT = +inf, dSᵀ = NaN and (ATOMIC_DQ) a NaN dQ
+            keep = row_ok[None, :] & col_ok[:, None]
             if CAUSAL:
                 keep = keep & (offs_m[None, :] + OFF >= offs_n[:, None])
             if WINDOWED:
@@ -136,12 +138,12 @@ def _flash_attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW, OFF,
     CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS as in the forward kernel.
+    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF, SEGMENTS and WINDOWED as in the forward kernel.
 
     ATOMIC_DQ: the one-kernel backward. dQ (unscaled, fp32, [B, HQ, SQ, HEAD_DIM] contiguous and zeroed
     by the caller) is accumulated into dq_acc_ptr with atomic adds as each key block's dS is formed,
@@ -159,7 +161,6 @@ def _flash_attention_bwd_dkdv_kernel(
     v = _load_rows(v_ptr + off_b * stride_vb + off_hkv * stride_vh, offs_n, offs_d, stride_vs, col_ok, DOT_FP32)
     dk = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
     dv = tl.zeros((BLOCK_N, HEAD_DIM), dtype=tl.float32)
-    OFF = SK - SQ
     if CAUSAL:
         # Query rows below start_n - OFF see none of these keys: skipped. Rows from start_n + BLOCK_N - 1 - OFF
         # on see all of them: no mask. Both edges rounded outwards to query-block edges; with OFF = 0 and
@@ -199,20 +200,20 @@ def _flash_attention_bwd_dkdv_kernel(
         dq_head = dq_acc_ptr + (off_b * HQ + off_h) * SQ * HEAD_DIM
         # the query blocks crossing the diagonal band (none without a causal mask)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, col_ok,
+            offs_d, SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
             DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query blocks that see the whole key block
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_q_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, col_ok,
+            offs_d, SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_q_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED,
             DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query block holding the query tail (SEGMENTS: the blocks up to the last segment's end)
         dk, dv = _bwd_dkdv_inner(
-            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, offs_d,
-            SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
+            dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, col_ok,
+            offs_d, SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
             DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
     dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
@@ -266,11 +267,11 @@ def _flash_attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW, OFF,
     CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). SEGMENTS and WINDOWED as in the forward kernel."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF, SEGMENTS and WINDOWED as in the forward kernel."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b, off_h = _batch_and_head(pid_bh, HQ)
@@ -286,7 +287,6 @@ def _flash_attention_bwd_dq_kernel(
     lse = tl.load(lse_ptr + row_base + offs_m, mask=row_ok, other=0.0) * 1.4426950408889634
     delta = tl.load(delta_ptr + row_base + offs_m, mask=row_ok, other=0.0)
     dq = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    OFF = SK - SQ
     full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
     head = 0
     mid_lo = 0

@@ -122,7 +122,10 @@ def _segment_ranges(seg_ptr, S, first, last, lo, full_lo, full_end, end, BLOCK: 
     one = tl.load(seg_ptr + first) == tl.load(seg_ptr + last)
     stop = tl.minimum(end, tl.load(seg_ptr + 2 * S + last))
     head = (lo // BLOCK) * BLOCK
-    mid_lo = tl.where(one, tl.maximum(tl.cdiv(lo, BLOCK) * BLOCK, full_lo), head)
+    # never past ``stop``: rows with no partner in this block (an empty range, as blocks of ring attention
+    # give) would otherwise leave the whole loop starting after the masked tail ends, which a window's
+    # narrowing (_window_key_ranges) reads as a whole loop over the padding
+    mid_lo = tl.where(one, tl.minimum(tl.maximum(tl.cdiv(lo, BLOCK) * BLOCK, full_lo), tl.maximum(stop, head)), head)
     mid_hi = tl.where(one, tl.maximum(tl.minimum(full_end, (stop // BLOCK) * BLOCK), mid_lo), head)
     return head, mid_lo, mid_hi, stop
 
@@ -161,15 +164,17 @@ def _flash_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, WINDOW,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, WINDOW, OFF,
     CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). WINDOWED (with CAUSAL): query i sees only the
-    WINDOW latest keys up to its own, ``i + OFF - WINDOW < j ≤ i + OFF``. SEGMENTS: seg_q_ptr ``[B, 3, SQ]``
-    and seg_k_ptr ``[B, 3, SK]`` (int32) hold, for each query (key), its segment id, and the first and one past the last
-    key (query) of that segment, whose ids are equal and contiguous on both sides; a query sees only the
-    keys with its id. Otherwise they are never read."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF places the diagonal: under CAUSAL query i
+    sees keys ``j ≤ i + OFF`` (``SK - SQ`` for the bottom-right aligned mask; a caller that assembles
+    attention from blocks passes the distance between the block's first query and first key). WINDOWED
+    (with CAUSAL): query i sees only the WINDOW latest keys up to its own, ``i + OFF - WINDOW < j ≤ i + OFF``.
+    SEGMENTS: seg_q_ptr ``[B, 3, SQ]`` and seg_k_ptr ``[B, 3, SK]`` (int32) hold, for each query (key), its
+    segment id, and the first and one past the last key (query) of that segment, whose ids are equal and
+    contiguous on both sides; a query sees only the keys with its id. Otherwise they are never read."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b, off_h = _batch_and_head(pid_bh, HQ)
@@ -190,7 +195,6 @@ def _flash_attention_fwd_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
-    OFF = SK - SQ
     full_end, masked_end = _query_block_key_ranges(start_m, SQ, SK, OFF, CAUSAL, BLOCK_M, BLOCK_N)
     head = 0
     mid_lo = 0

@@ -17,14 +17,18 @@ from .attention_inputs import _DTYPES, _check_window, _segment_bounds, _segment_
 __all__ = ["flash_attention_reference"]
 
 
-def _above_diagonal(sq: int, sk: int, device) -> torch.Tensor:
-    """``[Sq, Sk]`` bool, True where the bottom-right aligned causal mask hides key j from query i (j > i + Sk - Sq)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(sk - sq + 1)
+def _above_diagonal(sq: int, sk: int, device, offset: int | None = None) -> torch.Tensor:
+    """``[Sq, Sk]`` bool, True where the causal mask hides key j from query i (j > i + offset; the offset is
+    ``Sk - Sq`` by default, the bottom-right aligned mask)."""
+    offset = sk - sq if offset is None else offset
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).triu(offset + 1)
 
 
-def _outside_window(sq: int, sk: int, window: int, device) -> torch.Tensor:
-    """``[Sq, Sk]`` bool, True where key j lies ``window`` or more places before query i (i + Sk - Sq - j ≥ window)."""
-    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(sk - sq - window)
+def _outside_window(sq: int, sk: int, window: int, device, offset: int | None = None) -> torch.Tensor:
+    """``[Sq, Sk]`` bool, True where key j lies ``window`` or more places before query i
+    (i + offset - j ≥ window, the offset as for :func:`_above_diagonal`)."""
+    offset = sk - sq if offset is None else offset
+    return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(offset - window)
 
 
 def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None, window=None):
@@ -45,18 +49,18 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     return (out, lse) if return_lse else out
 
 
-def _reference(q, k, v, causal: bool, scale: float, segments, window=None):
-    """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments`` and
-    ``window`` as for :func:`_forward`."""
+def _reference(q, k, v, causal: bool, scale: float, segments, window=None, offset=None):
+    """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments``,
+    ``window`` and ``offset`` as for :func:`_forward`."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     group = q.shape[1] // k.shape[1]
     k = k.to(compute).repeat_interleave(group, dim=1)
     v = v.to(compute).repeat_interleave(group, dim=1)
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
     if causal:
-        scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device), float("-inf"))
+        scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device, offset), float("-inf"))
     if window is not None:
-        scores = scores.masked_fill(_outside_window(q.shape[2], k.shape[2], window, q.device), float("-inf"))
+        scores = scores.masked_fill(_outside_window(q.shape[2], k.shape[2], window, q.device, offset), float("-inf"))
     if segments is not None:
         scores = scores.masked_fill(_segment_mask(segments, q.device), float("-inf"))
     lse = torch.logsumexp(scores, dim=-1)
@@ -67,7 +71,7 @@ def _reference(q, k, v, causal: bool, scale: float, segments, window=None):
     return out, lse
 
 
-def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None):
+def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None, offset=None):
     """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, sq, d = q.shape
@@ -80,9 +84,9 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, seg
     lse = lse.to(compute).unsqueeze(-1)
     p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0))
     if causal:
-        p = p.masked_fill(_above_diagonal(sq, sk, q.device), 0.0)
+        p = p.masked_fill(_above_diagonal(sq, sk, q.device, offset), 0.0)
     if window is not None:
-        p = p.masked_fill(_outside_window(sq, sk, window, q.device), 0.0)
+        p = p.masked_fill(_outside_window(sq, sk, window, q.device, offset), 0.0)
     if segments is not None:
         p = p.masked_fill(_segment_mask(segments, q.device), 0.0)
     p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key

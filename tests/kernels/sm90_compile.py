@@ -213,7 +213,7 @@ def attention_cases():
     the split-KV merge and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False, WINDOWED=False)
-    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW")
+    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW", "OFF")
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
@@ -293,7 +293,7 @@ def attention_segment_cases():
     not, in every autotuning configuration: they compile, use tensor cores, and some tile of each keeps its
     registers."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
-    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET")
+    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "OFF")
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
@@ -315,7 +315,7 @@ def attention_window_cases():
     """The one-pass forward and the backward with a causal window (sliding-window attention), bf16 at D=128,
     in every autotuning configuration."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
-    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW")
+    odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW", "OFF")
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
