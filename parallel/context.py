@@ -24,17 +24,27 @@ rank::
     src > r         (later)      the second query chunk × both key chunks, no mask
 
 Backward: the keys and values go round the ring again, and an fp32 dK/dV accumulator for each block
-travels one step behind it: at step ``s`` the rank adds this step's share (from
-:func:`~tessel.kernels.attention.flash_attention_backward`, whose probabilities are recomputed from the
-whole softmax's ``lse``, so each share is exact) to the accumulator it received, and sends it on
-during the next step's computation; after ``c`` sends every accumulator is back with its owner. dQ
-stays home, summed in fp32.
+travels one step behind it: it starts at the block's first stop, where the rank adds this step's share
+(from :func:`~tessel.kernels.attention.flash_attention_backward`, whose probabilities are recomputed
+from the whole softmax's ``lse``, so each share is exact); each later stop adds its share to the
+accumulator it received and sends it on during the next step's computation; after the last stop it
+goes home to the block's owner, which adds it to the share of its own block. dQ stays home, summed in
+fp32.
 
-Bytes each rank sends (and receives): forward ``(c-1)·|kv|``; backward ``(c-1)·|kv|`` for the keys
-and values plus ``c·|dkv|`` for the accumulators (fp32: twice ``|kv|`` for bf16/fp16 inputs). Every
-transfer is issued before the attention step it hides behind and waited for after it; the steps are
-logged with :func:`~.comm.record_event` (``"ring_attention"`` for keys and values,
-``"ring_attention.dkv"`` for the accumulators), which is how tests check the overlap without timing.
+Sliding window (``window=W``, causal): the steps' (query chunk, key chunk) pairs run apart, each with
+the window placed at the pair's distance along the sequence, and pairs outside every window are
+skipped. Rank ``r``'s first chunk then needs the blocks of ``r-1, r-2, …`` and its second chunk those
+of ``r+1, r+2, …`` (their second chunks are its neighbours near the end of the sequence), as far as
+``W`` reaches: the blocks travel both ways, in two streams each only as long as some rank needs it
+(one link each way when ``W ≤ h + 1``), and blocks nobody needs never travel. When the two streams
+would be no shorter than the ring, the ring it is.
+
+Bytes each rank sends (and receives), ``n`` the links of the route (``c-1`` round the ring): forward
+``n·|kv|``; backward ``n·|kv|`` for the keys and values plus ``n·|dkv|`` for the accumulators (fp32:
+twice ``|kv|`` for bf16/fp16 inputs). Every transfer but the accumulators' last is issued before the
+attention step it hides behind and waited for after it; the steps are logged with
+:func:`~.comm.record_event` (``"ring_attention"`` for keys and values, ``"ring_attention.dkv"`` for
+the accumulators), which is how tests check the overlap without timing.
 
 Parameters are replicated over the context-parallel ranks and each rank's gradients come from its own
 tokens only: reduce them over the context-parallel group as over a data-parallel one (a data-parallel
@@ -43,14 +53,16 @@ wrapper whose group spans both, as Megatron-LM folds ``cp`` into ``dp`` for its 
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from ..kernels._memo import kept_on
 from ..kernels.attention import _block_backward, _block_forward, check_grid, flash_attention
-from ..kernels.attention_inputs import _cross_segment_bounds, run_starts
+from ..kernels.attention_inputs import _check_window, _cross_segment_bounds, run_starts
 from ..kernels.attention_inputs import _validate as _validate_attention
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
@@ -133,6 +145,19 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim
 # ---------------------------------------------------------------------------------------------------- ring
 
 
+class _Pair(NamedTuple):
+    """One flash-attention call of a ring step: the query rows and key rows (slices of the rank's tokens and
+    of the block it holds), the causal flag, the window and the diagonal offset passed to the kernels,
+    and whether these rows get their first partial result here (copied, not merged)."""
+
+    rows: slice
+    cols: slice
+    causal: bool
+    window: int | None = None
+    offset: int | None = None
+    first: bool = False
+
+
 def _block(rank: int, src: int, step: int, causal: bool, h: int) -> tuple[slice, slice, bool]:
     """Query rows, key rows and mask of step ``step``, whose key/value block came from rank ``src``."""
     everything = slice(None)
@@ -145,6 +170,83 @@ def _block(rank: int, src: int, step: int, causal: bool, h: int) -> tuple[slice,
     return slice(h, None), everything, False
 
 
+def _window_pairs(c: int, rank: int, src: int, h: int, window: int) -> list[_Pair]:
+    """The calls of a step under a causal window: every (query chunk, key chunk) pair on its own, since
+    each pair lies at its own distance along the sequence. Chunk ``a`` of queries and ``b`` of keys
+    (global chunk numbers, ``a ≥ b``) start ``o = (a-b)·h`` tokens apart: a pair whose nearest tokens
+    (``o - h + 1`` apart) are ``window`` or more apart is skipped; one whose farthest (``o + h - 1``)
+    are closer needs no mask; the rest run with the window and the diagonal at ``o``."""
+    pairs = []
+    chunks = lambda owner: ((slice(0, h), owner), (slice(h, None), 2 * c - 1 - owner))
+    for rows, a in chunks(rank):
+        for cols, b in chunks(src):
+            if b > a or (a - b) * h - h + 1 >= window:
+                continue
+            if a == b:  # the chunk itself (step 0): the window along its own diagonal, if shorter than the chunk
+                pairs.append(_Pair(rows, cols, True, window if window < h else None, None, True))
+            elif (a - b) * h + h - 1 < window:
+                pairs.append(_Pair(rows, cols, False))
+            else:
+                pairs.append(_Pair(rows, cols, True, window, (a - b) * h))
+    return sorted(pairs, key=lambda pair: not pair.first)  # the rows' first results before any merge
+
+
+class _Step(NamedTuple):
+    """A step of the ring at one rank: the key/value block of rank ``src``, which arrived over ``hop``
+    links of the stream travelling towards ``r + direction`` (``hop`` 0: the rank's own block), and the
+    flash-attention calls run on it (none: the block only passes through)."""
+
+    src: int
+    direction: int
+    hop: int
+    pairs: tuple[_Pair, ...]
+
+
+class _Plan(NamedTuple):
+    """Every rank's route: ``hops[0]`` links of the stream to ``r+1`` (blocks of ``r-1, r-2, …``),
+    ``hops[1]`` of the stream to ``r-1`` (blocks of ``r+1, r+2, …``), the same on every rank; and this
+    rank's steps in order."""
+
+    hops: tuple[int, int]
+    steps: tuple[_Step, ...]
+
+
+def _pairs(c: int, rank: int, src: int, causal: bool, h: int, window: int | None) -> tuple[_Pair, ...]:
+    if window is None:
+        return (_Pair(*_block(rank, src, 0 if src == rank else 1, causal, h), first=src == rank),)
+    return tuple(_window_pairs(c, rank, src, h, window))
+
+
+@functools.lru_cache(maxsize=64)
+def _ring_plan(c: int, rank: int, causal: bool, h: int, window: int | None) -> _Plan:
+    """The route of the key/value blocks and the calls of every step at ``rank``.
+
+    Without a window (or with one over the whole sequence, which is the causal mask) every query sees
+    some key of every block: one stream round the ring, ``c - 1`` links, one call per step (the module's
+    table). With a window, rank ``r``'s first chunk needs the blocks of ``r-1, r-2, …`` and its second
+    chunk (late in the sequence, next to the second chunks of ``r+1, r+2, …``) those of ``r+1, r+2, …``,
+    as far as the window reaches: the blocks travel both ways, each stream only as far as some rank
+    needs it, and blocks nobody needs never travel. When the two streams would not be shorter than
+    the ring (a window over a good part of the sequence), the one stream round the ring it is."""
+    if window is not None and window >= 2 * c * h:
+        window = None
+    needs = [(other, src) for other in range(c) for src in range(c) if src != other
+             and _pairs(c, other, src, causal, h, window)]  # fmt: skip
+    forward = [(other - src) % c for other, src in needs]  # the links to it along each stream
+    backward = [(src - other) % c for other, src in needs]
+    hops = (max((f for f, b in zip(forward, backward) if f <= b), default=0),
+            max((b for f, b in zip(forward, backward) if b < f), default=0))  # fmt: skip
+    if sum(hops) >= c - 1:
+        hops = (c - 1, 0)
+    steps = [_Step(rank, 0, 0, _pairs(c, rank, rank, causal, h, window))]
+    for hop in range(1, max(hops) + 1):
+        for direction, count in zip((1, -1), hops):
+            if hop <= count:
+                src = (rank - direction * hop) % c
+                steps.append(_Step(src, direction, hop, _pairs(c, rank, src, causal, h, window)))
+    return _Plan(hops, tuple(steps))
+
+
 def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Fold a partial ``(out, lse)`` over other keys into the fp32 accumulators, in place."""
     new = torch.logaddexp(lse_acc, lse)
@@ -152,100 +254,138 @@ def _merge(out_acc: torch.Tensor, lse_acc: torch.Tensor, out: torch.Tensor, lse:
     lse_acc.copy_(new)
 
 
-def _segment_tables(segment_ids: torch.Tensor | None, group, causal: bool) -> list | None:
-    """The kernels' segment tables of every ring step (``_cross_segment_bounds`` of the step's query rows and
-    key columns), or None without ``segment_ids``. Tokens are numbered by the segment (run of equal ids)
-    they lie in over the whole sequence; a rank's tokens, and any chunk of them, are in sequence order,
-    so the numbers are non-decreasing along every block."""
+def _segment_tables(segment_ids: torch.Tensor | None, group, plan_key: tuple) -> list | None:
+    """The kernels' segment tables of every call of the ring (``_cross_segment_bounds`` of the call's query
+    rows and key rows), or None without ``segment_ids``. Tokens are numbered by the segment (run of
+    equal ids) they lie in over the whole sequence; a rank's tokens, and any chunk of them, are in
+    sequence order, so the numbers are non-decreasing along every block."""
     if segment_ids is None:
         return None
     c, r = group_size(group), group_rank(group)
     # every layer of a forward passes the same ids: the tables are built once (and again if they change)
-    return kept_on(segment_ids, ("ring_tables", c, r, causal), lambda: _build_segment_tables(segment_ids, c, r, causal))
+    key = ("ring_tables", c, r, *plan_key)
+    return kept_on(segment_ids, key, lambda: _build_segment_tables(segment_ids, c, r, _ring_plan(c, r, *plan_key)))
 
 
-def _build_segment_tables(segment_ids: torch.Tensor, c: int, r: int, causal: bool) -> list:
+def _build_segment_tables(segment_ids: torch.Tensor, c: int, r: int, plan: _Plan) -> list:
     seq_len = segment_ids.shape[1]
     number = run_starts(segment_ids).cumsum(1)  # 1, 2, … along each row
     held = [number[:, zigzag_positions(seq_len, c, rank, device=number.device)] for rank in range(c)]
-    tables = []
-    for step in range(c):
-        src = (r - step) % c
-        rows, cols, _ = _block(r, src, step, causal, seq_len // (2 * c))
-        tables.append(_cross_segment_bounds(held[r][:, rows], held[src][:, cols]))
-    return tables
+    return [
+        [_cross_segment_bounds(held[r][:, pair.rows], held[step.src][:, pair.cols]) for pair in step.pairs]
+        for step in plan.steps
+    ]
 
 
-def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, causal: bool):
-    """Yield ``(step, rows, cols, block_causal, kv)`` for every ring step, where ``kv [2, B, Hkv, L, D]`` is
-    the key/value block the rank holds; the next block is in flight while the caller works on this one."""
-    c, r = group_size(group), group_rank(group)
-    h = k.shape[2] // 2
-    kv, incoming = torch.stack((k, v)), None  # keys and values travel as one message
-    for step in range(c):
-        handle = None
-        if step < c - 1:
-            incoming = torch.empty_like(kv) if incoming is None else incoming
-            handle = ring_exchange(kv, incoming, group)
-            record_event("send", OP, step + 1)
-        rows, cols, block_causal = _block(r, (r - step) % c, step, causal, h)
-        record_event("gemm", OP, step)
-        yield step, rows, cols, block_causal, kv
-        if handle is not None:
-            handle.wait()
-            record_event("wait", OP, step + 1)
-            kv, incoming = incoming, kv
+def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, plan: _Plan):
+    """Yield ``(index, step, kv)`` for every step of ``plan``, where ``kv [2, B, Hkv, L, D]`` is the block
+    the step works on; each stream's next block is in flight while the caller works on this one."""
+    kv = torch.stack((k, v))  # keys and values travel as one message
+    index = {(step.direction, step.hop): i for i, step in enumerate(plan.steps)}
+    held, spare, handle = {}, {}, {}
+
+    def send_on(direction: int, hop: int) -> None:  # the stream's block to r+direction; the next one in
+        if (direction, hop + 1) in index:
+            spare[direction] = torch.empty_like(kv) if direction not in spare else spare[direction]
+            handle[direction] = ring_exchange(held[direction], spare[direction], group, direction)
+            record_event("send", OP, index[(direction, hop + 1)])
+
+    for i, step in enumerate(plan.steps):
+        if step.hop == 0:
+            for direction in (1, -1):
+                held[direction] = kv
+                send_on(direction, 0)
+        else:
+            handle.pop(step.direction).wait()
+            record_event("wait", OP, i)
+            held[step.direction], spare[step.direction] = spare[step.direction], held[step.direction]
+            send_on(step.direction, step.hop)
+        if step.pairs:
+            record_event("gemm", OP, i)
+        yield i, step, held[step.direction] if step.hop else kv
 
 
-def _ring_forward(q, k, v, group, causal: bool, scale: float, tables=None):
+def _table(tables, step: int, i: int):
+    return None if tables is None else tables[step][i]
+
+
+def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None):
     b, hq, length, d = q.shape
     out_acc = torch.empty((b, hq, length, d), device=q.device, dtype=torch.float32)
     lse_acc = torch.empty((b, hq, length), device=q.device, dtype=torch.float32)
-    for step, rows, cols, block_causal, kv in _kv_ring(k, v, group, causal):
-        out, lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], block_causal, scale,
-                                  None if tables is None else tables[step])  # fmt: skip
-        if step == 0:  # covers every row, and every row sees at least one key
-            out_acc.copy_(out)
-            lse_acc.copy_(lse)
-        else:
-            _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse)
+    for index, step, kv in _kv_ring(k, v, group, plan):
+        for i, pair in enumerate(step.pairs):
+            rows, cols = pair.rows, pair.cols
+            out, lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], pair.causal, scale,
+                                      _table(tables, index, i), pair.window, pair.offset)  # fmt: skip
+            if pair.first:  # the own block: every row sees at least its own key
+                out_acc[:, :, rows] = out
+                lse_acc[:, :, rows] = lse
+            else:
+                _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse)
     # [B, L, Hq, D] in memory, like flash attention's output for a layer's [B, L, Hq·D] projection
     out = torch.empty((b, length, hq, d), device=q.device, dtype=q.dtype).transpose(1, 2)
     out.copy_(out_acc)
     return out, lse_acc
 
 
-def _ring_backward(q, k, v, out, lse, dout, group, causal: bool, scale: float, deterministic: bool, tables=None):
-    c = group_size(group)
+def _ring_backward(q, k, v, out, lse, dout, group, scale: float, deterministic: bool, plan: _Plan, tables=None):
+    """dq stays home; the dK/dV of the rank's own block too. Along each stream an fp32 accumulator of the
+    block travels one step behind the block: started where the block makes its first hop, received
+    from ``r - direction`` and sent on to ``r + direction`` during the stream's next step, and after
+    its last hop sent straight home to the block's owner."""
     dq_acc = torch.zeros(q.shape, device=q.device, dtype=torch.float32)
-    dkv = torch.zeros((2, *k.shape), device=q.device, dtype=torch.float32)  # the accumulator of this step's block
-    dkv_incoming, dkv_handle = torch.empty_like(dkv), None
+    dkv_home = torch.zeros((2, *k.shape), device=q.device, dtype=torch.float32)  # the own block's, summed
+    acc, incoming, handle, homes = {}, {}, {}, []
     dout = dout.to(q.dtype)
-    for step, rows, cols, block_causal, kv in _kv_ring(k, v, group, causal):
-        dq, dk, dv = _block_backward(
-            q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
-            dout[:, :, rows], block_causal, scale, deterministic, None if tables is None else tables[step],
-        )  # fmt: skip
-        dq_acc[:, :, rows] += dq
-        if dkv_handle is not None:  # the accumulator of this block, sent by r-1 during this step
-            dkv_handle.wait()
-            record_event("wait", DKV_OP, step - 1)
-            dkv, dkv_incoming = dkv_incoming, dkv
-        dkv[0][:, :, cols] += dk
-        dkv[1][:, :, cols] += dv
-        dkv_handle = ring_exchange(dkv, dkv_incoming, group)  # on to r+1; after the last step, home
-        record_event("send", DKV_OP, step)
-    dkv_handle.wait()
-    record_event("wait", DKV_OP, c - 1)
-    return dq_acc.to(q.dtype), dkv_incoming[0].to(k.dtype), dkv_incoming[1].to(v.dtype)
+    for index, step, kv in _kv_ring(k, v, group, plan):
+        shares = []
+        for i, pair in enumerate(step.pairs):
+            rows, cols = pair.rows, pair.cols
+            dq, dk, dv = _block_backward(
+                q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
+                dout[:, :, rows], pair.causal, scale, deterministic, _table(tables, index, i), pair.window,
+                pair.offset,
+            )  # fmt: skip
+            dq_acc[:, :, rows] += dq
+            shares.append((pair.cols, dk, dv))
+        direction = step.direction
+        if step.hop == 0:
+            target = dkv_home
+        elif step.hop == 1:  # the block's first hop: its accumulator starts here
+            target = acc[direction] = torch.zeros_like(dkv_home)
+            incoming[direction] = torch.empty_like(dkv_home)
+        else:  # the accumulator of this block, sent by r-direction at the stream's previous step
+            done, sent_at = handle.pop(direction)
+            done.wait()
+            record_event("wait", DKV_OP, sent_at)
+            acc[direction], incoming[direction] = incoming[direction], acc[direction]
+            target = acc[direction]
+        for cols, dk, dv in shares:
+            target[0][:, :, cols] += dk
+            target[1][:, :, cols] += dv
+        if step.hop == 0:
+            continue
+        last = step.hop == plan.hops[0 if direction == 1 else 1]
+        if last:  # home: the block came from r - direction·hop
+            back = torch.empty_like(dkv_home)
+            homes.append((ring_exchange(acc[direction], back, group, -direction * step.hop), back, index))
+        else:
+            handle[direction] = (ring_exchange(acc[direction], incoming[direction], group, direction), index)
+        record_event("send", DKV_OP, index)
+    for done, back, index in homes:
+        done.wait()
+        record_event("wait", DKV_OP, index)
+        dkv_home += back
+    return dq_acc.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype)
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, causal, scale, deterministic, tables):
-        out, lse = _ring_forward(q, k, v, group, causal, scale, tables)
+    def forward(ctx, q, k, v, group, scale, deterministic, plan, tables):
+        out, lse = _ring_forward(q, k, v, group, scale, plan, tables)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.causal, ctx.scale, ctx.deterministic, ctx.tables = group, causal, scale, deterministic, tables
+        ctx.group, ctx.scale, ctx.deterministic, ctx.plan, ctx.tables = group, scale, deterministic, plan, tables
         return out
 
     @staticmethod
@@ -253,7 +393,7 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(
-            q, k, v, out, lse, dout, ctx.group, ctx.causal, ctx.scale, ctx.deterministic, ctx.tables
+            q, k, v, out, lse, dout, ctx.group, ctx.scale, ctx.deterministic, ctx.plan, ctx.tables
         )
         return dq, dk, dv, None, None, None, None, None
 
@@ -274,7 +414,7 @@ def _check_segment_ids(segment_ids, q, seq_len: int) -> None:
 
 
 def ring_attention(q, k, v, group=None, *, causal=False, scale=None, deterministic=True,
-                   segment_ids=None) -> torch.Tensor:  # fmt: skip
+                   segment_ids=None, window=None) -> torch.Tensor:  # fmt: skip
     """Attention over a sequence split across the ranks of ``group``; differentiable.
 
     Args:
@@ -294,6 +434,12 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
             or not. Every rank numbers the segments itself, with no communication; each ring step runs
             the kernel with the step's query and key segment tables, so key blocks of other documents
             are skipped, not computed and masked.
+        window: ``None``, or a number of keys ``W ≥ 1`` with ``causal``: sliding-window attention, the
+            token at position ``i`` attending to positions ``i - W < j ≤ i`` (flash attention's
+            ``window``; combines with ``segment_ids``). Pairs of chunks wholly outside every window are
+            skipped, and the key/value blocks travel only as far as the window reaches, both ways
+            round the ring (see the module's notes): with ``W ≤ h + 1``, ``h = L/2``, each rank
+            sends at most two blocks, whatever ``c`` is.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype, laid out ``[B, L, Hq, D]`` in memory: the attention output of
@@ -306,6 +452,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
                          f"token), received q {tuple(q.shape)} and k {tuple(k.shape)}")  # fmt: skip
     if not isinstance(deterministic, bool):
         raise TypeError(f"ring_attention: deterministic must be a bool, received {type(deterministic).__name__}")
+    _check_window("ring_attention", window, causal)
     c = group_size(group)
     _check_segment_ids(segment_ids, q, c * q.shape[2])
     if (causal or segment_ids is not None) and q.shape[2] % 2 and c > 1:
@@ -315,9 +462,11 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if c == 1 or q.shape[2] == 0:
         return flash_attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic,
-                               segment_ids=segment_ids)  # fmt: skip
+                               segment_ids=segment_ids, window=window)  # fmt: skip
     check_grid("ring_attention", q)
-    tables = _segment_tables(segment_ids, group, causal)
+    plan_key = (causal, q.shape[2] // 2, window)
+    plan = _ring_plan(c, group_rank(group), *plan_key)
+    tables = _segment_tables(segment_ids, group, plan_key)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RingAttention.apply(q, k, v, group, causal, scale, deterministic, tables)
-    return _ring_forward(q, k, v, group, causal, scale, tables)[0]
+        return _RingAttention.apply(q, k, v, group, scale, deterministic, plan, tables)
+    return _ring_forward(q, k, v, group, scale, plan, tables)[0]
