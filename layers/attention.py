@@ -46,17 +46,14 @@ def context_size(cp_group) -> int:
     return 1 if cp_group is None else group_size(cp_group)
 
 
-def check_window(name: str, window, causal: bool, cp_group=None, arg: str = "window") -> None:
-    """Raise unless ``window`` is None or a positive int with ``causal``, outside context parallelism."""
+def check_window(name: str, window, causal: bool, arg: str = "window") -> None:
+    """Raise unless ``window`` is None or a positive int with ``causal``."""
     if window is None:
         return
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"{name}: {arg} must be None or a positive int, received {window!r}")
     if not causal:
         raise ValueError(f"{name}: {arg}={window} needs causal attention")
-    if context_size(cp_group) > 1:
-        raise ValueError(f"{name}: {arg}={window} is not supported under context parallelism (cp over "
-                         f"{context_size(cp_group)} ranks): ring attention attends to every earlier token")  # fmt: skip
 
 
 def check_heads(name: str, n_head: int, n_kv_head: int, tp_size: int) -> None:
@@ -91,8 +88,9 @@ class ParallelAttention(nn.Module):
     the tokens this rank holds. ``None`` (default): no context parallelism, whatever the world size.
 
     ``window`` (with ``causal``): sliding-window attention, each token attending to the ``window`` latest
-    tokens up to itself (flash attention's ``window``; Mistral's ``sliding_window``). Not available under
-    context parallelism (the ring attends to every earlier token).
+    tokens up to itself (flash attention's ``window``; Mistral's ``sliding_window``); under context
+    parallelism the ring skips the blocks outside every window and moves only those inside
+    (:func:`~tessel.parallel.context.ring_attention`'s ``window``).
     """
 
     def __init__(self, n_embd: int, n_head: int, n_kv_head: int | None = None, *, head_dim: int | None = None,
@@ -102,7 +100,7 @@ class ParallelAttention(nn.Module):
         super().__init__()
         if not isinstance(deterministic, bool):
             raise TypeError(f"ParallelAttention: deterministic must be a bool, received {type(deterministic).__name__}")
-        check_window("ParallelAttention", window, causal, cp_group)
+        check_window("ParallelAttention", window, causal)
         n_kv_head = n_head if n_kv_head is None else n_kv_head
         check_heads(type(self).__name__, n_head, n_kv_head, group_size(tp_group))
         if head_dim is None:
@@ -139,9 +137,8 @@ class ParallelAttention(nn.Module):
             cos, sin = self._rotary_tables(q.shape[2], segment_ids, q.device)
             q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if c > 1:
-            check_window(type(self).__name__, self.window, self.causal, self.cp_group)  # a cp group set later
             y = ring_attention(q, k, v, self.cp_group, causal=self.causal, deterministic=self.deterministic,
-                               segment_ids=segment_ids)  # fmt: skip
+                               segment_ids=segment_ids, window=self.window)  # fmt: skip
         else:
             y = flash_attention(q, k, v, causal=self.causal, deterministic=self.deterministic, segment_ids=segment_ids,
                                 window=self.window)  # fmt: skip

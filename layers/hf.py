@@ -42,9 +42,10 @@ model's hook takes each rank's positions from them for the rotary module, calls 
 them (so it builds no mask), and hands the attention modules the documents' segment ids
 (:func:`packed_positions`) through the model's ``**kwargs``: the ring then attends within documents.
 Documents are read from position ids with or without a cache (Hugging Face itself reads them only
-with ``use_cache=False``). What the local view would get wrong is refused with a ``ValueError``
-instead: position ids that are not the whole sequence's, an attention mask (padding), a sliding window
-shorter than the whole sequence, a key-value cache longer than the tokens (decoding), and labels that
+with ``use_cache=False``). A sliding window (Mistral's ``sliding_window``) runs in the ring
+(``ring_attention(window=)``). What the local view would get wrong is refused with a ``ValueError``
+instead: position ids that are not the whole sequence's, an attention mask (padding), a key-value
+cache longer than the tokens (decoding), and labels that
 the model would shift itself (a chunk's last token predicts the first token of the next chunk, held by
 another rank: pass ``shift_labels``, the globally shifted labels split the same way).
 """
@@ -374,6 +375,19 @@ def _replace_argument(module: nn.Module, args: tuple, kwargs: dict, name: str, v
     return args, {**kwargs, name: value}
 
 
+def _check_no_padding(module: nn.Module, c: int, mask) -> None:
+    """Raise unless the attention mask given to the base model under context parallelism masks nothing."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()):
+        return
+    what = (f"a {mask.dim()}-D mask of shape {list(mask.shape)}" + (" masking some tokens" if mask.dim() == 2 else "")
+            if isinstance(mask, torch.Tensor) else type(mask).__name__)  # fmt: skip
+    raise ValueError(
+        f"{type(module).__name__} under context parallelism over {c} ranks: an attention mask (padding) is not "
+        "supported: each batch row is one whole sequence, or documents packed into it that the model's "
+        f"position_ids delimit (restarting at each document); received {what}"
+    )
+
+
 def _check_var_keyword(module: nn.Module) -> None:
     """Raise unless ``module.forward`` takes ``**kwargs``, through which extra arguments reach the attention modules."""
     kinds = [p.kind for p in inspect.signature(module.forward).parameters.values()]
@@ -482,8 +496,13 @@ class HFContextLayout:
             bound = _bind(module, args, kwargs)
             given = bound.arguments.get("position_ids")
             held["positions"] = None
+            if c > 1 and bound.arguments.get("attention_mask") is not None:
+                _check_no_padding(module, c, bound.arguments["attention_mask"])
+                # all ones: no mask. Any mask the model builds is then its own, from the local view (a
+                # sliding window over the local tokens, which the ring replaces with the global one)
+                args, kwargs = _replace_argument(module, args, kwargs, "attention_mask", None)
             if given is None:
-                return None
+                return args, kwargs
             tokens = bound.arguments.get("input_ids")
             tokens = bound.arguments.get("inputs_embeds") if tokens is None else tokens
             whole, segment_ids = packed_positions(given, tokens, c)

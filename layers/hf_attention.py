@@ -7,7 +7,9 @@ everywhere else, so switching a model to ``"tessel"`` never changes its results 
 The kernel takes:
 
 - a plain causal (or full) mask, which Hugging Face passes as ``None``;
-- one query over a key-value cache (a decoding step sees every cached key, ``None`` as well);
+- one query over a key-value cache (a decoding step sees every cached key, ``None`` as well; past a
+  sliding window the mask holds the cache's last ``W`` keys, checked once per forward, and the kernel
+  reads them as a slice of the cache);
 - packed sequences: documents concatenated into one row, their ``position_ids`` restarting at each
   document, as ``DataCollatorWithFlattening`` and padding-free trainers produce them. Hugging Face
   builds a boolean ``[B, 1, S, S]`` mask for those; :func:`mask_segments` recognises one that is
@@ -19,9 +21,9 @@ The kernel takes:
   sequence, with or without packed documents: the mask is checked against the window as well, and the
   kernel runs with ``window=``, reading only the key blocks inside each query block's windows.
 
-Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, a window over a key-value
-cache, several queries over a cache, attention dropout in training, soft-capping and position biases, and
-head dims or dtypes the kernel does not take.
+Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, several queries over a
+cache, attention dropout in training, soft-capping and position biases, and head dims or dtypes the
+kernel does not take.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
 :func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).
@@ -98,6 +100,21 @@ def _read_segments(mask: torch.Tensor, causal: bool, window: int | None) -> tupl
     return True, None if bool((segments[:, -1] == 0).all()) else segments
 
 
+def _decoding_keys(mask, sk: int) -> int | None:
+    """For one query over ``sk`` keys: ``n`` when the boolean mask ``[B or 1, 1, 1, sk]`` lets every batch row
+    see exactly the last ``n ≥ 1`` keys (a sliding window over a cache), else None. Read once per forward:
+    kept on the mask, which the layers share."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape[1:]) != (1, 1, sk):
+        return None
+    return kept_on(mask, ("decoding_keys", sk), lambda: _read_decoding_keys(mask[:, 0, 0], sk))
+
+
+def _read_decoding_keys(rows: torch.Tensor, sk: int) -> int | None:
+    n = int(rows[0].sum())
+    last = torch.arange(sk, device=rows.device) >= sk - n
+    return n if n > 0 and bool((rows == last).all()) else None
+
+
 # ---------------------------------------------------------------------------------------------------- context parallel
 
 
@@ -109,21 +126,27 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     def refuse(what: str):
         raise ValueError(f"{type(module).__name__} under context parallelism over {c} ranks: {what}")
 
-    if attention_mask is not None:
-        refuse("an attention mask (padding) is not supported: each batch row is one whole sequence, or documents "
-               "packed into it that the model's position_ids delimit (restarting at each document)")  # fmt: skip
     if key.shape[2] != length:
         refuse(f"the keys must be this rank's {length} tokens, received {key.shape[2]} (decoding with a key-value "
                "cache is not supported)")  # fmt: skip
-    window = kwargs.get("sliding_window")
-    if window is not None and window < c * length:
-        refuse(f"a sliding window of {window} tokens, shorter than the whole sequence ({c * length}), is not supported")
+    window = kwargs.get("sliding_window")  # Hugging Face's: query i sees keys i - window < j ≤ i, as the ring's
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        refuse(f"sliding_window must be None or a positive int, received {window!r}")
+    window = window if window is not None and window < c * length else None  # as long as the sequence: none
+    if window is not None and not causal:
+        refuse(f"a sliding window ({window}) without the causal mask is not supported")
+    # The model's hook refused padding; a mask built here is the model's own from the local view: the local
+    # tokens' sliding window, which the ring replaces with the global one. Anything else is refused.
+    if attention_mask is not None and window is None:
+        refuse("an attention mask is not supported: each batch row is one whole sequence, or documents packed "
+               "into it that the model's position_ids delimit (restarting at each document)")  # fmt: skip
     if dropout and module.training:
         refuse(f"attention dropout ({dropout}) is not supported")
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         refuse("logit soft-capping and position biases are not supported")
     segment_ids = kwargs.get(SEGMENT_IDS_KWARG)
-    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling, segment_ids=segment_ids)
+    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling, segment_ids=segment_ids,
+                              window=window)  # fmt: skip
     return out_BHSD.transpose(1, 2), None  # laid out [B, S, H, D] already
 
 
@@ -167,7 +190,14 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         and query.shape[1] % key.shape[1] == 0
     )
     segments = window = None
-    if kernel_ok and attention_mask is not None:
+    if kernel_ok and attention_mask is not None and query.shape[2] == 1:
+        # a decoding step over a cache longer than a sliding window: the mask holds the window's last keys,
+        # which are a slice of the cache (and keep the split-KV kernel)
+        keys = _decoding_keys(attention_mask, key.shape[2])
+        kernel_ok = keys is not None
+        if kernel_ok:
+            key, value = key[:, :, key.shape[2] - keys :], value[:, :, value.shape[2] - keys :]
+    elif kernel_ok and attention_mask is not None:
         # a sliding window shorter than the keys is in the mask Hugging Face built (it builds none for a
         # plain causal mask): the kernel runs it when the mask is exactly that window within runs of tokens
         window = kwargs.get("sliding_window")

@@ -58,7 +58,7 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp, reduce_from_tp
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
-from .attention import ParallelAttention, check_heads, check_window
+from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
 from .hf import (
     HFContextLayout,
@@ -247,8 +247,6 @@ def _context_layout(model: nn.Module, tp_group, cp_group) -> HFContextLayout | l
     if not takers:
         raise ValueError(f"parallelize: cp_group needs tessel's GPT-style attention (modules with a cp_group) or a "
                          f"Hugging Face decoder; {type(model).__name__} has neither")  # fmt: skip
-    for m in takers:  # what the ring does not compute, refused before anything changes
-        check_window("parallelize", getattr(m, "window", None), getattr(m, "causal", True), cp_group)
     return takers
 
 

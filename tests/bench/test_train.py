@@ -138,9 +138,11 @@ def test_recompute_trains_exactly_like_the_plain_run(tmp_path, layout):
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
 def test_sliding_window_run_trains_with_local_attention(tmp_path):
     """--sliding-window reaches every attention layer: the run records it, and its losses (from the first
-    step on) are not those of full causal attention over the same data and weights."""
+    step on) are not those of full causal attention over the same data and weights. Under --cp 2 (the ring
+    runs the window) the losses are the one-process run's."""
     small = ["--steps", "2", "--seq-len", "32"]
     _ok(_train(tmp_path / "plain", *small))
     _ok(_train(tmp_path / "window", *small, "--sliding-window", "4"))
@@ -148,6 +150,8 @@ def test_sliding_window_run_trains_with_local_attention(tmp_path):
     assert record["model"]["sliding_window"] == 4
     windowed, plain = _losses(tmp_path / "window"), _losses(tmp_path / "plain")
     assert len(windowed) == 2 and windowed[0] != plain[0]
+    _ok(_train(tmp_path / "cp2", *small, "--sliding-window", "4", "--cp", "2", nproc=2))
+    assert _losses(tmp_path / "cp2") == pytest.approx(windowed, rel=1e-5)
 
 
 @pytest.mark.slow

@@ -59,7 +59,6 @@ def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
         (["--cp", "2", "--seq-len", "30"], 2, "--cp 2 needs --seq-len 30 divisible by 2·cp = 4"),
         (["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"], 8, "the 18 tokens per cp rank"),
         (["--sliding-window", "0"], 1, "--sliding-window must be a positive integer, received 0"),
-        (["--sliding-window", "16", "--cp", "2"], 2, "--sliding-window needs --cp 1: ring attention (--cp 2)"),
     ],
 )
 def test_layout_and_run_checks(monkeypatch, args, world, expected):

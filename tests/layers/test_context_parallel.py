@@ -130,23 +130,15 @@ def test_four_context_parallel_ranks_match_dense():
     run_ranks(_cp_vs_dense, 4, 4, False, dict(block_size=24), timeout=300)
 
 
-def _window_refusals(rank, world_size):
-    from tessel.layers.parallelize import parallelize
-
-    solo, _, cp_group = _grid(rank, world_size, 2)
-    cfg = _config(n_layer=1, sliding_window=4)
-    with pytest.raises(ValueError, match=r"ParallelAttention: window=4 is not supported under context parallelism "
-                                         r"\(cp over 2 ranks\)"):  # fmt: skip
-        GPT(cfg, tp_group=solo, cp_group=cp_group)
-    model = GPT(cfg, tp_group=solo)
-    before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"parallelize: window=4 is not supported under context parallelism"):
-        parallelize(model, solo, cp_group=cp_group)
-    assert all(m.cp_group is None for m in model.modules() if hasattr(m, "cp_group"))  # nothing changed
-    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
-    return "ok"
-
-
 @pytest.mark.multiprocess
-def test_sliding_windows_are_refused_under_context_parallelism():
-    run_ranks(_window_refusals, 2, timeout=120)
+@pytest.mark.parametrize(
+    ("world_size", "cp", "sequence_parallel", "via_parallelize", "documents", "window"),
+    [(4, 4, False, False, True, 4), (4, 2, True, True, False, 7)],
+    ids=["cp4-documents-window4", "parallelize-cp2-tp2-sp-window7"],
+)
+def test_context_parallel_sliding_window_matches_dense(world_size, cp, sequence_parallel, via_parallelize, documents,
+                                                       window):  # fmt: skip
+    """GPTConfig.sliding_window under cp: the ring runs the window (4 ranks, chunks of 3 tokens: the blocks
+    travel one link each way), and parallelize(cp_group=) keeps the model's window."""
+    cfg = dict(block_size=24, n_layer=2, sliding_window=window)
+    run_ranks(_cp_vs_dense, world_size, cp, sequence_parallel, cfg, via_parallelize, documents, timeout=300)

@@ -296,3 +296,30 @@ def test_tessel_layers_import_without_transformers():
     code = ("import sys; sys.modules['transformers'] = None; "
             "import tessel.layers, tessel.layers.hf, tessel.layers.parallelize")  # fmt: skip
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+@needs_hf
+def test_decoding_past_a_sliding_window_runs_the_kernel_over_the_window(monkeypatch):
+    """Mistral with a window of 3, decoding past it: each step's mask holds the cache's last keys, which the
+    kernel reads as a slice of the cache; the tokens and logits are sdpa's."""
+    import tessel.kernels.attention as attention
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    lengths = []
+    kernel = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: lengths.append((q.shape[2], k.shape[2]))
+                        or kernel(q, k, v, **kw))  # fmt: skip
+    model = _model("mistral", num_hidden_layers=2, sliding_window=3).eval()
+    prompt = _batch()[0][:, :5]
+    with torch.no_grad():
+        model.set_attn_implementation("sdpa")
+        want = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                              return_dict_in_generate=True)  # fmt: skip
+        model.set_attn_implementation("tessel")
+        got = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                             return_dict_in_generate=True)  # fmt: skip
+    assert lengths[:2] == [(5, 5)] * 2 and all(q == 1 and k <= 3 for q, k in lengths[2:]) and len(lengths) == 8
+    assert torch.equal(got.sequences, want.sequences)
+    for step, (g, w) in enumerate(zip(got.logits, want.logits)):
+        _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")

@@ -1,5 +1,8 @@
 """Hugging Face Llama, Mistral and Qwen2 (tiny, random init) under context parallelism: ``parallelize(cp_group=)``.
 
+Mistral also with a sliding window shorter than the sequence (the ring runs the window, alone and within
+packed documents).
+
 Every rank builds the same dense model from one seed and parallelizes a deep copy over a (cp × tp) grid
 (tp innermost); each rank feeds its zigzag share of the batch (``split_sequence``). The logits gathered
 over the cp ranks must equal the dense model's, and every gradient summed over the cp ranks (the loss is
@@ -40,6 +43,21 @@ def _check_against_dense(dense, par, tp_group, cp_group, tag):
         _close(grad, expected, msg=lambda m, name=name: f"{tag} grad of {name}: {m}")
 
 
+def _family_model(family: str):
+    """A tiny model of ``family``; ``"mistral-windowW"`` is Mistral with ``sliding_window=W``."""
+    if family.startswith("mistral-window"):
+        return _model("mistral", sliding_window=int(family.removeprefix("mistral-window")))
+    return _model(family, kv_heads=2)
+
+
+def _ring_links(family: str, cp: int, seq_len: int) -> int:
+    """The links the ring's key/value blocks travel in one attention call (fewer under a short window)."""
+    from tessel.parallel.context import _ring_plan
+
+    window = int(family.removeprefix("mistral-window")) if family.startswith("mistral-window") else None
+    return sum(_ring_plan(cp, 0, True, seq_len // (2 * cp), window).hops)
+
+
 def _shifted(ids):
     """Labels shifted left by one over the whole sequence, -100 (ignored) after the last token."""
     return torch.cat([ids[:, 1:], torch.full_like(ids[:, :1], -100)], dim=1)
@@ -52,21 +70,23 @@ def _grid_vs_dense(rank, world_size, cp, families, sp_options, kv_heads):
     _, tp_group, cp_group = _grid(rank, world_size, cp)
     for family in families:
         for sp in sp_options:
-            dense = _model(family, kv_heads=kv_heads)
+            dense = _family_model(family) if kv_heads == 2 else _model(family, kv_heads=kv_heads)
             par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp)
             assert par.config._attn_implementation == "tessel"
             with record_events() as log:
                 _check_against_dense(dense, par, tp_group, cp_group, f"{family} cp={cp} sp={sp}")
-            # the ring ran in every layer: c-1 key/value sends forward and again backward, in each of 2 layers
+            # the ring ran in every layer: c-1 key/value sends forward and again backward (fewer under a
+            # window shorter than the sequence), in each of 2 layers
             sends = [e for e in log.events if e[:2] == ("send", "ring_attention")]
-            assert len(sends) == 2 * 2 * (cp - 1), log.events
+            assert len(sends) == 2 * 2 * _ring_links(family, cp, S), log.events
     return "ok"
 
 
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
-    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2"), (False,), 2, timeout=300, env=REFERENCE_KERNELS)
+    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "mistral-window3"), (False,), 2, timeout=300,
+              env=REFERENCE_KERNELS)  # fmt: skip
 
 
 @pytest.mark.multiprocess
@@ -79,7 +99,9 @@ def test_hf_models_under_context_and_tensor_parallelism_match_dense_on_four_rank
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_model_on_four_context_parallel_ranks_matches_dense():
-    run_ranks(_grid_vs_dense, 4, 4, ("llama",), (False,), 2, timeout=300, env=REFERENCE_KERNELS)
+    # Mistral's window of 2 over chunks of one token: the blocks travel one link each way, not round the ring
+    assert _ring_links("mistral-window2", 4, S) == 2
+    run_ranks(_grid_vs_dense, 4, 4, ("llama", "mistral-window2"), (False,), 2, timeout=300, env=REFERENCE_KERNELS)
 
 
 def _loss_and_refusals(rank, world_size):
@@ -131,20 +153,25 @@ def _loss_and_refusals(rank, world_size):
     padding[0, 0] = 0
     with pytest.raises(
         ValueError,
-        match="LlamaAttention under context parallelism over 2 ranks: an attention mask "
-        r"\(padding\) is not supported",
+        match="LlamaModel under context parallelism over 2 ranks: an attention mask "
+        r"\(padding\) is not supported.* received a 2-D mask of shape \[2, 4\] masking some tokens",
     ):
         par(local, attention_mask=padding)
+    four_d = torch.ones(B, 1, S // 2, S // 2, dtype=torch.bool)
+    with pytest.raises(ValueError, match=r"\(padding\) is not supported.* received a 4-D mask of shape \[2, 1, 4, 4\]"):
+        par(local, attention_mask=four_d)
+    # a Mistral whose window is shorter than a rank's tokens builds a local sliding-window mask itself:
+    # the ring runs the global window instead (checked against the dense model in _grid_vs_dense)
+    short = parallelize(_model("mistral", sliding_window=2), tp_group, cp_group=cp_group)
+    with torch.no_grad():
+        assert torch.isfinite(short(local).logits).all()
     with pytest.raises(ValueError, match="its length must be even, received 3"):
         par(local[:, :3])
     with torch.no_grad():
         cache = par(local, use_cache=True).past_key_values
         with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks"):
             par(local[:, :2], past_key_values=cache)
-    windowed = parallelize(_model("mistral", sliding_window=S - 2), tp_group, cp_group=cp_group)
-    with pytest.raises(ValueError, match=f"a sliding window of {S - 2} tokens, shorter than the whole sequence \\({S}"):
-        windowed(local)
-    # ... and a window as long as the sequence is no window at all
+    # a window as long as the sequence is no window at all (shorter ones: _grid_vs_dense)
     wide = _model("mistral", sliding_window=S)
     _check_against_dense(wide, parallelize(copy.deepcopy(wide), tp_group, cp_group=cp_group), tp_group, cp_group,
                          "mistral window=S")  # fmt: skip
@@ -202,7 +229,7 @@ def _packed_vs_dense(rank, world_size, cp, families, sequence_parallel=False, re
         "offset": torch.arange(5, 5 + PACKED_S)[None],
     }
     for family in families:
-        dense = _model(family)
+        dense = _family_model(family)
         par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sequence_parallel)
         if recompute:  # each recomputed layer must get the documents again
             par.gradient_checkpointing_enable()
@@ -236,8 +263,8 @@ def _packed_vs_dense(rank, world_size, cp, families, sequence_parallel=False, re
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_packed_documents_under_context_parallelism_match_dense_on_two_ranks():
-    run_ranks(_packed_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "qwen3", "gemma"), timeout=300,
-              env=REFERENCE_KERNELS)  # fmt: skip
+    families = ("llama", "mistral", "qwen2", "qwen3", "gemma", "mistral-window5")  # the window within documents
+    run_ranks(_packed_vs_dense, 2, 2, families, timeout=300, env=REFERENCE_KERNELS)
     run_ranks(_packed_vs_dense, 2, 2, ("llama",), False, True, timeout=300, env=REFERENCE_KERNELS)  # recompute
 
 
