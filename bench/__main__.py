@@ -25,12 +25,14 @@ from .overlap import run_overlap_suite
 from .pipeline import run_pipeline_suite
 from .runner import environment, report
 from .summary import write_summary
+from .window import run_window_suite
 
 __all__ = ["SUITES", "main"]
 
 SUITES = {
     "matmul": run_matmul_suite,
     "attention": run_attention_suite,
+    "window": run_window_suite,
     "decode": run_decode_suite,
     "adam": run_adam_suite,
     "overlap": run_overlap_suite,
