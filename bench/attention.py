@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from ..kernels.attention import flash_attention
 from .matmul import BenchmarkError, max_rel_error
-from .runner import geomean_rows, peak_tflops, time_fn
+from .runner import geomean_rows, suite_device, time_fn
 
 __all__ = [
     "ATTENTION_SHAPES_CPU",
@@ -196,10 +196,7 @@ def run_attention_suite(dtype: torch.dtype | None = None, quick: bool = False) -
     ``dtype`` defaults to bf16 on CUDA and fp32 on a CPU. ``quick`` keeps the core shapes and, on a
     CPU, times one call instead of three.
     """
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-    peak = peak_tflops(torch.cuda.get_device_name(), dtype) if cuda else None
+    cuda, device, dtype, peak = suite_device(dtype)
     backend = sdpa_backend(dtype, cuda)
     rows = []
     for shape in attention_shapes(cuda, quick):

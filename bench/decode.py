@@ -36,7 +36,7 @@ from ..kernels._dispatch import backend_for
 from ..kernels.attention import _split_kv_plan, flash_attention
 from .attention import tolerance
 from .matmul import BenchmarkError, max_rel_error
-from .runner import geomean, time_fn
+from .runner import geomean, suite_device, time_fn
 
 __all__ = [
     "COLUMNS",
@@ -139,9 +139,7 @@ def run_decode_suite(dtype: torch.dtype | None = None, quick: bool = False) -> l
     ``dtype`` defaults to bf16 on CUDA and fp32 on a CPU. ``quick`` keeps the core shapes and, on a
     CPU, times one call instead of three.
     """
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    cuda, device, dtype, _ = suite_device(dtype)
     rows = []
     for shape in decode_shapes(cuda, quick):
         q, k, v = make_inputs(shape, dtype, device)

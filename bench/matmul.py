@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.matmul import last_program, matmul
-from .runner import geomean_rows, peak_tflops, time_fn
+from .runner import geomean_rows, suite_device, time_fn
 from .shapes import MatmulShape, matmul_shapes
 
 try:  # progress bars come with the ``bench`` extra; the suite runs the same without them
@@ -136,10 +136,7 @@ def run_matmul_suite(dtype: torch.dtype | None = None, quick: bool = False) -> l
     ``dtype`` defaults to bf16 on CUDA and fp32 on a CPU (the interpreter computes dots in fp32
     anyway). ``quick`` keeps only the core shapes and, on a CPU, times one call instead of three.
     """
-    cuda = torch.cuda.is_available()
-    device = "cuda" if cuda else "cpu"
-    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
-    peak = peak_tflops(torch.cuda.get_device_name(), dtype) if cuda else None
+    cuda, device, dtype, peak = suite_device(dtype)
     rows = []
     for shape in _progress(list(matmul_shapes(cuda, quick)), "matmul"):
         cases = matmul_cases(*make_inputs(shape, dtype, device))

@@ -35,6 +35,7 @@ __all__ = [
     "peak_tflops",
     "print_table",
     "report",
+    "suite_device",
     "synced",
     "time_fn",
     "write_results",
@@ -100,6 +101,15 @@ def geomean_rows(rows: Sequence[dict], columns: Sequence[str], key: str, groups:
          "tessel/torch": geomean([r["tessel/torch"] for r in rows if r[key] == group])}
         for group in groups
     ]  # fmt: skip
+
+
+def suite_device(dtype: torch.dtype | None) -> tuple[bool, str, torch.dtype, float | None]:
+    """``(cuda, device, dtype, peak)`` of a suite's run: the GPU when there is one, ``dtype`` defaulting to
+    bf16 there and to fp32 on a CPU (the interpreter computes dots in fp32 anyway), and the dense peak
+    TFLOP/s of that dtype on that GPU (None on a CPU or an unknown GPU)."""
+    cuda = torch.cuda.is_available()
+    dtype = dtype or (torch.bfloat16 if cuda else torch.float32)
+    return cuda, "cuda" if cuda else "cpu", dtype, peak_tflops(torch.cuda.get_device_name(), dtype) if cuda else None
 
 
 def peak_tflops(device: str, dtype: torch.dtype) -> float | None:
