@@ -39,10 +39,11 @@ def _check_num_splits(num_splits) -> None:
     _check_count("flash_attention", "num_splits", num_splits)
 
 
-def _check_window(name: str, window, causal: bool) -> None:
-    _check_count(name, "window", window)
+def _check_window(name: str, window, causal: bool, arg: str = "window") -> None:
+    """Raise unless ``window`` (argument ``arg``) is None, or an int of at least 1 with ``causal``."""
+    _check_count(name, arg, window)
     if window is not None and not causal:
-        raise ValueError(f"{name}: window={window} needs causal=True (a query sees the window of keys up to its own)")
+        raise ValueError(f"{name}: {arg}={window} needs causal=True (a query sees the window of keys up to its own)")
 
 
 def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:

@@ -24,6 +24,7 @@ from torch import nn
 
 from ..kernels._memo import kept_on
 from ..kernels.attention import flash_attention
+from ..kernels.attention_inputs import _check_window
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import ring_attention, zigzag_positions
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -47,13 +48,9 @@ def context_size(cp_group) -> int:
 
 
 def check_window(name: str, window, causal: bool, arg: str = "window") -> None:
-    """Raise unless ``window`` is None or a positive int with ``causal``."""
-    if window is None:
-        return
-    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"{name}: {arg} must be None or a positive int, received {window!r}")
-    if not causal:
-        raise ValueError(f"{name}: {arg}={window} needs causal attention")
+    """Raise unless ``window`` is None, or an int of at least 1 with ``causal`` (as flash attention checks it):
+    a TypeError for another type, a ValueError for another value."""
+    _check_window(name, window, causal, arg)
 
 
 def check_heads(name: str, n_head: int, n_kv_head: int, tp_size: int) -> None:
