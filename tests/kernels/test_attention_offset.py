@@ -5,8 +5,9 @@ kernels on a block of queries that starts ``o`` places after its block of keys: 
 key ``j`` when ``j ≤ i + o`` (causal) and ``i + o - j < W`` (a window). ``_block_forward`` and
 ``_block_backward`` take that ``offset``; by default it is ``Sk - Sq`` (the bottom-right aligned mask).
 
-Checked against a float64 softmax whose mask is built here from the two conditions, element by element,
-with gradients through autograd; rows that see no key give 0 and ``lse = -inf``.
+Checked against a float64 softmax whose mask spells the conditions out over the block's indices, with
+gradients through autograd; rows that see no key give 0 and ``lse = -inf``. A bf16 case at D=128 runs
+on CUDA (``-m gpu``).
 """
 
 import math
@@ -21,18 +22,19 @@ from tests.kernels.test_attention import assert_close, assert_lse_close, make_qk
 
 
 def offset_reference(q, k, v, causal, window, offset, grad_out, q_ids=None, k_ids=None):
-    """float64 out, lse, dq, dk, dv with the mask of ``offset`` (and of equal segment numbers), built pair by pair."""
+    """float64 out, lse, dq, dk, dv with the mask of ``offset`` (and of equal segment numbers) spelled out:
+    query i sees key j when j ≤ i + offset (causal), i + offset - j < window, and their ids are equal."""
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
-    b, sq, sk, d = q.shape[0], q.shape[2], k.shape[2], q.shape[3]
-    keep = torch.ones(b, 1, sq, sk, dtype=torch.bool)
-    for i in range(sq):
-        for j in range(sk):
-            if causal and j > i + offset:
-                keep[:, :, i, j] = False
-            if window is not None and i + offset - j >= window:
-                keep[:, :, i, j] = False
-            if q_ids is not None:
-                keep[:, 0, i, j] &= q_ids[:, i] == k_ids[:, j]
+    sq, sk, d = q.shape[2], k.shape[2], q.shape[3]
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    keep = torch.ones(sq, sk, dtype=torch.bool)
+    if causal:
+        keep &= j <= i + offset
+    if window is not None:
+        keep &= i + offset - j < window
+    keep = keep.expand(q.shape[0], 1, sq, sk)
+    if q_ids is not None:
+        keep = keep & (q_ids[:, None, :, None] == k_ids[:, None, None, :])
     group = q.shape[1] // k.shape[1]
     kk, vv = k64.repeat_interleave(group, 1), v64.repeat_interleave(group, 1)
     scores = (q64 @ kk.transpose(-1, -2) / math.sqrt(d)).masked_fill(~keep, float("-inf"))
@@ -119,3 +121,23 @@ def test_offsets_with_the_segments_of_two_blocks(seed, deterministic):
                 assert_lse_close(g, w, f"offset {offset} window {window} lse")
             else:
                 assert_close(g, w, torch.float32, f"offset {offset} window {window} {name}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("deterministic", [True, False], ids=["dq-kernel", "atomic-dq"])
+def test_offsets_in_bf16_on_cuda(seed, deterministic):
+    """D=128 over blocks of ring-attention size: a query block 512 tokens after its key block, windows across
+    it, and the documents of two blocks, against the float64 reference."""
+    q, k, v = make_qkv("gqa", 300, 128, torch.bfloat16, device="cuda", sk=280)
+    grad_out = torch.randn(q.shape, device="cuda").bfloat16()
+    q_ids = torch.repeat_interleave(torch.tensor([[4, 5, 6], [2, 2, 2]]), torch.tensor([100, 150, 50]), dim=1)
+    k_ids = torch.repeat_interleave(torch.tensor([[3, 4, 5], [2, 2, 2]]), torch.tensor([60, 120, 100]), dim=1)
+    for offset, window, ids in ((512, 700, None), (300, 400, (q_ids, k_ids)), (0, 64, None)):
+        segments = None if ids is None else _cross_segment_bounds(*(t.cuda() for t in ids))
+        got = block_with_grads(q, k, v, True, window, offset, grad_out, deterministic, segments)
+        want = offset_reference(q.cpu(), k.cpu(), v.cpu(), True, window, offset, grad_out.cpu(), *(ids or ()))
+        for name, g, w in zip(("out", "lse", "dq", "dk", "dv"), got, want):
+            if name == "lse":
+                assert_lse_close(g.cpu(), w, f"offset {offset} lse")
+            else:
+                assert_close(g.cpu(), w, torch.bfloat16, f"offset {offset} window {window} {name}")
