@@ -282,11 +282,13 @@ def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, plan: _Plan):
     the step works on; each stream's next block is in flight while the caller works on this one."""
     kv = torch.stack((k, v))  # keys and values travel as one message
     index = {(step.direction, step.hop): i for i, step in enumerate(plan.steps)}
+    both = all(plan.hops)  # two streams start from the own block: neither may receive into it
     held, spare, handle = {}, {}, {}
 
     def send_on(direction: int, hop: int) -> None:  # the stream's block to r+direction; the next one in
         if (direction, hop + 1) in index:
-            spare[direction] = torch.empty_like(kv) if direction not in spare else spare[direction]
+            if spare.get(direction) is None:
+                spare[direction] = torch.empty_like(kv)
             handle[direction] = ring_exchange(held[direction], spare[direction], group, direction)
             record_event("send", OP, index[(direction, hop + 1)])
 
@@ -298,7 +300,9 @@ def _kv_ring(k: torch.Tensor, v: torch.Tensor, group, plan: _Plan):
         else:
             handle.pop(step.direction).wait()
             record_event("wait", OP, i)
-            held[step.direction], spare[step.direction] = spare[step.direction], held[step.direction]
+            done = held[step.direction]  # sent on and waited for: free, unless the other stream still sends it
+            held[step.direction] = spare[step.direction]
+            spare[step.direction] = None if both and done is kv else done
             send_on(step.direction, step.hop)
         if step.pairs:
             record_event("gemm", OP, i)

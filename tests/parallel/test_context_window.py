@@ -102,7 +102,7 @@ def _links(c: int, h: int, window: int) -> int:
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 4, 6])
 def test_windowed_ring_matches_the_whole_sequence_and_moves_only_the_route(world_size):
     h = 5
     s = 2 * world_size * h
@@ -114,8 +114,8 @@ def test_windowed_ring_matches_the_whole_sequence_and_moves_only_the_route(world
         per_rank = [got[i] for got in results]
         _check_against_whole(per_rank, "gqa", s, True, torch.float32, window=window)
         links = _links(world_size, h, window)
-        if world_size == 4:
-            assert links == {1: 0, 4: 2, 7: 3, 13: 3}[window]
+        if world_size > 2:  # 6 ranks, W=7: two links each way, each block relayed once on its way
+            assert links == {4: {1: 0, 4: 2, 7: 3, 13: 3}, 6: {1: 0, 4: 2, 7: 4, 13: 5}}[world_size][window]
         for rank, got in enumerate(per_rank):
             assert got["fwd_bytes"] == (links * kv_bytes,) * 2
             assert got["bwd_bytes"] == (links * 2 * kv_bytes,) * 2  # keys and values, and their accumulators
@@ -123,7 +123,8 @@ def test_windowed_ring_matches_the_whole_sequence_and_moves_only_the_route(world
             # blocks that only pass through it)
             busy = _busy_transfers(world_size, rank, h, window)
             assert len(busy) == links and _overlapping(got["fwd"], "ring_attention") == busy
-            if window in (1, 4):  # the two-stream routes: every rank computes on every block it receives
+            if window in (1, 4) or (world_size, window) == (6, 7):  # the two-stream routes: every rank computes
+                # on every block it receives
                 assert all(busy.values())
 
 
