@@ -10,6 +10,9 @@ The kernel takes:
 - one query over a key-value cache (a decoding step sees every cached key, ``None`` as well; past a
   sliding window the mask holds the cache's last ``W`` keys, checked once per forward, and the kernel
   reads them as a slice of the cache);
+- several queries over a cache (a prefill chunk, speculative tokens): Hugging Face's mask is then the
+  causal mask aligned to the queries' positions, which is the kernel's bottom-right aligned one (in a
+  sliding window if the module has one); checked entry by entry, once per forward;
 - packed sequences: documents concatenated into one row, their ``position_ids`` restarting at each
   document, as ``DataCollatorWithFlattening`` and padding-free trainers produce them. Hugging Face
   builds a boolean ``[B, 1, S, S]`` mask for those; :func:`mask_segments` recognises one that is
@@ -21,9 +24,8 @@ The kernel takes:
   sequence, with or without packed documents: the mask is checked against the window as well, and the
   kernel runs with ``window=``, reading only the key blocks inside each query block's windows.
 
-Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, several queries over a
-cache, attention dropout in training, soft-capping and position biases, and head dims or dtypes the
-kernel does not take.
+Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, attention dropout in
+training, soft-capping and position biases, and head dims or dtypes the kernel does not take.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
 :func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).
@@ -109,6 +111,22 @@ def _decoding_keys(mask, sk: int) -> int | None:
     return kept_on(mask, ("decoding_keys", sk), lambda: _read_decoding_keys(mask[:, 0, 0], sk))
 
 
+def _is_cache_mask(mask, sq: int, sk: int, window: int | None) -> bool:
+    """Whether the boolean mask ``[B or 1, 1, sq, sk]`` of queries at the last ``sq`` of ``sk`` positions is
+    the causal mask aligned to them, ``j ≤ i + sk - sq`` (flash attention's), within ``window`` if one is
+    given, in every batch row (no padding). Read once per forward: kept on the mask."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape[1:]) != (1, sq, sk):
+        return False
+
+    def read() -> bool:
+        i = torch.arange(sq, device=mask.device)[:, None] + (sk - sq)  # the queries' positions among the keys
+        j = torch.arange(sk, device=mask.device)[None, :]
+        want = (j <= i) & (i - j < window) if window is not None else j <= i
+        return bool((mask == want).all())
+
+    return kept_on(mask, ("cache_mask", sq, sk, window), read)
+
+
 def _read_decoding_keys(rows: torch.Tensor, sk: int) -> int | None:
     n = int(rows[0].sum())
     last = torch.arange(sk, device=rows.device) >= sk - n
@@ -181,7 +199,8 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         return _ring_attention_forward(module, query, key, value, attention_mask, dropout, scaling, causal, cp_group,
                                        kwargs)  # fmt: skip
     kernel_ok = (
-        (query.shape[2] == key.shape[2] or query.shape[2] == 1)
+        # several queries over a cache need the mask (Hugging Face's is top-left aligned without one)
+        (query.shape[2] == key.shape[2] or query.shape[2] == 1 or attention_mask is not None)
         and not (dropout and module.training)
         and kwargs.get("position_bias") is None
         and kwargs.get("softcap") is None
@@ -203,8 +222,10 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         window = kwargs.get("sliding_window")
         bites = isinstance(window, int) and not isinstance(window, bool) and 0 < window < key.shape[2] and causal
         window = window if bites else None
-        exact, segments = (mask_segments(attention_mask, causal, window) if query.shape[2] == key.shape[2]
-                           else (False, None))  # fmt: skip
+        if query.shape[2] == key.shape[2]:
+            exact, segments = mask_segments(attention_mask, causal, window)
+        else:  # several queries over a cache (a prefill chunk, speculative tokens): the last Sq positions
+            exact = causal and _is_cache_mask(attention_mask, query.shape[2], key.shape[2], window)
         kernel_ok = exact and (segments is None or segments.shape[0] in (1, query.shape[0]))
     if not kernel_ok:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward

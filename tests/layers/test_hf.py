@@ -323,3 +323,43 @@ def test_decoding_past_a_sliding_window_runs_the_kernel_over_the_window(monkeypa
     assert torch.equal(got.sequences, want.sequences)
     for step, (g, w) in enumerate(zip(got.logits, want.logits)):
         _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")
+
+
+@needs_hf
+@pytest.mark.parametrize("family, kw", [("llama", {}), ("mistral", dict(sliding_window=3))], ids=["llama", "window"])
+def test_queries_over_a_cache_run_the_kernel(monkeypatch, family, kw):
+    """A chunk of 3 tokens after a cached prompt of 5 (chunked prefill, speculative tokens): Hugging Face's
+    mask is the causal mask aligned to the chunk's positions (in Mistral's window), which the kernel runs
+    with its bottom-right causal mask; a padded prompt's mask is not, and goes to sdpa."""
+    import tessel.kernels.attention as attention
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    calls = []
+    kernel = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: calls.append((q.shape[2], k.shape[2],
+                        kw.get("window"))) or kernel(q, k, v, **kw))  # fmt: skip
+    model = _model(family, num_hidden_layers=2, **kw).eval()
+    ids = _batch()[0]
+    logits = {}
+    with torch.no_grad():
+        for impl in ("sdpa", "tessel"):
+            model.set_attn_implementation(impl)
+            cache = model(ids[:, :5], use_cache=True).past_key_values
+            logits[impl] = model(ids[:, 5:8], past_key_values=cache, use_cache=True).logits
+    window = kw.get("sliding_window")
+    # Mistral's cache keeps only the window's last keys: the chunk sees 2 cached ones and itself
+    assert calls == [(5, 5, window)] * 2 + [(3, 8 if window is None else 5, window)] * 2
+    _close(logits["tessel"], logits["sdpa"])
+    # a padded batch's chunk: where its mask hides the padding from the chunk, sdpa computes it (Mistral's
+    # window of 3 has left the padding behind: the mask is the plain window again)
+    mask = torch.ones(B, 8, dtype=torch.long)
+    mask[0, 0] = 0
+    for impl in ("sdpa", "tessel"):
+        model.set_attn_implementation(impl)
+        calls.clear()
+        with torch.no_grad():
+            cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).past_key_values
+            logits[impl] = model(ids[:, 5:8], attention_mask=mask, past_key_values=cache, use_cache=True).logits
+    assert [c[0] for c in calls] == ([] if window is None else [3, 3])
+    _close(logits["tessel"], logits["sdpa"])
