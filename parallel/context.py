@@ -230,14 +230,15 @@ def _ring_plan(c: int, rank: int, causal: bool, h: int, window: int | None) -> _
     the ring (a window over a good part of the sequence), the one stream round the ring it is."""
     if window is not None and window >= 2 * c * h:
         window = None
-    needs = [(other, src) for other in range(c) for src in range(c) if src != other
-             and _pairs(c, other, src, causal, h, window)]  # fmt: skip
-    forward = [(other - src) % c for other, src in needs]  # the links to it along each stream
-    backward = [(src - other) % c for other, src in needs]
-    hops = (max((f for f, b in zip(forward, backward) if f <= b), default=0),
-            max((b for f, b in zip(forward, backward) if b < f), default=0))  # fmt: skip
-    if sum(hops) >= c - 1:
-        hops = (c - 1, 0)
+    hops = (c - 1, 0)
+    if window is not None:
+        needs = [(other, src) for other in range(c) for src in range(c) if src != other
+                 and _window_pairs(c, other, src, h, window)]  # fmt: skip
+        forward = [(other - src) % c for other, src in needs]  # the links to it along each stream
+        backward = [(src - other) % c for other, src in needs]
+        streams = (max((f for f, b in zip(forward, backward) if f <= b), default=0),
+                   max((b for f, b in zip(forward, backward) if b < f), default=0))  # fmt: skip
+        hops = streams if sum(streams) < c - 1 else hops
     steps = [_Step(rank, 0, 0, _pairs(c, rank, rank, causal, h, window))]
     for hop in range(1, max(hops) + 1):
         for direction, count in zip((1, -1), hops):
