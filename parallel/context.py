@@ -175,19 +175,31 @@ def _window_pairs(c: int, rank: int, src: int, h: int, window: int) -> list[_Pai
     each pair lies at its own distance along the sequence. Chunk ``a`` of queries and ``b`` of keys
     (global chunk numbers, ``a ≥ b``) start ``o = (a-b)·h`` tokens apart: a pair whose nearest tokens
     (``o - h + 1`` apart) are ``window`` or more apart is skipped; one whose farthest (``o + h - 1``)
-    are closer needs no mask; the rest run with the window and the diagonal at ``o``."""
-    pairs = []
-    chunks = lambda owner: ((slice(0, h), owner), (slice(h, None), 2 * c - 1 - owner))
-    for rows, a in chunks(rank):
-        for cols, b in chunks(src):
+    are closer needs no mask (and shares one call with its neighbour when that needs none either); the
+    rest run with the window and the diagonal at ``o``."""
+    halves = (slice(0, h), slice(h, None))
+    pairs, unmasked = [], set()
+    for qi, a in enumerate((rank, 2 * c - 1 - rank)):
+        for ki, b in enumerate((src, 2 * c - 1 - src)):
             if b > a or (a - b) * h - h + 1 >= window:
                 continue
             if a == b:  # the chunk itself (step 0): the window along its own diagonal, if shorter than the chunk
-                pairs.append(_Pair(rows, cols, True, window if window < h else None, None, True))
+                pairs.append(_Pair(halves[qi], halves[ki], True, window if window < h else None, None, True))
             elif (a - b) * h + h - 1 < window:
-                pairs.append(_Pair(rows, cols, False))
+                unmasked.add((qi, ki))
             else:
-                pairs.append(_Pair(rows, cols, True, window, (a - b) * h))
+                pairs.append(_Pair(halves[qi], halves[ki], True, window, (a - b) * h))
+    # pairs that need no mask and share their rows (or keys) run as one call, as the plain ring's steps do
+    everything = slice(None)
+    for qi in (0, 1):
+        if {(qi, 0), (qi, 1)} <= unmasked:
+            unmasked -= {(qi, 0), (qi, 1)}
+            pairs.append(_Pair(halves[qi], everything, False))
+    for ki in (0, 1):
+        if {(0, ki), (1, ki)} <= unmasked:
+            unmasked -= {(0, ki), (1, ki)}
+            pairs.append(_Pair(everything, halves[ki], False))
+    pairs += [_Pair(halves[qi], halves[ki], False) for qi, ki in sorted(unmasked)]
     return sorted(pairs, key=lambda pair: not pair.first)  # the rows' first results before any merge
 
 

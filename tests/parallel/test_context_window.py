@@ -78,6 +78,20 @@ def test_pairs_outside_every_window_are_skipped():
         assert all(pair.window in (None, 5) for step in plan.steps for pair in step.pairs)
 
 
+def test_pairs_inside_the_window_share_calls():
+    """A window just short of the sequence: on every step but the own block's, the pairs that need no mask run
+    as one call per shared chunk, as the plain ring's steps do, beside the one pair the window cuts."""
+    from tessel.parallel.context import _ring_plan
+
+    c, h = 4, 5
+    for rank in range(c):
+        plan = _ring_plan(c, rank, True, h, 2 * c * h - 1)
+        assert plan.hops == (c - 1, 0)
+        for step in plan.steps[1:]:
+            unmasked = [pair for pair in step.pairs if not pair.causal]
+            assert len(unmasked) == 1 and len(step.pairs) <= 2, step
+
+
 def _windows_rank(rank, world_size, s, windows, ids=None, dtype=torch.float32, deterministic=True):
     return [_ring_rank(rank, world_size, "gqa", s, True, dtype, deterministic, False, ids, w) for w in windows]
 
