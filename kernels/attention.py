@@ -517,7 +517,10 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
             attention as in Mistral and Gemma 2, query ``i`` attending to the ``W`` latest keys up to its
             own, ``i + (Sk - Sq) - W < j ≤ i + (Sk - Sq)`` (Hugging Face's ``sliding_window``). Each query
             block reads only the key blocks of its rows' windows, so the work grows with ``S · W``
-            rather than with ``S²``. Combines with ``segment_ids``; runs the one-pass kernel.
+            rather than with ``S²``. Combines with ``segment_ids``; runs the one-pass kernel, except
+            for one query (a decoding step): it sees the last ``W`` keys and nothing else, which are
+            then read as a slice without a mask, and ``num_splits`` (split-KV) applies as without a
+            window.
 
     Returns:
         ``out [B, Hq, Sq, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
@@ -541,6 +544,10 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
         raise ValueError(f"flash_attention: segment_ids run the one-pass kernel; num_splits must be None or 1, "
                          f"received {num_splits}")  # fmt: skip
     _check_window("flash_attention", window, causal)
+    if window is not None and q.shape[2] == 1 and segment_ids is None:
+        # one query's window is the last W keys: a slice, and no mask (the split-KV kernel takes it)
+        first = max(k.shape[2] - window, 0)
+        k, v, window = k[:, :, first:], v[:, :, first:], None
     if window is not None and num_splits not in (None, 1):
         raise ValueError(f"flash_attention: a window runs the one-pass kernel; num_splits must be None or 1, "
                          f"received {num_splits}")  # fmt: skip

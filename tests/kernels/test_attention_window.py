@@ -196,3 +196,26 @@ def test_sliding_window_in_bf16_on_cuda(seed):
     for deterministic in (True, False):
         check(kernel_with_grads(q, k, v, 256, grad_out, deterministic), want, torch.bfloat16,
               f"deterministic={deterministic}")  # fmt: skip
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 3])
+def test_one_query_reads_its_window_as_a_slice(seed, monkeypatch, num_splits):
+    """A decoding step (one query over a cache of 70 keys, a window of 20): the kernel gets the last 20 keys
+    with no window, so split-KV applies; out, lse and the gradients (zero for the keys outside) are exact."""
+    import tessel.kernels.attention as attention
+
+    seen = []
+    forward = attention._forward
+    monkeypatch.setattr(attention, "_forward", lambda q, k, v, *a: seen.append((k.shape[2], a[-2], a[-1])) or
+                        forward(q, k, v, *a))  # fmt: skip
+    q, k, v = make_qkv("gqa", 1, 32, torch.float32, sk=70)
+    grad_out = torch.randn(q.shape)
+    q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
+    out, lse = flash_attention(q_, k_, v_, True, return_lse=True, window=20, num_splits=num_splits)
+    (out * grad_out).sum().backward()
+    assert seen == [(20, None, None)]  # 20 keys, no segments, no window
+    check((out.detach(), lse.detach(), q_.grad, k_.grad, v_.grad), window_reference(q, k, v, 20, grad_out),
+          torch.float32, f"num_splits={num_splits}")  # fmt: skip
+    assert torch.equal(k_.grad[:, :, :50], torch.zeros_like(k_.grad[:, :, :50]))
+    # a window longer than the cache is no window at all
+    assert torch.equal(flash_attention(q, k, v, True, window=500), flash_attention(q, k, v, True))
