@@ -18,6 +18,7 @@ through Triton's interpreter and the timings are not performance numbers.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -143,9 +144,21 @@ def window_cases(q, k, v, grad_out, shape: WindowShape, torch_attention: Callabl
     }
 
 
-def torch_window_attention(shape: WindowShape, cuda: bool, device: str) -> tuple[str, Callable]:
-    """``(name, fn(q, k, v))`` of torch's side: FlexAttention on CUDA where torch has it, masked SDPA otherwise."""
+def torch_window_attention(shape: WindowShape, cuda: bool, device: str, probe=None) -> tuple[str, Callable]:
+    """``(name, fn(q, k, v))`` of torch's side: FlexAttention on CUDA where torch has it, masked SDPA otherwise.
+
+    ``probe``: ``(q, k, v, grad_out)`` to run FlexAttention's forward and backward on once first (its
+    compilation); if that fails, the row says so and torch's side is masked SDPA.
+    """
     flex = _flex_fn(shape, device) if cuda else None
+    if flex is not None and probe is not None:
+        q, k, v, grad_out = probe
+        try:
+            torch.autograd.grad(flex(q, k, v), (q, k, v), grad_out)
+        except Exception as exc:  # any compiler failure: time torch's other sliding window instead
+            print(f"window suite: FlexAttention failed ({type(exc).__name__}: {exc}); timing masked SDPA instead",
+                  file=sys.stderr)  # fmt: skip
+            return "sdpa-mask (flex failed)", _masked_sdpa_fn(shape, device)
     return ("flex", flex) if flex is not None else ("sdpa-mask", _masked_sdpa_fn(shape, device))
 
 
@@ -161,7 +174,7 @@ def run_window_suite(dtype: torch.dtype | None = None, quick: bool = False) -> l
     rows = []
     for shape in window_shapes(cuda, quick):
         q, k, v, grad_out = make_inputs(shape, dtype, device)
-        impl, torch_attention = torch_window_attention(shape, cuda, device)
+        impl, torch_attention = torch_window_attention(shape, cuda, device, (q, k, v, grad_out))
         for pass_, (tessel_fn, torch_fn, causal_fn) in window_cases(q, k, v, grad_out, shape, torch_attention).items():
             name = f"{shape.label} {pass_} window={shape.window}"
             err = check_case(name, (tessel_fn, torch_fn), dtype, cuda)

@@ -54,3 +54,22 @@ def test_a_wrong_window_stops_the_suite(monkeypatch, wrong_pass):
     monkeypatch.setattr(window_bench, "flash_attention", off)
     with pytest.raises(BenchmarkError, match=re.escape(f"attention suite: tiny-w16 {wrong_pass} window=16")):
         run_window_suite(torch.float32, quick=True)
+
+
+def test_a_failing_flex_attention_falls_back_to_masked_sdpa(monkeypatch, capsys):
+    """On CUDA torch's side is FlexAttention, compiled on a first forward and backward; if that fails the
+    suite times masked SDPA and the rows say so (here with a stand-in FlexAttention on the CPU)."""
+    shape = window_bench.WindowShape("x", 1, 2, 24, 16, 5)
+    probe = window_bench.make_inputs(shape, torch.float32, "cpu")
+
+    def broken(q, k, v):
+        raise RuntimeError("no compiler")
+
+    monkeypatch.setattr(window_bench, "_flex_fn", lambda shape, device: broken)
+    impl, fn = window_bench.torch_window_attention(shape, True, "cpu", probe)
+    assert impl == "sdpa-mask (flex failed)" and "RuntimeError: no compiler" in capsys.readouterr().err
+    want = window_bench.flash_attention(*probe[:3], causal=True, window=5)
+    torch.testing.assert_close(fn(*probe[:3]), want)
+    masked = window_bench._masked_sdpa_fn(shape, "cpu")
+    monkeypatch.setattr(window_bench, "_flex_fn", lambda shape, device: masked)
+    assert window_bench.torch_window_attention(shape, True, "cpu", probe)[0] == "flex"
