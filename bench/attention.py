@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from ..kernels.attention import flash_attention
 from .matmul import BenchmarkError, max_rel_error
 from .runner import geomean_rows, suite_device, time_fn
+from .shapes import select_shapes
 
 __all__ = [
     "ATTENTION_SHAPES_CPU",
@@ -90,8 +91,7 @@ ATTENTION_SHAPES_CPU: tuple[AttentionShape, ...] = (
 
 def attention_shapes(cuda: bool, quick: bool = False) -> tuple[AttentionShape, ...]:
     """The GPU or CPU table; with ``quick`` only its core (non-extra) shapes."""
-    table = ATTENTION_SHAPES_GPU if cuda else ATTENTION_SHAPES_CPU
-    return tuple(s for s in table if not (quick and s.extra))
+    return select_shapes(ATTENTION_SHAPES_GPU, ATTENTION_SHAPES_CPU, cuda, quick)
 
 
 def attention_flops(shape: AttentionShape, causal: bool, pass_: str) -> float:

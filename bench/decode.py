@@ -37,6 +37,7 @@ from ..kernels.attention import _split_kv_plan, flash_attention
 from .attention import tolerance
 from .matmul import BenchmarkError, max_rel_error
 from .runner import geomean, suite_device, time_fn
+from .shapes import select_shapes
 
 __all__ = [
     "COLUMNS",
@@ -88,8 +89,7 @@ DECODE_SHAPES_CPU: tuple[DecodeShape, ...] = (
 
 def decode_shapes(cuda: bool, quick: bool = False) -> tuple[DecodeShape, ...]:
     """The GPU or CPU table; with ``quick`` only its core (non-extra) shapes."""
-    table = DECODE_SHAPES_GPU if cuda else DECODE_SHAPES_CPU
-    return tuple(s for s in table if not (quick and s.extra))
+    return select_shapes(DECODE_SHAPES_GPU, DECODE_SHAPES_CPU, cuda, quick)
 
 
 def decode_bytes(shape: DecodeShape, dtype: torch.dtype) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["MATMUL_SHAPES_CPU", "MATMUL_SHAPES_GPU", "MatmulShape", "matmul_shapes"]
+__all__ = ["MATMUL_SHAPES_CPU", "MATMUL_SHAPES_GPU", "MatmulShape", "matmul_shapes", "select_shapes"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +55,12 @@ MATMUL_SHAPES_CPU: tuple[MatmulShape, ...] = (
 )
 
 
+def select_shapes(gpu: tuple, cpu: tuple, cuda: bool, quick: bool = False) -> tuple:
+    """A suite's ``gpu`` or ``cpu`` table of shapes (each with an ``extra`` flag); with ``quick`` only the
+    core (non-extra) ones."""
+    return tuple(s for s in (gpu if cuda else cpu) if not (quick and s.extra))
+
+
 def matmul_shapes(cuda: bool, quick: bool = False) -> tuple[MatmulShape, ...]:
     """The GPU or CPU table; with ``quick`` only its core (non-extra) shapes."""
-    table = MATMUL_SHAPES_GPU if cuda else MATMUL_SHAPES_CPU
-    return tuple(s for s in table if not (quick and s.extra))
+    return select_shapes(MATMUL_SHAPES_GPU, MATMUL_SHAPES_CPU, cuda, quick)

@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from ..kernels.attention import flash_attention
 from .attention import check_case, make_inputs
 from .runner import geomean_rows, suite_device, time_fn
+from .shapes import select_shapes
 
 __all__ = [
     "COLUMNS",
@@ -77,8 +78,7 @@ WINDOW_SHAPES_CPU: tuple[WindowShape, ...] = (
 
 def window_shapes(cuda: bool, quick: bool = False) -> tuple[WindowShape, ...]:
     """The GPU or CPU table; with ``quick`` only its core (non-extra) shapes."""
-    table = WINDOW_SHAPES_GPU if cuda else WINDOW_SHAPES_CPU
-    return tuple(s for s in table if not (quick and s.extra))
+    return select_shapes(WINDOW_SHAPES_GPU, WINDOW_SHAPES_CPU, cuda, quick)
 
 
 def window_pairs(s: int, window: int) -> int:
