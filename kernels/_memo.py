@@ -12,12 +12,13 @@ Nothing is kept for inference tensors (they have no version counter) or while in
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Hashable
 from typing import TypeVar
 
 import torch
 
-__all__ = ["kept_on"]
+__all__ = ["kept_on", "kept_with"]
 
 T = TypeVar("T")
 _ATTR = "_tessel_kept"
@@ -37,3 +38,19 @@ def kept_on(tensor: torch.Tensor, key: Hashable, make: Callable[[], T]) -> T:
     if key not in values:
         values[key] = make()
     return values[key]
+
+
+def kept_with(tensor: torch.Tensor, other: torch.Tensor, key: Hashable, make: Callable[[], T]) -> T:
+    """:func:`kept_on` for a value derived from two tensors: kept on ``tensor`` and returned again while
+    ``tensor`` is unchanged and ``other`` is the same tensor object, unchanged (held weakly: keeping the
+    value does not keep ``other`` alive, and a new tensor at the same address is not mistaken for it). One
+    value per key: another ``other`` replaces it."""
+    if tensor.is_inference() or other.is_inference() or torch.is_inference_mode_enabled():
+        return make()
+    slot = kept_on(tensor, key, lambda: [None, None, None])  # [weak ref, version, value]: the latest other's
+    ref, version, value = slot
+    if ref is not None and ref() is other and version == other._version:
+        return value
+    value = make()
+    slot[:] = [weakref.ref(other), other._version, value]
+    return value

@@ -53,7 +53,9 @@ sees only the keys of its own segment. The host turns the ids into each token's 
 (``[B, S]`` int32); a query block reads the key blocks from its first row's segment start to its last
 row's segment end (the causal bound still applies), and a key block the query blocks of its segments,
 so blocks between unrelated documents are never loaded. A block whose rows all lie in one segment runs
-the blocks inside that segment without masks; one spanning a boundary masks every block it reads. The shift
+the blocks inside that segment without masks; one spanning a boundary masks every block it reads. A pair
+of ids (queries and keys with ids of their own: padding, queries over a cache, ring attention's blocks)
+gives each token its id and the range of its partners with that id, which the same loops read. The shift
 ``Sk - Sq`` is a runtime int, so decode steps reuse one compiled kernel.
 
 Numerics: scores, softmax statistics and all accumulators are fp32; P (and dS in the backward) are
@@ -511,7 +513,12 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
             segment, and a query attends only to the keys of its own segment (and, when causal, to
             those up to its own position), as if each segment were a sequence of its own; each query
             block reads the key blocks of its segments only, so the work grows with the sum of the
-            squared segment lengths rather than with ``S²``. Runs the one-pass kernel (a larger
+            squared segment lengths rather than with ``S²``. Or a pair ``(q_segment_ids [B, Sq],
+            kv_segment_ids [B, Sk])`` of non-negative ids, non-decreasing along each row, for queries and
+            keys with ids of their own (``Sq`` and ``Sk`` may differ): query ``i`` attends to key ``j``
+            only when their ids are equal. Padded batches take this form (padding keys get an id no query
+            has; a query that should see nothing, an id no key has: its output is 0, its lse ``-inf``), as
+            do queries over a cache of packed documents. Runs the one-pass kernel (a larger
             ``num_splits`` is refused).
         window: ``None``, or a number of keys ``W ≥ 1`` with ``causal=True``: local (sliding-window)
             attention as in Mistral and Gemma 2, query ``i`` attending to the ``W`` latest keys up to its

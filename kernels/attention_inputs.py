@@ -17,7 +17,7 @@ import math
 
 import torch
 
-from ._memo import kept_on
+from ._memo import kept_on, kept_with
 
 __all__ = ["HEAD_DIMS", "run_starts"]
 
@@ -93,24 +93,63 @@ def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
 
 
 def _segment_bounds(name: str, segment_ids, q, k) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The segment tables of ``segment_ids`` (see :func:`_cross_segment_bounds`; here one table serves both
-    sides, with each token's segment start as its id), or None without ``segment_ids``. Raises naming
-    what is wrong."""
+    """The segment tables of ``segment_ids``, or None without them. Raises naming what is wrong.
+
+    One ``[B, S]`` tensor (queries and keys of one sequence): one table serves both sides, with each
+    token's run start as its id (kept on the ids, so the layers of one forward build it once). A pair
+    ``(q_ids [B, Sq], kv_ids [B, Sk])``: the tables of :func:`_cross_segment_bounds` (kept on ``q_ids``
+    while ``kv_ids`` is the same tensor, unchanged).
+    """
     if segment_ids is None:
         return None
-    if not isinstance(segment_ids, torch.Tensor):
-        raise TypeError(f"{name}: segment_ids must be None or a torch.Tensor, received {type(segment_ids).__name__}")
-    if segment_ids.is_floating_point() or segment_ids.is_complex() or segment_ids.dtype == torch.bool:
-        raise TypeError(f"{name}: segment_ids must be an integer tensor, received {segment_ids.dtype}")
-    b, sq, sk = q.shape[0], q.shape[2], k.shape[2]
-    if sq != sk:
-        raise ValueError(f"{name}: segment_ids needs queries and keys of one sequence (Sq == Sk), received Sq={sq} "
-                         f"and Sk={sk}")  # fmt: skip
-    if tuple(segment_ids.shape) != (b, sq):
-        raise ValueError(f"{name}: segment_ids must be [batch, seq] = {[b, sq]}, received {tuple(segment_ids.shape)}")
-    if segment_ids.device != q.device:
-        raise ValueError(f"{name}: segment_ids must be on q's device {q.device}, received {segment_ids.device}")
+    if isinstance(segment_ids, tuple):
+        if len(segment_ids) != 2:
+            raise ValueError(f"{name}: segment_ids as a pair must be (q_segment_ids, kv_segment_ids), received "
+                             f"{len(segment_ids)} items")  # fmt: skip
+        q_ids = _check_ids(name, "segment_ids[0]", segment_ids[0], q, q.shape[2], "Sq")
+        k_ids = _check_ids(name, "segment_ids[1]", segment_ids[1], q, k.shape[2], "Sk")
+        _check_ordered(name, "segment_ids[0]", q_ids)
+        _check_ordered(name, "segment_ids[1]", k_ids)
+        return kept_with(q_ids, k_ids, "cross_segment_bounds", lambda: _cross_segment_bounds(q_ids, k_ids))
+    sq, sk = q.shape[2], k.shape[2]
+    if isinstance(segment_ids, torch.Tensor) and sq != sk:
+        raise ValueError(f"{name}: one segment_ids tensor needs queries and keys of one sequence (Sq == Sk), "
+                         f"received Sq={sq} and Sk={sk}; pass (q_segment_ids, kv_segment_ids) instead")  # fmt: skip
+    segment_ids = _check_ids(name, "segment_ids", segment_ids, q, sq, "seq")
     return kept_on(segment_ids, "segment_bounds", lambda: _self_segment_bounds(segment_ids))
+
+
+def _check_ids(name: str, arg: str, ids, q, length: int, dim: str) -> torch.Tensor:
+    """Raise unless ``ids`` is an integer ``[B, length]`` tensor on q's device; return it."""
+    if not isinstance(ids, torch.Tensor):
+        also = " or a tuple (q_segment_ids, kv_segment_ids)" if arg == "segment_ids" else ""
+        raise TypeError(f"{name}: {arg} must be None or a torch.Tensor{also}, received {type(ids).__name__}")
+    if ids.is_floating_point() or ids.is_complex() or ids.dtype == torch.bool:
+        raise TypeError(f"{name}: {arg} must be an integer tensor, received {ids.dtype}")
+    if tuple(ids.shape) != (q.shape[0], length):
+        raise ValueError(f"{name}: {arg} must be [batch, {dim}] = {[q.shape[0], length]}, received {tuple(ids.shape)}")
+    if ids.device != q.device:
+        raise ValueError(f"{name}: {arg} must be on q's device {q.device}, received {ids.device}")
+    return ids
+
+
+def _check_ordered(name: str, arg: str, ids: torch.Tensor) -> None:
+    """Raise unless ``ids`` are non-decreasing along each row, in ``[0, 2**31)`` (checked once per tensor: kept)."""
+
+    def first_fault() -> tuple[int, int, int] | None:
+        bad = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
+        bad[:, 1:] = ids[:, 1:] < ids[:, :-1]
+        bad |= (ids < 0) | (ids >= 2**31)
+        if not bool(bad.any()):
+            return None
+        row, col = (int(i) for i in bad.nonzero()[0])
+        return row, col, int(ids[row, col])
+
+    fault = kept_on(ids, "ordered_segment_ids", first_fault)
+    if fault is not None:
+        row, col, value = fault
+        raise ValueError(f"{name}: {arg} must be non-negative ids below 2**31, non-decreasing along each row (the "
+                         f"segments numbered in order), received {value} at [{row}, {col}]")  # fmt: skip
 
 
 def run_starts(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -133,11 +172,12 @@ def _self_segment_bounds(segment_ids: torch.Tensor) -> tuple[torch.Tensor, torch
 
 
 def _cross_segment_bounds(q_ids: torch.Tensor, k_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The segment tables of queries and keys that are different tokens of one packed sequence (a block of
-    ring attention): query ``i`` sees key ``j`` exactly when ``q_ids[b, i] == k_ids[b, j]``.
+    """The segment tables of queries and keys with segment ids of their own (a block of ring attention, a
+    padded batch, queries over a cache): query ``i`` sees key ``j`` exactly when ``q_ids[b, i] == k_ids[b, j]``.
 
-    ``q_ids [B, Sq]``, ``k_ids [B, Sk]``: integer ids, non-decreasing along each row (the number of the
-    segment each token lies in, counted over the whole sequence; not checked). Returns ``[B, 3, Sq]`` and
+    ``q_ids [B, Sq]``, ``k_ids [B, Sk]``: integer ids in ``[0, 2**31)``, non-decreasing along each row (for
+    ring attention, the number of the segment each token lies in, counted over the whole sequence; not
+    checked here). Returns ``[B, 3, Sq]`` and
     ``[B, 3, Sk]`` int32: each token's id, and the first and one past the last partner (key for a query,
     query for a key) with that id, an empty range where there is none.
     """

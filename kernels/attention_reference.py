@@ -3,7 +3,7 @@
 What the kernels of :mod:`.attention` are tested against (in float64 for float64 inputs), and what they
 dispatch to where neither CUDA nor Triton's interpreter runs them. It materialises the ``[B, Hq, Sq, Sk]``
 scores and repeats key/value heads for GQA; masks as in :mod:`.attention` (bottom-right aligned causal,
-sliding window, packed-document segments).
+sliding window, packed-document segments, segment ids of queries and keys).
 """
 
 from __future__ import annotations

@@ -158,7 +158,8 @@ def test_bad_segment_ids_are_refused(seed):
     q, k, v = make_qkv("gqa", 19, 16, torch.float32)
     ids = torch.zeros(B, 19, dtype=torch.int64)
     bad = [
-        (TypeError, r"segment_ids must be None or a torch.Tensor, received list", dict(segment_ids=[[0] * 19] * B)),
+        (TypeError, r"segment_ids must be None or a torch.Tensor or a tuple \(q_segment_ids, kv_segment_ids\), "
+         r"received list", dict(segment_ids=[[0] * 19] * B)),
         (TypeError, r"segment_ids must be an integer tensor, received torch.float32", dict(segment_ids=ids.float())),
         (TypeError, r"segment_ids must be an integer tensor, received torch.bool", dict(segment_ids=ids.bool())),
         (ValueError, r"segment_ids must be \[batch, seq\] = \[2, 19\], received \(2, 18\)",
@@ -170,8 +171,8 @@ def test_bad_segment_ids_are_refused(seed):
     for error, match, kw in bad:
         with pytest.raises(error, match=match):
             flash_attention(q, k, v, True, **kw)
-    with pytest.raises(ValueError, match=r"segment_ids needs queries and keys of one sequence \(Sq == Sk\), received "
-                                         r"Sq=1 and Sk=19"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"one segment_ids tensor needs queries and keys of one sequence "
+                                         r"\(Sq == Sk\), received Sq=1 and Sk=19"):  # fmt: skip
         flash_attention(q[:, :, :1], k, v, True, segment_ids=ids[:, :1])
     with pytest.raises(TypeError, match="flash_attention_reference: segment_ids must be an integer tensor"):
         flash_attention_reference(q, k, v, True, segment_ids=ids.float())
