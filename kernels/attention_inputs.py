@@ -137,9 +137,9 @@ def _check_ordered(name: str, arg: str, ids: torch.Tensor) -> None:
     """Raise unless ``ids`` are non-decreasing along each row, in ``[0, 2**31)`` (checked once per tensor: kept)."""
 
     def first_fault() -> tuple[int, int, int] | None:
-        bad = torch.zeros(ids.shape, dtype=torch.bool, device=ids.device)
-        bad[:, 1:] = ids[:, 1:] < ids[:, :-1]
-        bad |= (ids < 0) | (ids >= 2**31)
+        wide = ids.long()  # 2**31 compared with int32 ids would wrap round
+        bad = (wide < 0) | (wide >= 2**31)
+        bad[:, 1:] |= wide[:, 1:] < wide[:, :-1]
         if not bool(bad.any()):
             return None
         row, col = (int(i) for i in bad.nonzero()[0])

@@ -10,22 +10,27 @@ The kernel takes:
 - one query over a key-value cache (a decoding step sees every cached key, ``None`` as well; past a
   sliding window the mask holds the cache's last ``W`` keys, checked once per forward, and the kernel
   reads them as a slice of the cache);
-- several queries over a cache (a prefill chunk, speculative tokens): Hugging Face's mask is then the
-  causal mask aligned to the queries' positions, which is the kernel's bottom-right aligned one (in a
-  sliding window if the module has one); checked entry by entry, once per forward;
-- packed sequences: documents concatenated into one row, their ``position_ids`` restarting at each
-  document, as ``DataCollatorWithFlattening`` and padding-free trainers produce them. Hugging Face
-  builds a boolean ``[B, 1, S, S]`` mask for those; :func:`mask_segments` recognises one that is
-  causal attention within contiguous runs of tokens and hands the kernel their ``segment_ids``, so each
-  query block reads only the key blocks of its own document. The mask is checked entry by entry, once
-  per forward (the result is kept on the mask tensor, which every layer shares), in row chunks that
-  hold ``2**24`` entries at a time;
-- sliding windows (Mistral, Gemma 2's local layers: the module's ``sliding_window``) shorter than the
-  sequence, with or without packed documents: the mask is checked against the window as well, and the
-  kernel runs with ``window=``, reading only the key blocks inside each query block's windows.
+- every other boolean mask that is causal (or full) attention between tokens of equal segment ids, which
+  :func:`mask_segments` finds and checks entry by entry, once per forward (the result is kept on the mask
+  tensor, which every layer shares), in row chunks that hold ``2**24`` entries at a time:
 
-Everything else goes to ``sdpa`` with the mask Hugging Face built: padding, attention dropout in
-training, soft-capping and position biases, and head dims or dtypes the kernel does not take.
+  - packed sequences: documents concatenated into one row, their ``position_ids`` restarting at each
+    document, as ``DataCollatorWithFlattening`` and padding-free trainers produce them; Hugging Face
+    builds a block-diagonal causal mask, and the kernel gets the documents as ``segment_ids``, so each
+    query block reads only the key blocks of its own document;
+  - padded batches, left or right padded (batched generation, padded fine-tuning batches): the kernel
+    gets ids for the queries and the keys, padding keys with ids no query has, so their key blocks are
+    skipped;
+  - several queries over a cache (a prefill chunk, speculative tokens), with packed documents or
+    padding too: Hugging Face's mask is the causal mask aligned to the queries' positions, the kernel's
+    bottom-right aligned one;
+  - sliding windows (Mistral, Gemma 2's local layers: the module's ``sliding_window``) shorter than the
+    sequence, with any of the above: the mask is checked against the window as well, and the kernel
+    runs with ``window=``, reading only the key blocks inside each query block's windows.
+
+Everything else goes to ``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding
+hole in the middle of a row, say), attention dropout in training, soft-capping and position biases, and
+head dims or dtypes the kernel does not take.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
 :func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).
@@ -52,54 +57,82 @@ MASK_CHUNK_ENTRIES = 2**24
 SEGMENT_IDS_KWARG = "tessel_segment_ids"
 
 
-def mask_segments(mask, causal: bool, window: int | None = None) -> tuple[bool, torch.Tensor | None]:
-    """Whether a Hugging Face attention mask is (causal) attention within contiguous runs of tokens, and the runs.
+def mask_segments(mask, causal: bool, window: int | None = None):
+    """Whether a Hugging Face attention mask is what flash attention computes with segment ids, and the ids.
 
     Args:
-        mask: the mask an attention implementation receives: a boolean ``[B or 1, 1, S, S]`` tensor
-            (``True`` attends) is analysed; anything else (``None``, an additive float mask, a per-head
-            mask, queries and keys of different lengths) is not.
-        causal: whether the module is causal: then query ``i`` must see exactly the keys ``j ≤ i`` of its run.
+        mask: the mask an attention implementation receives: a boolean ``[B or 1, 1, Sq, Sk]`` tensor
+            (``True`` attends) with ``Sq ≤ Sk``, the queries at the last ``Sq`` of ``Sk`` positions (a
+            forward over a cache), is analysed; anything else (``None``, an additive float mask, a
+            per-head mask) is not.
+        causal: whether the module is causal: then query ``i`` (at position ``p = i + Sk - Sq``) must see
+            exactly the keys ``j ≤ p`` that share its id.
         window: ``None``, or (with ``causal``) a sliding window: query ``i`` must see exactly the keys
-            ``i - window < j ≤ i`` of its run (Hugging Face's ``sliding_window``).
+            ``p - window < j ≤ p`` that share its id (Hugging Face's ``sliding_window``).
 
     Returns:
-        ``(True, segment_ids)`` when every row of ``mask`` is exactly what
-        :func:`~tessel.kernels.attention.flash_attention` computes with ``segment_ids [B or 1, S]`` (int32,
-        ``0, 1, …`` along each row) and ``causal``; ``segment_ids`` is ``None`` when every row is one run
-        (the plain causal or full mask). ``(False, None)`` otherwise: padding (a padded key is masked for
-        every query, which no segmentation expresses), sliding windows shorter than a run, or any
-        other pattern.
+        ``(True, segment_ids)`` when every entry of ``mask`` is what
+        :func:`~tessel.kernels.attention.flash_attention` computes with these ``segment_ids`` and
+        ``causal`` (and ``window``); ``(False, None)`` for any other pattern. ``segment_ids`` is:
 
-    Each query's run begins at its first visible key; the candidate segmentation is then compared with
-    the mask entry by entry. The result is kept on the mask tensor (recomputed if it is modified in
-    place), so the layers of one forward, which share the mask, analyse it once (a mask made under
+        - ``None`` when one run covers everything (the plain causal or full mask, over a cache too);
+        - an int32 ``[B or 1, S]`` tensor, ``0, 1, …`` along each row, when queries and keys are the same
+          tokens and each row is documents packed back to back;
+        - an int32 pair ``(q_ids [B or 1, Sq], kv_ids [B or 1, Sk])`` otherwise: padding (padding keys get
+          ids no query has; a query that sees no key at all, as left padding's do, an id no key has),
+          queries over a cache of packed documents.
+
+    The ids are derived from each query's first visible key (where a run of keys begins, unless the
+    window put it there) and which keys anybody sees, then checked against the mask entry by entry, in
+    row chunks of ``2**24`` entries. The result is kept on the mask tensor (recomputed if it is modified
+    in place), so the layers of one forward, which share the mask, analyse it once (a mask made under
     ``torch.inference_mode`` has no version counter, and is analysed each time).
     """
     if not (isinstance(mask, torch.Tensor) and mask.dtype == torch.bool and mask.ndim == 4 and mask.shape[1] == 1
-            and mask.shape[2] == mask.shape[3] and mask.shape[3] > 0):  # fmt: skip
+            and 0 < mask.shape[2] <= mask.shape[3]):  # fmt: skip
         return False, None
     return kept_on(mask, ("mask_segments", bool(causal), window), lambda: _read_segments(mask, causal, window))
 
 
-def _read_segments(mask: torch.Tensor, causal: bool, window: int | None) -> tuple[bool, torch.Tensor | None]:
-    rows = mask[:, 0]  # [B, S, S]
-    n = rows.shape[-1]
-    step = max(1, MASK_CHUNK_ENTRIES // n)
-    first = torch.cat([rows[:, i : i + step].to(torch.uint8).argmax(-1) for i in range(0, n, step)], dim=1)
-    index = torch.arange(n, device=mask.device)
-    # A run begins where a query first sees itself (within a window of one key every query does: runs of one
-    # token then give the same mask)
-    segments = (first == index).cumsum(-1, dtype=torch.int32) - 1
-    for i in range(0, n, step):
-        want = segments[:, i : i + step, None] == segments[:, None, :]
+def _read_segments(mask: torch.Tensor, causal: bool, window: int | None):
+    rows = mask[:, 0]  # [B, Sq, Sk]
+    sq, sk = rows.shape[1:]
+    step = max(1, MASK_CHUNK_ENTRIES // sk)
+    chunks = [rows[:, i : i + step] for i in range(0, sq, step)]
+    first = torch.cat([c.to(torch.uint8).argmax(-1) for c in chunks], dim=1)  # each query's first visible key
+    sees = torch.cat([c.any(-1) for c in chunks], dim=1)
+    seen = torch.stack([c.any(1) for c in chunks]).any(0)  # [B, Sk]: keys some query sees
+    pos = torch.arange(sq, device=mask.device) + (sk - sq)  # the queries' positions among the keys
+    key = torch.arange(sk, device=mask.device)
+    # A run of keys begins at a query's first visible key, unless that is where the window cut the run
+    begins = sees & (first > pos - window + 1) if window is not None else sees
+    starts = torch.zeros(rows.shape[0], sk, dtype=torch.int32, device=mask.device)
+    starts.scatter_add_(1, first, begins.to(torch.int32))
+    run = (starts > 0).cumsum(1)  # [B, Sk]: 0 before the first run
+    # keys after the last key anybody sees in their run (padding, documents nobody reads) match no query
+    last_seen = torch.full((rows.shape[0], sk + 1), -1, dtype=torch.long, device=mask.device)
+    last_seen.scatter_reduce_(1, run, torch.where(seen, key, -1).expand_as(run), "amax")
+    unread = key > last_seen.gather(1, run)
+    kv_ids = 3 * run + unread
+    q_run = run.gather(1, first)
+    # a query that sees nothing gets an id no key has, in order after the run of the queries before it
+    before = torch.where(sees, q_run, 0).cummax(1).values
+    q_ids = torch.where(sees, 3 * q_run, 3 * before + 2)
+    if not bool((q_ids[:, 1:] >= q_ids[:, :-1]).all()):
+        return False, None
+    for i in range(0, sq, step):
+        want = q_ids[:, i : i + step, None] == kv_ids[:, None, :]
         if causal:
-            want &= index[None, i : i + step, None] >= index[None, None, :]
+            want &= pos[None, i : i + step, None] >= key[None, None, :]
         if window is not None:
-            want &= index[None, i : i + step, None] - index[None, None, :] < window
+            want &= pos[None, i : i + step, None] - key[None, None, :] < window
         if not torch.equal(want, rows[:, i : i + step]):
             return False, None
-    return True, None if bool((segments[:, -1] == 0).all()) else segments
+    if bool((q_ids == q_ids[:, :1]).all()) and bool((kv_ids == q_ids[:, :1]).all()):
+        return True, None  # one run: the plain mask
+    if sq == sk and torch.equal(q_ids, kv_ids):  # documents packed back to back: one id per token
+        return True, (run - 1).to(torch.int32)
+    return True, (q_ids.to(torch.int32), kv_ids.to(torch.int32))
 
 
 def _decoding_keys(mask, sk: int) -> int | None:
@@ -111,20 +144,15 @@ def _decoding_keys(mask, sk: int) -> int | None:
     return kept_on(mask, ("decoding_keys", sk), lambda: _read_decoding_keys(mask[:, 0, 0], sk))
 
 
-def _is_cache_mask(mask, sq: int, sk: int, window: int | None) -> bool:
-    """Whether the boolean mask ``[B or 1, 1, sq, sk]`` of queries at the last ``sq`` of ``sk`` positions is
-    the causal mask aligned to them, ``j ≤ i + sk - sq`` (flash attention's), within ``window`` if one is
-    given, in every batch row (no padding). Read once per forward: kept on the mask."""
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or tuple(mask.shape[1:]) != (1, sq, sk):
-        return False
+def _rows(segments) -> int:
+    return (segments[0] if isinstance(segments, tuple) else segments).shape[0]
 
-    def read() -> bool:
-        i = torch.arange(sq, device=mask.device)[:, None] + (sk - sq)  # the queries' positions among the keys
-        j = torch.arange(sk, device=mask.device)[None, :]
-        want = (j <= i) & (i - j < window) if window is not None else j <= i
-        return bool((mask == want).all())
 
-    return kept_on(mask, ("cache_mask", sq, sk, window), read)
+def _expand_rows(segments, b: int):
+    """The ids of a mask shared by the batch (``[1, …]``), as views over ``b`` rows."""
+    if isinstance(segments, tuple):
+        return tuple(ids.expand(b, -1) for ids in segments)
+    return segments.expand(b, -1)
 
 
 def _read_decoding_keys(rows: torch.Tensor, sk: int) -> int | None:
@@ -178,12 +206,13 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
 
     ``query [B, Hq, Sq, D]``, ``key``/``value [B, Hkv, Sk, D]`` → ``(attn_output [B, Sq, Hq, D], None)``.
     The kernel runs for a plain causal or full mask over equal query and key lengths, for one query over
-    a key-value cache, and for packed sequences and sliding windows (a mask that :func:`mask_segments`
-    reads as causal attention within runs of tokens, in the module's ``sliding_window`` if one is given:
-    the kernel gets their ``segment_ids`` and the ``window``). Everything else is passed to Hugging
-    Face's ``sdpa`` implementation with the same mask, so the result is the same: padding, a window over
-    a key-value cache, several queries over a cache, attention dropout, a position bias, and
-    head dims or dtypes the kernel does not take.
+    a key-value cache (sliced to the keys it sees), and for every boolean mask that :func:`mask_segments`
+    reads as segment ids (packed documents, left or right padding, queries over a cache, any of them in
+    the module's ``sliding_window`` if one is given: the kernel gets the ``segment_ids`` and the
+    ``window``). Everything else is passed to Hugging Face's ``sdpa`` implementation with the same mask,
+    so the result is the same: masks of other patterns, attention dropout, a position bias, soft-capping,
+    and head dims or dtypes the kernel does not take. A query that sees no key at all (left padding)
+    gives 0, as torch's ``sdpa`` does.
 
     A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
     :func:`~tessel.parallel.context.ring_attention` over the group instead, within the documents that
@@ -209,32 +238,30 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         and query.shape[1] % key.shape[1] == 0
     )
     segments = window = None
-    if kernel_ok and attention_mask is not None and query.shape[2] == 1:
-        # a decoding step over a cache longer than a sliding window: the mask holds the window's last keys,
-        # which are a slice of the cache (and keep the split-KV kernel)
-        keys = _decoding_keys(attention_mask, key.shape[2])
-        kernel_ok = keys is not None
-        if kernel_ok:
-            key, value = key[:, :, key.shape[2] - keys :], value[:, :, value.shape[2] - keys :]
+    keys = _decoding_keys(attention_mask, key.shape[2]) if kernel_ok and query.shape[2] == 1 else None
+    if keys is not None:
+        # a decoding step that sees the cache's last keys (all of them, or a sliding window's): a slice of
+        # the cache, without a mask (the split-KV kernel takes it)
+        key, value = key[:, :, key.shape[2] - keys :], value[:, :, value.shape[2] - keys :]
     elif kernel_ok and attention_mask is not None:
-        # a sliding window shorter than the keys is in the mask Hugging Face built (it builds none for a
-        # plain causal mask): the kernel runs it when the mask is exactly that window within runs of tokens
+        # Hugging Face builds no mask for plain causal attention; the mask it built is read as segment ids
+        # (packed documents, padding, queries over a cache), within the module's sliding window if it has one
         window = kwargs.get("sliding_window")
         bites = isinstance(window, int) and not isinstance(window, bool) and 0 < window < key.shape[2] and causal
         window = window if bites else None
-        if query.shape[2] == key.shape[2]:
-            exact, segments = mask_segments(attention_mask, causal, window)
-        else:  # several queries over a cache (a prefill chunk, speculative tokens): the last Sq positions
-            exact = causal and _is_cache_mask(attention_mask, query.shape[2], key.shape[2], window)
-        kernel_ok = exact and (segments is None or segments.shape[0] in (1, query.shape[0]))
+        if tuple(attention_mask.shape[2:]) == (query.shape[2], key.shape[2]):
+            kernel_ok, segments = mask_segments(attention_mask, causal, window)
+            kernel_ok = kernel_ok and (segments is None or _rows(segments) in (1, query.shape[0]))
+        else:
+            kernel_ok = False
     if not kernel_ok:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
-    if segments is not None and segments.shape[0] != query.shape[0]:  # one view for all layers (it keeps the tables)
+    if segments is not None and _rows(segments) != query.shape[0]:  # one view for all layers (it keeps the tables)
         b, shared = query.shape[0], segments
-        segments = kept_on(attention_mask, ("segments_for_batch", b), lambda: shared.expand(b, -1))
+        segments = kept_on(attention_mask, ("segments_for_batch", b), lambda: _expand_rows(shared, b))
     extra = {} if segments is None else {"segment_ids": segments}
     if window is not None:
         extra["window"] = window

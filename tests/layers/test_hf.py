@@ -254,23 +254,96 @@ def test_decoding_with_a_cache_runs_the_kernel_one_query_at_a_time(monkeypatch):
         _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")
 
 
+PADDINGS = {  # attention_mask rows of B=2, S=8
+    "left": [[0, 0, 0, 1, 1, 1, 1, 1], [1] * 8],
+    "right": [[1, 1, 1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 1, 1, 0]],
+    "both rows": [[0, 0, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0]],
+}
+
+
+def _spy_on_kernel(monkeypatch):
+    import tessel.kernels.attention as attention
+
+    calls = []
+    kernel = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: calls.append((q.shape[2], k.shape[2], kw))
+                        or kernel(q, k, v, **kw))  # fmt: skip
+    return calls
+
+
 @needs_hf
-def test_padding_masks_fall_back_to_sdpa(monkeypatch):
+@pytest.mark.parametrize("padding", list(PADDINGS))
+@pytest.mark.parametrize("family, kw", [("llama", {}), ("mistral", dict(sliding_window=3)), ("qwen2", {})],
+                         ids=["llama", "mistral-window", "qwen2"])  # fmt: skip
+def test_padded_batches_run_the_kernel(monkeypatch, family, kw, padding):
+    """A padded fine-tuning batch: Hugging Face's mask hides the padding keys from every query; the kernel runs
+    with ids for queries and keys, and the logits (at every position: a left-padding query that sees nothing
+    gives 0 in both) and every gradient are sdpa's; the real positions' logits are eager's too."""
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    calls = _spy_on_kernel(monkeypatch)
+    model = _model(family, num_hidden_layers=2, **kw)
+    ids, weights = _batch()
+    mask = torch.tensor(PADDINGS[padding])
+    results = {}
+    for impl in ("eager", "sdpa", "tessel"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
+        results[impl] = logits, {n: p.grad.clone() for n, p in model.named_parameters()}
+    assert len(calls) == 2 and all(isinstance(c[2].get("segment_ids"), tuple) for c in calls), calls
+    assert all(c[2].get("window") == kw.get("sliding_window") for c in calls)
+    _close(results["tessel"][0], results["sdpa"][0])
+    _close(results["tessel"][0][mask.bool()], results["eager"][0][mask.bool()])
+    for name, grad in results["tessel"][1].items():
+        _close(grad, results["sdpa"][1][name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_hf
+def test_masks_the_ids_do_not_express_fall_back_to_sdpa(monkeypatch):
+    """A padding hole inside a row (a key hidden from every query between real ones): sdpa computes it."""
     import tessel.kernels.attention as attention
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
-    monkeypatch.setattr(attention, "flash_attention", lambda *a, **k: pytest.fail("a padded batch reached the kernel"))
+    monkeypatch.setattr(attention, "flash_attention", lambda *a, **k: pytest.fail("the kernel ran a hole in a row"))
     model = _model("llama", num_hidden_layers=1)
     ids, _ = _batch()
     mask = torch.ones(B, S, dtype=torch.long)
-    mask[0, :3] = 0  # left padding
+    mask[0, 3] = 0
     with torch.no_grad():
-        model.set_attn_implementation("eager")
+        model.set_attn_implementation("sdpa")
         want = model(ids, attention_mask=mask).logits
         model.set_attn_implementation("tessel")
         got = model(ids, attention_mask=mask).logits
-    _close(got[mask.bool()], want[mask.bool()])
+    _close(got, want)
+
+
+@needs_hf
+@pytest.mark.parametrize("family, kw", [("llama", {}), ("mistral", dict(sliding_window=3))], ids=["llama", "window"])
+def test_batched_generation_with_left_padding_runs_the_kernel(monkeypatch, family, kw):
+    """generate() on a left-padded batch: the prompt and every decoding step run the kernel (the steps with ids
+    for the query and the cache's keys, or a slice of the cache where every row sees the same last keys);
+    the tokens and the logits of every step are sdpa's."""
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    calls = _spy_on_kernel(monkeypatch)
+    model = _model(family, num_hidden_layers=2, **kw).eval()
+    prompt = _batch()[0][:, :6]
+    mask = torch.ones_like(prompt)
+    mask[0, :2] = 0
+    out = {}
+    with torch.no_grad():
+        for impl in ("sdpa", "tessel"):
+            model.set_attn_implementation(impl)
+            out[impl] = model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                                       output_logits=True, return_dict_in_generate=True)  # fmt: skip
+    assert [c[0] for c in calls] == [6] * 2 + [1] * 6  # the prompt, then 3 steps, in each of the 2 layers
+    assert torch.equal(out["tessel"].sequences, out["sdpa"].sequences)
+    for step, (g, w) in enumerate(zip(out["tessel"].logits, out["sdpa"].logits)):
+        _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")
 
 
 @needs_hf
@@ -288,6 +361,26 @@ def test_tessel_attention_in_bf16_on_cuda():
         logits = _forward_backward(model, ids, weights.bfloat16())
         results[impl] = logits.float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
     # bf16 (8-bit mantissa): both kernels round P to bf16 before P·V, in different blocks; 2e-2 of the max
+    for got, want in zip(results["tessel"], results["sdpa"]):
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
+
+
+@needs_hf
+@pytest.mark.gpu
+def test_padded_batch_in_bf16_on_cuda():
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    model = _model("llama", num_hidden_layers=1).to("cuda", torch.bfloat16)
+    ids, weights = (t.cuda() for t in _batch())
+    mask = torch.tensor(PADDINGS["both rows"], device="cuda")
+    results = {}
+    for impl in ("sdpa", "tessel"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        logits = _forward_backward(model, ids, (weights * mask[..., None]).bfloat16(), attention_mask=mask)
+        real = logits[mask.bool()].float()  # what CUDA's sdpa gives a query that sees nothing is its own choice
+        results[impl] = real, model.model.layers[0].self_attn.q_proj.weight.grad.float()
     for got, want in zip(results["tessel"], results["sdpa"]):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
@@ -330,7 +423,7 @@ def test_decoding_past_a_sliding_window_runs_the_kernel_over_the_window(monkeypa
 def test_queries_over_a_cache_run_the_kernel(monkeypatch, family, kw):
     """A chunk of 3 tokens after a cached prompt of 5 (chunked prefill, speculative tokens): Hugging Face's
     mask is the causal mask aligned to the chunk's positions (in Mistral's window), which the kernel runs
-    with its bottom-right causal mask; a padded prompt's mask is not, and goes to sdpa."""
+    with its bottom-right causal mask; a padded prompt's too, with ids for the queries and the keys."""
     import tessel.kernels.attention as attention
     from tessel.layers.hf import register_hf_attention
 
@@ -351,8 +444,7 @@ def test_queries_over_a_cache_run_the_kernel(monkeypatch, family, kw):
     # Mistral's cache keeps only the window's last keys: the chunk sees 2 cached ones and itself
     assert calls == [(5, 5, window)] * 2 + [(3, 8 if window is None else 5, window)] * 2
     _close(logits["tessel"], logits["sdpa"])
-    # a padded batch's chunk: where its mask hides the padding from the chunk, sdpa computes it (Mistral's
-    # window of 3 has left the padding behind: the mask is the plain window again)
+    # a padded batch's prompt and chunk: the kernel runs both, with ids for the queries and the keys
     mask = torch.ones(B, 8, dtype=torch.long)
     mask[0, 0] = 0
     for impl in ("sdpa", "tessel"):
@@ -361,5 +453,5 @@ def test_queries_over_a_cache_run_the_kernel(monkeypatch, family, kw):
         with torch.no_grad():
             cache = model(ids[:, :5], attention_mask=mask[:, :5], use_cache=True).past_key_values
             logits[impl] = model(ids[:, 5:8], attention_mask=mask, past_key_values=cache, use_cache=True).logits
-    assert [c[0] for c in calls] == ([] if window is None else [3, 3])
+    assert [c[0] for c in calls] == [5, 5, 3, 3]
     _close(logits["tessel"], logits["sdpa"])

@@ -55,13 +55,48 @@ def test_packed_masks_give_their_segments(causal):
     assert mask_segments(_packed_mask([[12], [12]], causal)[0], causal) == (True, None)
 
 
-def test_every_single_flipped_entry_is_refused():
+def _mask_of(segment_ids, shape, causal=True, window=None):
+    """The boolean [B, 1, Sq, Sk] mask that flash attention computes with ``segment_ids`` (None, [B, S] or a pair)."""
+    b, _, sq, sk = shape
+    pos, key = torch.arange(sq)[:, None] + (sk - sq), torch.arange(sk)[None, :]
+    if segment_ids is None:
+        mask = torch.ones(b, sq, sk, dtype=torch.bool)
+    else:
+        q_ids, k_ids = segment_ids if isinstance(segment_ids, tuple) else (segment_ids, segment_ids)
+        assert q_ids.dtype == k_ids.dtype == torch.int32
+        assert (q_ids[:, 1:] >= q_ids[:, :-1]).all() and (k_ids[:, 1:] >= k_ids[:, :-1]).all() and (q_ids >= 0).all()
+        mask = (q_ids[:, :, None] == k_ids[:, None, :]).expand(b, sq, sk)
+    if causal:
+        mask = mask & (key <= pos)
+    if window is not None:
+        mask = mask & (pos - key < window)
+    return mask[:, None]
+
+
+def _read_exactly(mask, causal=True, window=None):
+    """mask_segments' ids for ``mask``, checked to reproduce it entry by entry (None when refused)."""
+    exact, ids = mask_segments(mask, causal, window)
+    if not exact:
+        assert ids is None
+        return None
+    assert torch.equal(_mask_of(ids, mask.shape, causal, window), mask)
+    return ids
+
+
+def test_a_single_flipped_entry_is_refused_or_read_exactly():
+    """Flipping one entry of a packed mask gives a pattern the ids express only when a query loses its only
+    key (it then sees nothing) or a key that nobody else reads is dropped; every other flip is refused."""
     mask, _ = _packed_mask([[3, 1, 3]])
+    accepted = []
     for i in range(7):
         for j in range(7):
             bad = mask.clone()
             bad[0, 0, i, j] = ~bad[0, 0, i, j]
-            assert mask_segments(bad, causal=True) == (False, None), (i, j)
+            if _read_exactly(bad) is not None:
+                accepted.append((i, j))
+    # only diagonal entries: a document's first query loses its only key (it then sees nothing: 0, 3, 4), or
+    # a document's last key, which only its last query reads, is read by nobody (2, 3, 6)
+    assert accepted == [(0, 0), (2, 2), (3, 3), (4, 4), (6, 6)], accepted
 
 
 def test_patterns_no_segmentation_expresses_are_refused():
@@ -69,12 +104,12 @@ def test_patterns_no_segmentation_expresses_are_refused():
     # the same packing with the other causality
     assert not mask_segments(causal_mask, causal=False)[0]
     assert not mask_segments(_packed_mask([[4, 4]], causal=False)[0], causal=True)[0]
-    # padding: the pad keys are masked for every query
-    right = _packed_mask([[8]])[0].clone()
-    right[..., 6:] = False
-    left = _packed_mask([[8]])[0].clone()
-    left[..., :2] = False
-    assert not mask_segments(right, True)[0] and not mask_segments(left, True)[0]
+    # a padding hole inside a document, and a key hidden from some of its document's queries only
+    hole = _packed_mask([[8]])[0].clone()
+    hole[..., 3] = False
+    partial = _packed_mask([[8]])[0].clone()
+    partial[..., 5:, 2] = False
+    assert mask_segments(hole, True) == (False, None) and mask_segments(partial, True) == (False, None)
     # a sliding window shorter than a document, unless the window is asked for
     windowed, seg = _packed_mask([[5, 3]], window=2)
     assert not mask_segments(windowed, True)[0]
@@ -83,10 +118,46 @@ def test_patterns_no_segmentation_expresses_are_refused():
     assert not mask_segments(windowed, True, window=3)[0]  # another window
     assert not mask_segments(_packed_mask([[5, 3]])[0], True, window=2)[0]  # no window in the mask
     assert mask_segments(_packed_mask([[5, 3]], window=5)[0], True)[0]  # a window the documents fit in
-    # what is not a boolean [B, 1, S, S] mask
+    # what is not a boolean [B, 1, Sq, Sk] mask with Sq <= Sk
     full = _packed_mask([[6]])[0]
-    for other in (None, full.float(), full[:, 0], full.expand(1, 2, 6, 6), full[..., :4, :], full[..., :0, :0]):
+    for other in (None, full.float(), full[:, 0], full.expand(1, 2, 6, 6), full[..., :4], full[..., :0, :0]):
         assert mask_segments(other, True) == (False, None)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_padded_masks_give_ids_of_queries_and_keys(causal):
+    """Hugging Face's masks of padded batches: the padding keys are masked for every query (and under a causal
+    mask, left padding's queries see nothing); read as a pair of ids that reproduces the mask exactly."""
+    s = 9
+    real = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 1, 0, 0, 0], [1] * 9], dtype=torch.bool)
+    pos = torch.arange(s)
+    mask = real[:, None, None, :] & ((pos[None, :] <= pos[:, None]) if causal else torch.ones(s, s, dtype=torch.bool))
+    ids = _read_exactly(mask, causal)
+    assert isinstance(ids, tuple) and [t.shape for t in ids] == [(3, s), (3, s)]
+    q_ids, k_ids = ids
+    assert (q_ids[:, :, None] == k_ids[:, None, :])[~real[:, None, :].expand(-1, s, -1)].sum() == 0  # pads unread
+    if causal:  # left padding's queries see nothing: ids no key has
+        assert not (q_ids[0, :2, None] == k_ids[0, None, :]).any()
+
+
+def test_queries_over_a_cache():
+    """The last 5 of 14 positions as queries: a plain cache mask needs no ids; with left padding, with packed
+    documents (the cache's first document is read by nobody), and in a window, the ids reproduce the mask."""
+    sq, sk = 5, 14
+    pos, key = torch.arange(sq)[:, None] + (sk - sq), torch.arange(sk)[None, :]
+    causal = (key <= pos)[None, None]
+    assert mask_segments(causal, True) == (True, None)
+    assert mask_segments(causal & (pos - key < 4), True, window=4) == (True, None)
+    padded = causal.expand(2, -1, -1, -1).clone()
+    padded[1, ..., :6] = False
+    assert isinstance(_read_exactly(padded), tuple)
+    doc = torch.tensor([0] * 4 + [1] * 7 + [2] * 3)  # documents of keys 0-3, 4-10, 11-13
+    packed = causal & (doc[sk - sq :, None] == doc[None, :])[None, None]
+    q_ids, k_ids = _read_exactly(packed)
+    assert not (q_ids[0, :, None] == k_ids[0, None, :4]).any()
+    windowed = packed & (pos - key < 3)
+    assert isinstance(_read_exactly(windowed, window=3), tuple)
+    assert not mask_segments(windowed, True)[0]  # without the window it is no segmentation
 
 
 def test_chunked_analysis_and_the_cached_result(monkeypatch):
@@ -197,14 +268,18 @@ def test_packed_documents_run_the_kernel_and_match_each_document_alone(family, m
                 start += n
 
 
-def test_every_single_flipped_entry_of_a_windowed_mask_is_refused():
+def test_every_single_flipped_entry_of_a_windowed_mask_is_refused_or_read_exactly():
     mask, _ = _packed_mask([[6, 3]], window=3)
     assert mask_segments(mask, True, window=3)[0]
+    accepted = []
     for i in range(9):
         for j in range(9):
             bad = mask.clone()
             bad[0, 0, i, j] = ~bad[0, 0, i, j]
-            assert mask_segments(bad, True, window=3) == (False, None), (i, j)
+            if _read_exactly(bad, window=3) is not None:
+                accepted.append((i, j))
+    # the documents' first queries left without a key (0, 6) and their last keys read by nobody (5, 8)
+    assert accepted == [(0, 0), (5, 5), (6, 6), (8, 8)], accepted
 
 
 @needs_hf
