@@ -15,6 +15,7 @@ import torch
 
 from tessel.kernels.attention import flash_attention, flash_attention_backward, flash_attention_reference
 from tests.kernels.test_attention import assert_close, assert_lse_close, make_qkv
+from tests.kernels.test_attention_segments import kernel_with_grads
 
 
 def padding_ids(sq: int, sk: int, starts, ends, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -53,13 +54,6 @@ def masked_softmax(q, k, v, visible, grad_out):
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
-def run_kernel(q, k, v, ids, causal, grad_out, window=None):
-    q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attention(q, k, v, causal, segment_ids=ids, window=window, return_lse=True)
-    (out.float() * grad_out.float()).sum().backward()
-    return out.detach(), lse.detach(), q.grad, k.grad, v.grad
-
-
 CASES = {
     # name: (Sq, Sk, first real key per row, one past the last)
     "left padding": (37, 37, [9, 0], [37, 37]),
@@ -83,7 +77,7 @@ def test_padded_batches_match_the_masked_softmax(seed, case, causal, dtype):
         q_ids, k_ids = q_ids.int(), k_ids.short()
     visible = visible_mask(q_ids, k_ids, causal)
     want = masked_softmax(q, k, v, visible, grad_out)
-    got = run_kernel(q, k, v, (q_ids, k_ids), causal, grad_out)
+    got = kernel_with_grads(q, k, v, (q_ids, k_ids), causal, grad_out)
     assert_lse_close(got[1], want[1], "lse")
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (want[0], *want[2:])):
         assert_close(g, w, dtype, f"{case} {name}")
@@ -102,7 +96,7 @@ def test_padding_within_a_window(seed, sq, sk, window):
     q_ids, k_ids = padding_ids(sq, sk, [sk // 3, 0], [sk, sk - 4], True)
     visible = visible_mask(q_ids, k_ids, True, window)
     want = masked_softmax(q, k, v, visible, grad_out)
-    got = run_kernel(q, k, v, (q_ids, k_ids), True, grad_out, window=window)
+    got = kernel_with_grads(q, k, v, (q_ids, k_ids), True, grad_out, window=window)
     assert_lse_close(got[1], want[1], "lse")
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (want[0], *want[2:])):
         assert_close(g, w, torch.float32, name, floor=1.0)  # a window of one key: dq = dk = 0 exactly
@@ -119,7 +113,7 @@ def test_documents_of_a_cache_and_of_the_queries(seed):
     grad_out = torch.randn(q.shape)
     visible = visible_mask(q_ids, k_ids, True)
     want = masked_softmax(q, k, v, visible, grad_out)
-    got = run_kernel(q, k, v, (q_ids, k_ids), True, grad_out)
+    got = kernel_with_grads(q, k, v, (q_ids, k_ids), True, grad_out)
     for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (want[0], *want[2:])):
         assert_close(g, w, torch.float32, name)
     assert visible[:, :, :10].sum() == 0 and (got[3][:, :, :10] == 0).all()
@@ -197,10 +191,7 @@ def test_padded_batches_in_bf16_on_cuda(seed, case):
     q_ids, k_ids = (t.cuda() for t in padding_ids(sq, sk, starts, ends, True))
     want = masked_softmax(q, k, v, visible_mask(q_ids, k_ids, True), grad_out)
     for deterministic in (True, False):
-        q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
-        out, lse = flash_attention(q_, k_, v_, True, segment_ids=(q_ids, k_ids), return_lse=True,
-                                   deterministic=deterministic)  # fmt: skip
-        (out.float() * grad_out.float()).sum().backward()
-        assert_lse_close(lse, want[1], "lse")
-        for name, g, w in zip(("out", "dq", "dk", "dv"), (out, q_.grad, k_.grad, v_.grad), (want[0], *want[2:])):
+        got = kernel_with_grads(q, k, v, (q_ids, k_ids), True, grad_out, deterministic)
+        assert_lse_close(got[1], want[1], "lse")
+        for name, g, w in zip(("out", "dq", "dk", "dv"), (got[0], *got[2:]), (want[0], *want[2:])):
             assert_close(g, w, torch.bfloat16, f"{case} {name} deterministic={deterministic}")

@@ -50,9 +50,10 @@ def per_segment_reference(q, k, v, ids, causal, grad_out):
     return out.detach(), lse.detach(), q64.grad, k64.grad, v64.grad
 
 
-def kernel_with_grads(q, k, v, ids, causal, grad_out, deterministic=True):
+def kernel_with_grads(q, k, v, ids, causal, grad_out, deterministic=True, window=None):
     q, k, v = (t.detach().clone().requires_grad_() for t in (q, k, v))
-    out, lse = flash_attention(q, k, v, causal, return_lse=True, segment_ids=ids, deterministic=deterministic)
+    out, lse = flash_attention(q, k, v, causal, return_lse=True, segment_ids=ids, deterministic=deterministic,
+                               window=window)  # fmt: skip
     (out.float() * grad_out.float()).sum().backward()
     return out.detach(), lse.detach(), q.grad, k.grad, v.grad
 

@@ -348,39 +348,23 @@ def test_batched_generation_with_left_padding_runs_the_kernel(monkeypatch, famil
 
 @needs_hf
 @pytest.mark.gpu
-def test_tessel_attention_in_bf16_on_cuda():
+@pytest.mark.parametrize("padding", [None, "both rows"], ids=["unpadded", "padded"])
+def test_tessel_attention_in_bf16_on_cuda(padding):
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
     model = _model("llama", num_hidden_layers=1).to("cuda", torch.bfloat16)
     ids, weights = (t.cuda() for t in _batch())
+    mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B, device="cuda")
+    kw = dict(attention_mask=mask) if padding else {}
     results = {}
     for impl in ("sdpa", "tessel"):
         model.set_attn_implementation(impl)
         model.zero_grad()
-        logits = _forward_backward(model, ids, weights.bfloat16())
-        results[impl] = logits.float(), model.model.layers[0].self_attn.q_proj.weight.grad.float()
-    # bf16 (8-bit mantissa): both kernels round P to bf16 before P·V, in different blocks; 2e-2 of the max
-    for got, want in zip(results["tessel"], results["sdpa"]):
-        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
-
-
-@needs_hf
-@pytest.mark.gpu
-def test_padded_batch_in_bf16_on_cuda():
-    from tessel.layers.hf import register_hf_attention
-
-    register_hf_attention()
-    model = _model("llama", num_hidden_layers=1).to("cuda", torch.bfloat16)
-    ids, weights = (t.cuda() for t in _batch())
-    mask = torch.tensor(PADDINGS["both rows"], device="cuda")
-    results = {}
-    for impl in ("sdpa", "tessel"):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        logits = _forward_backward(model, ids, (weights * mask[..., None]).bfloat16(), attention_mask=mask)
+        logits = _forward_backward(model, ids, (weights * mask[..., None]).bfloat16(), **kw)
         real = logits[mask.bool()].float()  # what CUDA's sdpa gives a query that sees nothing is its own choice
         results[impl] = real, model.model.layers[0].self_attn.q_proj.weight.grad.float()
+    # bf16 (8-bit mantissa): both kernels round P to bf16 before P·V, in different blocks; 2e-2 of the max
     for got, want in zip(results["tessel"], results["sdpa"]):
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2 * want.abs().max().item())
 
