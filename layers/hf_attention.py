@@ -28,6 +28,11 @@ The kernel takes:
     sequence, with any of the above: the mask is checked against the window as well, and the kernel
     runs with ``window=``, reading only the key blocks inside each query block's windows.
 
+Attention sinks (GPT-OSS's ``s_aux``: a learned logit per head that joins each row's softmax and attends
+to nothing) run the kernel too: its output is rescaled by ``sigmoid(lse - sink)`` from the log-sum-exp it
+returns, differentiably, so the sinks get their gradients; where the kernel does not run, the model's own
+eager attention does (``sdpa`` has no sinks).
+
 Everything else goes to ``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding
 hole in the middle of a row, say), attention dropout in training, soft-capping and position biases, and
 head dims or dtypes the kernel does not take.
@@ -39,6 +44,8 @@ Nothing here imports ``transformers`` until :func:`register_hf_attention` or the
 
 from __future__ import annotations
 
+import sys
+
 import torch
 from torch import nn
 
@@ -46,7 +53,14 @@ from ..kernels._memo import kept_on
 from ..parallel.comm import group_size
 from ..parallel.context import ring_attention
 
-__all__ = ["CP_GROUP_ATTR", "SEGMENT_IDS_KWARG", "mask_segments", "register_hf_attention", "tessel_attention_forward"]
+__all__ = [
+    "CP_GROUP_ATTR",
+    "SEGMENT_IDS_KWARG",
+    "SINKS_KWARG",
+    "mask_segments",
+    "register_hf_attention",
+    "tessel_attention_forward",
+]
 
 # The attribute parallelize(cp_group=) sets on attention modules; tessel_attention_forward reads it.
 CP_GROUP_ATTR = "tessel_cp_group"
@@ -55,6 +69,9 @@ MASK_CHUNK_ENTRIES = 2**24
 # The keyword argument through which a context-parallel model's base hands its attention modules the whole
 # sequence's segment ids (packed documents; see tessel.layers.hf.packed_positions)
 SEGMENT_IDS_KWARG = "tessel_segment_ids"
+# The keyword argument through which GPT-OSS hands the attention its sinks: a learned logit per query head
+# that joins each row's softmax and attends to nothing
+SINKS_KWARG = "s_aux"
 
 
 def mask_segments(mask, causal: bool, window: int | None = None):
@@ -190,6 +207,8 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
         refuse(f"attention dropout ({dropout}) is not supported")
     if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
         refuse("logit soft-capping and position biases are not supported")
+    if kwargs.get(SINKS_KWARG) is not None:
+        refuse("attention sinks are not supported")
     segment_ids = kwargs.get(SEGMENT_IDS_KWARG)
     out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling, segment_ids=segment_ids,
                               window=window)  # fmt: skip
@@ -212,7 +231,8 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     ``window``). Everything else is passed to Hugging Face's ``sdpa`` implementation with the same mask,
     so the result is the same: masks of other patterns, attention dropout, a position bias, soft-capping,
     and head dims or dtypes the kernel does not take. A query that sees no key at all (left padding)
-    gives 0, as torch's ``sdpa`` does.
+    gives 0, as torch's ``sdpa`` does. Attention sinks (``s_aux``, GPT-OSS) rescale the kernel's output by
+    ``sigmoid(lse - sink)``; where the kernel does not run, the model's eager attention takes them.
 
     A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
     :func:`~tessel.parallel.context.ring_attention` over the group instead, within the documents that
@@ -236,6 +256,7 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         and query.shape[-1] in HEAD_DIMS
         and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and query.shape[1] % key.shape[1] == 0
+        and _sinks_fit(kwargs.get(SINKS_KWARG), query)
     )
     segments = window = None
     keys = _decoding_keys(attention_mask, key.shape[2]) if kernel_ok and query.shape[2] == 1 else None
@@ -255,18 +276,46 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         else:
             kernel_ok = False
     if not kernel_ok:
-        from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      is_causal=is_causal, **kwargs)  # fmt: skip
+        return _fallback(module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs)
     if segments is not None and _rows(segments) != query.shape[0]:  # one view for all layers (it keeps the tables)
         b, shared = query.shape[0], segments
         segments = kept_on(attention_mask, ("segments_for_batch", b), lambda: _expand_rows(shared, b))
     extra = {} if segments is None else {"segment_ids": segments}
     if window is not None:
         extra["window"] = window
-    out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, **extra)
+    sinks = kwargs.get(SINKS_KWARG)
+    out_BHSD, lse = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling,
+                                    return_lse=True, **extra)  # fmt: skip
+    if sinks is not None:
+        # the sink's exp joins each row's softmax denominator: out · Σ/(Σ + e^sink) = out · sigmoid(lse - sink)
+        # (differentiable through lse, so the sinks and q, k get their gradients)
+        out_BHSD = (out_BHSD * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]).to(out_BHSD.dtype)
     return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def _sinks_fit(sinks, query: torch.Tensor) -> bool:
+    """No sinks, or one float logit per query head on the query's device."""
+    return sinks is None or (isinstance(sinks, torch.Tensor) and sinks.is_floating_point()
+                             and tuple(sinks.shape) == (query.shape[1],) and sinks.device == query.device)  # fmt: skip
+
+
+def _fallback(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
+    """What the kernel does not compute: Hugging Face's ``sdpa`` implementation, or, for attention with sinks
+    (which ``sdpa`` cannot take), the model's own eager attention, given the additive mask it expects."""
+    if kwargs.get(SINKS_KWARG) is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                      is_causal=is_causal, **kwargs)  # fmt: skip
+    eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
+    if eager is None:
+        raise ValueError(f"tessel attention: {type(module).__name__} passes attention sinks ({SINKS_KWARG}) in a "
+                         f"case the kernel does not run, and its module {type(module).__module__} has no "
+                         "eager_attention_forward to run it instead")  # fmt: skip
+    if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
+        hidden = torch.finfo(query.dtype).min
+        attention_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~attention_mask, hidden)
+    return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
 
 
 def register_hf_attention() -> str:

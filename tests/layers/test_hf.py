@@ -346,6 +346,80 @@ def test_batched_generation_with_left_padding_runs_the_kernel(monkeypatch, famil
         _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")
 
 
+def _gpt_oss():
+    """A tiny GPT-OSS: attention sinks (a learned logit per head, drawn here), a window of 3 in the first layer."""
+    import transformers
+
+    config = transformers.GptOssConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, sliding_window=3,
+        layer_types=["sliding_attention", "full_attention"],
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.GptOssForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.sinks.normal_()
+    return model
+
+
+@needs_hf
+@pytest.mark.parametrize("padding", [None, "both rows"], ids=["unpadded", "padded"])
+def test_attention_sinks_run_the_kernel(monkeypatch, padding):
+    """GPT-OSS's sinks join each row's softmax: the kernel's output is rescaled by its log-sum-exp, and the
+    logits and every gradient (the sinks' too) are those of GPT-OSS's own eager attention."""
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    calls = _spy_on_kernel(monkeypatch)
+    model = _gpt_oss()
+    ids, weights = _batch()
+    mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B)
+    results = {}
+    for impl in ("eager", "tessel"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[impl] = logits[mask.bool()], grads
+    assert [c[2].get("window") for c in calls] == [3, None] and all(c[2]["return_lse"] for c in calls)
+    _close(results["tessel"][0], results["eager"][0])
+    assert any("sinks" in name for name in results["tessel"][1])
+    for name, grad in results["tessel"][1].items():
+        _close(grad, results["eager"][1][name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_hf
+def test_attention_sinks_in_generation_and_in_the_eager_fallback(monkeypatch):
+    """Decoding with sinks runs the kernel at every step; a mask the ids do not express (a hole in a row) runs
+    GPT-OSS's eager attention with the additive mask it expects (sdpa cannot take sinks)."""
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    calls = _spy_on_kernel(monkeypatch)
+    model = _gpt_oss().eval()
+    prompt = _batch()[0][:, :6]
+    out = {}
+    with torch.no_grad():
+        for impl in ("eager", "tessel"):
+            model.set_attn_implementation(impl)
+            out[impl] = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
+                                       return_dict_in_generate=True)  # fmt: skip
+        assert [c[0] for c in calls] == [6] * 2 + [1] * 6
+        assert torch.equal(out["tessel"].sequences, out["eager"].sequences)
+        for step, (g, w) in enumerate(zip(out["tessel"].logits, out["eager"].logits)):
+            _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")
+        hole = torch.ones(B, S, dtype=torch.long)
+        hole[0, 4] = 0
+        calls.clear()
+        logits = {}
+        for impl in ("eager", "tessel"):
+            model.set_attn_implementation(impl)
+            logits[impl] = model(_batch()[0], attention_mask=hole).logits
+    assert calls == []  # both layers' masks hold the hole
+    _close(logits["tessel"], logits["eager"])
+
+
 @needs_hf
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", [None, "both rows"], ids=["unpadded", "padded"])

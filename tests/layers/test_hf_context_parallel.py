@@ -171,6 +171,12 @@ def _loss_and_refusals(rank, world_size):
         cache = par(local, use_cache=True).past_key_values
         with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks"):
             par(local[:, :2], past_key_values=cache)
+    # attention sinks (GPT-OSS) are not taken by the ring
+    from tessel.layers.hf_attention import tessel_attention_forward
+
+    q, kv = torch.randn(B, 4, S // 2, 16), torch.randn(B, 2, S // 2, 16)
+    with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks: attention sinks"):
+        tessel_attention_forward(par.model.layers[0].self_attn, q, kv, kv, None, s_aux=torch.zeros(4))
     # a window as long as the sequence is no window at all (shorter ones: _grid_vs_dense)
     wide = _model("mistral", sliding_window=S)
     _check_against_dense(wide, parallelize(copy.deepcopy(wide), tp_group, cp_group=cp_group), tp_group, cp_group,
