@@ -300,18 +300,25 @@ def _sinks_fit(sinks, query: torch.Tensor) -> bool:
 
 
 def _fallback(module: nn.Module, query, key, value, attention_mask, dropout, scaling, is_causal, kwargs):
-    """What the kernel does not compute: Hugging Face's ``sdpa`` implementation, or, for attention with sinks
-    (which ``sdpa`` cannot take), the model's own eager attention, given the additive mask it expects."""
-    if kwargs.get(SINKS_KWARG) is None:
+    """What the kernel does not compute: Hugging Face's ``sdpa`` implementation, or, for attention with sinks or
+    logit soft-capping (which ``sdpa`` cannot take), the model's own eager attention, given the additive mask
+    it expects."""
+    if kwargs.get(SINKS_KWARG) is None and kwargs.get("softcap") is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                       is_causal=is_causal, **kwargs)  # fmt: skip
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
-        raise ValueError(f"tessel attention: {type(module).__name__} passes attention sinks ({SINKS_KWARG}) in a "
+        raise ValueError(f"tessel attention: {type(module).__name__} passes attention sinks or soft-capping in a "
                          f"case the kernel does not run, and its module {type(module).__module__} has no "
                          "eager_attention_forward to run it instead")  # fmt: skip
+    causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
+    if attention_mask is None and causal and query.shape[2] > 1:
+        # the mask builder passes None for plain causal attention (sdpa's is_causal); eager needs it spelled out
+        sq, sk = query.shape[2], key.shape[2]
+        pos = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
+        attention_mask = (torch.arange(sk, device=query.device)[None, :] <= pos)[None, None]
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
         hidden = torch.finfo(query.dtype).min
         attention_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~attention_mask, hidden)

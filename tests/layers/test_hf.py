@@ -421,6 +421,34 @@ def test_attention_sinks_in_generation_and_in_the_eager_fallback(monkeypatch):
 
 
 @needs_hf
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_soft_capped_logits_match_eager(padding):
+    """Gemma 2 soft-caps its attention logits (c·tanh(s/c)), which sdpa refuses: its eager attention runs them,
+    given the causal mask spelled out where the mask builder passed None; logits and gradients are eager's."""
+    import transformers
+
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=3,
+                                       attn_logit_softcapping=5.0)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.Gemma2ForCausalLM(config)
+    ids, weights = _batch()
+    mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B)
+    results = {}
+    for impl in ("eager", "tessel"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
+        results[impl] = logits[mask.bool()], {n: p.grad.clone() for n, p in model.named_parameters()}
+    _close(results["tessel"][0], results["eager"][0])
+    for name, grad in results["tessel"][1].items():
+        _close(grad, results["eager"][1][name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_hf
 @pytest.mark.gpu
 @pytest.mark.parametrize("padding", [None, "both rows"], ids=["unpadded", "padded"])
 def test_tessel_attention_in_bf16_on_cuda(padding):
