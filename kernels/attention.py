@@ -80,6 +80,7 @@ from .attention_inputs import (
     _DTYPES,
     HEAD_DIMS,
     _check_num_splits,
+    _check_softcap,
     _check_window,
     _segment_bounds,
     _validate,
@@ -172,16 +173,22 @@ def _device(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+def _cap(softcap: float | None) -> float:
+    """The kernels' SOFTCAP argument: the cap in base-2 logit units (never read without a cap)."""
+    return 0.0 if softcap is None else float(softcap) * _LOG2E
+
+
 def _diagonal(sq: int, sk: int, offset: int | None) -> int:
     """The kernels' OFF: query i sees keys j ≤ i + OFF under the causal mask (bottom-right aligned by default)."""
     return sk - sq if offset is None else offset
 
 
-def _flags(q: torch.Tensor, causal: bool, backend: str, segments=None, window=None) -> dict:
+def _flags(q: torch.Tensor, causal: bool, backend: str, segments=None, window=None, softcap=None) -> dict:
     return {
         "CAUSAL": causal,
         "SEGMENTS": segments is not None,
         "WINDOWED": window is not None,
+        "SOFTCAPPED": softcap is not None,
         "HEAD_DIM": q.shape[-1],
         "DOT_FP32": upcast_dot_operands(backend),
         "INPUT_PRECISION": _input_precision(q.dtype, backend),
@@ -231,7 +238,7 @@ def _split_kv_plan(q, k, num_splits: int | None, backend: str) -> tuple[int, int
 
 
 def _forward_split_kv(
-    q, k, v, out, lse, causal: bool, scale: float, backend: str, block_m: int, keys: int, splits: int
+    q, k, v, out, lse, causal: bool, scale: float, backend: str, block_m: int, keys: int, splits: int, softcap=None
 ) -> None:
     """Split-KV forward into ``out`` and ``lse``: the split kernel, then the merge (none for one split)."""
     b, hq, sq, d = q.shape
@@ -246,9 +253,9 @@ def _forward_split_kv(
         q, k, v, part_out, part_lse, out, lse, q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2), v.stride(0), v.stride(1), v.stride(2),
         out.stride(0), out.stride(1), out.stride(2), hkv, hq // hkv, sq, sk, sk_bucket(sk), keys, splits,
-        scale * _LOG2E,
+        scale * _LOG2E, _cap(softcap),
     )  # fmt: skip
-    flags = {**_flags(q, causal, backend), "FINAL": final, "BLOCK_M": block_m}
+    flags = {**_flags(q, causal, backend, softcap=softcap), "FINAL": final, "BLOCK_M": block_m}
     del flags["SEGMENTS"], flags["WINDOWED"]  # the split kernel takes neither
     grid = (triton.cdiv(hq // hkv * sq, block_m), b * hkv, splits)
     with _device(q):
@@ -264,12 +271,13 @@ def _forward_split_kv(
 
 
 def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int | None, segments=None, window=None,
-             offset=None):  # fmt: skip
+             offset=None, softcap=None):  # fmt: skip
     """out [B, Hq, Sq, D] in q's memory layout, and lse [B, Hq, Sq] fp32. ``segments``: the query and key
     segment tables of :func:`_segment_bounds` or :func:`_cross_segment_bounds`; ``window``: None or the
     causal window (the one-pass kernel runs with either, whatever ``num_splits`` says); ``offset``: where
     the causal diagonal lies, query i seeing keys ``j ≤ i + offset`` (None: ``Sk - Sq``, bottom-right
-    aligned; another value runs the one-pass kernel)."""
+    aligned; another value runs the one-pass kernel); ``softcap``: None or the cap ``c`` of soft-capped
+    logits ``c·tanh(s/c)``."""
     b, hq, sq, _ = q.shape
     sk = k.shape[2]
     out = _empty_in_layout_of(q)
@@ -281,29 +289,30 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
     one_pass = segments is not None or window is not None or offset is not None
     plan = None if one_pass else _split_kv_plan(q, k, num_splits, backend)
     if plan is not None:
-        _forward_split_kv(q, k, v, out, lse, causal, scale, backend, *plan)
+        _forward_split_kv(q, k, v, out, lse, causal, scale, backend, *plan, softcap=softcap)
         return out, lse
     seg_q, seg_k = segments if segments is not None else (lse, lse)  # never read without segments
     args = (
         q, k, v, out, lse, seg_q, seg_k, q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
         k.stride(2), v.stride(0), v.stride(1), v.stride(2), out.stride(0), out.stride(1), out.stride(2),
-        hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E, window or 0, _diagonal(sq, sk, offset),
+        hq, hq // k.shape[1], sq, sk, sk_bucket(sk), scale * _LOG2E, _cap(softcap), window or 0,
+        _diagonal(sq, sk, offset),
     )  # fmt: skip
     with _device(q):
         _launch(
             _flash_attention_fwd_kernel, fwd_kernel_tuned, INTERPRETER_FWD_BLOCKS, backend, "BLOCK_M", sq, b * hq,
-            args, _flags(q, causal, backend, segments, window),
+            args, _flags(q, causal, backend, segments, window, softcap),
         )  # fmt: skip
     return out, lse
 
 
 def _backward(
     q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool,
-    deterministic: bool = True, segments=None, window=None, offset=None,
+    deterministic: bool = True, segments=None, window=None, offset=None, softcap=None,
 ):  # fmt: skip
     """dq, dk, dv (None where not needed): the preprocess, then the dK/dV and the dQ kernels, or, when
     all three are needed and ``deterministic`` is False, the one dK/dV kernel that also adds dQ up
-    with fp32 atomics. ``segments``, ``window`` and ``offset`` as for :func:`_forward`."""
+    with fp32 atomics. ``segments``, ``window``, ``offset`` and ``softcap`` as for :func:`_forward`."""
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     dq = _empty_in_layout_of(q) if need_dq else None
@@ -317,7 +326,7 @@ def _backward(
     _check_int32_rows(dout)
     dlse = None if dlse is None else dlse.to(torch.float32).contiguous()
     delta = torch.empty_like(lse)
-    flags = _flags(q, causal, backend, segments, window)
+    flags = _flags(q, causal, backend, segments, window, softcap)
     seg_q, seg_k = segments if segments is not None else (delta, delta)  # never read without segments
     with _device(q):
         _flash_attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_BLOCK_M), b * hq)](
@@ -329,7 +338,8 @@ def _backward(
             q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
             v.stride(0), v.stride(1), v.stride(2), dout.stride(0), dout.stride(1), dout.stride(2),
         )  # fmt: skip
-        tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale, window or 0, _diagonal(sq, sk, offset))
+        tail = (hq, hq // hkv, sq, sk, sk_bucket(sk), scale * _LOG2E, scale, _cap(softcap), window or 0,
+                _diagonal(sq, sk, offset))  # fmt: skip
         atomic_dq = need_dq and need_dkv and not deterministic
         if need_dkv:
             # the accumulator of the atomic dQ, or (never read) any fp32 tensor
@@ -357,7 +367,7 @@ def _backward(
 
 
 def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, *, deterministic=True,
-                             segment_ids=None, window=None):  # fmt: skip
+                             segment_ids=None, window=None, softcap=None):  # fmt: skip
     """The backward of :func:`flash_attention` on its own: ``(dq, dk, dv)`` from the saved ``out`` and ``lse``.
 
     Not differentiable; for callers that assemble an attention from pieces, such as context-parallel
@@ -368,7 +378,7 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
     ``dk``, ``dv`` are the full gradients of these keys and values from these queries).
 
     Args:
-        q, k, v, causal, scale, deterministic, segment_ids, window: as for :func:`flash_attention`.
+        q, k, v, causal, scale, deterministic, segment_ids, window, softcap: as for :func:`flash_attention`.
         out: ``[B, Hq, Sq, D]`` in q's dtype; lse: ``[B, Hq, Sq]`` float32 (natural log; ``-inf`` for
             a row that sees no key); dout: ``[B, Hq, Sq, D]``, any floating dtype (rounded to q's).
 
@@ -396,30 +406,31 @@ def flash_attention_backward(q, k, v, out, lse, dout, causal=False, scale=None, 
             f"flash_attention_backward: deterministic must be a bool, received {type(deterministic).__name__}"
         )
     _check_window("flash_attention_backward", window, causal)
+    _check_softcap("flash_attention_backward", softcap)
     segments = _segment_bounds("flash_attention_backward", segment_ids, q, k)
     scale = 1.0 / math.sqrt(d) if scale is None else float(scale)
-    return _block_backward(q, k, v, out, lse, dout, causal, scale, deterministic, segments, window)
+    return _block_backward(q, k, v, out, lse, dout, causal, scale, deterministic, segments, window, softcap=softcap)
 
 
-def _block_forward(q, k, v, causal: bool, scale: float, segments, window=None, offset=None):
+def _block_forward(q, k, v, causal: bool, scale: float, segments, window=None, offset=None, softcap=None):
     """``(out, lse)`` of validated arguments on their backend, without autograd: for callers that assemble
     an attention from blocks (:func:`~tessel.parallel.context.ring_attention`). ``segments``, ``window``
     and ``offset`` as for :func:`_forward` (segments e.g. from :func:`_cross_segment_bounds`; the offset
     of a block whose first query lies ``o`` places after its first key is ``o``)."""
     backend = backend_for(q)
     if backend == Backend.REFERENCE:
-        return _reference(q, k, v, causal, scale, segments, window, offset)
+        return _reference(q, k, v, causal, scale, segments, window, offset, softcap)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
-    return _forward(q, k, v, causal, scale, backend, None, segments, window, offset)
+    return _forward(q, k, v, causal, scale, backend, None, segments, window, offset, softcap)
 
 
 def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, deterministic: bool, segments, window=None,
-                    offset=None):  # fmt: skip
+                    offset=None, softcap=None):  # fmt: skip
     """:func:`flash_attention_backward` of validated arguments; the rest as for :func:`_block_forward`."""
     backend = backend_for(q)
     if backend == Backend.REFERENCE:
-        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments, window, offset)
+        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments, window, offset, softcap)
     q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
     _check_int32_rows(q, k, v, out)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
@@ -440,6 +451,7 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, determi
         segments,
         window,
         offset,
+        softcap,
     )
 
 
@@ -450,11 +462,11 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, determi
 
 class _FlashAttentionFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend, num_splits, deterministic, segments, window):
-        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments, window)
+    def forward(ctx, q, k, v, causal, scale, backend, num_splits, deterministic, segments, window, softcap):
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments, window, softcap=softcap)
         ctx.save_for_backward(q, k, v, out, lse, *(segments or ()))
         ctx.causal, ctx.scale, ctx.backend, ctx.deterministic = causal, scale, backend, deterministic
-        ctx.window = window
+        ctx.window, ctx.softcap = window, softcap
         # An unused output (lse when only out is returned) gets None instead of a tensor of zeros.
         ctx.set_materialize_grads(False)
         return out, lse
@@ -470,13 +482,13 @@ class _FlashAttentionFunction(torch.autograd.Function):
         deterministic = ctx.deterministic or torch.are_deterministic_algorithms_enabled()
         dq, dk, dv = _backward(
             q, k, v, out, lse, dout, dlse, ctx.causal, ctx.scale, ctx.backend, need_q, need_k or need_v, deterministic,
-            tuple(segments) or None, ctx.window,
+            tuple(segments) or None, ctx.window, softcap=ctx.softcap,
         )  # fmt: skip
-        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None, None, None
+        return dq, dk if need_k else None, dv if need_v else None, None, None, None, None, None, None, None, None
 
 
 def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_splits=None, deterministic=True,
-                    segment_ids=None, window=None):  # fmt: skip
+                    segment_ids=None, window=None, softcap=None):  # fmt: skip
     """Softmax attention in one pass over the keys, never materialising the ``Sq × Sk`` scores; differentiable.
 
     Args:
@@ -528,6 +540,9 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
             for one query (a decoding step): it sees the last ``W`` keys and nothing else, which are
             then read as a slice without a mask, and ``num_splits`` (split-KV) applies as without a
             window.
+        softcap: ``None``, or a cap ``c > 0``: the logits are soft-capped, ``c·tanh(s/c)`` for the scaled
+            score ``s``, before the softmax (Gemma 2's ``attn_logit_softcapping``, Grok's); ``lse`` is
+            that of the capped logits, and the backward goes through the cap. Any kernel, any mask.
 
     Returns:
         ``out [B, Hq, Sq, D]`` in q's dtype, dense, with q's order of batch, head and sequence in
@@ -551,6 +566,7 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
         raise ValueError(f"flash_attention: segment_ids run the one-pass kernel; num_splits must be None or 1, "
                          f"received {num_splits}")  # fmt: skip
     _check_window("flash_attention", window, causal)
+    _check_softcap("flash_attention", softcap)
     if window is not None and q.shape[2] == 1 and segment_ids is None:
         # one query's window is the last W keys: a slice, and no mask (the split-KV kernel takes it)
         first = max(k.shape[2] - window, 0)
@@ -564,13 +580,13 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
     backend = check_grid("flash_attention", q)
     if backend == Backend.REFERENCE:
         return flash_attention_reference(q, k, v, causal, scale, return_lse=return_lse, segment_ids=segment_ids,
-                                         window=window)  # fmt: skip
+                                         window=window, softcap=softcap)  # fmt: skip
     segments = _segment_bounds("flash_attention", segment_ids, q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits, deterministic, segments,
-                                                 window)  # fmt: skip
+                                                 window, softcap)  # fmt: skip
     else:
-        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments, window)
+        out, lse = _forward(q, k, v, causal, scale, backend, num_splits, segments, window, softcap=softcap)
     return (out, lse) if return_lse else out

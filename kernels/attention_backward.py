@@ -15,6 +15,7 @@ from .attention_forward import (
     _query_block_key_ranges,
     _query_block_segments,
     _segment_ranges,
+    _tanh,
     _window_key_ranges,
 )
 
@@ -69,9 +70,10 @@ def _load_rows(ptr, offs, offs_d, stride, ok, DOT_FP32: tl.constexpr):
 @triton.jit
 def _bwd_dkdv_inner(
     dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, dq_acc_ptr, stride_qs, stride_ds, offs_n, col_ok, offs_d, SQ,
-    OFF, qk_scale, lo, hi, seg_k, seg_ptr, WINDOW,
+    OFF, qk_scale, SOFTCAP, lo, hi, seg_k, seg_ptr, WINDOW,
     MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SOFTCAPPED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
 ):  # fmt: skip
     """dK, dV of one key block from the query blocks starting in [lo, hi), in transposed form (Sᵀ, Pᵀ).
@@ -99,7 +101,11 @@ def _bwd_dkdv_inner(
             qT = qT.to(tl.float32)
             do = do.to(tl.float32)
         qkT = tl.dot(k, qT, input_precision=INPUT_PRECISION)
-        pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
+        if SOFTCAPPED:  # the capped logits c·tanh(s/c), and tanh kept for the chain rule below
+            thT = _tanh(qkT * qk_scale / SOFTCAP)
+            pT = tl.math.exp2(SOFTCAP * thT - (lse * 1.4426950408889634)[None, :])
+        else:
+            pT = tl.math.exp2(qkT * qk_scale - (lse * 1.4426950408889634)[None, :])
         if MASK:  # rows that see no key (lse = -inf, so pT = +inf) are among the masked ones
             # the key tail too: with OFF > SK - SQ a row's window can reach past the last key, and the zero
             # keys there would give such a row pT = +inf, dSᵀ = NaN and (ATOMIC_DQ) a NaN dQ
@@ -114,6 +120,8 @@ def _bwd_dkdv_inner(
             pT = tl.where(keep, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do), input_precision=INPUT_PRECISION)
         dsT = pT * (dpT - delta[None, :])  # dSᵀ = Pᵀ ∘ (dPᵀ - Δ); scale is applied once at the end
+        if SOFTCAPPED:  # through the cap: d(c·tanh(s/c))/ds = 1 - tanh²
+            dsT = dsT * (1.0 - thT * thT)
         # Pᵀ and dSᵀ are rounded to the input dtype for the tensor cores (and back to fp32 for the
         # interpreter's dots), as in FlashAttention-2.
         pT = pT.to(q_ptr.dtype.element_ty)
@@ -138,12 +146,13 @@ def _flash_attention_bwd_dkdv_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, dq_acc_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dkb, stride_dkh, stride_dks, stride_dvb, stride_dvh, stride_dvs,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW, OFF,
-    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, SOFTCAP, WINDOW, OFF,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF, SEGMENTS and WINDOWED as in the forward kernel.
+    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF, SEGMENTS, WINDOWED and SOFTCAPPED as in the
+    forward kernel.
 
     ATOMIC_DQ: the one-kernel backward. dQ (unscaled, fp32, [B, HQ, SQ, HEAD_DIM] contiguous and zeroed
     by the caller) is accumulated into dq_acc_ptr with atomic adds as each key block's dS is formed,
@@ -201,20 +210,20 @@ def _flash_attention_bwd_dkdv_kernel(
         # the query blocks crossing the diagonal band (none without a causal mask)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, col_ok,
-            offs_d, SQ, OFF, qk_scale, diag_lo, diag_hi, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
-            DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+            offs_d, SQ, OFF, qk_scale, SOFTCAP, diag_lo, diag_hi, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS,
+            WINDOWED, SOFTCAPPED, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query blocks that see the whole key block
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, col_ok,
-            offs_d, SQ, OFF, qk_scale, full_lo, full_hi, seg_k, seg_q_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED,
-            DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+            offs_d, SQ, OFF, qk_scale, SOFTCAP, full_lo, full_hi, seg_k, seg_q_ptr, WINDOW, False, CAUSAL, SEGMENTS,
+            WINDOWED, SOFTCAPPED, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
         # the query block holding the query tail (SEGMENTS: the blocks up to the last segment's end)
         dk, dv = _bwd_dkdv_inner(
             dk, dv, k, v, q_head, do_head, lse_head, delta_head, dq_head, stride_qs, stride_ds, offs_n, col_ok,
-            offs_d, SQ, OFF, qk_scale, full_hi, q_stop, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED,
-            DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
+            offs_d, SQ, OFF, qk_scale, SOFTCAP, full_hi, q_stop, seg_k, seg_q_ptr, WINDOW, True, CAUSAL, SEGMENTS,
+            WINDOWED, SOFTCAPPED, DOT_FP32, INPUT_PRECISION, ATOMIC_DQ, HEAD_DIM, BLOCK_M,
         )  # fmt: skip
     dk = dk * scale  # S = scale·QKᵀ, so dK = scale·dSᵀQ
     tl.store(
@@ -231,9 +240,10 @@ def _flash_attention_bwd_dkdv_kernel(
 
 @triton.jit
 def _bwd_dq_inner(
-    dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi, seg_q,
-    seg_ptr, WINDOW, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP, lo, hi,
+    seg_q, seg_ptr, WINDOW, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
+    WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """dQ of one query block from the key blocks starting in [lo, hi)."""
     offs_n = tl.arange(0, BLOCK_N)
@@ -251,11 +261,18 @@ def _bwd_dq_inner(
             kT = kT.to(tl.float32)
             vT = vT.to(tl.float32)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
-        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if SOFTCAPPED:
+            th = _tanh(qk * qk_scale / SOFTCAP)
+            p = tl.math.exp2(SOFTCAP * th - lse[:, None])
+        else:
+            p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASK:  # rows that see no key (lse = -inf, so p = +inf) are among the masked ones
             p = tl.where(_block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, WINDOW, CAUSAL, SEGMENTS, WINDOWED), p, 0.0)
         dp = tl.dot(do, vT, input_precision=INPUT_PRECISION)
-        ds = (p * (dp - delta[:, None])).to(k_ptr.dtype.element_ty)  # rounded for the tensor cores
+        ds = p * (dp - delta[:, None])
+        if SOFTCAPPED:
+            ds = ds * (1.0 - th * th)
+        ds = ds.to(k_ptr.dtype.element_ty)  # rounded for the tensor cores
         if DOT_FP32:
             ds = ds.to(tl.float32)
         dq = tl.dot(ds, tl.trans(kT), dq, input_precision=INPUT_PRECISION)  # dQ += dS K
@@ -267,11 +284,13 @@ def _flash_attention_bwd_dq_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_db, stride_dh, stride_ds, stride_dqb, stride_dqh, stride_dqs,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, WINDOW, OFF,
-    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, scale, SOFTCAP, WINDOW, OFF,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF, SEGMENTS and WINDOWED as in the forward kernel."""
+    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF, SEGMENTS, WINDOWED and SOFTCAPPED as in the
+    forward kernel."""
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
     off_b, off_h = _batch_and_head(pid_bh, HQ)
@@ -302,16 +321,19 @@ def _flash_attention_bwd_dq_kernel(
         )
     if SEGMENTS or WINDOWED:
         dq = _bwd_dq_inner(
-            dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head,
-            mid_lo, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+            dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP,
+            head, mid_lo, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, SOFTCAPPED, DOT_FP32,
+            INPUT_PRECISION, BLOCK_N,
         )  # fmt: skip
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, mid_lo,
-        full_end, seg_q, seg_k_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP,
+        mid_lo, full_end, seg_q, seg_k_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED, SOFTCAPPED, DOT_FP32,
+        INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = _bwd_dq_inner(
-        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        dq, q, do, lse, delta, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP,
+        full_end, masked_end, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, SOFTCAPPED, DOT_FP32,
+        INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     dq = dq * scale
     tl.store(

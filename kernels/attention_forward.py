@@ -30,6 +30,28 @@ def _batch_and_head(pid, HEADS):
 
 
 @triton.jit
+def _tanh(x):
+    """tanh in fp32 to a few ulps: ``(1 - e)/(1 + e)`` with ``e = exp(-2|x|)`` (never NaN: ±1 where ``e``
+    vanishes), and below |x| = 1/16, where ``1 - e`` would cancel, its series to x⁷ (relative error < 1e-11)."""
+    a = tl.abs(x)
+    e = tl.math.exp2(a * -2.8853900817779268)  # -2·log2(e)
+    x2 = a * a
+    series = a * (1.0 + x2 * (-0.3333333333333333 + x2 * (0.13333333333333333 + x2 * -0.05396825396825397)))
+    t = tl.where(a < 0.0625, series, (1.0 - e) / (1.0 + e))
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _logits(qk, qk_scale, SOFTCAP, SOFTCAPPED: tl.constexpr):
+    """Base-2 logits of raw dot products: ``qk_scale·q·k`` (``qk_scale`` = scale·log2(e)); SOFTCAPPED, capped
+    as ``SOFTCAP·tanh(s / SOFTCAP)`` (Gemma 2's soft-capping, ``SOFTCAP`` the cap in base-2 units)."""
+    s = qk * qk_scale
+    if SOFTCAPPED:
+        s = SOFTCAP * _tanh(s / SOFTCAP)
+    return s
+
+
+@triton.jit
 def _block_keep(
     offs_m, cols, SK, OFF, seg_q, seg_ptr, WINDOW, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr,
     WINDOWED: tl.constexpr,
@@ -50,9 +72,9 @@ def _block_keep(
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, lo, hi, seg_q,
-    seg_ptr, WINDOW, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
+    acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP, lo, hi,
+    seg_q, seg_ptr, WINDOW, MASK: tl.constexpr, CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr,
+    SOFTCAPPED: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Online softmax over the key blocks starting in [lo, hi); MASK: mask the key tail, the diagonal band
     and (SEGMENTS) keys of other segments than their row's (seg_q: the rows' segment ids, seg_ptr: the keys')."""
@@ -65,7 +87,7 @@ def _fwd_inner(
         if DOT_FP32:
             kT = kT.to(tl.float32)
         qk = tl.dot(q, kT, input_precision=INPUT_PRECISION)
-        qk = qk * qk_scale  # base-2 logits: scale·log2(e)·q·k
+        qk = _logits(qk, qk_scale, SOFTCAP, SOFTCAPPED)  # base-2 logits: scale·log2(e)·q·k (soft-capped)
         if MASK:
             keep = _block_keep(offs_m, cols, SK, OFF, seg_q, seg_ptr, WINDOW, CAUSAL, SEGMENTS, WINDOWED)
             qk = tl.where(keep, qk, float("-inf"))
@@ -164,13 +186,16 @@ def _flash_attention_fwd_kernel(
     q_ptr, k_ptr, v_ptr, out_ptr, lse_ptr, seg_q_ptr, seg_k_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, WINDOW, OFF,
-    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, HEAD_DIM: tl.constexpr,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HQ, GROUP, SQ, SK, SK_BUCKET, qk_scale, SOFTCAP, WINDOW, OFF,
+    CAUSAL: tl.constexpr, SEGMENTS: tl.constexpr, WINDOWED: tl.constexpr, SOFTCAPPED: tl.constexpr,
+    HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """SK_BUCKET is read by the autotuner only (see _TUNE). OFF places the diagonal: under CAUSAL query i
-    sees keys ``j ≤ i + OFF`` (``SK - SQ`` for the bottom-right aligned mask; a caller that assembles
-    attention from blocks passes the distance between the block's first query and first key). WINDOWED
+    """SK_BUCKET is read by the autotuner only (see _TUNE). SOFTCAPPED: the logits are soft-capped (see
+    _logits; SOFTCAP is the cap times log2(e)), and lse is that of the capped logits. OFF places the
+    diagonal: under CAUSAL query i sees keys ``j ≤ i + OFF`` (``SK - SQ`` for the bottom-right aligned mask;
+    a caller that assembles attention from blocks passes the distance between the block's first query and
+    first key). WINDOWED
     (with CAUSAL): query i sees only the WINDOW latest keys up to its own, ``i + OFF - WINDOW < j ≤ i + OFF``.
     SEGMENTS: seg_q_ptr ``[B, 3, SQ]`` and seg_k_ptr ``[B, 3, SK]`` (int32) hold, for each query (key), its
     segment id, and the first and one past the last key (query) of that segment, whose ids are equal and
@@ -210,16 +235,19 @@ def _flash_attention_fwd_kernel(
         )
     if SEGMENTS or WINDOWED:
         acc, l_i, m_i = _fwd_inner(
-            acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, head, mid_lo,
-            seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+            acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP, head,
+            mid_lo, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, SOFTCAPPED, DOT_FP32,
+            INPUT_PRECISION, BLOCK_N,
         )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, mid_lo, full_end,
-        seg_q, seg_k_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP, mid_lo,
+        full_end, seg_q, seg_k_ptr, WINDOW, False, CAUSAL, SEGMENTS, WINDOWED, SOFTCAPPED, DOT_FP32,
+        INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, full_end,
-        masked_end, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, offs_m, offs_d, SK, OFF, qk_scale, SOFTCAP, full_end,
+        masked_end, seg_q, seg_k_ptr, WINDOW, True, CAUSAL, SEGMENTS, WINDOWED, SOFTCAPPED, DOT_FP32,
+        INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     # A row that saw a key has l_i ≥ 1 (its maximum contributes exp2(0)); one that saw none has l_i = 0
@@ -237,9 +265,9 @@ def _flash_attention_split_kv_kernel(
     q_ptr, k_ptr, v_ptr, part_out_ptr, part_lse_ptr, out_ptr, lse_ptr,
     stride_qb, stride_qh, stride_qs, stride_kb, stride_kh, stride_ks, stride_vb, stride_vh, stride_vs,
     stride_ob, stride_oh, stride_os,
-    HKV, GROUP, SQ, SK, SK_BUCKET, KEYS_PER_SPLIT, NSPLIT, qk_scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
-    FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    HKV, GROUP, SQ, SK, SK_BUCKET, KEYS_PER_SPLIT, NSPLIT, qk_scale, SOFTCAP,
+    CAUSAL: tl.constexpr, SOFTCAPPED: tl.constexpr, HEAD_DIM: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, FINAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """Split-KV forward (flash-decoding) for short queries: one program per (row block, batch·kv head, key split).
 
@@ -287,12 +315,12 @@ def _flash_attention_split_kv_kernel(
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, lo, mid, 0, k_ptr, 0,
-        False, CAUSAL, False, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, SOFTCAP, lo, mid, 0,
+        k_ptr, 0, False, CAUSAL, False, False, SOFTCAPPED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
     acc, l_i, m_i = _fwd_inner(
-        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, mid, end, 0, k_ptr, 0,
-        True, CAUSAL, False, False, DOT_FP32, INPUT_PRECISION, BLOCK_N,
+        acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, pos, offs_d, SK, OFF, qk_scale, SOFTCAP, mid, end, 0,
+        k_ptr, 0, True, CAUSAL, False, False, SOFTCAPPED, DOT_FP32, INPUT_PRECISION, BLOCK_N,
     )  # fmt: skip
 
     l_safe = tl.where(l_i > 0.0, l_i, 1.0)

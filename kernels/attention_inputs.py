@@ -46,6 +46,16 @@ def _check_window(name: str, window, causal: bool, arg: str = "window") -> None:
         raise ValueError(f"{name}: {arg}={window} needs causal=True (a query sees the window of keys up to its own)")
 
 
+def _check_softcap(name: str, softcap) -> None:
+    """Raise unless ``softcap`` is None or a finite number above 0."""
+    if softcap is None:
+        return
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)):
+        raise TypeError(f"{name}: softcap must be None or a number, received {type(softcap).__name__}")
+    if not (math.isfinite(softcap) and softcap > 0):
+        raise ValueError(f"{name}: softcap must be None or a finite number above 0, received {softcap}")
+
+
 def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
     """Raise ValueError/TypeError naming what is wrong; shared by the kernel and the reference."""
     for arg, t in (("q", q), ("k", k), ("v", v)):

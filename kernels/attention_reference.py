@@ -12,7 +12,7 @@ import math
 
 import torch
 
-from .attention_inputs import _DTYPES, _check_window, _segment_bounds, _segment_mask, _validate
+from .attention_inputs import _DTYPES, _check_softcap, _check_window, _segment_bounds, _segment_mask, _validate
 
 __all__ = ["flash_attention_reference"]
 
@@ -31,7 +31,8 @@ def _outside_window(sq: int, sk: int, window: int, device, offset: int | None = 
     return torch.ones(sq, sk, dtype=torch.bool, device=device).tril(offset - window)
 
 
-def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None, window=None):
+def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None, window=None,
+                              softcap=None):  # fmt: skip
     """Plain-PyTorch definition of :func:`flash_attention` (differentiable through autograd).
 
     Computes in fp32 (in float64 when the inputs are float64, which is how tests build their exact
@@ -39,17 +40,18 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     rounds the output once to the input dtype. ``lse`` is returned in the compute dtype. The causal mask
     is bottom-right aligned (``j ≤ i + Sk - Sq``); rows that see no key give 0 and ``lse = -inf``, and
     autograd through them gives zero gradients, never NaN. ``segment_ids`` and ``window`` as for
-    :func:`flash_attention`.
+    :func:`flash_attention`, and ``softcap``: the logits ``c·tanh(s/c)``.
     """
     _validate("flash_attention_reference", q, k, v, causal, scale, (*_DTYPES, torch.float64))
     _check_window("flash_attention_reference", window, causal)
+    _check_softcap("flash_attention_reference", softcap)
     segments = _segment_bounds("flash_attention_reference", segment_ids, q, k)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-    out, lse = _reference(q, k, v, causal, scale, segments, window)
+    out, lse = _reference(q, k, v, causal, scale, segments, window, softcap=softcap)
     return (out, lse) if return_lse else out
 
 
-def _reference(q, k, v, causal: bool, scale: float, segments, window=None, offset=None):
+def _reference(q, k, v, causal: bool, scale: float, segments, window=None, offset=None, softcap=None):
     """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments``,
     ``window`` and ``offset`` as for :func:`_forward`."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -57,6 +59,8 @@ def _reference(q, k, v, causal: bool, scale: float, segments, window=None, offse
     k = k.to(compute).repeat_interleave(group, dim=1)
     v = v.to(compute).repeat_interleave(group, dim=1)
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     if causal:
         scores = scores.masked_fill(_above_diagonal(q.shape[2], k.shape[2], q.device, offset), float("-inf"))
     if window is not None:
@@ -71,7 +75,8 @@ def _reference(q, k, v, causal: bool, scale: float, segments, window=None, offse
     return out, lse
 
 
-def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None, offset=None):
+def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None, offset=None,
+                        softcap=None):  # fmt: skip
     """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, sq, d = q.shape
@@ -81,6 +86,10 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, seg
     kc = k.to(compute).repeat_interleave(group, dim=1)
     vc = v.to(compute).repeat_interleave(group, dim=1)
     scores = (qc @ kc.transpose(-1, -2)) * scale
+    through_cap = 1.0
+    if softcap is not None:
+        tanh = torch.tanh(scores / softcap)
+        scores, through_cap = softcap * tanh, 1.0 - tanh * tanh  # d(c·tanh(s/c))/ds
     lse = lse.to(compute).unsqueeze(-1)
     p = torch.exp(scores - lse.masked_fill(torch.isneginf(lse), 0.0))
     if causal:
@@ -91,7 +100,7 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, seg
         p = p.masked_fill(_segment_mask(segments, q.device), 0.0)
     p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key
     delta = (doc * out.to(compute)).sum(-1, keepdim=True)
-    ds = p * (doc @ vc.transpose(-1, -2) - delta)
+    ds = p * (doc @ vc.transpose(-1, -2) - delta) * through_cap
     dq = (ds @ kc) * scale
     dk = ((ds.transpose(-1, -2) @ qc) * scale).view(b, hkv, group, sk, d).sum(2)
     dv = (p.transpose(-1, -2) @ doc).view(b, hkv, group, sk, d).sum(2)

@@ -28,14 +28,16 @@ The kernel takes:
     sequence, with any of the above: the mask is checked against the window as well, and the kernel
     runs with ``window=``, reading only the key blocks inside each query block's windows.
 
-Attention sinks (GPT-OSS's ``s_aux``: a learned logit per head that joins each row's softmax and attends
-to nothing) run the kernel too: its output is rescaled by ``sigmoid(lse - sink)`` from the log-sum-exp it
+Soft-capped logits (Gemma 2's ``softcap``, ``c·tanh(s/c)``) run the kernel with ``softcap=``. Attention
+sinks (GPT-OSS's ``s_aux``: a learned logit per head that joins each row's softmax and attends to nothing)
+run the kernel too: its output is rescaled by ``sigmoid(lse - sink)`` from the log-sum-exp it
 returns, differentiably, so the sinks get their gradients; where the kernel does not run, the model's own
 eager attention does (``sdpa`` has no sinks).
 
 Everything else goes to ``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding
-hole in the middle of a row, say), attention dropout in training, soft-capping and position biases, and
-head dims or dtypes the kernel does not take.
+hole in the middle of a row, say), attention dropout in training, position biases, and head dims or dtypes
+the kernel does not take (Gemma 2's head dim of 256, say); with sinks or soft-capping, which ``sdpa`` does
+not take, the model's own eager attention.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
 :func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).
@@ -44,6 +46,7 @@ Nothing here imports ``transformers`` until :func:`register_hf_attention` or the
 
 from __future__ import annotations
 
+import math
 import sys
 
 import torch
@@ -205,13 +208,16 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
                "into it that the model's position_ids delimit (restarting at each document)")  # fmt: skip
     if dropout and module.training:
         refuse(f"attention dropout ({dropout}) is not supported")
-    if kwargs.get("softcap") is not None or kwargs.get("position_bias") is not None:
-        refuse("logit soft-capping and position biases are not supported")
+    if kwargs.get("position_bias") is not None:
+        refuse("position biases are not supported")
+    softcap = kwargs.get("softcap")
+    if not _softcap_fits(softcap):
+        refuse(f"softcap must be None or a finite number above 0, received {softcap!r}")
     if kwargs.get(SINKS_KWARG) is not None:
         refuse("attention sinks are not supported")
     segment_ids = kwargs.get(SEGMENT_IDS_KWARG)
     out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling, segment_ids=segment_ids,
-                              window=window)  # fmt: skip
+                              window=window, softcap=None if softcap is None else float(softcap))  # fmt: skip
     return out_BHSD.transpose(1, 2), None  # laid out [B, S, H, D] already
 
 
@@ -229,16 +235,17 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     reads as segment ids (packed documents, left or right padding, queries over a cache, any of them in
     the module's ``sliding_window`` if one is given: the kernel gets the ``segment_ids`` and the
     ``window``). Everything else is passed to Hugging Face's ``sdpa`` implementation with the same mask,
-    so the result is the same: masks of other patterns, attention dropout, a position bias, soft-capping,
-    and head dims or dtypes the kernel does not take. A query that sees no key at all (left padding)
-    gives 0, as torch's ``sdpa`` does. Attention sinks (``s_aux``, GPT-OSS) rescale the kernel's output by
-    ``sigmoid(lse - sink)``; where the kernel does not run, the model's eager attention takes them.
+    so the result is the same: masks of other patterns, attention dropout, a position bias, and head dims
+    or dtypes the kernel does not take (the model's eager attention where sinks or soft-capping, which
+    ``sdpa`` does not take, are asked for). Soft-capped logits (``softcap``) run the kernel with it. A
+    query that sees no key at all (left padding) gives 0, as torch's ``sdpa`` does. Attention sinks
+    (``s_aux``, GPT-OSS) rescale the kernel's output by ``sigmoid(lse - sink)``.
 
     A module that ``parallelize(cp_group=)`` marked (context parallelism) runs
     :func:`~tessel.parallel.context.ring_attention` over the group instead, within the documents that
     the ``tessel_segment_ids`` keyword delimits (set by the model's hook from the whole sequence's
     ``position_ids``), and refuses with a ``ValueError`` what the ring does not compute (masks, caches,
-    short sliding windows, dropout).
+    dropout, attention sinks).
     """
     from ..kernels.attention import HEAD_DIMS, flash_attention
 
@@ -252,7 +259,7 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         (query.shape[2] == key.shape[2] or query.shape[2] == 1 or attention_mask is not None)
         and not (dropout and module.training)
         and kwargs.get("position_bias") is None
-        and kwargs.get("softcap") is None
+        and _softcap_fits(kwargs.get("softcap"))
         and query.shape[-1] in HEAD_DIMS
         and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and query.shape[1] % key.shape[1] == 0
@@ -283,14 +290,24 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     extra = {} if segments is None else {"segment_ids": segments}
     if window is not None:
         extra["window"] = window
+    if kwargs.get("softcap") is not None:
+        extra["softcap"] = float(kwargs["softcap"])
     sinks = kwargs.get(SINKS_KWARG)
-    out_BHSD, lse = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling,
-                                    return_lse=True, **extra)  # fmt: skip
+    if sinks is not None:
+        extra["return_lse"] = True
+    out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, **extra)
     if sinks is not None:
         # the sink's exp joins each row's softmax denominator: out · Σ/(Σ + e^sink) = out · sigmoid(lse - sink)
         # (differentiable through lse, so the sinks and q, k get their gradients)
+        out_BHSD, lse = out_BHSD
         out_BHSD = (out_BHSD * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]).to(out_BHSD.dtype)
     return out_BHSD.transpose(1, 2).contiguous(), None
+
+
+def _softcap_fits(softcap) -> bool:
+    """No soft-capping, or a cap the kernel takes: a finite number above 0."""
+    return softcap is None or (isinstance(softcap, (int, float)) and not isinstance(softcap, bool)
+                               and math.isfinite(softcap) and softcap > 0)  # fmt: skip
 
 
 def _sinks_fit(sinks, query: torch.Tensor) -> bool:

@@ -62,7 +62,7 @@ import torch.distributed as dist
 
 from ..kernels._memo import kept_on
 from ..kernels.attention import _block_backward, _block_forward, check_grid, flash_attention
-from ..kernels.attention_inputs import _check_window, _cross_segment_bounds, run_starts
+from ..kernels.attention_inputs import _check_softcap, _check_window, _cross_segment_bounds, run_starts
 from ..kernels.attention_inputs import _validate as _validate_attention
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
@@ -326,7 +326,7 @@ def _table(tables, step: int, i: int):
     return None if tables is None else tables[step][i]
 
 
-def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None):
+def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None, softcap=None):
     b, hq, length, d = q.shape
     out_acc = torch.empty((b, hq, length, d), device=q.device, dtype=torch.float32)
     lse_acc = torch.empty((b, hq, length), device=q.device, dtype=torch.float32)
@@ -334,7 +334,7 @@ def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None):
         for i, pair in enumerate(step.pairs):
             rows, cols = pair.rows, pair.cols
             out, lse = _block_forward(q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], pair.causal, scale,
-                                      _table(tables, index, i), pair.window, pair.offset)  # fmt: skip
+                                      _table(tables, index, i), pair.window, pair.offset, softcap)  # fmt: skip
             if pair.first:  # the own block: every row sees at least its own key
                 out_acc[:, :, rows] = out
                 lse_acc[:, :, rows] = lse
@@ -346,7 +346,8 @@ def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None):
     return out, lse_acc
 
 
-def _ring_backward(q, k, v, out, lse, dout, group, scale: float, deterministic: bool, plan: _Plan, tables=None):
+def _ring_backward(q, k, v, out, lse, dout, group, scale: float, deterministic: bool, plan: _Plan, tables=None,
+                   softcap=None):  # fmt: skip
     """dq stays home; the dK/dV of the rank's own block too. Along each stream an fp32 accumulator of the
     block travels one step behind the block: started where the block makes its first hop, received
     from ``r - direction`` and sent on to ``r + direction`` during the stream's next step, and after
@@ -362,7 +363,7 @@ def _ring_backward(q, k, v, out, lse, dout, group, scale: float, deterministic: 
             dq, dk, dv = _block_backward(
                 q[:, :, rows], kv[0][:, :, cols], kv[1][:, :, cols], out[:, :, rows], lse[:, :, rows],
                 dout[:, :, rows], pair.causal, scale, deterministic, _table(tables, index, i), pair.window,
-                pair.offset,
+                pair.offset, softcap,
             )  # fmt: skip
             dq_acc[:, :, rows] += dq
             shares.append((pair.cols, dk, dv))
@@ -399,10 +400,11 @@ def _ring_backward(q, k, v, out, lse, dout, group, scale: float, deterministic: 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, deterministic, plan, tables):
-        out, lse = _ring_forward(q, k, v, group, scale, plan, tables)
+    def forward(ctx, q, k, v, group, scale, deterministic, plan, tables, softcap):
+        out, lse = _ring_forward(q, k, v, group, scale, plan, tables, softcap)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.deterministic, ctx.plan, ctx.tables = group, scale, deterministic, plan, tables
+        ctx.softcap = softcap
         return out
 
     @staticmethod
@@ -410,9 +412,9 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _ring_backward(
-            q, k, v, out, lse, dout, ctx.group, ctx.scale, ctx.deterministic, ctx.plan, ctx.tables
+            q, k, v, out, lse, dout, ctx.group, ctx.scale, ctx.deterministic, ctx.plan, ctx.tables, ctx.softcap
         )
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 def _check_segment_ids(segment_ids, q, seq_len: int) -> None:
@@ -431,7 +433,7 @@ def _check_segment_ids(segment_ids, q, seq_len: int) -> None:
 
 
 def ring_attention(q, k, v, group=None, *, causal=False, scale=None, deterministic=True,
-                   segment_ids=None, window=None) -> torch.Tensor:  # fmt: skip
+                   segment_ids=None, window=None, softcap=None) -> torch.Tensor:  # fmt: skip
     """Attention over a sequence split across the ranks of ``group``; differentiable.
 
     Args:
@@ -457,6 +459,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
             skipped, and the key/value blocks travel only as far as the window reaches, both ways
             round the ring (see the module's notes): with ``W ≤ h + 1``, ``h = L/2``, each rank
             sends at most two blocks, whatever ``c`` is.
+        softcap: ``None``, or a cap ``c > 0`` for soft-capped logits ``c·tanh(s/c)`` (flash attention's
+            ``softcap``): every block runs capped, and the partial results merge through the capped
+            log-sum-exps.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype, laid out ``[B, L, Hq, D]`` in memory: the attention output of
@@ -470,6 +475,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
     if not isinstance(deterministic, bool):
         raise TypeError(f"ring_attention: deterministic must be a bool, received {type(deterministic).__name__}")
     _check_window("ring_attention", window, causal)
+    _check_softcap("ring_attention", softcap)
     c = group_size(group)
     _check_segment_ids(segment_ids, q, c * q.shape[2])
     if (causal or segment_ids is not None) and q.shape[2] % 2 and c > 1:
@@ -479,11 +485,11 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if c == 1 or q.shape[2] == 0:
         return flash_attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic,
-                               segment_ids=segment_ids, window=window)  # fmt: skip
+                               segment_ids=segment_ids, window=window, softcap=softcap)  # fmt: skip
     check_grid("ring_attention", q)
     plan_key = (causal, q.shape[2] // 2, window)
     plan = _ring_plan(c, group_rank(group), *plan_key)
     tables = _segment_tables(segment_ids, group, plan_key)
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RingAttention.apply(q, k, v, group, scale, deterministic, plan, tables)
-    return _ring_forward(q, k, v, group, scale, plan, tables)[0]
+        return _RingAttention.apply(q, k, v, group, scale, deterministic, plan, tables, softcap)
+    return _ring_forward(q, k, v, group, scale, plan, tables, softcap)[0]

@@ -212,13 +212,14 @@ def attention_cases():
     benchmark measures): forward, split-KV forward (at 16 and 64 rows), dK/dV, dK/dV with the atomic dQ, and dQ;
     the split-KV merge and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
-    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False, WINDOWED=False)
+    common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False, WINDOWED=False,
+                  SOFTCAPPED=False)  # fmt: skip
     odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW", "OFF")
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
         ptrs = _attention_ptrs(fn, "bf16")
-        floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+        floats = _floats(fn)
         for causal, config in itertools.product((True, False), tuned.configs):
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
             mask = "causal" if causal else "full"
@@ -234,7 +235,7 @@ def attention_cases():
             cases.append((
                 f"attention split-kv bf16 D=128 causal {block_m}x{bn} w{config.num_warps} s{config.num_stages}",
                 split, split_ptrs, {**_no_segments(common), **config.kwargs, "BLOCK_M": block_m, "FINAL": False},
-                ("qk_scale",), ("HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT"), config.num_warps,
+                ("qk_scale", "SOFTCAP"), ("HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT"), config.num_warps,
                 config.num_stages,
                 {"kernel": "attention split-kv", "dtype": "bf16", "head_dim": 128, "causal": True},
             ))  # fmt: skip
@@ -265,11 +266,11 @@ def attention_specialisation_cases():
     kernels = (*_BACKWARD_AND_FORWARD(att), ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}))
     cases = []
     for dtype, head_dim, causal in (("fp32", 128, True), ("fp16", 64, False), ("bf16", 16, True)):
-        common = dict(HEAD_DIM=head_dim, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal)
+        common = dict(HEAD_DIM=head_dim, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal, SOFTCAPPED=False)
         for label, tuned, extra in kernels:
             fn = tuned.fn
             ptrs = _attention_ptrs(fn, dtype)
-            floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+            floats = _floats(fn)
             configs = tuned.configs if dtype == "fp32" else [tuned.configs[0], tuned.configs[-1]]
             for config in configs:
                 blocks = {**config.kwargs, **extra}
@@ -297,7 +298,7 @@ def attention_segment_cases():
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
-        floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+        floats = _floats(fn)
         for causal, config in itertools.product((True, False), tuned.configs):
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
             mask = "causal" if causal else "full"
@@ -305,9 +306,37 @@ def attention_segment_cases():
             meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": causal,
                     "segments": True, "coverage": True}  # fmt: skip
             constants = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=causal, SEGMENTS=True,
-                             WINDOWED=False, **config.kwargs, **extra)  # fmt: skip
+                             WINDOWED=False, SOFTCAPPED=False, **config.kwargs, **extra)  # fmt: skip
             cases.append((name, fn, _attention_ptrs(fn, "bf16"), constants, floats, odd, config.num_warps,
                           config.num_stages, meta))  # fmt: skip
+    return cases
+
+
+def _floats(fn) -> tuple[str, ...]:
+    """The fp32 scalar arguments of an attention kernel."""
+    return tuple(n for n in ("qk_scale", "scale", "SOFTCAP") if n in fn.arg_names)
+
+
+def attention_softcap_cases():
+    """The one-pass forward, the backward and the split-KV forward with soft-capped logits (Gemma 2), bf16 at
+    D=128, causal, in every autotuning configuration."""
+    att = importlib.import_module("tessel.kernels.attention_kernels")
+    odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW", "OFF", "NSPLIT")
+    kernels = (*_BACKWARD_AND_FORWARD(att), ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}))
+    cases = []
+    for label, tuned, extra in kernels:
+        fn = tuned.fn
+        for config in tuned.configs:
+            blocks = {**config.kwargs, **extra}
+            tile = f"{blocks['BLOCK_M']}x{blocks['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": True,
+                    "softcap": True, "coverage": True}  # fmt: skip
+            constants = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SOFTCAPPED=True,
+                             **blocks)  # fmt: skip
+            if "SEGMENTS" in fn.arg_names:
+                constants["SEGMENTS"] = constants["WINDOWED"] = False
+            cases.append((f"attention {label} softcap bf16 D=128 causal {tile}", fn, _attention_ptrs(fn, "bf16"),
+                          constants, _floats(fn), odd, config.num_warps, config.num_stages, meta))  # fmt: skip
     return cases
 
 
@@ -319,14 +348,14 @@ def attention_window_cases():
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
-        floats = tuple(n for n in ("qk_scale", "scale") if n in fn.arg_names)
+        floats = _floats(fn)
         for config in tuned.configs:
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
             name = f"attention {label} window bf16 D=128 causal {bm}x{bn} w{config.num_warps} s{config.num_stages}"
             meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": True,
                     "window": True, "coverage": True}  # fmt: skip
             constants = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False,
-                             WINDOWED=True, **config.kwargs, **extra)  # fmt: skip
+                             WINDOWED=True, SOFTCAPPED=False, **config.kwargs, **extra)  # fmt: skip
             cases.append((name, fn, _attention_ptrs(fn, "bf16"), constants, floats, odd, config.num_warps,
                           config.num_stages, meta))  # fmt: skip
     return cases
@@ -386,7 +415,7 @@ def norm_cases():
 
 def all_cases():
     return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_segment_cases()
-            + attention_window_cases() + adam_cases() + norm_cases())  # fmt: skip
+            + attention_window_cases() + attention_softcap_cases() + adam_cases() + norm_cases())  # fmt: skip
 
 
 _CASES = None

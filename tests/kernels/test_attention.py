@@ -251,9 +251,9 @@ def test_strided_inputs_are_read_in_place(seed, monkeypatch):
     seen = []
     forward = attention_module._forward
 
-    def spy(q_, k_, v_, *args):
+    def spy(q_, k_, v_, *args, **kwargs):
         seen.append([(t.data_ptr(), t.stride()) for t in (q_, k_, v_)])
-        return forward(q_, k_, v_, *args)
+        return forward(q_, k_, v_, *args, **kwargs)
 
     monkeypatch.setattr(attention_module, "_forward", spy)
     check_against_reference(q, k, v, True, torch.float32)

@@ -29,9 +29,9 @@ def spy(monkeypatch):
     plans = []
     real = attention_module._forward_split_kv
 
-    def recording(q, k, v, out, lse, causal, scale, backend, block_m, keys, splits):
+    def recording(q, k, v, out, lse, causal, scale, backend, block_m, keys, splits, **kwargs):
         plans.append((block_m, keys, splits))
-        return real(q, k, v, out, lse, causal, scale, backend, block_m, keys, splits)
+        return real(q, k, v, out, lse, causal, scale, backend, block_m, keys, splits, **kwargs)
 
     monkeypatch.setattr(attention_module, "_forward_split_kv", recording)
     return plans

@@ -206,8 +206,8 @@ def test_one_query_reads_its_window_as_a_slice(seed, monkeypatch, num_splits):
 
     seen = []
     forward = attention._forward
-    monkeypatch.setattr(attention, "_forward", lambda q, k, v, *a: seen.append((k.shape[2], a[-2], a[-1])) or
-                        forward(q, k, v, *a))  # fmt: skip
+    monkeypatch.setattr(attention, "_forward", lambda q, k, v, *a, **kw: seen.append((k.shape[2], a[-2], a[-1]))
+                        or forward(q, k, v, *a, **kw))  # fmt: skip
     q, k, v = make_qkv("gqa", 1, 32, torch.float32, sk=70)
     grad_out = torch.randn(q.shape)
     q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))

@@ -421,17 +421,21 @@ def test_attention_sinks_in_generation_and_in_the_eager_fallback(monkeypatch):
 
 
 @needs_hf
-@pytest.mark.parametrize("padding", [None, "left"])
-def test_soft_capped_logits_match_eager(padding):
-    """Gemma 2 soft-caps its attention logits (c·tanh(s/c)), which sdpa refuses: its eager attention runs them,
-    given the causal mask spelled out where the mask builder passed None; logits and gradients are eager's."""
+@pytest.mark.parametrize("padding, head_dim", [(None, 16), ("left", 16), (None, 256)],
+                         ids=["unpadded", "padded", "head-dim-256"])  # fmt: skip
+def test_soft_capped_logits_run_the_kernel(monkeypatch, padding, head_dim):
+    """Gemma 2 soft-caps its attention logits (c·tanh(s/c)), which sdpa refuses: the kernel runs them with
+    ``softcap``; logits and gradients are those of Gemma 2's eager attention. Gemma 2's real head dim, 256, is
+    not the kernel's: its eager attention runs, given the causal mask the mask builder left out (None)."""
     import transformers
 
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
+    calls = _spy_on_kernel(monkeypatch)
     config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16, sliding_window=3,
+                                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
+                                       sliding_window=3,
                                        attn_logit_softcapping=5.0)  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config)
@@ -443,6 +447,8 @@ def test_soft_capped_logits_match_eager(padding):
         model.zero_grad()
         logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
         results[impl] = logits[mask.bool()], {n: p.grad.clone() for n, p in model.named_parameters()}
+    kernel_calls = [(5.0, 3), (5.0, None)] if head_dim == 16 else []
+    assert [(c[2].get("softcap"), c[2].get("window")) for c in calls] == kernel_calls
     _close(results["tessel"][0], results["eager"][0])
     for name, grad in results["tessel"][1].items():
         _close(grad, results["eager"][1][name], msg=lambda m, n=name: f"{n}: {m}")

@@ -29,7 +29,8 @@ def _whole(layout, s, dtype, seed=0):
     return q, k, v, dout
 
 
-def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, reference_backend, ids=None, window=None):
+def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, reference_backend, ids=None, window=None,
+               softcap=None):  # fmt: skip
     from tessel.parallel import count_bytes, record_events
     from tessel.parallel.context import ring_attention, split_sequence
 
@@ -40,7 +41,8 @@ def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, refere
     q, k, v, dout = _whole(layout, s, dtype)
     mine = [split_sequence(t, dim=2).requires_grad_() for t in (q, k, v)]
     with record_events() as fwd_log, count_bytes() as fwd_bytes:
-        out = ring_attention(*mine, causal=causal, deterministic=deterministic, segment_ids=ids, window=window)
+        out = ring_attention(*mine, causal=causal, deterministic=deterministic, segment_ids=ids, window=window,
+                             softcap=softcap)  # fmt: skip
     with record_events() as bwd_log, count_bytes() as bwd_bytes:
         out.backward(split_sequence(dout, dim=2))
     return dict(
@@ -144,6 +146,29 @@ def test_ring_attention_with_packed_documents_fp16_atomic_and_reference_backend(
     for dtype, deterministic, reference in ((torch.float16, False, False), (torch.float32, True, True)):
         results = run_ranks(_ring_rank, 2, "mqa", 20, True, dtype, deterministic, reference, ids)
         _check_against_whole(results, "mqa", 20, True, dtype, ids)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_ring_attention_with_soft_capped_logits(world_size):
+    """Every block capped, merged through the capped log-sum-exps: the float64 reference on the whole sequence
+    (q scaled up so that the cap of 1.5 bends most scores), with packed documents and a window on 2 ranks."""
+    from tessel.kernels.attention import flash_attention_reference
+    from tessel.parallel.context import zigzag_positions
+
+    s = 2 * world_size * 6
+    ids, window = (ids_from_lengths([[7, 17], [24]]), 5) if world_size == 2 else (None, None)
+    results = run_ranks(_ring_rank, world_size, "gqa", s, True, torch.float32, True, False, ids, window, 1.5)
+    q, k, v, dout = _whole("gqa", s, torch.float32)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    want = flash_attention_reference(q64, k64, v64, True, softcap=1.5, segment_ids=ids, window=window)
+    want.backward(dout.double())
+    for rank, got in enumerate(results):
+        pos = zigzag_positions(s, world_size, rank)
+        for name, g, w in zip(("out", "dq", "dk", "dv"), (got["out"], *got["grads"]), (want, q64.grad, k64.grad,
+                                                                                          v64.grad)):  # fmt: skip
+            err = ((g.double() - w.detach()[:, :, pos]).abs().max() / w.abs().max()).item()
+            assert err <= TOL[torch.float32], f"rank {rank} {name}: error {err:.3g}"
 
 
 def _overlapping(events, op):
