@@ -46,6 +46,7 @@ def _model(family, kv_heads=2, seed=0, **kw):
         "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM),
         "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM),  # per-head q/k norms
         "gemma": (transformers.GemmaConfig, transformers.GemmaForCausalLM),  # (1 + weight) norms
+        "gemma2": (transformers.Gemma2Config, transformers.Gemma2ForCausalLM),  # soft-capped logits
     }[family]
     base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=False)  # fmt: skip
@@ -435,10 +436,13 @@ def test_soft_capped_logits_run_the_kernel(monkeypatch, padding, head_dim):
     calls = _spy_on_kernel(monkeypatch)
     config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                                       sliding_window=3,
-                                       attn_logit_softcapping=5.0)  # fmt: skip
+                                       sliding_window=3, attn_logit_softcapping=0.5)  # fmt: skip
     torch.manual_seed(0)
     model = transformers.Gemma2ForCausalLM(config)
+    with torch.no_grad():  # logits of ~0.5, which the cap bends (a random init's are ~0.005)
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
     ids, weights = _batch()
     mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B)
     results = {}
@@ -447,7 +451,7 @@ def test_soft_capped_logits_run_the_kernel(monkeypatch, padding, head_dim):
         model.zero_grad()
         logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
         results[impl] = logits[mask.bool()], {n: p.grad.clone() for n, p in model.named_parameters()}
-    kernel_calls = [(5.0, 3), (5.0, None)] if head_dim == 16 else []
+    kernel_calls = [(0.5, 3), (0.5, None)] if head_dim == 16 else []
     assert [(c[2].get("softcap"), c[2].get("window")) for c in calls] == kernel_calls
     _close(results["tessel"][0], results["eager"][0])
     for name, grad in results["tessel"][1].items():

@@ -44,18 +44,34 @@ def _check_against_dense(dense, par, tp_group, cp_group, tag):
 
 
 def _family_model(family: str):
-    """A tiny model of ``family``; ``"mistral-windowW"`` is Mistral with ``sliding_window=W``."""
+    """A tiny model of ``family``; ``"mistral-windowW"`` is Mistral with ``sliding_window=W``; ``"gemma2"``
+    alternates a window of 3 with full attention and soft-caps its logits at 0.5, with query and key
+    projections scaled up so that the cap bends the logits (a random init's are ~0.005)."""
     if family.startswith("mistral-window"):
         return _model("mistral", sliding_window=int(family.removeprefix("mistral-window")))
+    if family == "gemma2":
+        model = _model("gemma2", attn_logit_softcapping=0.5, sliding_window=3)
+        with torch.no_grad():
+            for layer in model.model.layers:
+                layer.self_attn.q_proj.weight.mul_(10)
+                layer.self_attn.k_proj.weight.mul_(10)
+        return model
     return _model(family, kv_heads=2)
 
 
+def _layer_windows(family: str) -> tuple:
+    """The sliding window of each of the 2 layers (None: full attention)."""
+    if family.startswith("mistral-window"):
+        return (int(family.removeprefix("mistral-window")),) * 2
+    return (3, None) if family == "gemma2" else (None, None)
+
+
 def _ring_links(family: str, cp: int, seq_len: int) -> int:
-    """The links the ring's key/value blocks travel in one attention call (fewer under a short window)."""
+    """The links the ring's key/value blocks travel in the attention calls of the 2 layers (fewer under a
+    short window)."""
     from tessel.parallel.context import _ring_plan
 
-    window = int(family.removeprefix("mistral-window")) if family.startswith("mistral-window") else None
-    return sum(_ring_plan(cp, 0, True, seq_len // (2 * cp), window).hops)
+    return sum(sum(_ring_plan(cp, 0, True, seq_len // (2 * cp), w).hops) for w in _layer_windows(family))
 
 
 def _shifted(ids):
@@ -78,15 +94,15 @@ def _grid_vs_dense(rank, world_size, cp, families, sp_options, kv_heads):
             # the ring ran in every layer: c-1 key/value sends forward and again backward (fewer under a
             # window shorter than the sequence), in each of 2 layers
             sends = [e for e in log.events if e[:2] == ("send", "ring_attention")]
-            assert len(sends) == 2 * 2 * _ring_links(family, cp, S), log.events
+            assert len(sends) == 2 * _ring_links(family, cp, S), log.events
     return "ok"
 
 
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
-    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "mistral-window3"), (False,), 2, timeout=300,
-              env=REFERENCE_KERNELS)  # fmt: skip
+    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "mistral-window3", "gemma2"), (False,), 2,
+              timeout=300, env=REFERENCE_KERNELS)  # fmt: skip
 
 
 @pytest.mark.multiprocess
@@ -100,7 +116,7 @@ def test_hf_models_under_context_and_tensor_parallelism_match_dense_on_four_rank
 @needs_hf
 def test_hf_model_on_four_context_parallel_ranks_matches_dense():
     # Mistral's window of 2 over chunks of one token: the blocks travel one link each way, not round the ring
-    assert _ring_links("mistral-window2", 4, S) == 2
+    assert _ring_links("mistral-window2", 4, S) == 2 * 2  # in each of the 2 layers
     run_ranks(_grid_vs_dense, 4, 4, ("llama", "mistral-window2"), (False,), 2, timeout=300, env=REFERENCE_KERNELS)
 
 
