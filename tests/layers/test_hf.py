@@ -54,6 +54,17 @@ def _model(family, kv_heads=2, seed=0, **kw):
     return model_cls(config_cls(**{**base, **kw}))
 
 
+def _gemma2(head_dim=16):
+    """A tiny Gemma 2: a window of 3 in every other layer, logits soft-capped at 0.5, with the query and key
+    projections scaled up so that the cap bends the logits (a random init's are ~0.005, ~0.5 after)."""
+    model = _model("gemma2", head_dim=head_dim, attn_logit_softcapping=0.5, sliding_window=3)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
+    return model
+
+
 def _batch(seed=1):
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(VOCAB, (B, S), generator=gen), torch.randn(B, S, VOCAB, generator=gen)
@@ -428,21 +439,11 @@ def test_soft_capped_logits_run_the_kernel(monkeypatch, padding, head_dim):
     """Gemma 2 soft-caps its attention logits (c·tanh(s/c)), which sdpa refuses: the kernel runs them with
     ``softcap``; logits and gradients are those of Gemma 2's eager attention. Gemma 2's real head dim, 256, is
     not the kernel's: its eager attention runs, given the causal mask the mask builder left out (None)."""
-    import transformers
-
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
     calls = _spy_on_kernel(monkeypatch)
-    config = transformers.Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-                                       num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
-                                       sliding_window=3, attn_logit_softcapping=0.5)  # fmt: skip
-    torch.manual_seed(0)
-    model = transformers.Gemma2ForCausalLM(config)
-    with torch.no_grad():  # logits of ~0.5, which the cap bends (a random init's are ~0.005)
-        for layer in model.model.layers:
-            layer.self_attn.q_proj.weight.mul_(10)
-            layer.self_attn.k_proj.weight.mul_(10)
+    model = _gemma2(head_dim)
     ids, weights = _batch()
     mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B)
     results = {}

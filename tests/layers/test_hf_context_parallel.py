@@ -23,7 +23,18 @@ import torch
 import torch.distributed as dist
 
 from tests.layers.test_context_parallel import _grid
-from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, B, S, _batch, _close, _forward_backward, _model, needs_hf
+from tests.layers.test_hf import (
+    REFERENCE_KERNELS,
+    VOCAB,
+    B,
+    S,
+    _batch,
+    _close,
+    _forward_backward,
+    _gemma2,
+    _model,
+    needs_hf,
+)
 from tests.multiprocess import run_ranks
 
 
@@ -45,17 +56,11 @@ def _check_against_dense(dense, par, tp_group, cp_group, tag):
 
 def _family_model(family: str):
     """A tiny model of ``family``; ``"mistral-windowW"`` is Mistral with ``sliding_window=W``; ``"gemma2"``
-    alternates a window of 3 with full attention and soft-caps its logits at 0.5, with query and key
-    projections scaled up so that the cap bends the logits (a random init's are ~0.005)."""
+    is test_hf's (soft-capped logits, a window of 3 in every other layer)."""
     if family.startswith("mistral-window"):
         return _model("mistral", sliding_window=int(family.removeprefix("mistral-window")))
     if family == "gemma2":
-        model = _model("gemma2", attn_logit_softcapping=0.5, sliding_window=3)
-        with torch.no_grad():
-            for layer in model.model.layers:
-                layer.self_attn.q_proj.weight.mul_(10)
-                layer.self_attn.k_proj.weight.mul_(10)
-        return model
+        return _gemma2()
     return _model(family, kv_heads=2)
 
 
