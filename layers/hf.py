@@ -43,9 +43,13 @@ them (so it builds no mask), and hands the attention modules the documents' segm
 (:func:`packed_positions`) through the model's ``**kwargs``: the ring then attends within documents.
 Documents are read from position ids with or without a cache (Hugging Face itself reads them only
 with ``use_cache=False``). A sliding window (Mistral's ``sliding_window``) runs in the ring
-(``ring_attention(window=)``). What the local view would get wrong is refused with a ``ValueError``
-instead: position ids that are not the whole sequence's, an attention mask (padding), a key-value
-cache longer than the tokens (decoding), and labels that
+(``ring_attention(window=)``). Padding: the caller passes the WHOLE sequence's ``attention_mask [B, S]``
+(left or right padded rows; the same on every rank), which the hook turns into runs (padding before,
+the tokens, padding after: :func:`padding_runs`) for the ring, so each token sees what the mask lets it
+see; Hugging Face reads documents from position ids only without a mask, and so does the hook. What the
+local view would get wrong is refused with a ``ValueError`` instead: position ids or a mask that are
+not the whole sequence's, a mask with a gap inside a row, a key-value cache longer than the tokens
+(decoding), and labels that
 the model would shift itself (a chunk's last token predicts the first token of the next chunk, held by
 another rank: pass ``shift_labels``, the globally shifted labels split the same way).
 """
@@ -375,17 +379,51 @@ def _replace_argument(module: nn.Module, args: tuple, kwargs: dict, name: str, v
     return args, {**kwargs, name: value}
 
 
-def _check_no_padding(module: nn.Module, c: int, mask) -> None:
-    """Raise unless the attention mask given to the base model under context parallelism masks nothing."""
-    if isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all()):
-        return
-    what = (f"a {mask.dim()}-D mask of shape {list(mask.shape)}" + (" masking some tokens" if mask.dim() == 2 else "")
-            if isinstance(mask, torch.Tensor) else type(mask).__name__)  # fmt: skip
-    raise ValueError(
-        f"{type(module).__name__} under context parallelism over {c} ranks: an attention mask (padding) is not "
-        "supported: each batch row is one whole sequence, or documents packed into it that the model's "
-        f"position_ids delimit (restarting at each document); received {what}"
-    )
+def padding_runs(module: nn.Module, c: int, mask, tokens: torch.Tensor) -> torch.Tensor | None:
+    """The padding given to a context-parallel Hugging Face model as ids of runs ``[B, S]``, or None.
+
+    ``mask`` is the base model's ``attention_mask``: ``None``, or the WHOLE sequence's mask ``[B, S]``
+    (``S = c ·`` the local length; the same on every rank, as for position ids) of ones and zeros, whose
+    ones are one run per row: left or right padding (or both); all ones is no padding. A mask of this
+    rank's share of the tokens is refused even when it masks nothing, since another rank's share may not:
+    every rank then refuses alike instead of some waiting in the ring for the others. The result numbers each row's runs
+    ``0`` (padding before), ``1`` (the tokens), ``2`` (padding after), so that the ring attends within
+    them: every token sees exactly the tokens its row's mask lets it see, and padding sees padding only
+    (its outputs are meaningless, as they are everywhere: leave them out of the loss). Raises a
+    ValueError naming what is wrong.
+    """
+    if mask is None:
+        return None
+    b, length = tokens.shape[0], c * tokens.shape[1]
+    what = (f"a {mask.dim()}-D {mask.dtype} mask of shape {list(mask.shape)}" if isinstance(mask, torch.Tensor)
+            else type(mask).__name__)  # fmt: skip
+    if not (isinstance(mask, torch.Tensor) and tuple(mask.shape) == (b, length) and not mask.is_floating_point()
+            and not mask.is_complex() and bool(((mask == 0) | (mask == 1)).all())):  # fmt: skip
+        raise ValueError(
+            f"{type(module).__name__} under context parallelism over {c} ranks: an attention mask that pads must "
+            f"be the whole sequence's integer or boolean mask [{b}, {length}] of ones and zeros (the same on every "
+            f"rank, as position_ids), received {what}"
+        )
+    real = mask.bool()
+    if bool(real.all()):
+        return None
+    pos = torch.arange(length, device=mask.device)
+    start = torch.where(real, pos, length).min(1, keepdim=True).values
+    end = torch.where(real, pos + 1, 0).max(1, keepdim=True).values
+    inside = (pos >= start) & (pos < end)
+    if not bool(torch.equal(inside, real)) or not bool(real.any(1).all()):
+        raise ValueError(
+            f"{type(module).__name__} under context parallelism over {c} ranks: the attention mask's ones must be "
+            "one run in each row (left or right padding), with at least one token; received a row with a gap "
+            "or with none"
+        )
+    return (pos >= start).to(torch.int32) + (pos >= end).to(torch.int32)
+
+
+def _tokens(bound: inspect.BoundArguments) -> torch.Tensor:
+    """The base model's input tokens (``input_ids``, or ``inputs_embeds``)."""
+    tokens = bound.arguments.get("input_ids")
+    return bound.arguments.get("inputs_embeds") if tokens is None else tokens
 
 
 def _check_var_keyword(module: nn.Module) -> None:
@@ -496,21 +534,29 @@ class HFContextLayout:
             bound = _bind(module, args, kwargs)
             given = bound.arguments.get("position_ids")
             held["positions"] = None
-            if c > 1 and bound.arguments.get("attention_mask") is not None:
-                _check_no_padding(module, c, bound.arguments["attention_mask"])
-                # all ones: no mask. Any mask the model builds is then its own, from the local view (a
-                # sliding window over the local tokens, which the ring replaces with the global one)
+            if c == 1:
+                if given is None:
+                    return None
+                held["positions"] = packed_positions(given, _tokens(bound), c)[0]
+                return None  # the local view is the whole: the model reads its documents itself
+            runs = None
+            masked = bound.arguments.get("attention_mask") is not None
+            if masked:
+                runs = padding_runs(module, c, bound.arguments["attention_mask"], _tokens(bound))
+                # the padding goes to the ring as runs. Any mask the model builds is then its own, from
+                # the local view (a sliding window over the local tokens, which the ring replaces with
+                # the global one)
                 args, kwargs = _replace_argument(module, args, kwargs, "attention_mask", None)
-            if given is None:
-                return args, kwargs
-            tokens = bound.arguments.get("input_ids")
-            tokens = bound.arguments.get("inputs_embeds") if tokens is None else tokens
-            whole, segment_ids = packed_positions(given, tokens, c)
-            held["positions"] = whole[:, zigzag_positions(whole.shape[1], c, r, device=whole.device)]
-            if c == 1:  # the local view is the whole: the model reads its documents itself
-                return None
-            # the local view: positions 0 … S/c-1, a plain causal mask
-            args, kwargs = _replace_argument(module, args, kwargs, "position_ids", None)
+            segment_ids = None
+            if given is not None:
+                whole, segment_ids = packed_positions(given, _tokens(bound), c)
+                if masked:  # as Hugging Face reads them: documents from position ids only without a mask
+                    segment_ids = None
+                held["positions"] = whole[:, zigzag_positions(whole.shape[1], c, r, device=whole.device)]
+                # the local view: positions 0 … S/c-1, a plain causal mask
+                args, kwargs = _replace_argument(module, args, kwargs, "position_ids", None)
+            if runs is not None:
+                segment_ids = runs
             if segment_ids is not None:
                 _check_var_keyword(module)
                 kwargs = {**kwargs, SEGMENT_IDS_KWARG: segment_ids}

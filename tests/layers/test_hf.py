@@ -358,6 +358,21 @@ def test_batched_generation_with_left_padding_runs_the_kernel(monkeypatch, famil
         _close(g, w, msg=lambda m, step=step: f"decoding step {step}: {m}")
 
 
+def _eager_and_tessel(model, padding):
+    """{impl: (the logits of the real tokens, every parameter's gradient)} of one forward and backward of the
+    batch (padded as ``PADDINGS[padding]``, or not) under eager attention and under tessel's."""
+    ids, weights = _batch()
+    mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B)
+    results = {}
+    for impl in ("eager", "tessel"):
+        model.set_attn_implementation(impl)
+        model.zero_grad()
+        logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        results[impl] = logits[mask.bool()], grads
+    return results
+
+
 def _gpt_oss():
     """A tiny GPT-OSS: attention sinks (a learned logit per head, drawn here), a window of 3 in the first layer."""
     import transformers
@@ -384,16 +399,7 @@ def test_attention_sinks_run_the_kernel(monkeypatch, padding):
 
     register_hf_attention()
     calls = _spy_on_kernel(monkeypatch)
-    model = _gpt_oss()
-    ids, weights = _batch()
-    mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B)
-    results = {}
-    for impl in ("eager", "tessel"):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        results[impl] = logits[mask.bool()], grads
+    results = _eager_and_tessel(_gpt_oss(), padding)
     assert [c[2].get("window") for c in calls] == [3, None] and all(c[2]["return_lse"] for c in calls)
     _close(results["tessel"][0], results["eager"][0])
     assert any("sinks" in name for name in results["tessel"][1])
@@ -443,15 +449,7 @@ def test_soft_capped_logits_run_the_kernel(monkeypatch, padding, head_dim):
 
     register_hf_attention()
     calls = _spy_on_kernel(monkeypatch)
-    model = _gemma2(head_dim)
-    ids, weights = _batch()
-    mask = torch.tensor(PADDINGS[padding] if padding else [[1] * S] * B)
-    results = {}
-    for impl in ("eager", "tessel"):
-        model.set_attn_implementation(impl)
-        model.zero_grad()
-        logits = _forward_backward(model, ids, weights * mask[..., None], attention_mask=mask)
-        results[impl] = logits[mask.bool()], {n: p.grad.clone() for n, p in model.named_parameters()}
+    results = _eager_and_tessel(_gemma2(head_dim), padding)
     kernel_calls = [(0.5, 3), (0.5, None)] if head_dim == 16 else []
     assert [(c[2].get("softcap"), c[2].get("window")) for c in calls] == kernel_calls
     _close(results["tessel"][0], results["eager"][0])

@@ -166,21 +166,19 @@ def _loss_and_refusals(rank, world_size):
         par(local, position_ids=torch.arange(S).expand(3, -1))  # another batch size
     with pytest.raises(ValueError, match=r"\[2 or 1, 8\] .* received list"):
         par(local, position_ids=list(range(S)))
-    # a mask that masks nothing (what a tokenizer returns without padding) is no mask
+    # the whole sequence's mask of ones (what a tokenizer returns without padding) is no mask
     with torch.no_grad():
-        torch.testing.assert_close(par(local, attention_mask=torch.ones_like(local)).logits, par(local).logits,
-                                   rtol=0, atol=0)  # fmt: skip
-    padding = torch.ones_like(local)
-    padding[0, 0] = 0
-    with pytest.raises(
-        ValueError,
-        match="LlamaModel under context parallelism over 2 ranks: an attention mask "
-        r"\(padding\) is not supported.* received a 2-D mask of shape \[2, 4\] masking some tokens",
-    ):
-        par(local, attention_mask=padding)
-    four_d = torch.ones(B, 1, S // 2, S // 2, dtype=torch.bool)
-    with pytest.raises(ValueError, match=r"\(padding\) is not supported.* received a 4-D mask of shape \[2, 1, 4, 4\]"):
-        par(local, attention_mask=four_d)
+        torch.testing.assert_close(par(local, attention_mask=torch.ones(B, S, dtype=torch.long)).logits,
+                                   par(local).logits, rtol=0, atol=0)  # fmt: skip
+    # a mask of the local share is refused even of ones (another rank's share may pad), and a 4-D one
+    for bad, what in ((torch.ones_like(local), r"a 2-D torch.int64 mask of shape \[2, 4\]"),
+                      (torch.ones(B, 1, S // 2, S // 2, dtype=torch.bool), r"a 4-D torch.bool mask")):  # fmt: skip
+        with pytest.raises(
+            ValueError,
+            match="LlamaModel under context parallelism over 2 ranks: an attention mask "
+            rf"that pads must be the whole sequence's .*\[2, 8\].* received {what}",
+        ):
+            par(local, attention_mask=bad)
     # a Mistral whose window is shorter than a rank's tokens builds a local sliding-window mask itself:
     # the ring runs the global window instead (checked against the dense model in _grid_vs_dense)
     short = parallelize(_model("mistral", sliding_window=2), tp_group, cp_group=cp_group)
@@ -300,3 +298,61 @@ def test_hf_packed_documents_under_context_parallelism_match_dense_on_two_ranks(
 def test_hf_packed_documents_on_four_context_parallel_ranks_and_under_tensor_parallelism_match_dense():
     run_ranks(_packed_vs_dense, 4, 4, ("llama",), timeout=300, env=REFERENCE_KERNELS)
     run_ranks(_packed_vs_dense, 4, 2, ("qwen2",), True, timeout=300, env=REFERENCE_KERNELS)  # cp2 x tp2, with SP
+
+
+# ---------------------------------------------------------------------------------------------------- padding
+
+
+def _padded_vs_dense(rank, world_size, cp, families):
+    """Left- and right-padded rows (the whole sequence's mask on every rank): the real tokens' logits and every
+    gradient match the dense model given the same mask; padding is left out of the loss (zero weights)."""
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.context import gather_sequence, split_sequence
+    from tessel.parallel.sharding import shard_like
+
+    _, tp_group, cp_group = _grid(rank, world_size, cp)
+    gen = torch.Generator().manual_seed(4)
+    ids = torch.randint(VOCAB, (B, PACKED_S), generator=gen)
+    mask = torch.ones(B, PACKED_S, dtype=torch.long)
+    mask[0, :5] = 0  # left padding across a chunk boundary
+    mask[1, 11:] = 0  # right padding
+    weights = torch.randn(B, PACKED_S, VOCAB, generator=gen) * mask[..., None]
+    real = mask.bool()
+    for family in families:
+        dense = _family_model(family)
+        par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group)
+        want = _forward_backward(dense, ids, weights, attention_mask=mask)
+        got = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group),
+                                attention_mask=mask)  # fmt: skip
+        _close(gather_sequence(got, cp_group)[real], want[real], msg=lambda m, f=family: f"{f} padded logits: {m}")
+        dense_params = dict(dense.named_parameters())
+        for name, p in par.named_parameters():
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=cp_group)
+            _close(grad, shard_like(dense_params[name].grad, p, tp_group),
+                   msg=lambda m, name=name, f=family: f"{f} padded grad of {name}: {m}")  # fmt: skip
+        # position ids with a mask: rotary positions only (Hugging Face reads documents from them only without one)
+        positions = _packed_position_ids([[7, 9], [4, 12]])
+        dense.zero_grad()
+        par.zero_grad()
+        want = _forward_backward(dense, ids, weights, attention_mask=mask, position_ids=positions, use_cache=False)
+        got = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group),
+                                attention_mask=mask, position_ids=positions, use_cache=False)  # fmt: skip
+        _close(gather_sequence(got, cp_group)[real], want[real], msg=lambda m, f=family: f"{f} positions+padded: {m}")
+    # what the ring cannot express is refused: a gap inside a row, a row of padding only, the local share
+    local = split_sequence(ids, cp_group)
+    for bad, words in (
+        (torch.tensor([[1] * 6 + [0] * 2 + [1] * 8, [1] * PACKED_S]), "one run in each row"),
+        (torch.tensor([[0] * PACKED_S, [1] * PACKED_S]), "with at least one token"),
+        (split_sequence(mask, cp_group), r"must be the whole sequence's .* mask \[2, 16\]"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            par(local, attention_mask=bad)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_padded_batches_under_context_parallelism_match_dense():
+    run_ranks(_padded_vs_dense, 2, 2, ("llama", "mistral-window3", "gemma2"), timeout=300, env=REFERENCE_KERNELS)
+    run_ranks(_padded_vs_dense, 4, 4, ("qwen2",), timeout=300, env=REFERENCE_KERNELS)
