@@ -35,7 +35,8 @@ fewer than ranks are not replicated), parameters tied to a module split differen
 ``ValueError`` and leave the model as it was. Then every replacement is built,
 and only then installed. Parents of split projections see their local head counts: tessel's attention
 derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
-older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layers.hf.local_head_updates`).
+older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layers.hf.local_head_updates`), and
+parameters with one value per query head (GPT-OSS's attention sinks) keep this rank's heads' values.
 
 ``sequence_parallel=True``: tessel's GPT (and any model written like it) passes the flag to every
 layer, and the layers split and gather the sequence. A Hugging Face decoder is split where its layers
@@ -140,6 +141,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
         e.gathered = in_block and e.kind in (COLUMN, PACKED_COLUMN)
     heads = _local_heads(model, entries, t)
+    per_head = _per_head_parameters(model, entries, tp_group)
     for e in entries:
         e.new = _build(e, tp_group, overlap)
     rings = _rings(layout, entries, tp_group) if layout is not None else {}
@@ -151,6 +153,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     for parent, updates in heads:
         for attr, value in updates.items():
             setattr(parent, attr, value)
+    for parent, name, local in per_head:
+        setattr(parent, name, local)
     if layout is not None:
         layout.install(model, tp_group, rings)
     if isinstance(context, HFContextLayout):
@@ -273,6 +277,38 @@ def _local_heads(model: nn.Module, entries: list[_Entry], t: int) -> list[tuple[
         if updates:
             heads.append((parent, updates))
     return heads
+
+
+# Parameters of an attention module with one entry per query head (GPT-OSS's attention sinks): each rank
+# keeps those of its heads
+PER_HEAD_PARAMETERS = ("sinks",)
+
+
+def _attention_parents(model: nn.Module, entries: list[_Entry]) -> dict[str, nn.Module]:
+    """The modules whose child linear layers are split by heads (column or row), by name."""
+    names = {e.name.rsplit(".", 1)[0] for e in entries if e.kind in (COLUMN, PACKED_COLUMN, ROW) and "." in e.name}
+    return {name: model.get_submodule(name) for name in sorted(names)}
+
+
+def _per_head_parameters(
+    model: nn.Module, entries: list[_Entry], tp_group
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(module, name, this rank's shard)`` of every per-head parameter (:data:`PER_HEAD_PARAMETERS`) of the
+    attention modules being split; raises when one does not split over the group."""
+    t, r = group_size(tp_group), group_rank(tp_group)
+    shards = []
+    for parent_name, parent in _attention_parents(model, entries).items():
+        for name in PER_HEAD_PARAMETERS:
+            p = parent._parameters.get(name)
+            if p is None or t == 1:
+                continue
+            if p.dim() != 1 or p.shape[0] % t:
+                raise ValueError(f"parallelize: {parent_name}.{name} of shape {list(p.shape)} holds one value per "
+                                 f"query head, which must split over {t} tensor-parallel ranks")  # fmt: skip
+            local = nn.Parameter(local_shard(p.detach(), 0, (p.shape[0],), r, t).clone(), requires_grad=p.requires_grad)
+            local.tensor_parallel, local.tp_dim, local.tp_parts = True, 0, (p.shape[0],)
+            shards.append((parent, name, local))
+    return shards
 
 
 def _fail(e: _Entry, why: str) -> None:

@@ -167,6 +167,18 @@ def _two_ranks(rank, world_size):
     par = parallelize(_model("llama"), None, sequence_parallel=True)
     with pytest.raises(ValueError, match="seq divisible by the tensor-parallel size 2, received"):
         par(torch.zeros(1, 7, dtype=torch.long))
+    # GPT-OSS's attention sinks (one per query head) follow their heads, under its eager attention and
+    # tessel's; the mixture of experts stays whole (a plan of the attention only)
+    attention_plan = {f"model.layers.*.self_attn.{n}": "colwise" for n in ("q_proj", "k_proj", "v_proj")}
+    attention_plan["model.layers.*.self_attn.o_proj"] = "rowwise"
+    dense = _gpt_oss()
+    for impl in ("eager", "tessel"):
+        par = parallelize(copy.deepcopy(dense), None, plan=attention_plan)
+        par.set_attn_implementation(impl)
+        sinks, whole = par.model.layers[0].self_attn.sinks, dense.model.layers[0].self_attn.sinks
+        assert sinks.shape == (2,) and torch.equal(sinks, whole[2 * rank : 2 * rank + 2])
+        dense.zero_grad()
+        _check_against_dense(dense, par, f"gpt-oss {impl}")
     return "ok"
 
 
