@@ -252,14 +252,10 @@ def test_tessel_attention_matches_eager_and_sdpa(family, monkeypatch):
 
 @needs_hf
 def test_decoding_with_a_cache_runs_the_kernel_one_query_at_a_time(monkeypatch):
-    import tessel.kernels.attention as attention
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
-    lengths = []
-    kernel = attention.flash_attention
-    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: lengths.append((q.shape[2], k.shape[2]))
-                        or kernel(q, k, v, **kw))  # fmt: skip
+    calls = _spy_on_kernel(monkeypatch)
     model = _model("llama", num_hidden_layers=2).eval()
     prompt = _batch()[0][:, :5]
     with torch.no_grad():
@@ -272,6 +268,7 @@ def test_decoding_with_a_cache_runs_the_kernel_one_query_at_a_time(monkeypatch):
             prompt, max_new_tokens=4, do_sample=False, output_logits=True, return_dict_in_generate=True
         )
     # the prompt at full length, then 3 steps of one query over a growing cache, in each of the 2 layers
+    lengths = [c[:2] for c in calls]
     assert lengths == [(5, 5)] * 2 + [(1, 6)] * 2 + [(1, 7)] * 2 + [(1, 8)] * 2
     assert torch.equal(got.sequences, want.sequences)
     for step, (g, w) in enumerate(zip(got.logits, want.logits)):
@@ -345,11 +342,13 @@ def test_masks_the_ids_do_not_express_fall_back_to_sdpa(monkeypatch):
 
 
 @needs_hf
+@pytest.mark.parametrize("mode", [torch.no_grad, torch.inference_mode], ids=["no-grad", "inference-mode"])
 @pytest.mark.parametrize("family, kw", [("llama", {}), ("mistral", dict(sliding_window=3))], ids=["llama", "window"])
-def test_batched_generation_with_left_padding_runs_the_kernel(monkeypatch, family, kw):
+def test_batched_generation_with_left_padding_runs_the_kernel(monkeypatch, family, kw, mode):
     """generate() on a left-padded batch: the prompt and every decoding step run the kernel (the steps with ids
     for the query and the cache's keys, or a slice of the cache where every row sees the same last keys);
-    the tokens and the logits of every step are sdpa's."""
+    the tokens and the logits of every step are sdpa's. Under inference mode too, where nothing read from
+    a mask is kept on it (no version counter) and each layer reads it again."""
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
@@ -359,7 +358,7 @@ def test_batched_generation_with_left_padding_runs_the_kernel(monkeypatch, famil
     mask = torch.ones_like(prompt)
     mask[0, :2] = 0
     out = {}
-    with torch.no_grad():
+    with mode():
         for impl in ("sdpa", "tessel"):
             model.set_attn_implementation(impl)
             out[impl] = model.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False,
@@ -502,14 +501,10 @@ def test_tessel_layers_import_without_transformers():
 def test_decoding_past_a_sliding_window_runs_the_kernel_over_the_window(monkeypatch):
     """Mistral with a window of 3, decoding past it: each step's mask holds the cache's last keys, which the
     kernel reads as a slice of the cache; the tokens and logits are sdpa's."""
-    import tessel.kernels.attention as attention
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
-    lengths = []
-    kernel = attention.flash_attention
-    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: lengths.append((q.shape[2], k.shape[2]))
-                        or kernel(q, k, v, **kw))  # fmt: skip
+    calls = _spy_on_kernel(monkeypatch)
     model = _model("mistral", num_hidden_layers=2, sliding_window=3).eval()
     prompt = _batch()[0][:, :5]
     with torch.no_grad():
@@ -519,6 +514,7 @@ def test_decoding_past_a_sliding_window_runs_the_kernel_over_the_window(monkeypa
         model.set_attn_implementation("tessel")
         got = model.generate(prompt, max_new_tokens=4, do_sample=False, output_logits=True,
                              return_dict_in_generate=True)  # fmt: skip
+    lengths = [c[:2] for c in calls]
     assert lengths[:2] == [(5, 5)] * 2 and all(q == 1 and k <= 3 for q, k in lengths[2:]) and len(lengths) == 8
     assert torch.equal(got.sequences, want.sequences)
     for step, (g, w) in enumerate(zip(got.logits, want.logits)):
@@ -531,14 +527,10 @@ def test_queries_over_a_cache_run_the_kernel(monkeypatch, family, kw):
     """A chunk of 3 tokens after a cached prompt of 5 (chunked prefill, speculative tokens): Hugging Face's
     mask is the causal mask aligned to the chunk's positions (in Mistral's window), which the kernel runs
     with its bottom-right causal mask; a padded prompt's too, with ids for the queries and the keys."""
-    import tessel.kernels.attention as attention
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
-    calls = []
-    kernel = attention.flash_attention
-    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: calls.append((q.shape[2], k.shape[2],
-                        kw.get("window"))) or kernel(q, k, v, **kw))  # fmt: skip
+    calls = _spy_on_kernel(monkeypatch)
     model = _model(family, num_hidden_layers=2, **kw).eval()
     ids = _batch()[0]
     logits = {}
@@ -549,7 +541,8 @@ def test_queries_over_a_cache_run_the_kernel(monkeypatch, family, kw):
             logits[impl] = model(ids[:, 5:8], past_key_values=cache, use_cache=True).logits
     window = kw.get("sliding_window")
     # Mistral's cache keeps only the window's last keys: the chunk sees 2 cached ones and itself
-    assert calls == [(5, 5, window)] * 2 + [(3, 8 if window is None else 5, window)] * 2
+    seen = [(c[0], c[1], c[2].get("window")) for c in calls]
+    assert seen == [(5, 5, window)] * 2 + [(3, 8 if window is None else 5, window)] * 2
     _close(logits["tessel"], logits["sdpa"])
     # a padded batch's prompt and chunk: the kernel runs both, with ids for the queries and the keys
     mask = torch.ones(B, 8, dtype=torch.long)

@@ -180,25 +180,6 @@ def test_masks_made_in_inference_mode_are_read_every_time():
         assert mask_segments(mask, True) == (False, None)
 
 
-@needs_hf
-def test_padded_generation_in_inference_mode(monkeypatch):
-    """Generation under ``torch.inference_mode`` with left padding: the prompt's mask is read (and refused:
-    padding), then each step runs the kernel or sdpa; the tokens are sdpa's."""
-    from tessel.layers.hf import register_hf_attention
-
-    register_hf_attention()
-    model = _model("llama", use_cache=True).eval()
-    ids = _packed_batch()[0][:, :6]
-    mask = torch.ones_like(ids)
-    mask[0, :2] = 0
-    out = {}
-    with torch.inference_mode():
-        for impl in ("sdpa", "tessel"):
-            model.set_attn_implementation(impl)
-            out[impl] = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False)
-    assert torch.equal(out["tessel"], out["sdpa"])
-
-
 # ---------------------------------------------------------------------------------------------------- models
 
 
