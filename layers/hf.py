@@ -67,6 +67,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
 from ..parallel.overlap import all_gather_matmul
 from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention, tessel_attention_forward
+from .hf_experts import expert_blocks, refuse_router_loss
 from .linear import ColumnParallelLinear, _check_input, _from_token_major, _to_token_major, _use_overlap
 
 __all__ = [
@@ -179,16 +180,18 @@ class HFSequenceLayout:
     ``layers``: names of the decoder layers; ``final_norm``: the base model's last norm; ``norms``:
     residual-stream norms (direct children of the layers whose class name says Norm, and the final
     norm); ``blocks``: modules inside a layer holding column-parallel projections, which gather the
-    sequence at their input.
+    sequence at their input; ``local_blocks``: direct children of the layers holding split experts
+    (:mod:`tessel.layers.hf_experts`), which compute on the shard and gather only inside their experts.
     """
 
     layers: list[str]
     final_norm: str
     norms: list[str]
     blocks: list[str]
+    local_blocks: list[str]
 
     @classmethod
-    def find(cls, model: nn.Module, column_names: list[str]) -> HFSequenceLayout:
+    def find(cls, model: nn.Module, column_names: list[str], expert_names: list[str] = ()) -> HFSequenceLayout:
         prefix, base = base_model(model)
         layers_name, norm_name = _decoder_names(model, base)
         layers = getattr(base, layers_name)
@@ -197,7 +200,7 @@ class HFSequenceLayout:
                  for child, m in layer.named_children() if _is_norm(m)]  # fmt: skip
         norms.append(prefix + norm_name)
         blocks = sorted({name.rsplit(".", 1)[0] for name in column_names if _inside(name, layer_names)})
-        return cls(layer_names, prefix + norm_name, norms, blocks)
+        return cls(layer_names, prefix + norm_name, norms, blocks, expert_blocks(layer_names, blocks, expert_names))
 
     def in_region(self, name: str) -> bool:
         """Whether module ``name`` sees the sequence shard (inside a layer, or a residual-stream norm)."""
@@ -216,11 +219,18 @@ class HFSequenceLayout:
                         f"parallelize: sequence_parallel=True cannot split {full}: a decoder layer's direct "
                         "children see a sequence shard; only blocks below them gather it"
                     )
-                if full not in self.blocks:
+                if full not in self.blocks and full not in self.local_blocks:
                     raise ValueError(
                         f"parallelize: sequence_parallel=True but the plan splits nothing in {full} "
                         f"({type(m).__name__}): every block of a decoder layer receives a sequence shard, so each "
-                        "must hold column-parallel projections that gather it"
+                        "must hold column-parallel projections that gather it (or split experts)"
+                    )
+        for block in self.local_blocks:
+            for sub, _ in modules[block].named_modules():
+                if f"{block}.{sub}" in split_names:
+                    raise ValueError(
+                        f"parallelize: sequence_parallel=True cannot split {block}.{sub}: {block} holds split "
+                        "experts and computes on its sequence shard"
                     )
         for block in self.blocks:
             for sub, m in modules[block].named_modules():
@@ -250,6 +260,8 @@ class HFSequenceLayout:
         def gather_output(module, args, out):
             return gather_from_tp(out, tp_group, dim=1)
 
+        if self.local_blocks:
+            refuse_router_loss(model)
         modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)
         for name in self.blocks:
             ring = rings[name]

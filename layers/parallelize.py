@@ -24,9 +24,17 @@ replicated_with_grad_allreduce                     unchanged; its parameter grad
                                                    the group in backward (norms over local heads)
 all_reduce                                         unchanged; its output is summed over the group
 replicate (local, local_params)                    unchanged
+experts (moe_tp_experts)                           a Hugging Face experts module of 3-d parameters: each
+                                                   expert keeps intermediate features ``r·I/t …``, its
+                                                   output is summed over the group
+                                                   (:mod:`~tessel.layers.hf_experts`)
 =================================================  ===================================================
 
-Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and expert/MLA styles are refused by name.
+A plan may also name the parameters of a module it splits as experts (Hugging Face's
+``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``); they must agree with the split
+the experts module's layout gives them. A Hugging Face model's own plan may name modules that some of its
+configurations lack (the dense MLPs of a model whose layers are all experts); a user plan may not.
+Hugging Face's ``embedding_colwise``, ``packed_rowwise``, expert-parallel and MLA styles are refused by name.
 
 Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module
 of the wrong kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose
@@ -71,6 +79,7 @@ from .hf import (
     is_hf_model,
     local_head_updates,
 )
+from .hf_experts import ExpertSplit, expert_block_modules, expert_splits, install_expert_hooks, shard_experts
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import LayerNorm, RMSNorm
 
@@ -79,6 +88,7 @@ __all__ = ["STYLES", "parallelize"]
 COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
+EXPERTS = "experts"
 
 STYLES: dict[str, str] = {
     COLUMN: COLUMN, "local_colwise": COLUMN,
@@ -91,9 +101,10 @@ STYLES: dict[str, str] = {
     NORM: NORM, "sequence_parallel": NORM,
     GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
+    EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS,
 }  # fmt: skip
-_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "mla_kv_a_proj", "moe_tp_experts",
-            "moe_identity_expert", "grouped_gemm", "ep_router", "ep_dispatch_experts")  # fmt: skip
+_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "mla_kv_a_proj", "moe_identity_expert",
+            "grouped_gemm", "ep_router", "ep_dispatch_experts")  # fmt: skip
 _SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
 
 
@@ -106,6 +117,8 @@ class _Entry:
     sequence_parallel: bool = False
     gathered: bool = False  # a column layer fed by its block's sequence ring (Hugging Face under SP)
     new: nn.Module | None = None
+    splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
+    shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
 
 
 def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
@@ -132,7 +145,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         raise ValueError(f"parallelize: overlap must be None, 'auto', True or False, received {overlap!r}")
     t = group_size(tp_group)
     context = _context_layout(model, tp_group, cp_group)
-    entries = _match(model, _own_plan(model) if plan is None else plan)
+    own = plan is None
+    entries = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
     for e in entries:
         _validate_entry(e, t)
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
@@ -196,37 +210,68 @@ def _canonical(style, glob: str) -> str:
     return STYLES[style]
 
 
-def _match(model: nn.Module, plan) -> list[_Entry]:
-    """One entry per matched module, in the model's order; every glob must match a module."""
+def _match(model: nn.Module, plan, strict: bool = True) -> list[_Entry]:
+    """One entry per matched module, in the model's order. Every glob must match a module (``strict``; a
+    Hugging Face model's own plan names modules some configurations lack, e.g. the dense MLPs of a model
+    whose layers are all experts) or the parameters of modules the plan splits as experts."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a mapping of module-name globs to styles, received {plan!r}")
     modules = [(name, m) for name, m in model.named_modules() if name]
     chosen: dict[str, _Entry] = {}
+    parameter_rules = []
     for glob, style in plan.items():
         if not isinstance(glob, str):
             raise TypeError(f"parallelize: plan keys must be module-name globs (str), received {glob!r}")
         kind, regex = _canonical(style, glob), _glob_regex(glob)
         hits = [(name, m) for name, m in modules if regex.fullmatch(name)]
         if not hits:
-            params = any(regex.fullmatch(p) for p, _ in model.named_parameters())
-            what = "names a parameter; plans name modules" if params else "matches no module"
-            raise ValueError(f"parallelize: plan glob {glob!r} {what} of {type(model).__name__}")
+            params = [p for p, _ in model.named_parameters() if regex.fullmatch(p)]
+            if params:
+                parameter_rules.append((glob, style, kind, params))
+            elif strict:
+                raise ValueError(f"parallelize: plan glob {glob!r} matches no module of {type(model).__name__}")
         for name, m in hits:
             k = EMBEDDING if kind == ROW and isinstance(m, nn.Embedding) else kind  # Hugging Face 4.x's rowwise
             if name in chosen and chosen[name].kind != k:
                 raise ValueError(f"parallelize: {name} is matched as {chosen[name].style!r} and as {style!r}")
             chosen[name] = _Entry(name, m, style, k)
+    experts = {name for name, e in chosen.items() if e.kind == EXPERTS}
+    for glob, style, kind, params in parameter_rules:
+        for p in params:
+            owner, _, leaf = p.rpartition(".")
+            if owner not in experts:
+                raise ValueError(f"parallelize: plan glob {glob!r} names a parameter; plans name modules, and "
+                                 f"parameters only of modules split as 'moe_tp_experts' (received {p})")  # fmt: skip
+            allowed = _EXPERT_PARAMETER_STYLES.get(leaf, ())
+            if kind not in allowed:
+                raise ValueError(f"parallelize: plan glob {glob!r} splits the expert parameter {p} as {style!r}; "
+                                 f"tessel splits it as {' or '.join(allowed) or 'nothing it knows'} "
+                                 f"(see tessel.layers.hf_experts)")  # fmt: skip
+    if not chosen:
+        raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
     order = {name: i for i, (name, _) in enumerate(modules)}
     return sorted(chosen.values(), key=lambda e: order[e.name])
 
 
+# The styles a plan may give the parameters of an experts module, which describe tessel's split of them
+_EXPERT_PARAMETER_STYLES = {
+    "gate_up_proj": (COLUMN, PACKED_COLUMN), "gate_up_proj_bias": (COLUMN, PACKED_COLUMN),
+    "up_proj": (COLUMN,), "up_proj_bias": (COLUMN,),
+    "down_proj": (ROW,), "down_proj_bias": (ROW, REPLICATE),
+}  # fmt: skip
+
+
 def _sequence_layout(model: nn.Module, entries: list[_Entry]) -> HFSequenceLayout:
-    """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``)."""
-    layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in (COLUMN, PACKED_COLUMN)])
+    """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``), and so do the
+    modules beside split experts, which see this rank's tokens (style ``replicated_with_grad_allreduce``)."""
+    experts = [e.name for e in entries if e.kind == EXPERTS]
+    layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in (COLUMN, PACKED_COLUMN)], experts)
     layout.check(model, {e.name for e in entries if e.kind in _SPLIT_LINEAR})
     named = {e.name for e in entries}
     modules = dict(model.named_modules())
     entries.extend(_Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
+    local = [n for n in expert_block_modules(model, layout.local_blocks, experts) if n not in named]
+    entries.extend(_Entry(n, modules[n], GRAD_ALL_REDUCE, GRAD_ALL_REDUCE) for n in local)
     return layout
 
 
@@ -338,6 +383,11 @@ def _validate_entry(e: _Entry, t: int) -> None:
         for n in (out,) if isinstance(out, int) else out:
             if n % t:
                 _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")
+    elif e.kind == EXPERTS:
+        try:
+            e.splits = expert_splits(m, t)
+        except ValueError as err:
+            _fail(e, str(err))
     elif e.kind == EMBEDDING:
         if isinstance(m, VocabParallelEmbedding):
             if m.tp_size != 1:
@@ -392,6 +442,9 @@ def _build(e: _Entry, tp_group, overlap) -> nn.Module | None:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == ROW_SPLIT:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False, **kw)
+    if e.kind == EXPERTS:
+        e.shards = shard_experts(e.module, e.splits, tp_group)
+        return None
     if e.kind == EMBEDDING:
         return VocabParallelEmbedding.from_embedding(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
     if e.kind == NORM and e.sequence_parallel and any(True for _ in e.module.parameters()):
@@ -479,6 +532,10 @@ def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
         if e.new is not None:
             parent, _, child = e.name.rpartition(".")
             setattr(model.get_submodule(parent), child, e.new)
+        elif e.kind == EXPERTS:
+            for name, p in e.shards.items():
+                setattr(e.module, name, p)
+            install_expert_hooks(e.module, tp_group, e.sequence_parallel)
         elif e.kind == GRAD_ALL_REDUCE:
             _reduce_parameter_grads(e.module, tp_group)
         elif e.kind == ALL_REDUCE:

@@ -203,7 +203,8 @@ def _four_ranks(rank, world_size):
         (_model("llama", kv_heads=4), {"model.layers.*.attn.q_proj": "colwise"}, "matches no module"),
         (_model("llama", kv_heads=4), {"model.layers.*.mlp.up_proj.weight": "colwise"}, "names a parameter"),
         (_model("llama", kv_heads=4), {"model.*.mlp.up_proj": "colwise"}, "matches no module"),  # * is one segment
-        (_model("llama", kv_heads=4), {"model.layers.*.mlp.up_proj": "moe_tp_experts"}, "not supported by tessel"),
+        (_model("llama", kv_heads=4), {"model.layers.*.mlp.up_proj": "grouped_gemm"}, "not supported by tessel"),
+        (_model("llama", kv_heads=4), {"model.layers.*.mlp.up_proj": "moe_tp_experts"}, "expected 3-d expert param"),
         (_model("llama", kv_heads=4), {"model.layers.*.mlp": "colwise"}, "expected an nn.Linear"),
     ]
     for model, plan, match in bad:

@@ -1,0 +1,221 @@
+"""Mixtures of experts of Hugging Face models split over tensor-parallel ranks (style ``moe_tp_experts``).
+
+Hugging Face stores a layer's experts as one module of 3-d parameters (Mixtral, Qwen2/3-MoE, OLMoE,
+GPT-OSS and some sixty more in transformers 5.x), whose class says how they are laid out
+(``is_transposed``, ``is_concatenated``, ``has_gate``, ``has_bias``). Each of ``t`` ranks keeps every
+expert, with ``I/t`` of its ``I`` intermediate features (Megatron's tensor-parallel experts)::
+
+    gate_up_proj  [E, 2I, H] (transposed: [E, H, 2I])  rank r: gate rows r·I/t … and up rows r·I/t …
+                                                       (interleaved [g0, u0, g1, u1, …]: pairs r·I/t …)
+    up_proj       [E, I, H]  (has_gate=False)           rows r·I/t …
+    down_proj     [E, H, I]  (transposed: [E, I, H])   columns r·I/t …
+    gate_up_proj_bias [E, 2I], up_proj_bias [E, I]     as their weights' rows
+    down_proj_bias [E, H]                               whole on every rank, added by rank 0 only
+
+Every rank runs the router on the same tokens and the experts on its features; the experts' output is
+a partial sum, all-reduced (``reduce_from_tp``). The hidden states and the routing weights enter the
+experts through ``copy_to_tp`` (identity forward, all-reduce of the gradient), so the router, and
+every module replicated beside the experts (a shared expert), receive the complete gradient on every
+rank. The routing itself (which expert a token goes to) is computed identically on every rank.
+
+Under sequence parallelism the block holding the experts (``mlp``) receives the sequence shard and
+stays local to its tokens: the router and any shared expert run on this rank's tokens (their weight
+gradients are summed over the group, as the norms' are), and the experts all-gather the hidden
+states, the chosen experts and the routing weights of every rank's tokens, and reduce-scatter their
+output back to the shard (the gradients of the gathered tensors are summed on the way back). The
+load-balancing loss (``output_router_logits``) would then see this rank's tokens only, so it is
+refused under sequence parallelism.
+
+``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
+an experts module with parameters other than the ones above.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from ..parallel.collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
+from ..parallel.comm import all_gather, group_rank, group_size
+from ..parallel.sharding import local_shard
+
+__all__ = ["ExpertSplit", "expert_block_modules", "expert_blocks", "expert_splits", "install_expert_hooks",
+           "refuse_router_loss", "shard_experts"]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ExpertSplit:
+    """How one parameter of an experts module is split: along ``dim`` in ``parts`` (None: replicated)."""
+
+    name: str
+    dim: int | None
+    parts: tuple[int, ...] = ()
+
+
+def _flag(module: nn.Module, name: str, default: bool) -> bool:
+    value = getattr(module, name, default)
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be a bool, received {value!r}")
+    return value
+
+
+def expert_splits(module: nn.Module, t: int) -> list[ExpertSplit]:
+    """The split of each parameter of ``module`` over ``t`` ranks; ``ValueError`` (without the module's name)
+    when the module is not a Hugging Face experts module or its features do not split."""
+    if _flag(module, "has_post_expert_norm", False):
+        raise ValueError("has_post_expert_norm=True: a norm of each expert's whole output cannot be split over ranks")
+    transposed = _flag(module, "is_transposed", False)
+    concatenated = _flag(module, "is_concatenated", True)
+    gated = _flag(module, "has_gate", True)
+    first = "gate_up_proj" if gated else "up_proj"
+    params = dict(module.named_parameters(recurse=False))
+    w1, w2 = params.get(first), params.get("down_proj")
+    if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3:
+        got = {n: tuple(p.shape) for n, p in params.items()}
+        raise ValueError(f"expected 3-d expert parameters {first} and down_proj, received {got}")
+    experts = w1.shape[0]
+    inter, hidden = (w2.shape[1], w2.shape[2]) if transposed else (w2.shape[2], w2.shape[1])
+    width = 2 * inter if gated else inter
+    want = {first: (experts, hidden, width) if transposed else (experts, width, hidden),
+            "down_proj": (experts, inter, hidden) if transposed else (experts, hidden, inter),
+            f"{first}_bias": (experts, width), "down_proj_bias": (experts, hidden)}  # fmt: skip
+    for name, p in params.items():
+        if name not in want:
+            raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}: tessel splits {sorted(want)} only")
+        if tuple(p.shape) != want[name]:
+            raise ValueError(f"{name} has shape {tuple(p.shape)}, expected {want[name]} (is_transposed={transposed})")
+    if any(True for _ in module.children()) and any(True for c in module.children() for _ in c.parameters()):
+        raise ValueError("an experts module with parametrised submodules is not a Hugging Face experts module")
+    if inter % t:
+        raise ValueError(f"the intermediate size {inter} is not divisible by the tensor-parallel size {t}")
+    parts = (inter, inter) if gated and concatenated else (width,)
+    splits = [ExpertSplit(first, 2 if transposed else 1, parts), ExpertSplit("down_proj", 1 if transposed else 2,
+                                                                             (inter,))]  # fmt: skip
+    if f"{first}_bias" in params:
+        splits.append(ExpertSplit(f"{first}_bias", 1, parts))
+    if "down_proj_bias" in params:
+        splits.append(ExpertSplit("down_proj_bias", None))
+    return splits
+
+
+def shard_experts(module: nn.Module, splits: list[ExpertSplit], tp_group) -> dict[str, nn.Parameter]:
+    """This rank's parameters (new tensors; ``module`` is not changed), tagged for :mod:`tessel.parallel.sharding`."""
+    t, r = group_size(tp_group), group_rank(tp_group)
+    local = {}
+    for s in splits:
+        p = getattr(module, s.name)
+        if s.dim is None:
+            continue
+        shard = nn.Parameter(local_shard(p.detach(), s.dim, s.parts, r, t).clone(), requires_grad=p.requires_grad)
+        shard.tensor_parallel, shard.tp_dim, shard.tp_parts = True, s.dim, s.parts
+        local[s.name] = shard
+    return local
+
+
+def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, str, str]]:
+    """The signature of the experts' forward and the names of its (hidden states, expert ids, weights)."""
+    sig = inspect.signature(type(module).forward)
+    names = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(names) < 4:
+        raise ValueError(f"{type(module).__name__}.forward must take (hidden_states, top_k_index, top_k_weights), "
+                         f"received the parameters {names[1:]}")  # fmt: skip
+    return sig, tuple(names[1:4])
+
+
+def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool) -> None:
+    """The communication around ``module``'s forward (its parameters already split); see the module docstring."""
+    sig, (h_name, i_name, w_name) = _routing_names(module)
+    first_rank = group_rank(tp_group) == 0
+    replicated = [n for n in ("down_proj_bias",) if module._parameters.get(n) is not None]
+    saved: list[dict] = []
+
+    def enter(m, args, kwargs):
+        bound = sig.bind(m, *args, **kwargs)
+        hidden, ids, weights = (bound.arguments.get(n) for n in (h_name, i_name, w_name))
+        if not all(isinstance(x, torch.Tensor) for x in (hidden, ids, weights)):
+            raise ValueError(f"parallelize: {type(m).__name__} split over tensor-parallel ranks needs its hidden "
+                             f"states, expert ids and routing weights as tensors")  # fmt: skip
+        if sequence_parallel:
+            hidden = gather_from_sequence(hidden, tp_group, dim=0)
+            ids, weights = all_gather(ids, tp_group)[0], gather_from_sequence(weights, tp_group, dim=0)
+        else:
+            hidden, weights = copy_to_tp(hidden, tp_group), copy_to_tp(weights, tp_group)
+        bound.arguments.update({h_name: hidden, i_name: ids, w_name: weights})
+        # a bias added after the experts' partial sums would be summed t times: rank 0 adds it, every rank
+        # receives its complete gradient (copy_to_tp sums rank 0's with the others' zeros)
+        own = {n: m._parameters[n] for n in replicated}
+        saved.append(own)
+        for n, p in own.items():
+            shared = copy_to_tp(p, tp_group)
+            m._parameters[n] = shared if first_rank else shared * 0
+        return bound.args[1:], bound.kwargs
+
+    def leave(m, args, kwargs, out):
+        if saved:  # always called: an exception inside forward must not leave the stand-ins installed
+            m._parameters.update(saved.pop())
+        if out is None:  # the exception's path (or a forward without output, which nothing could use)
+            return None
+        if not isinstance(out, torch.Tensor):
+            raise ValueError(f"parallelize: {type(m).__name__} must return a tensor, received {type(out).__name__}")
+        return reduce_scatter_to_sequence(out, tp_group, dim=0) if sequence_parallel else reduce_from_tp(out, tp_group)
+
+    module.register_forward_pre_hook(enter, with_kwargs=True)
+    module.register_forward_hook(leave, with_kwargs=True, always_call=True)
+
+
+# ---------------------------------------------------------------------------------------------------- sequence parallel
+
+
+def _inside(name: str, parents) -> bool:
+    return any(name.startswith(p + ".") for p in parents)
+
+
+def expert_blocks(layer_names: list[str], ring_blocks: list[str], expert_names) -> list[str]:
+    """The blocks holding split experts (``mlp``), which receive their layer's sequence shard and compute on
+    it; raises when one is not a direct child of a layer or holds column projections (a sequence ring)."""
+    blocks = sorted({name.rsplit(".", 1)[0] for name in expert_names})
+    for block in blocks:
+        if block.rpartition(".")[0] not in layer_names:
+            raise ValueError(f"parallelize: sequence_parallel=True needs the experts' block {block} to be a "
+                             "direct child of a decoder layer (it receives a sequence shard)")  # fmt: skip
+        if block in ring_blocks or _inside(block, ring_blocks) or any(_inside(b, [block]) for b in ring_blocks):
+            raise ValueError(
+                f"parallelize: sequence_parallel=True cannot split column projections inside {block}, which "
+                "holds split experts: the block computes on its sequence shard (leave its shared expert "
+                "replicated, or use sequence_parallel=False)"
+            )
+    return blocks
+
+
+def expert_block_modules(model: nn.Module, blocks: list[str], expert_names) -> list[str]:
+    """Modules with parameters of their own inside ``blocks``, the experts aside (routers, shared experts):
+    they see this rank's tokens, so their gradients are summed over the group."""
+    modules = dict(model.named_modules())
+    names = []
+    for block in blocks:
+        for sub, m in modules[block].named_modules():
+            name = f"{block}.{sub}" if sub else block
+            own = any(True for _ in m.parameters(recurse=False))
+            if own and name not in expert_names and not _inside(name, expert_names):
+                names.append(name)
+    return names
+
+
+def refuse_router_loss(model: nn.Module) -> None:
+    """A pre-hook refusing ``output_router_logits`` (the load-balancing loss) under sequence parallelism."""
+
+    def check(module, args, kwargs):
+        flag = kwargs.get("output_router_logits")
+        if flag is None:
+            flag = getattr(getattr(module, "config", None), "output_router_logits", False)
+        if flag:
+            raise ValueError(
+                "parallelize: output_router_logits=True under sequence_parallel=True: each rank's routers see "
+                "its sequence shard only, and the load-balancing loss needs every token's; use "
+                "sequence_parallel=False for a model trained with it"
+            )
+
+    model.register_forward_pre_hook(check, with_kwargs=True)

@@ -1,0 +1,234 @@
+"""Hugging Face mixtures of experts through ``parallelize`` (style ``moe_tp_experts``, tessel.layers.hf_experts).
+
+Each rank builds the same tiny model (random init, no downloads), parallelizes a deep copy and compares
+the logits and every parameter's gradient shard with the dense model's, fp32, at the tolerance of
+tests/layers/test_hf.py (1e-4 relative). Covered layouts: Mixtral (``[gate; up]`` halves, [E, out, in]),
+Qwen2-MoE (a shared expert and its gate beside the experts), Qwen3-MoE (a dense MLP layer among expert
+layers), GPT-OSS (interleaved gate/up, transposed [E, in, out], biases, under a user plan), and a module of
+up/down experts without a gate. The routers' weights are scaled up so that no token sits near a tie
+between two experts: the parallel model's hidden states differ from the dense ones by fp32 reordering,
+which must not change a routing decision.
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.layers.test_hf import (
+    REFERENCE_KERNELS,
+    VOCAB,
+    _assert_unchanged,
+    _batch,
+    _check_against_dense,
+    _close,
+    _state,
+    needs_hf,
+)
+from tests.multiprocess import run_ranks
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+             head_dim=16, tie_word_embeddings=False)  # fmt: skip
+ATTENTION_PLAN = {f"model.layers.*.self_attn.{n}_proj": "rowwise" if n == "o" else "colwise" for n in "qkvo"}
+
+
+def _sharpen_routers(model):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+                p.mul_(30)
+    return model
+
+
+def _moe(family, seed=0, **kw):
+    import transformers
+
+    config_cls, model_cls, extra = {
+        "mixtral": (transformers.MixtralConfig, transformers.MixtralForCausalLM,
+                    dict(intermediate_size=96, num_local_experts=4, num_experts_per_tok=2)),
+        "qwen2_moe": (transformers.Qwen2MoeConfig, transformers.Qwen2MoeForCausalLM,
+                      dict(moe_intermediate_size=32, shared_expert_intermediate_size=48, num_experts=4,
+                           num_experts_per_tok=2, intermediate_size=96)),
+        "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
+                      dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=96,
+                           mlp_only_layers=[0])),
+        "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
+                    dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+    }[family]  # fmt: skip
+    torch.manual_seed(seed)
+    return _sharpen_routers(model_cls(config_cls(**{**SMALL, **extra, **kw})))
+
+
+GPT_OSS_PLAN = {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts",
+                "model.layers.*.mlp.experts.gate_up_proj": "colwise",
+                "model.layers.*.mlp.experts.down_proj": "rowwise"}  # fmt: skip
+
+
+class _UpDownExperts(nn.Module):
+    """Experts without a gate (``has_gate=False``, NemotronH's layout): ``down(relu(up(x)))``, [E, out, in]."""
+
+    has_gate = False
+
+    def __init__(self, experts=4, hidden=24, inter=12):
+        super().__init__()
+        self.num_experts = experts
+        self.up_proj = nn.Parameter(torch.randn(experts, inter, hidden) / hidden**0.5)
+        self.up_proj_bias = nn.Parameter(torch.randn(experts, inter))
+        self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) / inter**0.5)
+        self.down_proj_bias = nn.Parameter(torch.randn(experts, hidden))
+
+    def forward(self, hidden_states, top_k_index, top_k_weights):
+        out = torch.zeros_like(hidden_states)
+        for slot in range(top_k_index.shape[1]):
+            e = top_k_index[:, slot]
+            h = torch.relu(torch.einsum("ti,toi->to", hidden_states, self.up_proj[e]) + self.up_proj_bias[e])
+            y = torch.einsum("ti,toi->to", h, self.down_proj[e]) + self.down_proj_bias[e]
+            out = out + top_k_weights[:, slot, None] * y
+        return out
+
+
+class _TinyMoE(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.router = nn.Linear(24, 4, bias=False)
+        self.experts = _UpDownExperts()
+
+    def forward(self, x):
+        weights, ids = torch.topk(torch.softmax(self.router(x), -1), 2, dim=-1)
+        return self.experts(x, ids, weights)
+
+
+def _check_grads(dense, par):
+    from tessel.parallel.sharding import shard_like
+
+    for name, p in par.named_parameters():
+        want = shard_like(dict(dense.named_parameters())[name].grad, p, None)
+        _close(p.grad, want, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def _two_ranks(rank, world_size):
+    from tessel.layers.hf import register_hf_attention
+    from tessel.layers.parallelize import parallelize
+
+    register_hf_attention()
+
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+        for sp in (False, True):
+            dense = _moe(family)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            experts = par.model.layers[1].mlp.experts
+            assert experts.gate_up_proj.shape == (4, dense.model.layers[1].mlp.experts.gate_up_proj.shape[1] // 2, 64)
+            _check_against_dense(dense, par, f"{family} sp={sp}")
+    # Mixtral's halves: rank r keeps gate rows r·I/t… and up rows r·I/t…
+    dense = _moe("mixtral")
+    par = parallelize(copy.deepcopy(dense), None)
+    whole, local = dense.model.layers[0].mlp.experts.gate_up_proj, par.model.layers[0].mlp.experts.gate_up_proj
+    assert torch.equal(local[:, :48], whole[:, 48 * rank : 48 * rank + 48])
+    assert torch.equal(local[:, 48:], whole[:, 96 + 48 * rank : 96 + 48 * rank + 48])
+    # Hugging Face's grouped and batched expert implementations run on the local features as well
+    for impl in ("batched_mm", "grouped_mm"):
+        dense = _moe("mixtral")
+        dense.set_experts_implementation(impl)
+        _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), f"mixtral {impl}")
+    # the load-balancing loss: every rank routes every token, so it is the dense model's
+    dense = _moe("mixtral", router_aux_loss_coef=0.5)
+    par = parallelize(copy.deepcopy(dense), None)
+    ids, weights = _batch()
+    losses = []
+    for model in (dense, par):
+        out = model(ids, labels=ids, output_router_logits=True)
+        (out.loss + (out.logits * weights).sum() * 1e-3).backward()
+        losses.append(out.aux_loss.detach())
+    _close(losses[1], losses[0])
+    _check_grads(dense, par)
+    # ... which sequence parallelism would compute from each rank's tokens only: refused
+    par = parallelize(_moe("mixtral"), None, sequence_parallel=True)
+    with pytest.raises(ValueError, match="output_router_logits=True under sequence_parallel=True"):
+        par(ids, output_router_logits=True)
+    # GPT-OSS: interleaved [g0, u0, g1, u1, ...], transposed [E, in, out], biases; down_proj_bias is added once
+    dense = _moe("gpt_oss")
+    with torch.no_grad():
+        for layer in dense.model.layers:
+            for name in ("gate_up_proj_bias", "down_proj_bias"):
+                getattr(layer.mlp.experts, name).normal_()
+    for impl in ("eager", "tessel"):
+        for sp in (False, True):
+            par = parallelize(copy.deepcopy(dense), None, plan=GPT_OSS_PLAN, sequence_parallel=sp)
+            par.set_attn_implementation(impl)
+            got, whole = par.model.layers[0].mlp.experts.gate_up_proj, dense.model.layers[0].mlp.experts.gate_up_proj
+            assert torch.equal(got, whole[:, :, 64 * rank : 64 * rank + 64])  # 32 (gate, up) pairs per rank
+            dense.zero_grad()
+            _check_against_dense(dense, par, f"gpt-oss {impl} sp={sp}")
+    # experts without a gate, with biases, in a model that is not Hugging Face's (a user plan)
+    torch.manual_seed(0)
+    dense = _TinyMoE()
+    par = parallelize(copy.deepcopy(dense), None, plan={"experts": "moe_tp_experts"})
+    assert par.experts.up_proj.shape == (4, 6, 24) and par.experts.down_proj.shape == (4, 24, 6)
+    x = torch.randn(10, 24, requires_grad=True)
+    x_par = x.detach().clone().requires_grad_()
+    g = torch.randn(10, 24)
+    (dense(x) * g).sum().backward()
+    (par(x_par) * g).sum().backward()
+    _close(x_par.grad, x.grad)
+    _check_grads(dense, par)
+    _refusals(world_size)
+    return "ok"
+
+
+def _refusals(world_size):
+    """Plans tessel cannot honour raise before anything changes."""
+    from tessel.layers.parallelize import parallelize
+
+    shared_split = {"model.layers.*.mlp.shared_expert.gate_proj": "colwise",
+                    "model.layers.*.mlp.shared_expert.up_proj": "colwise",
+                    "model.layers.*.mlp.shared_expert.down_proj": "rowwise"}  # fmt: skip
+    bad = [
+        (_moe("mixtral", intermediate_size=91 if world_size == 2 else 90), None, False,
+         r"experts \(MixtralExperts, style 'moe_tp_experts'\): the intermediate size 9[01] is not divisible"),
+        (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts",
+                           "model.layers.*.mlp.experts.down_proj": "colwise"}, False,
+         r"splits the expert parameter model.layers.0.mlp.experts.down_proj as 'colwise'; tessel splits it as rowwise"),
+        (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts.down_proj": "rowwise"}, False,
+         r"names a parameter; plans name modules, and .* \(received model.layers.0.mlp.experts.down_proj\)"),
+        (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "grouped_gemm"}, False,
+         "the Hugging Face style 'grouped_gemm' is not supported by tessel"),
+        (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.gate": "moe_tp_experts"}, False,
+         r"mlp.gate \(MixtralTopKRouter, style 'moe_tp_experts'\): expected 3-d expert parameters gate_up_proj"),
+        (_moe("mixtral"), ATTENTION_PLAN, True, r"plan splits nothing in model.layers.0.mlp \(MixtralSparseMoeBlock\)"),
+        (_moe("qwen2_moe"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts", **shared_split}, True,
+         "cannot split column projections inside model.layers.0.mlp, which holds split experts"),
+    ]  # fmt: skip
+    for model, plan, sp, match in bad:
+        before, types = _state(model), [type(m) for m in model.modules()]
+        with pytest.raises(ValueError, match=match):
+            parallelize(model, None, plan=plan, sequence_parallel=sp)
+        _assert_unchanged(model, before, types)
+    # without sequence parallelism a shared expert may be split like any MLP
+    dense = _moe("qwen2_moe")
+    plan = {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts", **shared_split}
+    _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, plan=plan), "qwen2_moe shared split")
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_experts_match_dense_on_two_ranks():
+    assert run_ranks(_two_ranks, 2, timeout=400, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def _four_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    for family in ("mixtral", "qwen2_moe"):
+        for sp in (False, True):
+            dense = _moe(family)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
+            _check_against_dense(dense, par, f"{family} sp={sp}")
+    _refusals(world_size)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_experts_match_dense_on_four_ranks():
+    assert run_ranks(_four_ranks, 4, timeout=400, env=REFERENCE_KERNELS) == ["ok"] * 4
