@@ -68,7 +68,7 @@ from ..parallel.context import zigzag_positions
 from ..parallel.overlap import all_gather_matmul
 from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention, tessel_attention_forward
 from .hf_experts import expert_blocks, refuse_router_loss
-from .linear import ColumnParallelLinear, _check_input, _from_token_major, _to_token_major, _use_overlap
+from .linear import ColumnParallelLinear, _check_input, _sequence_from_token_major, _sequence_token_major, _use_overlap
 
 __all__ = [
     "HEAD_COUNT_ATTRS",
@@ -227,10 +227,12 @@ class HFSequenceLayout:
                     )
         for block in self.local_blocks:
             for sub, _ in modules[block].named_modules():
-                if f"{block}.{sub}" in split_names:
+                name = f"{block}.{sub}"
+                if name in split_names and name.rsplit(".", 1)[0] not in self.blocks:
                     raise ValueError(
-                        f"parallelize: sequence_parallel=True cannot split {block}.{sub}: {block} holds split "
-                        "experts and computes on its sequence shard"
+                        f"parallelize: sequence_parallel=True cannot split {name}: {block} holds split experts and "
+                        "computes on its sequence shard; only a submodule of it with column projections of its "
+                        "own (a shared expert) gathers the sequence"
                     )
         for block in self.blocks:
             for sub, m in modules[block].named_modules():
@@ -310,14 +312,15 @@ class SequenceRing:
     def begin(self, x: torch.Tensor) -> torch.Tensor:
         first = self.columns[0]
         _check_input(first, x, first.in_features, "in_features")
-        if x.dim() != 3:
+        if x.dim() not in (2, 3):
             raise ValueError(
-                f"parallelize: {self.block} needs [batch, seq/t, hidden] hidden states under sequence parallelism, "
-                f"received shape {tuple(x.shape)}"
+                f"parallelize: {self.block} needs [batch, seq/t, hidden] (or [tokens/t, hidden]) hidden states under "
+                f"sequence parallelism, received shape {tuple(x.shape)}"
             )
-        b, s, h = x.shape
+        shape = list(x.shape)
+        shape[-2] *= group_size(self.tp_group)
         self._shard, self._outputs, self._ran = x, {}, False
-        self._placeholder = x.new_full((1, 1, 1), float("nan")).expand(b, s * group_size(self.tp_group), h)
+        self._placeholder = x.new_full((1,) * x.dim(), float("nan")).expand(shape)
         return self._placeholder
 
     def output(self, column: RingColumnLinear, x: torch.Tensor):
@@ -339,7 +342,7 @@ class SequenceRing:
 
     def _run(self, columns: list[RingColumnLinear]) -> dict[int, object]:
         x = self._shard
-        x2 = _to_token_major(x)
+        x2 = _sequence_token_major(x)
         t, first = group_size(self.tp_group), columns[0]
         n_local = sum(c.weight.shape[0] for c in columns)
         overlap = _use_overlap(first.overlap, t, x2.shape[0] * t, first.in_features, n_local)
@@ -347,7 +350,7 @@ class SequenceRing:
                                overlap=overlap, regather=first.regather_input)  # fmt: skip
         outputs = {}
         for c, y in zip(columns, ys):
-            y = _from_token_major(y, x.shape[0])
+            y = _sequence_from_token_major(y, x)
             outputs[id(c)] = y.split(c.local_parts, dim=-1) if len(c.local_parts) > 1 else y
         return outputs
 

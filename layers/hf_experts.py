@@ -22,9 +22,10 @@ Under sequence parallelism the block holding the experts (``mlp``) receives the 
 stays local to its tokens: the router and any shared expert run on this rank's tokens (their weight
 gradients are summed over the group, as the norms' are), and the experts all-gather the hidden
 states, the chosen experts and the routing weights of every rank's tokens, and reduce-scatter their
-output back to the shard (the gradients of the gathered tensors are summed on the way back). The
-load-balancing loss (``output_router_logits``) would then see this rank's tokens only, so it is
-refused under sequence parallelism.
+output back to the shard (the gradients of the gathered tensors are summed on the way back). A shared
+expert whose projections the plan splits (DeepSeek-V3, GLM-4-MoE) gathers the shard for them in one ring,
+as a dense MLP block does. The load-balancing loss (``output_router_logits``) would then see this rank's
+tokens only, so it is refused under sequence parallelism.
 
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
@@ -181,11 +182,11 @@ def expert_blocks(layer_names: list[str], ring_blocks: list[str], expert_names) 
         if block.rpartition(".")[0] not in layer_names:
             raise ValueError(f"parallelize: sequence_parallel=True needs the experts' block {block} to be a "
                              "direct child of a decoder layer (it receives a sequence shard)")  # fmt: skip
-        if block in ring_blocks or _inside(block, ring_blocks) or any(_inside(b, [block]) for b in ring_blocks):
+        if block in ring_blocks:
             raise ValueError(
-                f"parallelize: sequence_parallel=True cannot split column projections inside {block}, which "
-                "holds split experts: the block computes on its sequence shard (leave its shared expert "
-                "replicated, or use sequence_parallel=False)"
+                f"parallelize: sequence_parallel=True cannot split column projections directly in {block}, which "
+                "holds split experts and computes on its sequence shard; only a submodule of it (a shared expert) "
+                "may gather the sequence for its column projections"
             )
     return blocks
 

@@ -68,11 +68,21 @@ def _check_input(layer: nn.Module, x, width: int, what: str) -> None:
 
 
 def _check_sequence_parallel_input(layer: nn.Module, x: torch.Tensor) -> None:
-    if x.dim() != 3:
+    """``[B, S, F]``, or ``[T, F]``: the tokens of one row (a block that flattened its batch)."""
+    if x.dim() not in (2, 3):
         raise ValueError(
-            f"{type(layer).__name__}: sequence_parallel=True needs a [batch, seq, features] input, "
-            f"received shape {tuple(x.shape)}"
+            f"{type(layer).__name__}: sequence_parallel=True needs a [batch, seq, features] or [tokens, features] "
+            f"input, received shape {tuple(x.shape)}"
         )
+
+
+def _sequence_token_major(x: torch.Tensor) -> torch.Tensor:
+    return x if x.dim() == 2 else _to_token_major(x)
+
+
+def _sequence_from_token_major(y: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``y`` (token-major rows) in the layout of the sequence-parallel input ``x``."""
+    return y if x.dim() == 2 else _from_token_major(y, x.shape[0])
 
 
 def _parts(out_features: int | Sequence[int]) -> tuple[int, ...]:
@@ -173,11 +183,11 @@ class ColumnParallelLinear(nn.Module):
         n_local = self.weight.shape[0]
         if self.sequence_parallel:
             _check_sequence_parallel_input(self, x)
-            x2 = _to_token_major(x)
+            x2 = _sequence_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0] * self.tp_size, self.in_features, n_local)
             y = all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov,
                                   regather=self.regather_input)  # fmt: skip
-            y = _from_token_major(y, x.shape[0])
+            y = _sequence_from_token_major(y, x)
         else:
             x2 = x.reshape(-1, self.in_features)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local)
@@ -273,13 +283,13 @@ class RowParallelLinear(nn.Module):
         _check_input(self, x, k_local, "in_features / tp")
         if self.sequence_parallel:
             _check_sequence_parallel_input(self, x)
-            if x.shape[1] % self.tp_size:
-                raise ValueError(f"RowParallelLinear: sequence length {x.shape[1]} is not divisible by the "
+            if x.shape[-2] % self.tp_size:
+                raise ValueError(f"RowParallelLinear: sequence length {x.shape[-2]} is not divisible by the "
                                  f"tensor-parallel size {self.tp_size} (sequence_parallel=True)")  # fmt: skip
-            x2 = _to_token_major(x)
+            x2 = _sequence_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features)
             y = matmul_reduce_scatter(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
-            return _from_token_major(y, x.shape[0])
+            return _sequence_from_token_major(y, x)
         x2 = x.reshape(-1, k_local)
         ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features)
         y = matmul_all_reduce(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)

@@ -53,6 +53,9 @@ def _moe(family, seed=0, **kw):
         "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                       dict(moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2, intermediate_size=96,
                            mlp_only_layers=[0])),
+        "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
+                     dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, intermediate_size=96,
+                          first_k_dense_replace=1, n_shared_experts=1)),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                     dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
     }[family]  # fmt: skip
@@ -113,7 +116,7 @@ def _two_ranks(rank, world_size):
 
     register_hf_attention()
 
-    for family in ("mixtral", "qwen2_moe", "qwen3_moe"):
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"):
         for sp in (False, True):
             dense = _moe(family)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
@@ -178,6 +181,7 @@ def _two_ranks(rank, world_size):
 
 def _refusals(world_size):
     """Plans tessel cannot honour raise before anything changes."""
+    from tessel.layers.hf_experts import expert_blocks
     from tessel.layers.parallelize import parallelize
 
     shared_split = {"model.layers.*.mlp.shared_expert.gate_proj": "colwise",
@@ -196,18 +200,25 @@ def _refusals(world_size):
         (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.gate": "moe_tp_experts"}, False,
          r"mlp.gate \(MixtralTopKRouter, style 'moe_tp_experts'\): expected 3-d expert parameters gate_up_proj"),
         (_moe("mixtral"), ATTENTION_PLAN, True, r"plan splits nothing in model.layers.0.mlp \(MixtralSparseMoeBlock\)"),
-        (_moe("qwen2_moe"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts", **shared_split}, True,
-         "cannot split column projections inside model.layers.0.mlp, which holds split experts"),
+        (_moe("qwen2_moe"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts",
+                             "model.layers.*.mlp.shared_expert_gate": "rowwise", **shared_split}, True,
+         r"cannot split model.layers.0.mlp.shared_expert_gate: model.layers.0.mlp holds split experts"),
     ]  # fmt: skip
     for model, plan, sp, match in bad:
         before, types = _state(model), [type(m) for m in model.modules()]
         with pytest.raises(ValueError, match=match):
             parallelize(model, None, plan=plan, sequence_parallel=sp)
         _assert_unchanged(model, before, types)
-    # without sequence parallelism a shared expert may be split like any MLP
+    # a shared expert may be split like any MLP (under sequence parallelism: one ring inside the experts' block)
     dense = _moe("qwen2_moe")
     plan = {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts", **shared_split}
-    _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, plan=plan), "qwen2_moe shared split")
+    for sp in (False, True):
+        par = parallelize(copy.deepcopy(dense), None, plan=plan, sequence_parallel=sp)
+        dense.zero_grad()
+        _check_against_dense(dense, par, f"qwen2_moe shared split sp={sp}")
+    # columns directly in the experts' block would receive the sequence ring's placeholder, as the router would
+    with pytest.raises(ValueError, match=r"cannot split column projections directly in m.layers.0.mlp, which holds"):
+        expert_blocks(["m.layers.0"], ["m.layers.0.mlp"], ["m.layers.0.mlp.experts"])
 
 
 @pytest.mark.multiprocess

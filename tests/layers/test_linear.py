@@ -121,6 +121,31 @@ def _mlp_worker(rank, t, sp, overlap):
     return "ok"
 
 
+def _flat_tokens_worker(rank, t):
+    """Under sequence parallelism a [tokens, features] input is one row of tokens (a block that flattened its
+    batch, as Hugging Face's mixture-of-experts blocks do): the layers gather and scatter its rows."""
+    from tessel.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    d, h, tokens = 10, 16, 3 * t
+    up, down = _dense(d, h, 30), _dense(h, d, 31)
+    x, gy = _data((tokens, d), 32), _data((tokens, d), 33)
+    xd = x.clone().requires_grad_()
+    yd = down(nn.functional.gelu(up(xd)))
+    yd.backward(gy)
+    col = ColumnParallelLinear.from_linear(up.float(), sequence_parallel=True, overlap=True)
+    row = RowParallelLinear.from_linear(down.float(), sequence_parallel=True, overlap=True)
+    own = slice(rank * 3, rank * 3 + 3)
+    x_in = x[own].float().requires_grad_()
+    y = row(nn.functional.gelu(col(x_in)))
+    assert y.shape == (3, d)
+    y.backward(gy[own].float())
+    _close(y, yd[own].detach(), "flat tokens output", torch.float32)
+    _close(x_in.grad, xd.grad[own], "flat tokens input grad", torch.float32)
+    cols = slice(rank * h // t, (rank + 1) * h // t)
+    _close(col.weight.grad, up.weight.grad[cols], "flat tokens up weight grad", torch.float32)
+    _close(row.weight.grad, down.weight.grad[:, cols], "flat tokens down weight grad", torch.float32)
+
+
 def _fused_qkv_worker(rank, t, sp):
     from tessel.layers.linear import ColumnParallelLinear
 
@@ -156,6 +181,7 @@ def _mlp_and_qkv_worker(rank, t):
         _mlp_worker(rank, t, sp, overlap=True)
         _fused_qkv_worker(rank, t, sp)
     _mlp_worker(rank, t, True, overlap=False)
+    _flat_tokens_worker(rank, t)
 
 
 def _errors_worker(rank, t):
@@ -169,6 +195,10 @@ def _errors_worker(rank, t):
         (lambda: RowParallelLinear(8, 8)(torch.randn(2, 3, 8)), ValueError, "must be in_features / tp = 2"),
         (lambda: RowParallelLinear(8, 8, sequence_parallel=True)(torch.randn(2, 6, 2)), ValueError,
          "sequence length 6 is not divisible by the tensor-parallel size 4"),
+        (lambda: RowParallelLinear(8, 8, sequence_parallel=True)(torch.randn(6, 2)), ValueError,
+         "sequence length 6 is not divisible by the tensor-parallel size 4"),
+        (lambda: ColumnParallelLinear(8, 8, sequence_parallel=True)(torch.randn(1, 2, 3, 8)), ValueError,
+         "needs a .batch, seq, features. or .tokens, features. input, received shape (1, 2, 3, 8)"),
         (lambda: ColumnParallelLinear(8, 8)(torch.randn(2, 8, dtype=torch.float64)), TypeError, "input dtype"),
         (lambda: ColumnParallelLinear(8, 8)(torch.randn(2, 8, device="meta")), ValueError, "device"),
         (lambda: ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1)), TypeError, "expected an nn.Linear"),
