@@ -31,8 +31,9 @@ experts (moe_tp_experts)                           a Hugging Face experts module
 =================================================  ===================================================
 
 A plan may also name the parameters of a module it splits as experts (Hugging Face's
-``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``); they must agree with the split
-the experts module's layout gives them. A Hugging Face model's own plan may name modules that some of its
+``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``), which must agree with the split
+the experts module's layout gives them, and, as ``colwise``, parameters with one value per query head of a
+module whose projections it splits (``self_attn.sinks``, a per-head gate bias): each rank keeps its heads'. A Hugging Face model's own plan may name modules that some of its
 configurations lack (the dense MLPs of a model whose layers are all experts); a user plan may not.
 Hugging Face's ``embedding_colwise``, ``packed_rowwise``, expert-parallel and MLA styles are refused by name.
 
@@ -146,7 +147,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     t = group_size(tp_group)
     context = _context_layout(model, tp_group, cp_group)
     own = plan is None
-    entries = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
+    entries, head_params = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
     for e in entries:
         _validate_entry(e, t)
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
@@ -155,7 +156,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
         e.gathered = in_block and e.kind in (COLUMN, PACKED_COLUMN)
     heads = _local_heads(model, entries, t)
-    per_head = _per_head_parameters(model, entries, tp_group)
+    per_head = _per_head_parameters(model, entries, tp_group, head_params)
     for e in entries:
         e.new = _build(e, tp_group, overlap)
     rings = _rings(layout, entries, tp_group) if layout is not None else {}
@@ -210,10 +211,12 @@ def _canonical(style, glob: str) -> str:
     return STYLES[style]
 
 
-def _match(model: nn.Module, plan, strict: bool = True) -> list[_Entry]:
-    """One entry per matched module, in the model's order. Every glob must match a module (``strict``; a
-    Hugging Face model's own plan names modules some configurations lack, e.g. the dense MLPs of a model
-    whose layers are all experts) or the parameters of modules the plan splits as experts."""
+def _match(model: nn.Module, plan, strict: bool = True) -> tuple[list[_Entry], set[str]]:
+    """One entry per matched module, in the model's order, and the names of the per-head parameters the
+    plan names. Every glob must match a module (``strict``; a Hugging Face model's own plan names modules
+    some configurations lack, e.g. the dense MLPs of a model whose layers are all experts), parameters of
+    modules the plan splits as experts, or ``colwise`` parameters of modules whose projections it splits
+    by heads (one value per query head: attention sinks, a gate's per-head bias)."""
     if not isinstance(plan, Mapping):
         raise TypeError(f"parallelize: plan must be a mapping of module-name globs to styles, received {plan!r}")
     modules = [(name, m) for name, m in model.named_modules() if name]
@@ -236,12 +239,21 @@ def _match(model: nn.Module, plan, strict: bool = True) -> list[_Entry]:
                 raise ValueError(f"parallelize: {name} is matched as {chosen[name].style!r} and as {style!r}")
             chosen[name] = _Entry(name, m, style, k)
     experts = {name for name, e in chosen.items() if e.kind == EXPERTS}
+    by_heads = {name.rsplit(".", 1)[0] for name, e in chosen.items() if e.kind in (COLUMN, PACKED_COLUMN, ROW)}
+    head_params = set()
     for glob, style, kind, params in parameter_rules:
         for p in params:
             owner, _, leaf = p.rpartition(".")
+            if owner in by_heads and owner not in experts:
+                if kind != COLUMN:
+                    raise ValueError(f"parallelize: plan glob {glob!r} splits {p}, a parameter of a module split by "
+                                     f"heads, as {style!r}; tessel splits it by heads ('colwise')")  # fmt: skip
+                head_params.add(p)
+                continue
             if owner not in experts:
                 raise ValueError(f"parallelize: plan glob {glob!r} names a parameter; plans name modules, and "
-                                 f"parameters only of modules split as 'moe_tp_experts' (received {p})")  # fmt: skip
+                                 f"parameters only of modules split as 'moe_tp_experts' or by heads (received "
+                                 f"{p})")  # fmt: skip
             allowed = _EXPERT_PARAMETER_STYLES.get(leaf, ())
             if kind not in allowed:
                 raise ValueError(f"parallelize: plan glob {glob!r} splits the expert parameter {p} as {style!r}; "
@@ -250,7 +262,7 @@ def _match(model: nn.Module, plan, strict: bool = True) -> list[_Entry]:
     if not chosen:
         raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
     order = {name: i for i, (name, _) in enumerate(modules)}
-    return sorted(chosen.values(), key=lambda e: order[e.name])
+    return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
 
 
 # The styles a plan may give the parameters of an experts module, which describe tessel's split of them
@@ -336,14 +348,15 @@ def _attention_parents(model: nn.Module, entries: list[_Entry]) -> dict[str, nn.
 
 
 def _per_head_parameters(
-    model: nn.Module, entries: list[_Entry], tp_group
+    model: nn.Module, entries: list[_Entry], tp_group, named: set[str] = frozenset()
 ) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """``(module, name, this rank's shard)`` of every per-head parameter (:data:`PER_HEAD_PARAMETERS`) of the
-    attention modules being split; raises when one does not split over the group."""
+    """``(module, name, this rank's shard)`` of every per-head parameter (:data:`PER_HEAD_PARAMETERS`, and
+    those the plan ``named``) of the attention modules being split; raises when one does not split."""
     t, r = group_size(tp_group), group_rank(tp_group)
     shards = []
     for parent_name, parent in _attention_parents(model, entries).items():
-        for name in PER_HEAD_PARAMETERS:
+        own = {n.rpartition(".")[2] for n in named if n.rpartition(".")[0] == parent_name}
+        for name in sorted(set(PER_HEAD_PARAMETERS) | own):
             p = parent._parameters.get(name)
             if p is None or t == 1:
                 continue

@@ -163,6 +163,21 @@ def _two_ranks(rank, world_size):
             assert torch.equal(got, whole[:, :, 64 * rank : 64 * rank + 64])  # 32 (gate, up) pairs per rank
             dense.zero_grad()
             _check_against_dense(dense, par, f"gpt-oss {impl} sp={sp}")
+    # a plan may name per-head parameters of the attention it splits by heads, as newer Hugging Face plans
+    # name attention sinks ('colwise': each rank keeps its heads' values)
+    with torch.no_grad():
+        for layer in dense.model.layers:
+            layer.self_attn.sinks.normal_()
+    par = parallelize(copy.deepcopy(dense), None, plan={**GPT_OSS_PLAN, "model.layers.*.self_attn.sinks": "colwise"})
+    assert torch.equal(par.model.layers[1].self_attn.sinks, dense.model.layers[1].self_attn.sinks.chunk(2)[rank])
+    dense.zero_grad()
+    _check_against_dense(dense, par, "gpt-oss sinks in the plan")
+    with pytest.raises(
+        ValueError,
+        match=r"splits model.layers.0.self_attn.sinks, a parameter of a module split by "
+        r"heads, as 'rowwise'; tessel splits it by heads \('colwise'\)",
+    ):
+        parallelize(copy.deepcopy(dense), None, plan={**GPT_OSS_PLAN, "model.layers.*.self_attn.sinks": "rowwise"})
     # experts without a gate, with biases, in a model that is not Hugging Face's (a user plan)
     torch.manual_seed(0)
     dense = _TinyMoE()
