@@ -33,8 +33,9 @@ experts (moe_tp_experts)                           a Hugging Face experts module
 A plan may also name the parameters of a module it splits as experts (Hugging Face's
 ``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``), which must agree with the split
 the experts module's layout gives them, and, as ``colwise``, parameters with one value per query head of a
-module whose projections it splits (``self_attn.sinks``, a per-head gate bias): each rank keeps its heads'. A Hugging Face model's own plan may name modules that some of its
-configurations lack (the dense MLPs of a model whose layers are all experts); a user plan may not.
+module whose projections it splits (``self_attn.sinks``, a per-head gate bias): each rank keeps its heads'.
+A Hugging Face model's own plan may name modules that some of its configurations lack (the dense MLPs of
+a model whose layers are all experts); a user plan may not.
 Hugging Face's ``embedding_colwise``, ``packed_rowwise``, expert-parallel and MLA styles are refused by name.
 
 Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module
