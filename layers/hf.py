@@ -103,6 +103,10 @@ def base_model(model: nn.Module) -> tuple[str, nn.Module]:
     base = getattr(model, prefix, None) if prefix else None
     if isinstance(base, nn.Module) and base is not model:
         return prefix + ".", base
+    # a head model whose base model has another name than its prefix (Llama 4's: "model", not "language_model")
+    bases = [(name, child) for name, child in model.named_children() if is_hf_model(child)]
+    if len(bases) == 1:
+        return bases[0][0] + ".", bases[0][1]
     return "", model
 
 

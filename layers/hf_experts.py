@@ -63,12 +63,29 @@ def _flag(module: nn.Module, name: str, default: bool) -> bool:
     return value
 
 
+def _expected_shapes(first: str, w2: torch.Tensor, transposed: bool, gated: bool) -> tuple[dict, int, int]:
+    """The shapes of every parameter the layout allows, read from ``down_proj``; and ``(I, width of first)``."""
+    experts = w2.shape[0]
+    inter, hidden = (w2.shape[1], w2.shape[2]) if transposed else (w2.shape[2], w2.shape[1])
+    width = 2 * inter if gated else inter
+    want = {first: (experts, hidden, width) if transposed else (experts, width, hidden),
+            "down_proj": (experts, inter, hidden) if transposed else (experts, hidden, inter),
+            f"{first}_bias": (experts, width), "down_proj_bias": (experts, hidden)}  # fmt: skip
+    return want, inter, width
+
+
+def _matches(params: dict, want: dict) -> bool:
+    return all(tuple(p.shape) == want.get(n) for n, p in params.items())
+
+
 def expert_splits(module: nn.Module, t: int) -> list[ExpertSplit]:
     """The split of each parameter of ``module`` over ``t`` ranks; ``ValueError`` (without the module's name)
-    when the module is not a Hugging Face experts module or its features do not split."""
+    when the module is not a Hugging Face experts module or its features do not split.
+
+    A module without ``is_transposed`` (Llama 4's experts) has its layout read from the shapes, when only
+    one layout fits them."""
     if _flag(module, "has_post_expert_norm", False):
         raise ValueError("has_post_expert_norm=True: a norm of each expert's whole output cannot be split over ranks")
-    transposed = _flag(module, "is_transposed", False)
     concatenated = _flag(module, "is_concatenated", True)
     gated = _flag(module, "has_gate", True)
     first = "gate_up_proj" if gated else "up_proj"
@@ -77,18 +94,22 @@ def expert_splits(module: nn.Module, t: int) -> list[ExpertSplit]:
     if w1 is None or w2 is None or w1.dim() != 3 or w2.dim() != 3:
         got = {n: tuple(p.shape) for n, p in params.items()}
         raise ValueError(f"expected 3-d expert parameters {first} and down_proj, received {got}")
-    experts = w1.shape[0]
-    inter, hidden = (w2.shape[1], w2.shape[2]) if transposed else (w2.shape[2], w2.shape[1])
-    width = 2 * inter if gated else inter
-    want = {first: (experts, hidden, width) if transposed else (experts, width, hidden),
-            "down_proj": (experts, inter, hidden) if transposed else (experts, hidden, inter),
-            f"{first}_bias": (experts, width), "down_proj_bias": (experts, hidden)}  # fmt: skip
+    if hasattr(module, "is_transposed"):
+        transposed = _flag(module, "is_transposed", False)
+    else:
+        fits = [tr for tr in (False, True) if _matches(params, _expected_shapes(first, w2, tr, gated)[0])]
+        if len(fits) != 1:
+            shapes = {n: tuple(p.shape) for n, p in params.items()}
+            raise ValueError(f"the layout of the expert parameters {shapes} is {'ambiguous' if fits else 'unknown'}: "
+                             "set is_transposed on the module ([experts, in, out] or [experts, out, in])")  # fmt: skip
+        transposed = fits[0]
+    want, inter, width = _expected_shapes(first, w2, transposed, gated)
     for name, p in params.items():
         if name not in want:
             raise ValueError(f"unexpected parameter {name} {tuple(p.shape)}: tessel splits {sorted(want)} only")
         if tuple(p.shape) != want[name]:
             raise ValueError(f"{name} has shape {tuple(p.shape)}, expected {want[name]} (is_transposed={transposed})")
-    if any(True for _ in module.children()) and any(True for c in module.children() for _ in c.parameters()):
+    if any(True for c in module.children() for _ in c.parameters()):
         raise ValueError("an experts module with parametrised submodules is not a Hugging Face experts module")
     if inter % t:
         raise ValueError(f"the intermediate size {inter} is not divisible by the tensor-parallel size {t}")
@@ -116,35 +137,54 @@ def shard_experts(module: nn.Module, splits: list[ExpertSplit], tp_group) -> dic
     return local
 
 
-def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, str, str]]:
-    """The signature of the experts' forward and the names of its (hidden states, expert ids, weights)."""
+def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, ...]]:
+    """The signature of the experts' forward and the names of its (hidden states, expert ids, weights), or of
+    its hidden states alone (experts that receive every token once per expert, already weighted: Llama 4)."""
     sig = inspect.signature(type(module).forward)
     names = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    if len(names) < 4:
-        raise ValueError(f"{type(module).__name__}.forward must take (hidden_states, top_k_index, top_k_weights), "
-                         f"received the parameters {names[1:]}")  # fmt: skip
-    return sig, tuple(names[1:4])
+    if len(names) not in (2, 4):
+        raise ValueError(f"{type(module).__name__}.forward must take (hidden_states, top_k_index, top_k_weights) or "
+                         f"(hidden_states) alone, received the parameters {names[1:]}")  # fmt: skip
+    return sig, tuple(names[1:])
 
 
 def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool) -> None:
-    """The communication around ``module``'s forward (its parameters already split); see the module docstring."""
-    sig, (h_name, i_name, w_name) = _routing_names(module)
+    """The communication around ``module``'s forward (its parameters already split); see the module docstring.
+
+    Experts taking hidden states alone receive ``[E·T, H]``: every one of the ``T`` tokens once per expert,
+    expert after expert. Under sequence parallelism each expert's rows are gathered from every rank
+    (``[E, T/t, H] → [E, T, H]``) and its output rows reduce-scattered back.
+    """
+    sig, names = _routing_names(module)
+    experts = next(p for n, p in module.named_parameters(recurse=False) if n in ("gate_up_proj", "up_proj")).shape[0]
     first_rank = group_rank(tp_group) == 0
     replicated = [n for n in ("down_proj_bias",) if module._parameters.get(n) is not None]
     saved: list[dict] = []
 
+    def per_expert(x: torch.Tensor, op) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[0] % experts:
+            raise ValueError(f"parallelize: {type(module).__name__} takes [experts · tokens, hidden] rows with "
+                             f"{experts} experts, received shape {tuple(x.shape)}")  # fmt: skip
+        return op(x.view(experts, -1, x.shape[-1]), tp_group, dim=1).reshape(-1, x.shape[-1])
+
     def enter(m, args, kwargs):
         bound = sig.bind(m, *args, **kwargs)
-        hidden, ids, weights = (bound.arguments.get(n) for n in (h_name, i_name, w_name))
-        if not all(isinstance(x, torch.Tensor) for x in (hidden, ids, weights)):
-            raise ValueError(f"parallelize: {type(m).__name__} split over tensor-parallel ranks needs its hidden "
-                             f"states, expert ids and routing weights as tensors")  # fmt: skip
-        if sequence_parallel:
-            hidden = gather_from_sequence(hidden, tp_group, dim=0)
-            ids, weights = all_gather(ids, tp_group)[0], gather_from_sequence(weights, tp_group, dim=0)
+        values = [bound.arguments.get(n) for n in names]
+        if not all(isinstance(x, torch.Tensor) for x in values):
+            raise ValueError(f"parallelize: {type(m).__name__} split over tensor-parallel ranks needs its arguments "
+                             f"{list(names)} as tensors")  # fmt: skip
+        if len(names) == 1:
+            hidden = values[0]
+            bound.arguments[names[0]] = (per_expert(hidden, gather_from_sequence) if sequence_parallel
+                                         else copy_to_tp(hidden, tp_group))  # fmt: skip
+        elif sequence_parallel:
+            hidden, ids, weights = values
+            bound.arguments.update({names[0]: gather_from_sequence(hidden, tp_group, dim=0),
+                                    names[1]: all_gather(ids, tp_group)[0],
+                                    names[2]: gather_from_sequence(weights, tp_group, dim=0)})  # fmt: skip
         else:
-            hidden, weights = copy_to_tp(hidden, tp_group), copy_to_tp(weights, tp_group)
-        bound.arguments.update({h_name: hidden, i_name: ids, w_name: weights})
+            for i in (0, 2):  # hidden states and routing weights; the expert ids carry no gradient
+                bound.arguments[names[i]] = copy_to_tp(values[i], tp_group)
         # a bias added after the experts' partial sums would be summed t times: rank 0 adds it, every rank
         # receives its complete gradient (copy_to_tp sums rank 0's with the others' zeros)
         own = {n: m._parameters[n] for n in replicated}
@@ -161,7 +201,11 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool) -
             return None
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"parallelize: {type(m).__name__} must return a tensor, received {type(out).__name__}")
-        return reduce_scatter_to_sequence(out, tp_group, dim=0) if sequence_parallel else reduce_from_tp(out, tp_group)
+        if not sequence_parallel:
+            return reduce_from_tp(out, tp_group)
+        if len(names) == 1:
+            return per_expert(out, reduce_scatter_to_sequence)
+        return reduce_scatter_to_sequence(out, tp_group, dim=0)
 
     module.register_forward_pre_hook(enter, with_kwargs=True)
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)

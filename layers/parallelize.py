@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -121,6 +121,7 @@ class _Entry:
     new: nn.Module | None = None
     splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
     shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
+    parameter_styles: dict[str, tuple[str, str]] = field(default_factory=dict)  # experts: (glob, style) by name
 
 
 def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
@@ -202,9 +203,13 @@ def _glob_regex(glob: str) -> re.Pattern:
     return re.compile("".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in glob))
 
 
-def _canonical(style, glob: str) -> str:
+def _check_style_type(style, glob: str) -> None:
     if not isinstance(style, str):
         raise TypeError(f"parallelize: the style of {glob!r} must be a str, received {type(style).__name__}")
+
+
+def _canonical(style, glob: str) -> str:
+    _check_style_type(style, glob)
     if style in _REFUSED:
         raise ValueError(f"parallelize: {glob!r}: the Hugging Face style {style!r} is not supported by tessel")
     if style not in STYLES:
@@ -226,14 +231,18 @@ def _match(model: nn.Module, plan, strict: bool = True) -> tuple[list[_Entry], s
     for glob, style in plan.items():
         if not isinstance(glob, str):
             raise TypeError(f"parallelize: plan keys must be module-name globs (str), received {glob!r}")
-        kind, regex = _canonical(style, glob), _glob_regex(glob)
+        regex = _glob_regex(glob)
         hits = [(name, m) for name, m in modules if regex.fullmatch(name)]
         if not hits:
             params = [p for p, _ in model.named_parameters() if regex.fullmatch(p)]
-            if params:
-                parameter_rules.append((glob, style, kind, params))
+            if params:  # their styles are read in Hugging Face's terms of the dim they split (below)
+                _check_style_type(style, glob)
+                parameter_rules.append((glob, style, params))
             elif strict:
+                _canonical(style, glob)
                 raise ValueError(f"parallelize: plan glob {glob!r} matches no module of {type(model).__name__}")
+            continue
+        kind = _canonical(style, glob)
         for name, m in hits:
             k = EMBEDDING if kind == ROW and isinstance(m, nn.Embedding) else kind  # Hugging Face 4.x's rowwise
             if name in chosen and chosen[name].kind != k:
@@ -242,11 +251,11 @@ def _match(model: nn.Module, plan, strict: bool = True) -> tuple[list[_Entry], s
     experts = {name for name, e in chosen.items() if e.kind == EXPERTS}
     by_heads = {name.rsplit(".", 1)[0] for name, e in chosen.items() if e.kind in (COLUMN, PACKED_COLUMN, ROW)}
     head_params = set()
-    for glob, style, kind, params in parameter_rules:
+    for glob, style, params in parameter_rules:
         for p in params:
             owner, _, leaf = p.rpartition(".")
             if owner in by_heads and owner not in experts:
-                if kind != COLUMN:
+                if style not in ("colwise", "local_colwise"):
                     raise ValueError(f"parallelize: plan glob {glob!r} splits {p}, a parameter of a module split by "
                                      f"heads, as {style!r}; tessel splits it by heads ('colwise')")  # fmt: skip
                 head_params.add(p)
@@ -255,23 +264,37 @@ def _match(model: nn.Module, plan, strict: bool = True) -> tuple[list[_Entry], s
                 raise ValueError(f"parallelize: plan glob {glob!r} names a parameter; plans name modules, and "
                                  f"parameters only of modules split as 'moe_tp_experts' or by heads (received "
                                  f"{p})")  # fmt: skip
-            allowed = _EXPERT_PARAMETER_STYLES.get(leaf, ())
-            if kind not in allowed:
-                raise ValueError(f"parallelize: plan glob {glob!r} splits the expert parameter {p} as {style!r}; "
-                                 f"tessel splits it as {' or '.join(allowed) or 'nothing it knows'} "
-                                 f"(see tessel.layers.hf_experts)")  # fmt: skip
+            chosen[owner].parameter_styles[leaf] = (glob, style)
     if not chosen:
         raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
     order = {name: i for i, (name, _) in enumerate(modules)}
     return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
 
 
-# The styles a plan may give the parameters of an experts module, which describe tessel's split of them
-_EXPERT_PARAMETER_STYLES = {
-    "gate_up_proj": (COLUMN, PACKED_COLUMN), "gate_up_proj_bias": (COLUMN, PACKED_COLUMN),
-    "up_proj": (COLUMN,), "up_proj_bias": (COLUMN,),
-    "down_proj": (ROW,), "down_proj_bias": (ROW, REPLICATE),
-}  # fmt: skip
+# Hugging Face's styles for the parameters of an experts module, by the dim they split: a 3-d weight's
+# "colwise" splits dim 1, its "rowwise" dim 2 (so a transposed [E, in, out] gate_up is "packed_rowwise");
+# a split bias is "colwise"; an unsplit one "rowwise" (added after the sum) or replicated
+_COLUMN_STYLES = ("colwise", "local_colwise", "packed_colwise")
+_ROW_STYLES = ("rowwise", "local_rowwise", "packed_rowwise", "local_packed_rowwise")
+
+
+def _check_expert_parameter_styles(e: _Entry) -> None:
+    """The styles the plan gives the parameters of experts ``e`` must describe the split tessel makes."""
+    for s in e.splits:
+        if s.name not in e.parameter_styles:
+            continue
+        glob, style = e.parameter_styles[s.name]
+        ndim = getattr(e.module, s.name).dim()
+        if s.dim is None:
+            allowed, where = (*_ROW_STYLES, "replicate", "local"), "whole on every rank"
+        elif ndim == 3:
+            allowed, where = (_COLUMN_STYLES if s.dim == 1 else _ROW_STYLES), f"along dim {s.dim}"
+        else:
+            allowed, where = _COLUMN_STYLES + _ROW_STYLES, f"along dim {s.dim}"
+        if style not in allowed:
+            raise ValueError(f"parallelize: plan glob {glob!r} splits the expert parameter {e.name}.{s.name} as "
+                             f"{style!r}; tessel keeps it {where}: {' or '.join(allowed[:2])} in Hugging Face's "
+                             f"terms (see tessel.layers.hf_experts)")  # fmt: skip
 
 
 def _sequence_layout(model: nn.Module, entries: list[_Entry]) -> HFSequenceLayout:
@@ -402,6 +425,7 @@ def _validate_entry(e: _Entry, t: int) -> None:
             e.splits = expert_splits(m, t)
         except ValueError as err:
             _fail(e, str(err))
+        _check_expert_parameter_styles(e)
     elif e.kind == EMBEDDING:
         if isinstance(m, VocabParallelEmbedding):
             if m.tp_size != 1:

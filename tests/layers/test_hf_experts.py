@@ -3,11 +3,12 @@
 Each rank builds the same tiny model (random init, no downloads), parallelizes a deep copy and compares
 the logits and every parameter's gradient shard with the dense model's, fp32, at the tolerance of
 tests/layers/test_hf.py (1e-4 relative). Covered layouts: Mixtral (``[gate; up]`` halves, [E, out, in]),
-Qwen2-MoE (a shared expert and its gate beside the experts), Qwen3-MoE (a dense MLP layer among expert
-layers), GPT-OSS (interleaved gate/up, transposed [E, in, out], biases, under a user plan), and a module of
-up/down experts without a gate. The routers' weights are scaled up so that no token sits near a tie
-between two experts: the parallel model's hidden states differ from the dense ones by fp32 reordering,
-which must not change a routing decision.
+Llama 4 (experts fed every token once per expert, [E, in, out] without layout flags), Qwen2-MoE (a shared
+expert and its gate beside the experts), Qwen3-MoE (a dense MLP layer among expert layers), GLM-4-MoE (a
+shared expert split by its own plan), GPT-OSS (interleaved gate/up, transposed [E, in, out], biases, under
+a user plan), and a module of up/down experts without a gate. The routers' weights are scaled up so that
+no token sits near a tie between two experts: the parallel model's hidden states differ from the dense
+ones by fp32 reordering, which must not change a routing decision.
 """
 
 import copy
@@ -36,7 +37,7 @@ ATTENTION_PLAN = {f"model.layers.*.self_attn.{n}_proj": "rowwise" if n == "o" el
 def _sharpen_routers(model):
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if name.endswith(("mlp.gate.weight", "mlp.router.weight")):
+            if name.endswith(("mlp.gate.weight", "mlp.router.weight", "feed_forward.router.weight")):
                 p.mul_(30)
     return model
 
@@ -56,6 +57,9 @@ def _moe(family, seed=0, **kw):
         "glm4_moe": (transformers.Glm4MoeConfig, transformers.Glm4MoeForCausalLM,
                      dict(moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2, intermediate_size=96,
                           first_k_dense_replace=1, n_shared_experts=1)),
+        "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM,
+                   dict(intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
+                        interleave_moe_layer_step=2)),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                     dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
     }[family]  # fmt: skip
@@ -64,8 +68,8 @@ def _moe(family, seed=0, **kw):
 
 
 GPT_OSS_PLAN = {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts",
-                "model.layers.*.mlp.experts.gate_up_proj": "colwise",
-                "model.layers.*.mlp.experts.down_proj": "rowwise"}  # fmt: skip
+                "model.layers.*.mlp.experts.gate_up_proj": "rowwise",  # transposed: [E, H, 2I] split along 2I
+                "model.layers.*.mlp.experts.down_proj": "colwise"}  # fmt: skip
 
 
 class _UpDownExperts(nn.Module):
@@ -123,6 +127,15 @@ def _two_ranks(rank, world_size):
             experts = par.model.layers[1].mlp.experts
             assert experts.gate_up_proj.shape == (4, dense.model.layers[1].mlp.experts.gate_up_proj.shape[1] // 2, 64)
             _check_against_dense(dense, par, f"{family} sp={sp}")
+    # Llama 4: experts of [E, in, out] weights without layout flags (read from the shapes), fed every token once
+    # per expert with the routing scores already applied; a dense MLP in every other layer; its own plan names
+    # the transposed gate_up "packed_rowwise"
+    for sp in (False, True):
+        dense = _moe("llama4")
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+        assert par.model.layers[1].feed_forward.experts.gate_up_proj.shape == (4, 64, 32)
+        assert par.model.layers[1].feed_forward.experts.down_proj.shape == (4, 16, 64)
+        _check_against_dense(dense, par, f"llama4 sp={sp}")
     # Mixtral's halves: rank r keeps gate rows r·I/t… and up rows r·I/t…
     dense = _moe("mixtral")
     par = parallelize(copy.deepcopy(dense), None)
@@ -207,7 +220,8 @@ def _refusals(world_size):
          r"experts \(MixtralExperts, style 'moe_tp_experts'\): the intermediate size 9[01] is not divisible"),
         (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts",
                            "model.layers.*.mlp.experts.down_proj": "colwise"}, False,
-         r"splits the expert parameter model.layers.0.mlp.experts.down_proj as 'colwise'; tessel splits it as rowwise"),
+         r"splits the expert parameter model.layers.0.mlp.experts.down_proj as 'colwise'; tessel keeps it along dim "
+         r"2: rowwise or local_rowwise in Hugging Face's terms"),
         (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts.down_proj": "rowwise"}, False,
          r"names a parameter; plans name modules, and .* \(received model.layers.0.mlp.experts.down_proj\)"),
         (_moe("mixtral"), {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "grouped_gemm"}, False,
@@ -245,7 +259,7 @@ def test_hf_experts_match_dense_on_two_ranks():
 def _four_ranks(rank, world_size):
     from tessel.layers.parallelize import parallelize
 
-    for family in ("mixtral", "qwen2_moe"):
+    for family in ("mixtral", "qwen2_moe", "llama4"):
         for sp in (False, True):
             dense = _moe(family)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
