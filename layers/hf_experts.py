@@ -75,7 +75,7 @@ def _expected_shapes(first: str, w2: torch.Tensor, transposed: bool, gated: bool
 
 
 def _matches(params: dict, want: dict) -> bool:
-    return all(tuple(p.shape) == want.get(n) for n, p in params.items())
+    return all(tuple(p.shape) == want[n] for n, p in params.items() if n in want)
 
 
 def expert_splits(module: nn.Module, t: int) -> list[ExpertSplit]:

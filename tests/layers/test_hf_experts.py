@@ -272,3 +272,45 @@ def _four_ranks(rank, world_size):
 @needs_hf
 def test_hf_experts_match_dense_on_four_ranks():
     assert run_ranks(_four_ranks, 4, timeout=400, env=REFERENCE_KERNELS) == ["ok"] * 4
+
+
+def _experts(**params):
+    m = nn.Module()
+    for name, shape in params.items():
+        setattr(m, name, nn.Parameter(torch.zeros(shape)))
+    return m
+
+
+def test_expert_layouts_are_read_from_flags_or_shapes_and_odd_ones_refused():
+    from tessel.layers.hf_experts import ExpertSplit, expert_splits
+
+    # no flags: [E, out, in] (Mixtral's) or [E, in, out] (Llama 4's), told apart by the shapes
+    assert expert_splits(_experts(gate_up_proj=(4, 12, 8), down_proj=(4, 8, 6)), 2) == [
+        ExpertSplit("gate_up_proj", 1, (6, 6)), ExpertSplit("down_proj", 2, (6,))]  # fmt: skip
+    assert expert_splits(_experts(gate_up_proj=(4, 8, 12), down_proj=(4, 6, 8)), 3) == [
+        ExpertSplit("gate_up_proj", 2, (6, 6)), ExpertSplit("down_proj", 1, (6,))]  # fmt: skip
+    interleaved = _experts(gate_up_proj=(4, 8, 12), gate_up_proj_bias=(4, 12), down_proj=(4, 6, 8),
+                           down_proj_bias=(4, 8))  # fmt: skip
+    interleaved.is_transposed, interleaved.is_concatenated = True, False
+    assert expert_splits(interleaved, 2) == [
+        ExpertSplit("gate_up_proj", 2, (12,)), ExpertSplit("down_proj", 1, (6,)),
+        ExpertSplit("gate_up_proj_bias", 1, (12,)), ExpertSplit("down_proj_bias", None)]  # fmt: skip
+    square = _experts(up_proj=(4, 4, 4), down_proj=(4, 4, 4))  # no gate, hidden = intermediate: either layout fits
+    square.has_gate = False
+    with pytest.raises(ValueError, match=r"is ambiguous: set is_transposed on the module"):
+        expert_splits(square, 2)
+    square.is_transposed = True
+    assert expert_splits(square, 2) == [ExpertSplit("up_proj", 2, (4,)), ExpertSplit("down_proj", 1, (4,))]
+    bad = [
+        (_experts(gate_up_proj=(4, 12, 8), down_proj=(4, 7, 6)), r"is unknown: set is_transposed"),
+        (_experts(gate_up_proj=(4, 12, 8), down_proj=(4, 8, 6), extra=(3,)), r"unexpected parameter extra \(3,\)"),
+        (_experts(gate_up_proj=(4, 12, 8)), r"expected 3-d expert parameters gate_up_proj and down_proj"),
+        (_experts(gate_up_proj=(4, 12, 8), down_proj=(4, 8, 6)), r"intermediate size 6 is not divisible by .* 4"),
+    ]
+    for module, match in bad:
+        with pytest.raises(ValueError, match=match):
+            expert_splits(module, 4)
+    normed = _experts(gate_up_proj=(4, 12, 8), down_proj=(4, 8, 6))
+    normed.has_post_expert_norm = True
+    with pytest.raises(ValueError, match="has_post_expert_norm=True"):
+        expert_splits(normed, 2)
