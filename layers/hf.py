@@ -67,7 +67,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
 from ..parallel.overlap import all_gather_matmul
 from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention, tessel_attention_forward
-from .hf_experts import expert_blocks, refuse_router_loss
+from .hf_experts import check_expert_blocks, expert_blocks, gather_router_logits
 from .linear import ColumnParallelLinear, _check_input, _sequence_from_token_major, _sequence_token_major, _use_overlap
 
 __all__ = [
@@ -229,15 +229,7 @@ class HFSequenceLayout:
                         f"({type(m).__name__}): every block of a decoder layer receives a sequence shard, so each "
                         "must hold column-parallel projections that gather it (or split experts)"
                     )
-        for block in self.local_blocks:
-            for sub, _ in modules[block].named_modules():
-                name = f"{block}.{sub}"
-                if name in split_names and name.rsplit(".", 1)[0] not in self.blocks:
-                    raise ValueError(
-                        f"parallelize: sequence_parallel=True cannot split {name}: {block} holds split experts and "
-                        "computes on its sequence shard; only a submodule of it with column projections of its "
-                        "own (a shared expert) gathers the sequence"
-                    )
+        check_expert_blocks(modules, self.local_blocks, self.blocks, split_names)
         for block in self.blocks:
             for sub, m in modules[block].named_modules():
                 if isinstance(m, nn.Linear) and f"{block}.{sub}" not in split_names:
@@ -267,7 +259,7 @@ class HFSequenceLayout:
             return gather_from_tp(out, tp_group, dim=1)
 
         if self.local_blocks:
-            refuse_router_loss(model)
+            gather_router_logits(model, type(base_model(model)[1]), self.local_blocks, tp_group)
         modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)
         for name in self.blocks:
             ring = rings[name]

@@ -53,14 +53,20 @@ import torch
 from torch import nn
 
 from ..kernels._memo import kept_on
-from ..parallel.comm import group_size
+from ..parallel.collectives import copy_to_tp
+from ..parallel.comm import group_rank, group_size
 from ..parallel.context import ring_attention
+from ..parallel.sharding import local_shard
 
 __all__ = [
     "CP_GROUP_ATTR",
+    "PER_HEAD_PARAMETERS",
     "SEGMENT_IDS_KWARG",
     "SINKS_KWARG",
     "mask_segments",
+    "mla_rope_dim",
+    "mla_shared_key",
+    "per_head_parameters",
     "register_hf_attention",
     "tessel_attention_forward",
 ]
@@ -360,3 +366,56 @@ def register_hf_attention() -> str:
     else:
         AttentionMaskInterface.register("tessel", sdpa_mask)
     return "tessel"
+
+
+# ---------------------------------------------------------------------------------------------------- latent attention
+
+
+def mla_rope_dim(model: nn.Module, name: str, projection: nn.Module) -> int:
+    """The rotary width of multi-head latent attention's ``kv_a_proj_with_mqa`` ``name``: ``qk_rope_head_dim`` of
+    its attention module, else of the model's config."""
+    parent = model.get_submodule(name.rsplit(".", 1)[0]) if "." in name else model
+    rope = getattr(parent, "qk_rope_head_dim", getattr(getattr(model, "config", None), "qk_rope_head_dim", None))
+    width = projection.out_features
+    if not isinstance(rope, int) or isinstance(rope, bool) or not 0 < rope < width:
+        raise ValueError(f"needs qk_rope_head_dim (on its attention module or the model's config) between 1 and "
+                         f"out_features - 1 = {width - 1}, received {rope!r}")  # fmt: skip
+    return rope
+
+
+def mla_shared_key(out: torch.Tensor, rope_dim: int, tp_group) -> torch.Tensor:
+    """``[latent | rotary key]`` of ``kv_a_proj_with_mqa``: the rotary key, shared by every head, enters this
+    rank's heads only, so its gradient is summed over the group (``copy_to_tp``); the latent's is summed by
+    the column-parallel ``kv_b_proj`` it feeds."""
+    latent, key = out.split([out.shape[-1] - rope_dim, rope_dim], dim=-1)
+    return torch.cat([latent, copy_to_tp(key, tp_group)], dim=-1)
+
+
+# ------------------------------------------------------------------------------------------------ per-head parameters
+
+# Parameters of an attention module with one entry per query head (GPT-OSS's attention sinks): each rank
+# keeps those of its heads
+PER_HEAD_PARAMETERS = ("sinks",)
+
+
+def per_head_parameters(
+    parents: dict[str, nn.Module], tp_group, named: set[str] = frozenset()
+) -> list[tuple[nn.Module, str, nn.Parameter]]:
+    """``(module, name, this rank's shard)`` of every per-head parameter (:data:`PER_HEAD_PARAMETERS`, and
+    those a plan ``named``) of the attention modules ``parents`` (by name), whose heads are split over
+    ``tp_group``; raises when one does not split."""
+    t, r = group_size(tp_group), group_rank(tp_group)
+    shards = []
+    for parent_name, parent in parents.items():
+        own = {n.rpartition(".")[2] for n in named if n.rpartition(".")[0] == parent_name}
+        for name in sorted(set(PER_HEAD_PARAMETERS) | own):
+            p = parent._parameters.get(name)
+            if p is None or t == 1:
+                continue
+            if p.dim() != 1 or p.shape[0] % t:
+                raise ValueError(f"parallelize: {parent_name}.{name} of shape {list(p.shape)} holds one value per "
+                                 f"query head, which must split over {t} tensor-parallel ranks")  # fmt: skip
+            local = nn.Parameter(local_shard(p.detach(), 0, (p.shape[0],), r, t).clone(), requires_grad=p.requires_grad)
+            local.tensor_parallel, local.tp_dim, local.tp_parts = True, 0, (p.shape[0],)
+            shards.append((parent, name, local))
+    return shards

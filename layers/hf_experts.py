@@ -24,8 +24,9 @@ gradients are summed over the group, as the norms' are), and the experts all-gat
 states, the chosen experts and the routing weights of every rank's tokens, and reduce-scatter their
 output back to the shard (the gradients of the gathered tensors are summed on the way back). A shared
 expert whose projections the plan splits (DeepSeek-V3, GLM-4-MoE) gathers the shard for them in one ring,
-as a dense MLP block does. The load-balancing loss (``output_router_logits``) would then see this rank's
-tokens only, so it is refused under sequence parallelism.
+as a dense MLP block does. For the load-balancing loss (``output_router_logits``) each router's logits are
+gathered over the group in the model's token order (:func:`gather_router_logits`), so that every rank
+computes the dense model's loss.
 
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
@@ -39,12 +40,27 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from ..parallel.collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
+from ..parallel.collectives import (
+    copy_to_tp,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
 from ..parallel.comm import all_gather, group_rank, group_size
 from ..parallel.sharding import local_shard
 
-__all__ = ["ExpertSplit", "expert_block_modules", "expert_blocks", "expert_splits", "install_expert_hooks",
-           "refuse_router_loss", "shard_experts"]  # fmt: skip
+__all__ = [
+    "ExpertSplit",
+    "check_expert_blocks",
+    "check_parameter_styles",
+    "expert_block_modules",
+    "expert_blocks",
+    "expert_splits",
+    "gather_router_logits",
+    "install_expert_hooks",
+    "shard_experts",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -211,6 +227,33 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool) -
     module.register_forward_hook(leave, with_kwargs=True, always_call=True)
 
 
+# Hugging Face's styles for the parameters of an experts module, by the dim they split: a 3-d weight's
+# "colwise" splits dim 1, its "rowwise" dim 2 (so a transposed [E, in, out] gate_up is "packed_rowwise");
+# a split bias is "colwise"; an unsplit one "rowwise" (added after the sum) or replicated
+_COLUMN_STYLES = ("colwise", "local_colwise", "packed_colwise")
+_ROW_STYLES = ("rowwise", "local_rowwise", "packed_rowwise", "local_packed_rowwise")
+
+
+def check_parameter_styles(name: str, module: nn.Module, splits: list[ExpertSplit], styles: dict) -> None:
+    """The styles a plan gives the parameters of experts ``name`` (``{parameter: (glob, style)}``) must
+    describe the split tessel makes of them."""
+    for s in splits:
+        if s.name not in styles:
+            continue
+        glob, style = styles[s.name]
+        ndim = getattr(module, s.name).dim()
+        if s.dim is None:
+            allowed, where = (*_ROW_STYLES, "replicate", "local"), "whole on every rank"
+        elif ndim == 3:
+            allowed, where = (_COLUMN_STYLES if s.dim == 1 else _ROW_STYLES), f"along dim {s.dim}"
+        else:
+            allowed, where = _COLUMN_STYLES + _ROW_STYLES, f"along dim {s.dim}"
+        if style not in allowed:
+            raise ValueError(f"parallelize: plan glob {glob!r} splits the expert parameter {name}.{s.name} as "
+                             f"{style!r}; tessel keeps it {where}: {' or '.join(allowed[:2])} in Hugging Face's "
+                             f"terms (see tessel.layers.hf_experts)")  # fmt: skip
+
+
 # ---------------------------------------------------------------------------------------------------- sequence parallel
 
 
@@ -235,6 +278,19 @@ def expert_blocks(layer_names: list[str], ring_blocks: list[str], expert_names) 
     return blocks
 
 
+def check_expert_blocks(modules: dict[str, nn.Module], blocks: list[str], ring_blocks: list[str], split_names) -> None:
+    """Inside an experts' block only the projections of a ring block (a shared expert) may be split."""
+    for block in blocks:
+        for sub, _ in modules[block].named_modules():
+            name = f"{block}.{sub}"
+            if name in split_names and name.rsplit(".", 1)[0] not in ring_blocks:
+                raise ValueError(
+                    f"parallelize: sequence_parallel=True cannot split {name}: {block} holds split experts and "
+                    "computes on its sequence shard; only a submodule of it with column projections of its "
+                    "own (a shared expert) gathers the sequence"
+                )
+
+
 def expert_block_modules(model: nn.Module, blocks: list[str], expert_names) -> list[str]:
     """Modules with parameters of their own inside ``blocks``, the experts aside (routers, shared experts):
     they see this rank's tokens, so their gradients are summed over the group."""
@@ -249,18 +305,65 @@ def expert_block_modules(model: nn.Module, blocks: list[str], expert_names) -> l
     return names
 
 
-def refuse_router_loss(model: nn.Module) -> None:
-    """A pre-hook refusing ``output_router_logits`` (the load-balancing loss) under sequence parallelism."""
+def _routers(base_cls: type, modules: dict[str, nn.Module], blocks: list[str]) -> list[tuple[nn.Module, int]]:
+    """``(module, output index)`` of the modules inside ``blocks`` whose output Hugging Face records as
+    ``router_logits`` (the base model's ``_can_record_outputs``)."""
+    recorder = (getattr(base_cls, "_can_record_outputs", None) or {}).get("router_logits")
+    if recorder is None:
+        return []
+    cls, index = getattr(recorder, "target_class", None), getattr(recorder, "index", 0) or 0
+    class_name, layer_name = getattr(recorder, "class_name", None), getattr(recorder, "layer_name", None)
+    found = []
+    for block in blocks:
+        for sub, m in modules[block].named_modules():
+            name = f"{block}.{sub}" if sub else block
+            if layer_name is not None and not name.endswith(layer_name):
+                continue
+            if (cls is not None and isinstance(m, cls)) or (class_name and type(m).__name__.endswith(class_name)):
+                found.append((m, index))
+    return found
 
-    def check(module, args, kwargs):
+
+def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp_group) -> None:
+    """Under sequence parallelism: when a forward asks for ``output_router_logits`` (the load-balancing loss),
+    each router's logits are gathered over the group, ``[B·S/t, E] → [B·S, E]`` in the model's token order, so
+    that every rank records every token's, as the dense model does; the loss is then the same on every rank,
+    and each rank's router receives the gradient of its own tokens' logits (``gather_from_tp``)."""
+    modules = dict(model.named_modules())
+    routers = _routers(base_cls, modules, blocks)
+    state = {"gather": False, "batch": None}
+
+    def begin(module, args, kwargs):
         flag = kwargs.get("output_router_logits")
         if flag is None:
             flag = getattr(getattr(module, "config", None), "output_router_logits", False)
-        if flag:
+        if flag and not routers:
             raise ValueError(
-                "parallelize: output_router_logits=True under sequence_parallel=True: each rank's routers see "
-                "its sequence shard only, and the load-balancing loss needs every token's; use "
-                "sequence_parallel=False for a model trained with it"
+                "parallelize: output_router_logits=True under sequence_parallel=True, but no router of "
+                f"{base_cls.__name__} is known (its _can_record_outputs names none inside the experts' blocks): "
+                "the load-balancing loss would see this rank's tokens only; use sequence_parallel=False"
             )
+        state["gather"] = bool(flag)
 
-    model.register_forward_pre_hook(check, with_kwargs=True)
+    def batch(module, args, kwargs):
+        hidden = args[0] if args else kwargs.get("hidden_states")
+        state["batch"] = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else 1
+
+    def gather(logits: torch.Tensor) -> torch.Tensor:
+        if logits.dim() == 3:  # [B, S/t, E]
+            return gather_from_tp(logits, tp_group, dim=1)
+        rows = logits.view(state["batch"], -1, logits.shape[-1])  # [B·S/t, E]: each row's tokens are contiguous
+        return gather_from_tp(rows, tp_group, dim=1).reshape(-1, logits.shape[-1])
+
+    def record(module, args, out, index):
+        if not state["gather"]:
+            return None
+        if isinstance(out, tuple):
+            return (*out[:index], gather(out[index]), *out[index + 1 :])
+        return gather(out)
+
+    model.register_forward_pre_hook(begin, with_kwargs=True)
+    for block in blocks:
+        modules[block].register_forward_pre_hook(batch, with_kwargs=True)
+    for router, index in routers:  # before Hugging Face's recording hook, whenever that was installed
+        router.register_forward_hook(lambda m, a, o, index=index: record(m, a, o, index), prepend=True)

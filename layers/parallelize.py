@@ -24,6 +24,9 @@ replicated_with_grad_allreduce                     unchanged; its parameter grad
                                                    the group in backward (norms over local heads)
 all_reduce                                         unchanged; its output is summed over the group
 replicate (local, local_params)                    unchanged
+mla_kv_a_proj                                      unchanged (multi-head latent attention's joint latent and
+                                                   rotary-key projection); the rotary key's gradient is
+                                                   summed over the group
 experts (moe_tp_experts)                           a Hugging Face experts module of 3-d parameters: each
                                                    expert keeps intermediate features ``r·I/t …``, its
                                                    output is summed over the group
@@ -36,7 +39,8 @@ the experts module's layout gives them, and, as ``colwise``, parameters with one
 module whose projections it splits (``self_attn.sinks``, a per-head gate bias): each rank keeps its heads'.
 A Hugging Face model's own plan may name modules that some of its configurations lack (the dense MLPs of
 a model whose layers are all experts); a user plan may not.
-Hugging Face's ``embedding_colwise``, ``packed_rowwise``, expert-parallel and MLA styles are refused by name.
+Hugging Face's ``embedding_colwise``, ``packed_rowwise`` (of a linear layer) and expert-parallel styles are
+refused by name.
 
 Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module
 of the wrong kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose
@@ -81,7 +85,15 @@ from .hf import (
     is_hf_model,
     local_head_updates,
 )
-from .hf_experts import ExpertSplit, expert_block_modules, expert_splits, install_expert_hooks, shard_experts
+from .hf_attention import mla_rope_dim, mla_shared_key, per_head_parameters
+from .hf_experts import (
+    ExpertSplit,
+    check_parameter_styles,
+    expert_block_modules,
+    expert_splits,
+    install_expert_hooks,
+    shard_experts,
+)
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .norm import LayerNorm, RMSNorm
 
@@ -90,7 +102,7 @@ __all__ = ["STYLES", "parallelize"]
 COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
-EXPERTS = "experts"
+EXPERTS, MLA_KV_A = "experts", "mla_kv_a_proj"
 
 STYLES: dict[str, str] = {
     COLUMN: COLUMN, "local_colwise": COLUMN,
@@ -103,10 +115,10 @@ STYLES: dict[str, str] = {
     NORM: NORM, "sequence_parallel": NORM,
     GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
-    EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS,
+    EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
 }  # fmt: skip
-_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "mla_kv_a_proj", "moe_identity_expert",
-            "grouped_gemm", "ep_router", "ep_dispatch_experts")  # fmt: skip
+_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm",
+            "ep_router", "ep_dispatch_experts")  # fmt: skip
 _SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
 
 
@@ -122,6 +134,7 @@ class _Entry:
     splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
     shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
     parameter_styles: dict[str, tuple[str, str]] = field(default_factory=dict)  # experts: (glob, style) by name
+    rope_dim: int | None = None  # mla_kv_a_proj: the width of the rotary key shared by every head
 
 
 def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
@@ -152,13 +165,14 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     entries, head_params = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
     for e in entries:
         _validate_entry(e, t)
+    _mla_rope_dims(model, entries)
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
     for e in entries:
         e.sequence_parallel = sequence_parallel and (layout is None or layout.in_region(e.name))
         in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
         e.gathered = in_block and e.kind in (COLUMN, PACKED_COLUMN)
     heads = _local_heads(model, entries, t)
-    per_head = _per_head_parameters(model, entries, tp_group, head_params)
+    per_head = per_head_parameters(_attention_parents(model, entries), tp_group, head_params)
     for e in entries:
         e.new = _build(e, tp_group, overlap)
     rings = _rings(layout, entries, tp_group) if layout is not None else {}
@@ -271,35 +285,14 @@ def _match(model: nn.Module, plan, strict: bool = True) -> tuple[list[_Entry], s
     return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
 
 
-# Hugging Face's styles for the parameters of an experts module, by the dim they split: a 3-d weight's
-# "colwise" splits dim 1, its "rowwise" dim 2 (so a transposed [E, in, out] gate_up is "packed_rowwise");
-# a split bias is "colwise"; an unsplit one "rowwise" (added after the sum) or replicated
-_COLUMN_STYLES = ("colwise", "local_colwise", "packed_colwise")
-_ROW_STYLES = ("rowwise", "local_rowwise", "packed_rowwise", "local_packed_rowwise")
-
-
-def _check_expert_parameter_styles(e: _Entry) -> None:
-    """The styles the plan gives the parameters of experts ``e`` must describe the split tessel makes."""
-    for s in e.splits:
-        if s.name not in e.parameter_styles:
-            continue
-        glob, style = e.parameter_styles[s.name]
-        ndim = getattr(e.module, s.name).dim()
-        if s.dim is None:
-            allowed, where = (*_ROW_STYLES, "replicate", "local"), "whole on every rank"
-        elif ndim == 3:
-            allowed, where = (_COLUMN_STYLES if s.dim == 1 else _ROW_STYLES), f"along dim {s.dim}"
-        else:
-            allowed, where = _COLUMN_STYLES + _ROW_STYLES, f"along dim {s.dim}"
-        if style not in allowed:
-            raise ValueError(f"parallelize: plan glob {glob!r} splits the expert parameter {e.name}.{s.name} as "
-                             f"{style!r}; tessel keeps it {where}: {' or '.join(allowed[:2])} in Hugging Face's "
-                             f"terms (see tessel.layers.hf_experts)")  # fmt: skip
-
-
 def _sequence_layout(model: nn.Module, entries: list[_Entry]) -> HFSequenceLayout:
     """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``), and so do the
     modules beside split experts, which see this rank's tokens (style ``replicated_with_grad_allreduce``)."""
+    for e in entries:
+        if e.kind == MLA_KV_A:
+            raise ValueError(f"parallelize: sequence_parallel=True cannot split {e.name.rsplit('.', 1)[0]}: "
+                             "multi-head latent attention projects its input before its split projections (which "
+                             "would gather a sequence shard); use sequence_parallel=False")  # fmt: skip
     experts = [e.name for e in entries if e.kind == EXPERTS]
     layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in (COLUMN, PACKED_COLUMN)], experts)
     layout.check(model, {e.name for e in entries if e.kind in _SPLIT_LINEAR})
@@ -360,37 +353,19 @@ def _local_heads(model: nn.Module, entries: list[_Entry], t: int) -> list[tuple[
     return heads
 
 
-# Parameters of an attention module with one entry per query head (GPT-OSS's attention sinks): each rank
-# keeps those of its heads
-PER_HEAD_PARAMETERS = ("sinks",)
-
-
 def _attention_parents(model: nn.Module, entries: list[_Entry]) -> dict[str, nn.Module]:
     """The modules whose child linear layers are split by heads (column or row), by name."""
     names = {e.name.rsplit(".", 1)[0] for e in entries if e.kind in (COLUMN, PACKED_COLUMN, ROW) and "." in e.name}
     return {name: model.get_submodule(name) for name in sorted(names)}
 
 
-def _per_head_parameters(
-    model: nn.Module, entries: list[_Entry], tp_group, named: set[str] = frozenset()
-) -> list[tuple[nn.Module, str, nn.Parameter]]:
-    """``(module, name, this rank's shard)`` of every per-head parameter (:data:`PER_HEAD_PARAMETERS`, and
-    those the plan ``named``) of the attention modules being split; raises when one does not split."""
-    t, r = group_size(tp_group), group_rank(tp_group)
-    shards = []
-    for parent_name, parent in _attention_parents(model, entries).items():
-        own = {n.rpartition(".")[2] for n in named if n.rpartition(".")[0] == parent_name}
-        for name in sorted(set(PER_HEAD_PARAMETERS) | own):
-            p = parent._parameters.get(name)
-            if p is None or t == 1:
-                continue
-            if p.dim() != 1 or p.shape[0] % t:
-                raise ValueError(f"parallelize: {parent_name}.{name} of shape {list(p.shape)} holds one value per "
-                                 f"query head, which must split over {t} tensor-parallel ranks")  # fmt: skip
-            local = nn.Parameter(local_shard(p.detach(), 0, (p.shape[0],), r, t).clone(), requires_grad=p.requires_grad)
-            local.tensor_parallel, local.tp_dim, local.tp_parts = True, 0, (p.shape[0],)
-            shards.append((parent, name, local))
-    return shards
+def _mla_rope_dims(model: nn.Module, entries: list[_Entry]) -> None:
+    for e in entries:
+        if e.kind == MLA_KV_A:
+            try:
+                e.rope_dim = mla_rope_dim(model, e.name, e.module)
+            except ValueError as err:
+                _fail(e, str(err))
 
 
 def _fail(e: _Entry, why: str) -> None:
@@ -420,12 +395,15 @@ def _validate_entry(e: _Entry, t: int) -> None:
         for n in (out,) if isinstance(out, int) else out:
             if n % t:
                 _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")
+    elif e.kind == MLA_KV_A:
+        if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
+            _fail(e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa) that does not override forward")
     elif e.kind == EXPERTS:
         try:
             e.splits = expert_splits(m, t)
         except ValueError as err:
             _fail(e, str(err))
-        _check_expert_parameter_styles(e)
+        check_parameter_styles(e.name, m, e.splits, e.parameter_styles)
     elif e.kind == EMBEDDING:
         if isinstance(m, VocabParallelEmbedding):
             if m.tp_size != 1:
@@ -570,6 +548,8 @@ def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
         if e.new is not None:
             parent, _, child = e.name.rpartition(".")
             setattr(model.get_submodule(parent), child, e.new)
+        elif e.kind == MLA_KV_A:
+            e.module.register_forward_hook(lambda m, args, out, e=e: mla_shared_key(out, e.rope_dim, tp_group))
         elif e.kind == EXPERTS:
             for name, p in e.shards.items():
                 setattr(e.module, name, p)

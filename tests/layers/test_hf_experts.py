@@ -20,6 +20,8 @@ from torch import nn
 from tests.layers.test_hf import (
     REFERENCE_KERNELS,
     VOCAB,
+    B,
+    S,
     _assert_unchanged,
     _batch,
     _check_against_dense,
@@ -42,6 +44,13 @@ def _sharpen_routers(model):
     return model
 
 
+# multi-head latent attention: a 16-wide key-value latent and a 24-wide query latent, 8 rotary + 8 plain
+# features per query/key head, 8 per value head; a dense MLP in the first layer, experts with a shared one after
+MLA = dict(head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=24,
+           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+           first_k_dense_replace=1, intermediate_size=96, topk_group=1)  # fmt: skip
+
+
 def _moe(family, seed=0, **kw):
     import transformers
 
@@ -60,6 +69,8 @@ def _moe(family, seed=0, **kw):
         "llama4": (transformers.Llama4TextConfig, transformers.Llama4ForCausalLM,
                    dict(intermediate_size=32, intermediate_size_mlp=96, num_local_experts=4, num_experts_per_tok=1,
                         interleave_moe_layer_step=2)),
+        "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, dict(MLA, n_group=None)),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(MLA, n_group=1)),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                     dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
     }[family]  # fmt: skip
@@ -136,6 +147,17 @@ def _two_ranks(rank, world_size):
         assert par.model.layers[1].feed_forward.experts.gate_up_proj.shape == (4, 64, 32)
         assert par.model.layers[1].feed_forward.experts.down_proj.shape == (4, 16, 64)
         _check_against_dense(dense, par, f"llama4 sp={sp}")
+    # DeepSeek-V2's multi-head latent attention (its own plan: 'mla_kv_a_proj'), with a low-rank query and
+    # without; DeepSeek-V3 (its plan leaves the attention whole: group-limited routing, a shared expert)
+    for family, kw in (("deepseek_v2", {}), ("deepseek_v2", {"q_lora_rank": None}), ("deepseek_v3", {})):
+        dense = _moe(family, **kw)
+        par = parallelize(copy.deepcopy(dense), None)
+        if family == "deepseek_v2":
+            attention = par.model.layers[0].self_attn
+            assert attention.num_heads == 2 and attention.kv_b_proj.weight.shape == (32, 16)
+        _check_against_dense(dense, par, f"{family} {kw}")
+    with pytest.raises(ValueError, match=r"cannot split model.layers.0.self_attn: multi-head latent attention"):
+        parallelize(_moe("deepseek_v2"), None, sequence_parallel=True)
     # Mixtral's halves: rank r keeps gate rows r·I/t… and up rows r·I/t…
     dense = _moe("mixtral")
     par = parallelize(copy.deepcopy(dense), None)
@@ -147,21 +169,25 @@ def _two_ranks(rank, world_size):
         dense = _moe("mixtral")
         dense.set_experts_implementation(impl)
         _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), f"mixtral {impl}")
-    # the load-balancing loss: every rank routes every token, so it is the dense model's
-    dense = _moe("mixtral", router_aux_loss_coef=0.5)
-    par = parallelize(copy.deepcopy(dense), None)
+    # the load-balancing loss: every rank routes every token (under sequence parallelism the routers' logits are
+    # gathered in the model's token order), so it is the dense model's, over a padded batch's mask as well
     ids, weights = _batch()
-    losses = []
-    for model in (dense, par):
-        out = model(ids, labels=ids, output_router_logits=True)
-        (out.loss + (out.logits * weights).sum() * 1e-3).backward()
-        losses.append(out.aux_loss.detach())
-    _close(losses[1], losses[0])
-    _check_grads(dense, par)
-    # ... which sequence parallelism would compute from each rank's tokens only: refused
-    par = parallelize(_moe("mixtral"), None, sequence_parallel=True)
-    with pytest.raises(ValueError, match="output_router_logits=True under sequence_parallel=True"):
-        par(ids, output_router_logits=True)
+    mask = torch.ones_like(ids)
+    mask[1, :3] = 0  # the second row left-padded: a token order other than the model's would mask others
+    for family, plan in (("mixtral", None), ("gpt_oss", GPT_OSS_PLAN)):
+        for sp in (False, True):
+            dense = _moe(family, router_aux_loss_coef=0.5)
+            par = parallelize(copy.deepcopy(dense), None, plan=plan, sequence_parallel=sp)
+            losses = []
+            for model in (dense, par):
+                out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
+                (out.loss + (out.logits * weights).sum() * 1e-3).backward()
+                losses.append(out.aux_loss.detach())
+                assert out.router_logits[1].shape == (B * S, 4)
+            _close(losses[1], losses[0], msg=lambda m, family=family, sp=sp: f"{family} sp={sp} aux loss: {m}")
+            _check_grads(dense, par)
+            par.zero_grad()
+            assert par(ids).aux_loss is None  # a forward that asks for no router logits records none
     # GPT-OSS: interleaved [g0, u0, g1, u1, ...], transposed [E, in, out], biases; down_proj_bias is added once
     dense = _moe("gpt_oss")
     with torch.no_grad():
