@@ -26,7 +26,9 @@ output back to the shard (the gradients of the gathered tensors are summed on th
 expert whose projections the plan splits (DeepSeek-V3, GLM-4-MoE) gathers the shard for them in one ring,
 as a dense MLP block does. For the load-balancing loss (``output_router_logits``) each router's logits are
 gathered over the group in the model's token order (:func:`gather_router_logits`), so that every rank
-computes the dense model's loss.
+computes the dense model's loss. Under context parallelism (``cp_group``) the experts route each rank's
+share of the tokens as they are (routing is per token); the load-balancing loss, which needs every token's
+routing, is refused there.
 
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
@@ -59,6 +61,7 @@ __all__ = [
     "expert_splits",
     "gather_router_logits",
     "install_expert_hooks",
+    "refuse_router_logits_under_cp",
     "shard_experts",
 ]  # fmt: skip
 
@@ -324,6 +327,14 @@ def _routers(base_cls: type, modules: dict[str, nn.Module], blocks: list[str]) -
     return found
 
 
+def _asks_router_logits(model: nn.Module, kwargs: dict) -> bool:
+    """Whether a forward of ``model`` records router logits (its argument, else its config)."""
+    flag = kwargs.get("output_router_logits")
+    if flag is None:
+        flag = getattr(getattr(model, "config", None), "output_router_logits", False)
+    return bool(flag)
+
+
 def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp_group) -> None:
     """Under sequence parallelism: when a forward asks for ``output_router_logits`` (the load-balancing loss),
     each router's logits are gathered over the group, ``[B·S/t, E] → [B·S, E]`` in the model's token order, so
@@ -334,9 +345,7 @@ def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp
     state = {"gather": False, "batch": None}
 
     def begin(module, args, kwargs):
-        flag = kwargs.get("output_router_logits")
-        if flag is None:
-            flag = getattr(getattr(module, "config", None), "output_router_logits", False)
+        flag = _asks_router_logits(module, kwargs)
         if flag and not routers:
             raise ValueError(
                 "parallelize: output_router_logits=True under sequence_parallel=True, but no router of "
@@ -367,3 +376,18 @@ def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp
         modules[block].register_forward_pre_hook(batch, with_kwargs=True)
     for router, index in routers:  # before Hugging Face's recording hook, whenever that was installed
         router.register_forward_hook(lambda m, a, o, index=index: record(m, a, o, index), prepend=True)
+
+
+def refuse_router_logits_under_cp(model: nn.Module) -> None:
+    """Under context parallelism each rank's routers see its share of the tokens only, so the load-balancing
+    loss (``output_router_logits``) would not be the model's: a forward that asks for it is refused."""
+
+    def check(module, args, kwargs):
+        if _asks_router_logits(module, kwargs):
+            raise ValueError(
+                "parallelize: output_router_logits=True under context parallelism: each rank's routers see its "
+                "share of the tokens only, and the load-balancing loss needs every token's routing; train with "
+                "output_router_logits=False under cp_group, or without cp_group"
+            )
+
+    model.register_forward_pre_hook(check, with_kwargs=True)

@@ -92,6 +92,7 @@ from .hf_experts import (
     expert_block_modules,
     expert_splits,
     install_expert_hooks,
+    refuse_router_logits_under_cp,
     shard_experts,
 )
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -190,6 +191,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         layout.install(model, tp_group, rings)
     if isinstance(context, HFContextLayout):
         context.install(model, cp_group)
+        if hasattr(getattr(model, "config", None), "output_router_logits"):
+            refuse_router_logits_under_cp(model)
     elif context is not None:
         for m in context:
             m.cp_group = cp_group

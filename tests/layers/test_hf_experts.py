@@ -340,3 +340,27 @@ def test_expert_layouts_are_read_from_flags_or_shapes_and_odd_ones_refused():
     normed.has_post_expert_norm = True
     with pytest.raises(ValueError, match="has_post_expert_norm=True"):
         expert_splits(normed, 2)
+
+
+def _context_parallel(rank, world_size):
+    """Experts under context parallelism (tp=2 × cp=2): each rank routes its share of the tokens."""
+    from tessel.layers.parallelize import parallelize
+    from tests.layers.test_context_parallel import _grid
+    from tests.layers.test_hf_context_parallel import _check_against_dense as _check_cp
+
+    _, tp_group, cp_group = _grid(rank, world_size, 2)
+    for family in ("mixtral", "qwen2_moe"):
+        for sp in (False, True):
+            dense = _moe(family)
+            par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp)
+            _check_cp(dense, par, tp_group, cp_group, f"{family} cp=2 sp={sp}")
+    # the load-balancing loss needs every token's routing, which no rank has
+    with pytest.raises(ValueError, match=r"output_router_logits=True under context parallelism"):
+        par(torch.zeros(2, 4, dtype=torch.long), output_router_logits=True)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hf_experts_under_context_parallelism():
+    assert run_ranks(_context_parallel, 4, timeout=400, env=REFERENCE_KERNELS) == ["ok"] * 4
