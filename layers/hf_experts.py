@@ -30,6 +30,11 @@ computes the dense model's loss. Under context parallelism (``cp_group``) the ex
 share of the tokens as they are (routing is per token); the load-balancing loss, which needs every token's
 routing, is refused there.
 
+Expert parallelism (``parallelize(expert_split="experts")``, or a plan's ``ep_dispatch_experts``): rank ``r``
+keeps experts ``r·E/t …`` whole instead, every rank still routes every token, the routes to other ranks'
+experts are skipped (Hugging Face's sentinel id ``E/t``, weight 0), and the same all-reduce (or
+reduce-scatter) sums the ranks' outputs: whole experts make larger GEMMs than slices of many small ones.
+
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
 """
@@ -97,12 +102,15 @@ def _matches(params: dict, want: dict) -> bool:
     return all(tuple(p.shape) == want[n] for n, p in params.items() if n in want)
 
 
-def expert_splits(module: nn.Module, t: int) -> list[ExpertSplit]:
-    """The split of each parameter of ``module`` over ``t`` ranks; ``ValueError`` (without the module's name)
-    when the module is not a Hugging Face experts module or its features do not split.
+def expert_splits(module: nn.Module, t: int, by: str = "features") -> list[ExpertSplit]:
+    """The split of each parameter of ``module`` over ``t`` ranks, ``by`` its intermediate ``"features"`` or
+    by whole ``"experts"``; ``ValueError`` (without the module's name) when the module is not a Hugging Face
+    experts module or does not split.
 
     A module without ``is_transposed`` (Llama 4's experts) has its layout read from the shapes, when only
     one layout fits them."""
+    if by not in ("features", "experts"):
+        raise ValueError(f"the experts split by 'features' or 'experts', received {by!r}")
     if _flag(module, "has_post_expert_norm", False):
         raise ValueError("has_post_expert_norm=True: a norm of each expert's whole output cannot be split over ranks")
     concatenated = _flag(module, "is_concatenated", True)
@@ -130,6 +138,8 @@ def expert_splits(module: nn.Module, t: int) -> list[ExpertSplit]:
             raise ValueError(f"{name} has shape {tuple(p.shape)}, expected {want[name]} (is_transposed={transposed})")
     if any(True for c in module.children() for _ in c.parameters()):
         raise ValueError("an experts module with parametrised submodules is not a Hugging Face experts module")
+    if by == "experts":
+        return _whole_expert_splits(module, params, t)
     if inter % t:
         raise ValueError(f"the intermediate size {inter} is not divisible by the tensor-parallel size {t}")
     parts = (inter, inter) if gated and concatenated else (width,)
@@ -140,6 +150,17 @@ def expert_splits(module: nn.Module, t: int) -> list[ExpertSplit]:
     if "down_proj_bias" in params:
         splits.append(ExpertSplit("down_proj_bias", None))
     return splits
+
+
+def _whole_expert_splits(module: nn.Module, params: dict, t: int) -> list[ExpertSplit]:
+    experts = params["down_proj"].shape[0]
+    if experts % t:
+        raise ValueError(f"the {experts} experts do not split over the tensor-parallel size {t}")
+    if len(_routing_names(module)[1]) != 3:
+        raise ValueError("experts fed every token once per expert are split by 'features' only")
+    if not isinstance(getattr(module, "num_experts", None), int):
+        raise ValueError("split by 'experts' needs the module's num_experts, which its forward reads")
+    return [ExpertSplit(name, 0, (experts,)) for name in params]
 
 
 def shard_experts(module: nn.Module, splits: list[ExpertSplit], tp_group) -> dict[str, nn.Parameter]:
@@ -167,18 +188,34 @@ def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, ...
     return sig, tuple(names[1:])
 
 
-def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool) -> None:
+def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, by: str = "features") -> None:
     """The communication around ``module``'s forward (its parameters already split); see the module docstring.
 
     Experts taking hidden states alone receive ``[E·T, H]``: every one of the ``T`` tokens once per expert,
     expert after expert. Under sequence parallelism each expert's rows are gathered from every rank
     (``[E, T/t, H] → [E, T, H]``) and its output rows reduce-scattered back.
+
+    Split ``by="experts"``, rank ``r`` holds experts ``r·E/t …`` whole (``module.num_experts`` becomes
+    ``E/t``): the routes to other ranks' experts get the local id ``E/t``, which the experts' forward skips,
+    and weight 0, as Hugging Face's all-reduce expert parallelism does.
     """
     sig, names = _routing_names(module)
     experts = next(p for n, p in module.named_parameters(recurse=False) if n in ("gate_up_proj", "up_proj")).shape[0]
     first_rank = group_rank(tp_group) == 0
-    replicated = [n for n in ("down_proj_bias",) if module._parameters.get(n) is not None]
+    replicated = [n for n in ("down_proj_bias",) if by == "features" and module._parameters.get(n) is not None]
     saved: list[dict] = []
+    if by == "experts":  # the parameters hold this rank's experts already
+        local_experts, first_expert = experts, group_rank(tp_group) * experts
+        module.num_experts = local_experts
+        if hasattr(module, "_is_expert_parallel"):
+            module._is_expert_parallel = True  # Hugging Face's implementations then mask the skipped routes
+
+    def route(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if by == "features":
+            return ids, weights
+        local = ids - first_expert
+        off = (local < 0) | (local >= local_experts)
+        return local.masked_fill(off, local_experts), weights.masked_fill(off, 0.0)
 
     def per_expert(x: torch.Tensor, op) -> torch.Tensor:
         if x.dim() != 2 or x.shape[0] % experts:
@@ -196,14 +233,15 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool) -
             hidden = values[0]
             bound.arguments[names[0]] = (per_expert(hidden, gather_from_sequence) if sequence_parallel
                                          else copy_to_tp(hidden, tp_group))  # fmt: skip
-        elif sequence_parallel:
-            hidden, ids, weights = values
-            bound.arguments.update({names[0]: gather_from_sequence(hidden, tp_group, dim=0),
-                                    names[1]: all_gather(ids, tp_group)[0],
-                                    names[2]: gather_from_sequence(weights, tp_group, dim=0)})  # fmt: skip
         else:
-            for i in (0, 2):  # hidden states and routing weights; the expert ids carry no gradient
-                bound.arguments[names[i]] = copy_to_tp(values[i], tp_group)
+            hidden, ids, weights = values
+            if sequence_parallel:
+                hidden, ids = gather_from_sequence(hidden, tp_group, dim=0), all_gather(ids, tp_group)[0]
+                weights = gather_from_sequence(weights, tp_group, dim=0)
+            else:  # the expert ids carry no gradient
+                hidden, weights = copy_to_tp(hidden, tp_group), copy_to_tp(weights, tp_group)
+            ids, weights = route(ids, weights)
+            bound.arguments.update({names[0]: hidden, names[1]: ids, names[2]: weights})
         # a bias added after the experts' partial sums would be summed t times: rank 0 adds it, every rank
         # receives its complete gradient (copy_to_tp sums rank 0's with the others' zeros)
         own = {n: m._parameters[n] for n in replicated}
@@ -245,7 +283,9 @@ def check_parameter_styles(name: str, module: nn.Module, splits: list[ExpertSpli
             continue
         glob, style = styles[s.name]
         ndim = getattr(module, s.name).dim()
-        if s.dim is None:
+        if s.dim == 0:  # split by experts
+            allowed, where = ("grouped_gemm",), "split by experts"
+        elif s.dim is None:
             allowed, where = (*_ROW_STYLES, "replicate", "local"), "whole on every rank"
         elif ndim == 3:
             allowed, where = (_COLUMN_STYLES if s.dim == 1 else _ROW_STYLES), f"along dim {s.dim}"

@@ -116,10 +116,10 @@ STYLES: dict[str, str] = {
     NORM: NORM, "sequence_parallel": NORM,
     GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
-    EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
+    EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
+    "ep_router": REPLICATE,
 }  # fmt: skip
-_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm",
-            "ep_router", "ep_dispatch_experts")  # fmt: skip
+_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
 _SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
 
 
@@ -136,16 +136,23 @@ class _Entry:
     shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
     parameter_styles: dict[str, tuple[str, str]] = field(default_factory=dict)  # experts: (glob, style) by name
     rope_dim: int | None = None  # mla_kv_a_proj: the width of the rotary key shared by every head
+    expert_split: str = "features"  # experts: "features" or "experts"
 
 
 def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
-                overlap: bool | str | None = None, cp_group=None) -> nn.Module:  # fmt: skip
+                overlap: bool | str | None = None, cp_group=None,
+                expert_split: str = "features") -> nn.Module:  # fmt: skip
     """Split ``model``'s layers over ``tp_group`` in place, following ``plan`` or the model's own; returns it.
 
     ``tp_group=None`` is the default group (a world of one without a process group). Every rank of the
     group must call this on identical models (same weights): rank ``r`` keeps its shards. ``overlap``
     (``"auto"``, ``True``, ``False``) is given to every split linear layer; ``None`` keeps the setting
     of tessel's own layers and uses ``"auto"`` for ``nn.Linear``.
+
+    ``expert_split`` (mixtures of experts, :mod:`~tessel.layers.hf_experts`): ``"features"`` gives every rank
+    each expert's share of the intermediate features; ``"experts"`` gives rank ``r`` of ``t`` the experts
+    ``r·E/t …`` whole (expert parallelism over the tensor-parallel group, which routes the same tokens on
+    every rank), as a plan's ``ep_dispatch_experts`` does for its module.
 
     ``cp_group`` (context parallelism): the sequence is also split over this group, whose ranks must
     be other ranks than ``tp_group``'s. Each rank then calls the model with its
@@ -160,13 +167,16 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         raise TypeError(f"parallelize: model must be an nn.Module, received {type(model).__name__}")
     if overlap not in (None, "auto", True, False):
         raise ValueError(f"parallelize: overlap must be None, 'auto', True or False, received {overlap!r}")
+    if expert_split not in ("features", "experts"):
+        raise ValueError(f"parallelize: expert_split must be 'features' or 'experts', received {expert_split!r}")
     t = group_size(tp_group)
     context = _context_layout(model, tp_group, cp_group)
     own = plan is None
     entries, head_params = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
     for e in entries:
-        _validate_entry(e, t)
-    _mla_rope_dims(model, entries)
+        if e.kind == EXPERTS:
+            e.expert_split = "experts" if e.style == "ep_dispatch_experts" else expert_split
+        _validate_entry(e, t, model)
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
     for e in entries:
         e.sequence_parallel = sequence_parallel and (layout is None or layout.in_region(e.name))
@@ -362,20 +372,11 @@ def _attention_parents(model: nn.Module, entries: list[_Entry]) -> dict[str, nn.
     return {name: model.get_submodule(name) for name in sorted(names)}
 
 
-def _mla_rope_dims(model: nn.Module, entries: list[_Entry]) -> None:
-    for e in entries:
-        if e.kind == MLA_KV_A:
-            try:
-                e.rope_dim = mla_rope_dim(model, e.name, e.module)
-            except ValueError as err:
-                _fail(e, str(err))
-
-
 def _fail(e: _Entry, why: str) -> None:
     raise ValueError(f"parallelize: {e.name} ({type(e.module).__name__}, style {e.style!r}): {why}")
 
 
-def _validate_entry(e: _Entry, t: int) -> None:
+def _validate_entry(e: _Entry, t: int, model: nn.Module) -> None:
     m = e.module
     if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT):
         parallel = ColumnParallelLinear if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN) else RowParallelLinear
@@ -401,12 +402,17 @@ def _validate_entry(e: _Entry, t: int) -> None:
     elif e.kind == MLA_KV_A:
         if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
             _fail(e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa) that does not override forward")
-    elif e.kind == EXPERTS:
         try:
-            e.splits = expert_splits(m, t)
+            e.rope_dim = mla_rope_dim(model, e.name, m)
         except ValueError as err:
             _fail(e, str(err))
-        check_parameter_styles(e.name, m, e.splits, e.parameter_styles)
+    elif e.kind == EXPERTS:
+        try:
+            e.splits = expert_splits(m, t, e.expert_split)
+        except ValueError as err:
+            _fail(e, str(err))
+        if e.expert_split == "features" or e.style == "ep_dispatch_experts":  # else the keyword overrides the plan
+            check_parameter_styles(e.name, m, e.splits, e.parameter_styles)
     elif e.kind == EMBEDDING:
         if isinstance(m, VocabParallelEmbedding):
             if m.tp_size != 1:
@@ -556,7 +562,7 @@ def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
         elif e.kind == EXPERTS:
             for name, p in e.shards.items():
                 setattr(e.module, name, p)
-            install_expert_hooks(e.module, tp_group, e.sequence_parallel)
+            install_expert_hooks(e.module, tp_group, e.sequence_parallel, e.expert_split)
         elif e.kind == GRAD_ALL_REDUCE:
             _reduce_parameter_grads(e.module, tp_group)
         elif e.kind == ALL_REDUCE:

@@ -158,6 +158,21 @@ def _two_ranks(rank, world_size):
         _check_against_dense(dense, par, f"{family} {kw}")
     with pytest.raises(ValueError, match=r"cannot split model.layers.0.self_attn: multi-head latent attention"):
         parallelize(_moe("deepseek_v2"), None, sequence_parallel=True)
+    # expert parallelism over the group: rank r keeps experts 2r, 2r+1 whole, by the keyword or by Hugging Face's
+    # expert-parallel plan ('ep_dispatch_experts', 'grouped_gemm'), under every experts implementation
+    for family, impl, sp in (("mixtral", "eager", False), ("mixtral", "eager", True), ("qwen2_moe", "eager", True),
+                             ("qwen3_moe", "batched_mm", False), ("glm4_moe", "grouped_mm", True)):  # fmt: skip
+        dense = _moe(family)
+        dense.set_experts_implementation(impl)
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, expert_split="experts")
+        experts, whole = par.model.layers[1].mlp.experts, dense.model.layers[1].mlp.experts
+        assert experts.num_experts == 2
+        assert torch.equal(experts.gate_up_proj, whole.gate_up_proj[2 * rank : 2 * rank + 2])
+        _check_against_dense(dense, par, f"{family} {impl} sp={sp} split by experts")
+    dense = _moe("mixtral")
+    ep_plan = {**ATTENTION_PLAN, **{"model." + k: v for k, v in dense.config.base_model_ep_plan.items()}}
+    assert set(ep_plan.values()) == {"colwise", "rowwise", "grouped_gemm", "ep_dispatch_experts"}
+    _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, plan=ep_plan), "mixtral ep plan")
     # Mixtral's halves: rank r keeps gate rows r·I/t… and up rows r·I/t…
     dense = _moe("mixtral")
     par = parallelize(copy.deepcopy(dense), None)
@@ -259,11 +274,22 @@ def _refusals(world_size):
                              "model.layers.*.mlp.shared_expert_gate": "rowwise", **shared_split}, True,
          r"cannot split model.layers.0.mlp.shared_expert_gate: model.layers.0.mlp holds split experts"),
     ]  # fmt: skip
-    for model, plan, sp, match in bad:
+    by_experts = [
+        (_moe("mixtral", num_local_experts=6 if world_size == 4 else 3), None,
+         r"experts \(MixtralExperts, style 'moe_tp_experts'\): the [36] experts do not split over the tensor-parallel"),
+        (_moe("llama4"), None, r"experts fed every token once per expert are split by 'features' only"),
+    ]  # fmt: skip
+    features_with_ep_params = {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts",
+                               "model.layers.*.mlp.experts.down_proj": "grouped_gemm"}  # fmt: skip
+    bad.append((_moe("mixtral"), features_with_ep_params, False, r"down_proj as 'grouped_gemm'; tessel keeps it along"))
+    for model, plan, sp, match in bad + [(m, p, False, match) for m, p, match in by_experts]:
         before, types = _state(model), [type(m) for m in model.modules()]
         with pytest.raises(ValueError, match=match):
-            parallelize(model, None, plan=plan, sequence_parallel=sp)
+            split = "experts" if any(m is model for m, _, _ in by_experts) else "features"
+            parallelize(model, None, plan=plan, sequence_parallel=sp, expert_split=split)
         _assert_unchanged(model, before, types)
+    with pytest.raises(ValueError, match=r"expert_split must be 'features' or 'experts', received 'rows'"):
+        parallelize(_moe("mixtral"), None, expert_split="rows")
     # a shared expert may be split like any MLP (under sequence parallelism: one ring inside the experts' block)
     dense = _moe("qwen2_moe")
     plan = {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts", **shared_split}
@@ -290,6 +316,10 @@ def _four_ranks(rank, world_size):
             dense = _moe(family)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
             _check_against_dense(dense, par, f"{family} sp={sp}")
+    for sp in (False, True):  # one whole expert per rank
+        dense = _moe("qwen2_moe")
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, expert_split="experts")
+        _check_against_dense(dense, par, f"qwen2_moe sp={sp} split by experts")
     _refusals(world_size)
     return "ok"
 
