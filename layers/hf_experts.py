@@ -12,7 +12,9 @@ expert, with ``I/t`` of its ``I`` intermediate features (Megatron's tensor-paral
     gate_up_proj_bias [E, 2I], up_proj_bias [E, I]     as their weights' rows
     down_proj_bias [E, H]                               whole on every rank, added by rank 0 only
 
-Every rank runs the router on the same tokens and the experts on its features; the experts' output is
+Experts fed every token once per expert, with the routing scores already applied (Llama 4's: ``[E·T, H]``
+rows, no routing arguments), split by features only. Every rank runs the router on the same tokens and
+the experts on its features; the experts' output is
 a partial sum, all-reduced (``reduce_from_tp``). The hidden states and the routing weights enter the
 experts through ``copy_to_tp`` (identity forward, all-reduce of the gradient), so the router, and
 every module replicated beside the experts (a shared expert), receive the complete gradient on every
@@ -33,7 +35,7 @@ routing, is refused there.
 Expert parallelism (``parallelize(expert_split="experts")``, or a plan's ``ep_dispatch_experts``): rank ``r``
 keeps experts ``r·E/t …`` whole instead, every rank still routes every token, the routes to other ranks'
 experts are skipped (Hugging Face's sentinel id ``E/t``, weight 0), and the same all-reduce (or
-reduce-scatter) sums the ranks' outputs: whole experts make larger GEMMs than slices of many small ones.
+reduce-scatter) sums the ranks' outputs; each expert's GEMMs keep their full intermediate width.
 
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
