@@ -23,7 +23,7 @@ norm (sequence_parallel)                           tessel RMSNorm/LayerNorm unde
 replicated_with_grad_allreduce                     unchanged; its parameter gradients are summed over
                                                    the group in backward (norms over local heads)
 all_reduce                                         unchanged; its output is summed over the group
-replicate (local, local_params)                    unchanged
+replicate (local, local_params, ep_router)        unchanged
 mla_kv_a_proj                                      unchanged (multi-head latent attention's joint latent and
                                                    rotary-key projection); the rotary key's gradient is
                                                    summed over the group
@@ -31,16 +31,18 @@ experts (moe_tp_experts)                           a Hugging Face experts module
                                                    expert keeps intermediate features ``r·I/t …``, its
                                                    output is summed over the group
                                                    (:mod:`~tessel.layers.hf_experts`)
+ep_dispatch_experts                                the same split by whole experts: rank ``r`` keeps
+                                                   experts ``r·E/t …`` (``expert_split="experts"``)
 =================================================  ===================================================
 
 A plan may also name the parameters of a module it splits as experts (Hugging Face's
-``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``), which must agree with the split
-the experts module's layout gives them, and, as ``colwise``, parameters with one value per query head of a
+``experts.gate_up_proj: packed_colwise``, ``experts.down_proj: rowwise``; ``grouped_gemm`` for a split by
+experts), which must agree with the split the experts module's layout gives them, and, as ``colwise``, parameters with one value per query head of a
 module whose projections it splits (``self_attn.sinks``, a per-head gate bias): each rank keeps its heads'.
 A Hugging Face model's own plan may name modules that some of its configurations lack (the dense MLPs of
 a model whose layers are all experts); a user plan may not.
-Hugging Face's ``embedding_colwise``, ``packed_rowwise`` (of a linear layer) and expert-parallel styles are
-refused by name.
+Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and ``grouped_gemm`` (of a module) and
+``moe_identity_expert`` are refused by name.
 
 Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module
 of the wrong kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose
