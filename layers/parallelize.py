@@ -31,8 +31,7 @@ experts (moe_tp_experts)                           a Hugging Face experts module
                                                    expert keeps intermediate features ``r·I/t …``, its
                                                    output is summed over the group
                                                    (:mod:`~tessel.layers.hf_experts`)
-ep_dispatch_experts                                the same split by whole experts: rank ``r`` keeps
-                                                   experts ``r·E/t …`` (``expert_split="experts"``)
+ep_dispatch_experts                                the same, split by whole experts ``r·E/t …``
 =================================================  ===================================================
 
 A plan may also name the parameters of a module it splits as experts (Hugging Face's
