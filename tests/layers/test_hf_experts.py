@@ -173,6 +173,14 @@ def _two_ranks(rank, world_size):
     ep_plan = {**ATTENTION_PLAN, **{"model." + k: v for k, v in dense.config.base_model_ep_plan.items()}}
     assert set(ep_plan.values()) == {"colwise", "rowwise", "grouped_gemm", "ep_dispatch_experts"}
     _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, plan=ep_plan), "mixtral ep plan")
+    # generation with a cache, one token at a time, under inference mode: the same tokens as the dense model
+    dense = _moe("mixtral").eval()
+    prompt = _batch()[0][:, :5]
+    with torch.inference_mode():
+        want = dense.generate(prompt, max_new_tokens=4, do_sample=False)
+        for split in ("features", "experts"):
+            par = parallelize(copy.deepcopy(dense), None, expert_split=split)
+            assert torch.equal(par.generate(prompt, max_new_tokens=4, do_sample=False), want), split
     # Mixtral's halves: rank r keeps gate rows r·I/t… and up rows r·I/t…
     dense = _moe("mixtral")
     par = parallelize(copy.deepcopy(dense), None)
@@ -203,6 +211,16 @@ def _two_ranks(rank, world_size):
             _check_grads(dense, par)
             par.zero_grad()
             assert par(ids).aux_loss is None  # a forward that asks for no router logits records none
+    # a model whose routers Hugging Face does not record cannot gather them: refused when asked for
+    dense = _moe("mixtral")
+    recorded = type(dense.model)._can_record_outputs
+    type(dense.model)._can_record_outputs = {k: v for k, v in recorded.items() if k != "router_logits"}
+    try:
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=True)
+    finally:
+        type(dense.model)._can_record_outputs = recorded
+    with pytest.raises(ValueError, match=r"no router of MixtralModel is known"):
+        par(ids, output_router_logits=True)
     # GPT-OSS: interleaved [g0, u0, g1, u1, ...], transposed [E, in, out], biases; down_proj_bias is added once
     dense = _moe("gpt_oss")
     with torch.no_grad():
