@@ -33,9 +33,13 @@ share of the tokens as they are (routing is per token); the load-balancing loss,
 routing, is refused there.
 
 Expert parallelism (``parallelize(expert_split="experts")``, or a plan's ``ep_dispatch_experts``): rank ``r``
-keeps experts ``r·E/t …`` whole instead, every rank still routes every token, the routes to other ranks'
-experts are skipped (Hugging Face's sentinel id ``E/t``, weight 0), and the same all-reduce (or
-reduce-scatter) sums the ranks' outputs; each expert's GEMMs keep their full intermediate width.
+keeps experts ``r·E/t …`` whole instead; each expert's GEMMs keep their full intermediate width. Without
+sequence parallelism every rank routes every token, the routes to other ranks' experts are skipped
+(Hugging Face's sentinel id ``E/t``, weight 0), and the same all-reduce sums the ranks' outputs. Under
+sequence parallelism each rank keeps its own tokens: every (token, choice) route travels to the rank
+of its expert and its output comes back (:func:`~tessel.parallel.collectives.exchange_rows`, an
+all-to-all each way), weighted at home, so a rank sends ``k`` rows per token at most instead of
+gathering every rank's tokens.
 
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
@@ -51,12 +55,13 @@ from torch import nn
 
 from ..parallel.collectives import (
     copy_to_tp,
+    exchange_rows,
     gather_from_sequence,
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
-from ..parallel.comm import all_gather, group_rank, group_size
+from ..parallel.comm import all_gather, all_to_all, group_rank, group_size
 from ..parallel.sharding import local_shard
 
 __all__ = [
@@ -212,6 +217,31 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         if hasattr(module, "_is_expert_parallel"):
             module._is_expert_parallel = True  # Hugging Face's implementations then mask the skipped routes
 
+    # split by experts under sequence parallelism, every rank holds tokens of its own: each (token, choice)
+    # route travels to the rank of its expert and its output back (an all-to-all each way), weighted at home
+    dispatch = by == "experts" and sequence_parallel and len(names) == 3
+    t = group_size(tp_group)
+    routes: list[tuple] = []
+
+    def send_routes(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
+        owner = (ids // local_experts).reshape(-1)
+        order = torch.argsort(owner, stable=True)  # routes grouped by the rank of their expert, in token order
+        send = torch.bincount(owner, minlength=t)
+        send_counts = send.tolist()
+        recv_counts = all_to_all(send, tp_group, [1] * t, [1] * t)[0].tolist()
+        token = torch.div(order, ids.shape[-1], rounding_mode="floor")
+        rows = exchange_rows(hidden[token], tp_group, send_counts, recv_counts)
+        local_ids = all_to_all((ids.reshape(-1)[order] % local_experts)[:, None], tp_group, send_counts,
+                               recv_counts)[0]  # fmt: skip
+        routes.append((order, token, weights, send_counts, recv_counts, hidden.shape[0]))
+        return rows, local_ids, torch.ones_like(local_ids, dtype=weights.dtype)
+
+    def combine_routes(out: torch.Tensor) -> torch.Tensor:
+        order, token, weights, send_counts, recv_counts, tokens = routes.pop()
+        back = exchange_rows(out, tp_group, recv_counts, send_counts)  # this rank's routes, grouped by rank
+        weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
+        return back.new_zeros((tokens, back.shape[-1])).index_add(0, token, weighted)
+
     def route(ids: torch.Tensor, weights: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if by == "features":
             return ids, weights
@@ -235,6 +265,10 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
             hidden = values[0]
             bound.arguments[names[0]] = (per_expert(hidden, gather_from_sequence) if sequence_parallel
                                          else copy_to_tp(hidden, tp_group))  # fmt: skip
+        elif dispatch:
+            hidden, ids, weights = values
+            rows, local_ids, ones = send_routes(hidden, ids, weights)
+            bound.arguments.update({names[0]: rows, names[1]: local_ids, names[2]: ones})
         else:
             hidden, ids, weights = values
             if sequence_parallel:
@@ -257,11 +291,14 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         if saved:  # always called: an exception inside forward must not leave the stand-ins installed
             m._parameters.update(saved.pop())
         if out is None:  # the exception's path (or a forward without output, which nothing could use)
+            routes.clear()
             return None
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"parallelize: {type(m).__name__} must return a tensor, received {type(out).__name__}")
         if not sequence_parallel:
             return reduce_from_tp(out, tp_group)
+        if dispatch:
+            return combine_routes(out)
         if len(names) == 1:
             return per_expert(out, reduce_scatter_to_sequence)
         return reduce_scatter_to_sequence(out, tp_group, dim=0)

@@ -31,10 +31,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .comm import all_gather, all_reduce, group_rank, group_size, reduce_scatter
+from .comm import all_gather, all_reduce, all_to_all, group_rank, group_size, reduce_scatter
 
 __all__ = [
     "copy_to_tp",
+    "exchange_rows",
     "gather_from_sequence",
     "gather_from_tp",
     "reduce_from_tp",
@@ -104,6 +105,17 @@ def _own_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- functions
 
 
+class _ExchangeRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, send_counts, recv_counts):
+        ctx.group, ctx.send_counts, ctx.recv_counts = group, send_counts, recv_counts
+        return all_to_all(x, group, send_counts, recv_counts)[0]
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_to_all(grad.contiguous(), ctx.group, ctx.recv_counts, ctx.send_counts)[0], None, None, None
+
+
 class _CopyToTP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
@@ -140,6 +152,18 @@ class _DimCollective(torch.autograd.Function):
 
 
 # ---------------------------------------------------------------------------------------------------- public ops
+
+
+def exchange_rows(x: torch.Tensor, group: Group, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+    """Rows to other ranks and back, an all-to-all (expert parallelism's token dispatch).
+
+    Forward: the first ``send_counts[0]`` rows of ``x`` go to rank 0, the next ``send_counts[1]`` to rank 1…;
+    the result holds the ``sum(recv_counts)`` rows received, rank after rank. Backward: the gradient rows
+    travel back the same way reversed (``recv_counts`` sent, ``send_counts`` received), so each row's
+    gradient reaches the rank it came from.
+    """
+    _check_tensor("exchange_rows", x)
+    return _ExchangeRows.apply(x, group, list(send_counts), list(recv_counts))
 
 
 def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:

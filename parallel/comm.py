@@ -28,6 +28,7 @@ __all__ = [
     "EventLog",
     "all_gather",
     "all_reduce",
+    "all_to_all",
     "count_bytes",
     "group_rank",
     "group_size",
@@ -186,6 +187,25 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tens
     _account((size - 1) * _nbytes(x), (size - 1) * _nbytes(x))
     work = _all_gather_base(out, x.contiguous(), group=group, async_op=async_op)
     return out, work if async_op else _Done()
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: list[int], recv_counts: list[int]):
+    """Rows of ``x`` to every rank: the first ``send_counts[0]`` rows to rank 0, the next ``send_counts[1]`` to
+    rank 1…; returns ``(out, work)``, ``out`` the ``sum(recv_counts)`` rows received, rank after rank. The
+    rows a rank keeps for itself are not counted as traffic."""
+    size = group_size(group)
+    if len(send_counts) != size or len(recv_counts) != size or sum(send_counts) != x.shape[0]:
+        raise ValueError(f"all_to_all: send_counts and recv_counts need {size} entries and send_counts must sum to "
+                         f"the {x.shape[0]} rows of x, received {send_counts} and {recv_counts}")  # fmt: skip
+    out = x.new_empty((sum(recv_counts), *x.shape[1:]))
+    if size == 1:
+        out.copy_(x)
+        return out, _Done()
+    row = x[:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
+    me = group_rank(group)
+    _account((sum(send_counts) - send_counts[me]) * row, (sum(recv_counts) - recv_counts[me]) * row)
+    dist.all_to_all_single(out, x.contiguous(), recv_counts, send_counts, group=group)
+    return out, _Done()
 
 
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):

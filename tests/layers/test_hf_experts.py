@@ -169,6 +169,20 @@ def _two_ranks(rank, world_size):
         assert experts.num_experts == 2
         assert torch.equal(experts.gate_up_proj, whole.gate_up_proj[2 * rank : 2 * rank + 2])
         _check_against_dense(dense, par, f"{family} {impl} sp={sp} split by experts")
+    # ... under sequence parallelism each rank sends its routes to their experts' ranks and back (all-to-all)
+    import tessel.layers.hf_experts as hf_experts
+
+    sent, exchange = [], hf_experts.exchange_rows
+    hf_experts.exchange_rows = lambda x, group, send, recv: (sent.append(send), exchange(x, group, send, recv))[1]
+    try:
+        dense = _moe("mixtral")
+        _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, sequence_parallel=True,
+                                                expert_split="experts"), "mixtral all-to-all")  # fmt: skip
+    finally:
+        hf_experts.exchange_rows = exchange
+    routes = B * S // 2 * 2  # this rank's tokens, two choices each
+    # two expert layers, each there (this rank's routes) and back (the routes it received)
+    assert len(sent) == 4 and sum(sent[0]) == sum(sent[2]) == routes, sent
     dense = _moe("mixtral")
     ep_plan = {**ATTENTION_PLAN, **{"model." + k: v for k, v in dense.config.base_model_ep_plan.items()}}
     assert set(ep_plan.values()) == {"colwise", "rowwise", "grouped_gemm", "ep_dispatch_experts"}

@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from tessel.parallel.collectives import (
     copy_to_tp,
+    exchange_rows,
     gather_from_sequence,
     gather_from_tp,
     reduce_from_tp,
@@ -187,6 +188,38 @@ def test_world_of_one_is_identity_and_passes_gradcheck(spec):
         assert (counter.sent, counter.received) == (0, 0)
 
 
+def _exchange(rank, world_size):
+    """Rank q sends ``q + j`` rows to rank j (none when that is 0): the rows arrive rank after rank, their
+    gradients go back to where they came from, and only the rows that leave a rank count as traffic."""
+    t, h = world_size, 3
+    counts = [[q + j for j in range(t)] for q in range(t)]  # counts[q][j]: rows rank q sends to rank j
+    rows = [_draw(("x", q), (sum(counts[q]), h), torch.float32) for q in range(t)]
+    grads = [_draw(("g", q), (sum(c[q] for c in counts), h), torch.float32) for q in range(t)]
+
+    def block(q, j):  # the rows rank q sends to rank j
+        start = sum(counts[q][:j])
+        return slice(start, start + counts[q][j])
+
+    x = rows[rank].clone().requires_grad_()
+    with count_bytes() as counter:
+        y = exchange_rows(x, None, counts[rank], [counts[q][rank] for q in range(t)])
+        y.backward(grads[rank])
+    torch.testing.assert_close(y, torch.cat([rows[q][block(q, rank)] for q in range(t)]))
+    # rank j's gradient rows, rank after rank: those of rank q are the ones rank q received from this rank
+    offsets = [sum(counts[p][j] for p in range(rank)) for j in range(t)]
+    want = torch.cat([grads[j][offsets[j] : offsets[j] + counts[rank][j]] for j in range(t)])
+    torch.testing.assert_close(x.grad, want)
+    row = h * 4
+    sent = sum(counts[rank]) - counts[rank][rank] + sum(c[rank] for c in counts) - counts[rank][rank]
+    assert (counter.sent, counter.received) == (sent * row, sent * row)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+def test_exchange_rows_sends_rows_and_their_gradients_back():
+    assert run_ranks(_exchange, 3, timeout=120) == ["ok"] * 3
+
+
 @pytest.mark.parametrize(
     ("call", "error", "message"),
     [
@@ -196,6 +229,12 @@ def test_world_of_one_is_identity_and_passes_gradcheck(spec):
         (lambda: split_to_tp(torch.ones(2, 3), None, dim=-3), ValueError, "split_to_tp: dim must be in [-2, 2)"),
         (lambda: gather_from_sequence(torch.ones(2, 3), None, dim="1"), TypeError, "dim must be an int, received str"),
         (lambda: scatter_to_sequence(torch.ones(2, 3), None, dim=True), TypeError, "received bool True"),
+        (lambda: exchange_rows("rows", None, [1], [1]), TypeError, "exchange_rows: x must be a torch.Tensor"),
+        (
+            lambda: exchange_rows(torch.ones(3, 2), None, [2], [3]),
+            ValueError,
+            "send_counts must sum to the 3 rows of x, received [2] and [3]",
+        ),
     ],
 )
 def test_bad_arguments_are_rejected(call, error, message):
