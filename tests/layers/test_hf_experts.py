@@ -211,17 +211,18 @@ def _two_ranks(rank, world_size):
     ids, weights = _batch()
     mask = torch.ones_like(ids)
     mask[1, :3] = 0  # the second row left-padded: a token order other than the model's would mask others
-    for family, plan in (("mixtral", None), ("gpt_oss", GPT_OSS_PLAN)):
+    for family, plan, split in (("mixtral", None, "features"), ("gpt_oss", GPT_OSS_PLAN, "features"),
+                                ("mixtral", None, "experts")):  # fmt: skip
         for sp in (False, True):
             dense = _moe(family, router_aux_loss_coef=0.5)
-            par = parallelize(copy.deepcopy(dense), None, plan=plan, sequence_parallel=sp)
+            par = parallelize(copy.deepcopy(dense), None, plan=plan, sequence_parallel=sp, expert_split=split)
             losses = []
             for model in (dense, par):
                 out = model(ids, attention_mask=mask, labels=ids, output_router_logits=True)
                 (out.loss + (out.logits * weights).sum() * 1e-3).backward()
                 losses.append(out.aux_loss.detach())
                 assert out.router_logits[1].shape == (B * S, 4)
-            _close(losses[1], losses[0], msg=lambda m, family=family, sp=sp: f"{family} sp={sp} aux loss: {m}")
+            _close(losses[1], losses[0], msg=lambda m, tag=f"{family} {split} sp={sp}": f"{tag} aux loss: {m}")
             _check_grads(dense, par)
             par.zero_grad()
             assert par(ids).aux_loss is None  # a forward that asks for no router logits records none
@@ -411,11 +412,12 @@ def _context_parallel(rank, world_size):
     from tests.layers.test_hf_context_parallel import _check_against_dense as _check_cp
 
     _, tp_group, cp_group = _grid(rank, world_size, 2)
-    for family in ("mixtral", "qwen2_moe"):
+    for family, split in (("mixtral", "features"), ("qwen2_moe", "features"), ("mixtral", "experts")):
         for sp in (False, True):
             dense = _moe(family)
-            par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp)
-            _check_cp(dense, par, tp_group, cp_group, f"{family} cp=2 sp={sp}")
+            par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp,
+                              expert_split=split)  # fmt: skip
+            _check_cp(dense, par, tp_group, cp_group, f"{family} {split} cp=2 sp={sp}")
     # the load-balancing loss needs every token's routing, which no rank has
     with pytest.raises(ValueError, match=r"output_router_logits=True under context parallelism"):
         par(torch.zeros(2, 4, dtype=torch.long), output_router_logits=True)
