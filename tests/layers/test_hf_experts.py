@@ -5,10 +5,11 @@ the logits and every parameter's gradient shard with the dense model's, fp32, at
 tests/layers/test_hf.py (1e-4 relative). Covered layouts: Mixtral (``[gate; up]`` halves, [E, out, in]),
 Llama 4 (experts fed every token once per expert, [E, in, out] without layout flags), Qwen2-MoE (a shared
 expert and its gate beside the experts), Qwen3-MoE (a dense MLP layer among expert layers), GLM-4-MoE (a
-shared expert split by its own plan), GPT-OSS (interleaved gate/up, transposed [E, in, out], biases, under
-a user plan), and a module of up/down experts without a gate. The routers' weights are scaled up so that
-no token sits near a tie between two experts: the parallel model's hidden states differ from the dense
-ones by fp32 reordering, which must not change a routing decision.
+shared expert split by its own plan), Qwen3-Next and Jamba (hybrids), DeepSeek-V2 (latent attention) and
+-V3, GPT-OSS (interleaved gate/up, transposed [E, in, out], biases, under a user plan), and a module of
+up/down experts without a gate; split by features and by whole experts. The routers' weights are scaled
+up so that no token sits near a tie between two experts: the parallel model's hidden states differ from
+the dense ones by fp32 reordering, which must not change a routing decision.
 """
 
 import copy
@@ -71,6 +72,15 @@ def _moe(family, seed=0, **kw):
                         interleave_moe_layer_step=2)),
         "deepseek_v2": (transformers.DeepseekV2Config, transformers.DeepseekV2ForCausalLM, dict(MLA, n_group=None)),
         "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(MLA, n_group=1)),
+        "qwen3_next": (transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM,
+                       dict(layer_types=["linear_attention", "full_attention"], moe_intermediate_size=32,
+                            num_experts=4, num_experts_per_tok=2, shared_expert_intermediate_size=48,
+                            intermediate_size=96, linear_num_value_heads=4, linear_num_key_heads=2,
+                            linear_key_head_dim=16, linear_value_head_dim=16)),
+        "jamba": (transformers.JambaConfig, transformers.JambaForCausalLM,
+                  dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                       num_experts=4, num_experts_per_tok=2, intermediate_size=96, mamba_d_state=8,
+                       use_mamba_kernels=False)),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                     dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
     }[family]  # fmt: skip
@@ -147,6 +157,10 @@ def _two_ranks(rank, world_size):
         assert par.model.layers[1].feed_forward.experts.gate_up_proj.shape == (4, 64, 32)
         assert par.model.layers[1].feed_forward.experts.down_proj.shape == (4, 16, 64)
         _check_against_dense(dense, par, f"llama4 sp={sp}")
+    # hybrids: Qwen3-Next (gated delta-net layers, replicated) and Jamba (Mamba layers, replicated) with experts
+    for family in ("qwen3_next", "jamba"):
+        dense = _moe(family)
+        _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), family)
     # DeepSeek-V2's multi-head latent attention (its own plan: 'mla_kv_a_proj'), with a low-rank query and
     # without; DeepSeek-V3 (its plan leaves the attention whole: group-limited routing, a shared expert)
     for family, kw in (("deepseek_v2", {}), ("deepseek_v2", {"q_lora_rank": None}), ("deepseek_v3", {})):
