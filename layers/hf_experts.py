@@ -233,11 +233,15 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         rows = exchange_rows(hidden[token], tp_group, send_counts, recv_counts)
         local_ids = all_to_all((ids.reshape(-1)[order] % local_experts)[:, None], tp_group, send_counts,
                                recv_counts)[0]  # fmt: skip
-        routes.append((order, token, weights, send_counts, recv_counts, hidden.shape[0]))
+        routes.append((order, token, weights, send_counts, recv_counts, hidden.shape[0], rows))
         return rows, local_ids, torch.ones_like(local_ids, dtype=weights.dtype)
 
     def combine_routes(out: torch.Tensor) -> torch.Tensor:
-        order, token, weights, send_counts, recv_counts, tokens = routes.pop()
+        order, token, weights, send_counts, recv_counts, tokens, rows = routes.pop()
+        if rows.requires_grad and not out.requires_grad:
+            # a rank whose experts received no route may return a constant: tie it to the rows, so that its
+            # backward still joins both exchanges' all-to-alls, which every other rank's backward runs
+            out = out + rows.sum() * 0
         back = exchange_rows(out, tp_group, recv_counts, send_counts)  # this rank's routes, grouped by rank
         weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
         return back.new_zeros((tokens, back.shape[-1])).index_add(0, token, weighted)

@@ -197,6 +197,22 @@ def _two_ranks(rank, world_size):
     routes = B * S // 2 * 2  # this rank's tokens, two choices each
     # two expert layers, each there (this rank's routes) and back (the routes it received)
     assert len(sent) == 4 and sum(sent[0]) == sum(sent[2]) == routes, sent
+    # a rank whose experts receive no route (every token chooses rank 0's experts) still joins every exchange,
+    # forward and backward, under the eager implementation that returns a constant for no rows
+    dense = _moe("mixtral")
+    dense.set_experts_implementation("eager")
+    par = parallelize(copy.deepcopy(dense), None, sequence_parallel=True, expert_split="experts")
+    gen = torch.Generator().manual_seed(rank)
+    hidden, weights = torch.randn(6, 64, generator=gen), torch.rand(6, 2, generator=gen)
+    ids = torch.tensor([[0, 1]] * 6)
+    results = []
+    for model in (dense, par):
+        h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+        out = model.model.layers[0].mlp.experts(h, ids, w)
+        out.sum().backward()
+        results.append((out.detach(), h.grad, w.grad))
+    for got, want in zip(results[1], results[0]):
+        _close(got, want)
     dense = _moe("mixtral")
     ep_plan = {**ATTENTION_PLAN, **{"model." + k: v for k, v in dense.config.base_model_ep_plan.items()}}
     assert set(ep_plan.values()) == {"colwise", "rowwise", "grouped_gemm", "ep_dispatch_experts"}
@@ -215,8 +231,8 @@ def _two_ranks(rank, world_size):
     whole, local = dense.model.layers[0].mlp.experts.gate_up_proj, par.model.layers[0].mlp.experts.gate_up_proj
     assert torch.equal(local[:, :48], whole[:, 48 * rank : 48 * rank + 48])
     assert torch.equal(local[:, 48:], whole[:, 96 + 48 * rank : 96 + 48 * rank + 48])
-    # Hugging Face's grouped and batched expert implementations run on the local features as well
-    for impl in ("batched_mm", "grouped_mm"):
+    # every Hugging Face experts implementation runs on the local features
+    for impl in ("eager", "batched_mm", "grouped_mm"):  # transformers' default is grouped_mm
         dense = _moe("mixtral")
         dense.set_experts_implementation(impl)
         _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), f"mixtral {impl}")
