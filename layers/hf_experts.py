@@ -222,6 +222,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
     dispatch = by == "experts" and sequence_parallel and len(names) == 3
     t = group_size(tp_group)
     routes: list[tuple] = []
+    inputs: list[tuple] = []  # (hidden states, routing weights) handed to the experts, without dispatch
 
     def send_routes(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         owner = (ids // local_experts).reshape(-1)
@@ -282,6 +283,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
                 hidden, weights = copy_to_tp(hidden, tp_group), copy_to_tp(weights, tp_group)
             ids, weights = route(ids, weights)
             bound.arguments.update({names[0]: hidden, names[1]: ids, names[2]: weights})
+            inputs.append((hidden, weights))
         # a bias added after the experts' partial sums would be summed t times: rank 0 adds it, every rank
         # receives its complete gradient (copy_to_tp sums rank 0's with the others' zeros)
         own = {n: m._parameters[n] for n in replicated}
@@ -296,9 +298,16 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
             m._parameters.update(saved.pop())
         if out is None:  # the exception's path (or a forward without output, which nothing could use)
             routes.clear()
+            inputs.clear()
             return None
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"parallelize: {type(m).__name__} must return a tensor, received {type(out).__name__}")
+        if len(names) == 3 and not dispatch:
+            hidden, weights = inputs.pop()
+            if (hidden.requires_grad or weights.requires_grad) and not out.requires_grad:
+                # no route reached this rank's experts (split by experts), and the eager implementation returns
+                # a constant: tie it to the inputs, so that their collectives' backwards run here as elsewhere
+                out = out + (hidden.sum() + weights.sum()) * 0
         if not sequence_parallel:
             return reduce_from_tp(out, tp_group)
         if dispatch:

@@ -201,18 +201,19 @@ def _two_ranks(rank, world_size):
     # forward and backward, under the eager implementation that returns a constant for no rows
     dense = _moe("mixtral")
     dense.set_experts_implementation("eager")
-    par = parallelize(copy.deepcopy(dense), None, sequence_parallel=True, expert_split="experts")
-    gen = torch.Generator().manual_seed(rank)
-    hidden, weights = torch.randn(6, 64, generator=gen), torch.rand(6, 2, generator=gen)
-    ids = torch.tensor([[0, 1]] * 6)
-    results = []
-    for model in (dense, par):
-        h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
-        out = model.model.layers[0].mlp.experts(h, ids, w)
-        out.sum().backward()
-        results.append((out.detach(), h.grad, w.grad))
-    for got, want in zip(results[1], results[0]):
-        _close(got, want)
+    for sp in (True, False):  # with and without the dispatch (without, every rank holds the same tokens)
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, expert_split="experts")
+        gen = torch.Generator().manual_seed(rank if sp else 0)
+        hidden, weights = torch.randn(6, 64, generator=gen), torch.rand(6, 2, generator=gen)
+        ids = torch.tensor([[0, 1]] * 6)
+        results = []
+        for model in (dense, par):
+            h, w = hidden.clone().requires_grad_(), weights.clone().requires_grad_()
+            out = model.model.layers[0].mlp.experts(h, ids, w)
+            out.sum().backward()
+            results.append((out.detach(), h.grad, w.grad))
+        for got, want in zip(results[1], results[0]):
+            _close(got, want, msg=lambda m, sp=sp: f"every route to rank 0, sp={sp}: {m}")
     dense = _moe("mixtral")
     ep_plan = {**ATTENTION_PLAN, **{"model." + k: v for k, v in dense.config.base_model_ep_plan.items()}}
     assert set(ep_plan.values()) == {"colwise", "rowwise", "grouped_gemm", "ep_dispatch_experts"}
