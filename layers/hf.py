@@ -67,7 +67,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
 from ..parallel.overlap import all_gather_matmul
 from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention, tessel_attention_forward
-from .hf_experts import check_expert_blocks, expert_blocks, gather_router_logits
+from .hf_experts import _inside, check_expert_blocks, expert_blocks, gather_router_logits
 from .linear import ColumnParallelLinear, _check_input, _sequence_from_token_major, _sequence_token_major, _use_overlap
 
 __all__ = [
@@ -367,10 +367,6 @@ def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
 
 def _is_norm(module) -> bool:
     return isinstance(module, nn.Module) and "norm" in type(module).__name__.lower()
-
-
-def _inside(name: str, parents: list[str]) -> bool:
-    return any(name.startswith(p + ".") for p in parents)
 
 
 # ---------------------------------------------------------------------------------------------------- context parallel

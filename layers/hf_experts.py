@@ -353,6 +353,7 @@ def check_parameter_styles(name: str, module: nn.Module, splits: list[ExpertSpli
 
 
 def _inside(name: str, parents) -> bool:
+    """Whether module ``name`` lies below one of ``parents`` (also used by :mod:`tessel.layers.hf`)."""
     return any(name.startswith(p + ".") for p in parents)
 
 
