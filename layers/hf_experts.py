@@ -41,6 +41,13 @@ of its expert and its output comes back (:func:`~tessel.parallel.collectives.exc
 all-to-all each way), weighted at home, so a rank sends ``k`` rows per token at most instead of
 gathering every rank's tokens.
 
+Expert parallelism over data-parallel ranks (``parallelize(ep_group=)``, Megatron-LM's and DeepSpeed-MoE's
+layout): the ranks of ``ep_group`` train on different batches and hold different experts, so every route is
+dispatched by the same all-to-all over ``ep_group``. The experts stay whole on each tensor-parallel rank: no
+communication over ``tp_group`` (under sequence parallelism their gradients are summed over it, as the
+router's). The parameters are marked ``expert_parallel``: :class:`~tessel.parallel.DDP` reduces them over
+the expert-data-parallel group (the ranks holding the same experts) instead of the whole data-parallel group.
+
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
 """
@@ -51,6 +58,7 @@ import inspect
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from ..parallel.collectives import (
@@ -66,6 +74,7 @@ from ..parallel.sharding import local_shard
 
 __all__ = [
     "ExpertSplit",
+    "check_ep_group",
     "check_expert_blocks",
     "check_parameter_styles",
     "expert_block_modules",
@@ -73,6 +82,7 @@ __all__ = [
     "expert_splits",
     "gather_router_logits",
     "install_expert_hooks",
+    "reduce_parameter_grads",
     "refuse_router_logits_under_cp",
     "shard_experts",
 ]  # fmt: skip
@@ -162,7 +172,7 @@ def expert_splits(module: nn.Module, t: int, by: str = "features") -> list[Exper
 def _whole_expert_splits(module: nn.Module, params: dict, t: int) -> list[ExpertSplit]:
     experts = params["down_proj"].shape[0]
     if experts % t:
-        raise ValueError(f"the {experts} experts do not split over the tensor-parallel size {t}")
+        raise ValueError(f"the {experts} experts do not split over the {t} ranks of the group")
     if len(_routing_names(module)[1]) != 3:
         raise ValueError("experts fed every token once per expert are split by 'features' only")
     if not isinstance(getattr(module, "num_experts", None), int):
@@ -170,18 +180,40 @@ def _whole_expert_splits(module: nn.Module, params: dict, t: int) -> list[Expert
     return [ExpertSplit(name, 0, (experts,)) for name in params]
 
 
-def shard_experts(module: nn.Module, splits: list[ExpertSplit], tp_group) -> dict[str, nn.Parameter]:
-    """This rank's parameters (new tensors; ``module`` is not changed), tagged for :mod:`tessel.parallel.sharding`."""
-    t, r = group_size(tp_group), group_rank(tp_group)
+def shard_experts(module: nn.Module, splits: list[ExpertSplit], group, expert_parallel: bool = False
+                  ) -> dict[str, nn.Parameter]:  # fmt: skip
+    """This rank's parameters (new tensors; ``module`` is not changed), tagged for :mod:`tessel.parallel.sharding`,
+    or, split over an expert-parallel group, ``expert_parallel = True`` (for :class:`~tessel.parallel.DDP`)."""
+    t, r = group_size(group), group_rank(group)
     local = {}
     for s in splits:
         p = getattr(module, s.name)
         if s.dim is None:
             continue
         shard = nn.Parameter(local_shard(p.detach(), s.dim, s.parts, r, t).clone(), requires_grad=p.requires_grad)
-        shard.tensor_parallel, shard.tp_dim, shard.tp_parts = True, s.dim, s.parts
+        if expert_parallel:
+            shard.expert_parallel = True
+        else:
+            shard.tensor_parallel, shard.tp_dim, shard.tp_parts = True, s.dim, s.parts
         local[s.name] = shard
     return local
+
+
+def check_ep_group(ep_group, tp_group) -> int | None:
+    """The size of ``ep_group`` (None without one); its ranks must be distinct from ``tp_group``'s peers: its
+    ranks hold different tokens, which tensor-parallel peers (the same tokens, or one sequence's shards) do not."""
+    if ep_group is None:
+        return None
+    if not isinstance(ep_group, dist.ProcessGroup):
+        raise TypeError(f"parallelize: ep_group must be None or a torch.distributed ProcessGroup, received "
+                        f"{type(ep_group).__name__}")  # fmt: skip
+    tp_ranks = dist.get_process_group_ranks(dist.group.WORLD if tp_group is None else tp_group)
+    shared = set(dist.get_process_group_ranks(ep_group)) & set(tp_ranks)
+    if shared != {dist.get_rank()}:
+        raise ValueError(f"parallelize: tp_group and ep_group share the ranks {sorted(shared)}: expert-parallel peers "
+                         "must be data-parallel peers, not tensor-parallel ones (init_parallel(ep=)'s ep_group; for "
+                         "expert parallelism over the tensor-parallel group use expert_split='experts')")  # fmt: skip
+    return group_size(ep_group)
 
 
 def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, ...]]:
@@ -195,7 +227,8 @@ def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, ...
     return sig, tuple(names[1:])
 
 
-def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, by: str = "features") -> None:
+def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, by: str = "features",
+                         ep_group=None) -> None:  # fmt: skip
     """The communication around ``module``'s forward (its parameters already split); see the module docstring.
 
     Experts taking hidden states alone receive ``[E·T, H]``: every one of the ``T`` tokens once per expert,
@@ -205,22 +238,28 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
     Split ``by="experts"``, rank ``r`` holds experts ``r·E/t …`` whole (``module.num_experts`` becomes
     ``E/t``): the routes to other ranks' experts get the local id ``E/t``, which the experts' forward skips,
     and weight 0, as Hugging Face's all-reduce expert parallelism does.
+
+    With ``ep_group`` (expert parallelism over data-parallel ranks, whose tokens differ) the parameters hold
+    this rank's experts of ``ep_group``'s split and every route is dispatched over ``ep_group``; nothing is
+    communicated over ``tp_group``: the experts are whole on every tensor-parallel rank and see its tokens.
     """
+    group = tp_group if ep_group is None else ep_group
+    by = "experts" if ep_group is not None else by
     sig, names = _routing_names(module)
     experts = next(p for n, p in module.named_parameters(recurse=False) if n in ("gate_up_proj", "up_proj")).shape[0]
     first_rank = group_rank(tp_group) == 0
     replicated = [n for n in ("down_proj_bias",) if by == "features" and module._parameters.get(n) is not None]
     saved: list[dict] = []
     if by == "experts":  # the parameters hold this rank's experts already
-        local_experts, first_expert = experts, group_rank(tp_group) * experts
+        local_experts, first_expert = experts, group_rank(group) * experts
         module.num_experts = local_experts
         if hasattr(module, "_is_expert_parallel"):
             module._is_expert_parallel = True  # Hugging Face's implementations then mask the skipped routes
 
     # split by experts under sequence parallelism, every rank holds tokens of its own: each (token, choice)
     # route travels to the rank of its expert and its output back (an all-to-all each way), weighted at home
-    dispatch = by == "experts" and sequence_parallel and len(names) == 3
-    t = group_size(tp_group)
+    dispatch = ep_group is not None or (by == "experts" and sequence_parallel and len(names) == 3)
+    t = group_size(group)
     routes: list[tuple] = []
     inputs: list[tuple] = []  # (hidden states, routing weights) handed to the experts, without dispatch
 
@@ -229,10 +268,10 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         order = torch.argsort(owner, stable=True)  # routes grouped by the rank of their expert, in token order
         send = torch.bincount(owner, minlength=t)
         send_counts = send.tolist()
-        recv_counts = all_to_all(send, tp_group, [1] * t, [1] * t)[0].tolist()
+        recv_counts = all_to_all(send, group, [1] * t, [1] * t)[0].tolist()
         token = torch.div(order, ids.shape[-1], rounding_mode="floor")
-        rows = exchange_rows(hidden[token], tp_group, send_counts, recv_counts)
-        local_ids = all_to_all((ids.reshape(-1)[order] % local_experts)[:, None], tp_group, send_counts,
+        rows = exchange_rows(hidden[token], group, send_counts, recv_counts)
+        local_ids = all_to_all((ids.reshape(-1)[order] % local_experts)[:, None], group, send_counts,
                                recv_counts)[0]  # fmt: skip
         routes.append((order, token, weights, send_counts, recv_counts, hidden.shape[0], rows))
         return rows, local_ids, torch.ones_like(local_ids, dtype=weights.dtype)
@@ -243,7 +282,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
             # a rank whose experts received no route may return a constant: tie it to the rows, so that its
             # backward still joins both exchanges' all-to-alls, which every other rank's backward runs
             out = out + rows.sum() * 0
-        back = exchange_rows(out, tp_group, recv_counts, send_counts)  # this rank's routes, grouped by rank
+        back = exchange_rows(out, group, recv_counts, send_counts)  # this rank's routes, grouped by rank
         weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
         return back.new_zeros((tokens, back.shape[-1])).index_add(0, token, weighted)
 
@@ -308,10 +347,10 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
                 # no route reached this rank's experts (split by experts), and the eager implementation returns
                 # a constant: tie it to the inputs, so that their collectives' backwards run here as elsewhere
                 out = out + (hidden.sum() + weights.sum()) * 0
-        if not sequence_parallel:
-            return reduce_from_tp(out, tp_group)
         if dispatch:
             return combine_routes(out)
+        if not sequence_parallel:
+            return reduce_from_tp(out, tp_group)
         if len(names) == 1:
             return per_expert(out, reduce_scatter_to_sequence)
         return reduce_scatter_to_sequence(out, tp_group, dim=0)
@@ -484,3 +523,22 @@ def refuse_router_logits_under_cp(model: nn.Module) -> None:
             )
 
     model.register_forward_pre_hook(check, with_kwargs=True)
+
+
+def reduce_parameter_grads(module: nn.Module, tp_group) -> None:
+    """During each forward the module's own parameters pass through ``copy_to_tp`` (identity forward,
+    all-reduce backward), so their gradients are summed over the group before they accumulate: correct
+    under gradient accumulation too, where a hook on ``.grad`` would reduce the running sum again."""
+    saved: list[dict] = []
+
+    def enter(m, args):
+        own = {n: p for n, p in m._parameters.items() if p is not None and p.requires_grad}
+        saved.append(own)
+        for n, p in own.items():
+            m._parameters[n] = copy_to_tp(p, tp_group)
+
+    def leave(m, args, out):
+        m._parameters.update(saved.pop())
+
+    module.register_forward_pre_hook(enter)
+    module.register_forward_hook(leave, always_call=True)

@@ -72,7 +72,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.collectives import copy_to_tp, reduce_from_tp
+from ..parallel.collectives import reduce_from_tp
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 from .attention import ParallelAttention, check_heads
@@ -90,10 +90,12 @@ from .hf import (
 from .hf_attention import mla_rope_dim, mla_shared_key, per_head_parameters
 from .hf_experts import (
     ExpertSplit,
+    check_ep_group,
     check_parameter_styles,
     expert_block_modules,
     expert_splits,
     install_expert_hooks,
+    reduce_parameter_grads,
     refuse_router_logits_under_cp,
     shard_experts,
 )
@@ -139,11 +141,12 @@ class _Entry:
     parameter_styles: dict[str, tuple[str, str]] = field(default_factory=dict)  # experts: (glob, style) by name
     rope_dim: int | None = None  # mla_kv_a_proj: the width of the rotary key shared by every head
     expert_split: str = "features"  # experts: "features" or "experts"
+    ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
 
 
 def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
                 overlap: bool | str | None = None, cp_group=None,
-                expert_split: str = "features") -> nn.Module:  # fmt: skip
+                expert_split: str = "features", ep_group=None) -> nn.Module:  # fmt: skip
     """Split ``model``'s layers over ``tp_group`` in place, following ``plan`` or the model's own; returns it.
 
     ``tp_group=None`` is the default group (a world of one without a process group). Every rank of the
@@ -154,7 +157,10 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     ``expert_split`` (mixtures of experts, :mod:`~tessel.layers.hf_experts`): ``"features"`` gives every rank
     each expert's share of the intermediate features; ``"experts"`` gives rank ``r`` of ``t`` the experts
     ``r·E/t …`` whole (expert parallelism over the tensor-parallel group, which routes the same tokens on
-    every rank), as a plan's ``ep_dispatch_experts`` does for its module.
+    every rank), as a plan's ``ep_dispatch_experts`` does for its module. ``ep_group`` (expert parallelism
+    over data-parallel ranks, ``init_parallel(ep=)``'s ``ep_group``): rank ``r`` of the group keeps experts
+    ``r·E/e …`` whole, every route travels to its expert's rank by all-to-all, and the experts are not split
+    over ``tp_group``; their parameters are marked ``expert_parallel`` for ``DDP(expert_group=)``.
 
     ``cp_group`` (context parallelism): the sequence is also split over this group, whose ranks must
     be other ranks than ``tp_group``'s. Each rank then calls the model with its
@@ -172,13 +178,18 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     if expert_split not in ("features", "experts"):
         raise ValueError(f"parallelize: expert_split must be 'features' or 'experts', received {expert_split!r}")
     t = group_size(tp_group)
+    ep = check_ep_group(ep_group, tp_group)
     context = _context_layout(model, tp_group, cp_group)
     own = plan is None
     entries, head_params = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
     for e in entries:
         if e.kind == EXPERTS:
-            e.expert_split = "experts" if e.style == "ep_dispatch_experts" else expert_split
-        _validate_entry(e, t, model)
+            e.expert_split = "experts" if e.style == "ep_dispatch_experts" or ep else expert_split
+            e.ep_group = ep_group
+        _validate_entry(e, ep or t if e.kind == EXPERTS else t, model)
+    if ep and not any(e.kind == EXPERTS for e in entries):
+        raise ValueError(f"parallelize: ep_group was given, but the plan splits no experts module of "
+                         f"{type(model).__name__} (style 'moe_tp_experts' or 'ep_dispatch_experts')")  # fmt: skip
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
     for e in entries:
         e.sequence_parallel = sequence_parallel and (layout is None or layout.in_region(e.name))
@@ -413,7 +424,8 @@ def _validate_entry(e: _Entry, t: int, model: nn.Module) -> None:
             e.splits = expert_splits(m, t, e.expert_split)
         except ValueError as err:
             _fail(e, str(err))
-        if e.expert_split == "features" or e.style == "ep_dispatch_experts":  # else the keyword overrides the plan
+        if e.ep_group is None and (e.expert_split == "features" or e.style == "ep_dispatch_experts"):
+            # else a keyword overrides the plan
             check_parameter_styles(e.name, m, e.splits, e.parameter_styles)
     elif e.kind == EMBEDDING:
         if isinstance(m, VocabParallelEmbedding):
@@ -470,7 +482,8 @@ def _build(e: _Entry, tp_group, overlap) -> nn.Module | None:
     if e.kind == ROW_SPLIT:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False, **kw)
     if e.kind == EXPERTS:
-        e.shards = shard_experts(e.module, e.splits, tp_group)
+        ep = e.ep_group is not None
+        e.shards = shard_experts(e.module, e.splits, e.ep_group if ep else tp_group, expert_parallel=ep)
         return None
     if e.kind == EMBEDDING:
         return VocabParallelEmbedding.from_embedding(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
@@ -564,9 +577,11 @@ def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
         elif e.kind == EXPERTS:
             for name, p in e.shards.items():
                 setattr(e.module, name, p)
-            install_expert_hooks(e.module, tp_group, e.sequence_parallel, e.expert_split)
+            install_expert_hooks(e.module, tp_group, e.sequence_parallel, e.expert_split, e.ep_group)
+            if e.ep_group is not None and e.sequence_parallel:  # whole experts that saw this rank's tokens
+                reduce_parameter_grads(e.module, tp_group)
         elif e.kind == GRAD_ALL_REDUCE:
-            _reduce_parameter_grads(e.module, tp_group)
+            reduce_parameter_grads(e.module, tp_group)
         elif e.kind == ALL_REDUCE:
             e.module.register_forward_hook(lambda m, args, out: _map_first(out, lambda y: reduce_from_tp(y, tp_group)))
         else:
@@ -579,22 +594,3 @@ def _map_first(out, fn):
     if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
         return (fn(out[0]), *out[1:])
     raise ValueError(f"parallelize: style 'all_reduce' needs a module returning a tensor, received {type(out)}")
-
-
-def _reduce_parameter_grads(module: nn.Module, tp_group) -> None:
-    """During each forward the module's own parameters pass through ``copy_to_tp`` (identity forward,
-    all-reduce backward), so their gradients are summed over the group before they accumulate: correct
-    under gradient accumulation too, where a hook on ``.grad`` would reduce the running sum again."""
-    saved: list[dict] = []
-
-    def enter(m, args):
-        own = {n: p for n, p in m._parameters.items() if p is not None and p.requires_grad}
-        saved.append(own)
-        for n, p in own.items():
-            m._parameters[n] = copy_to_tp(p, tp_group)
-
-    def leave(m, args, out):
-        m._parameters.update(saved.pop())
-
-    module.register_forward_pre_hook(enter)
-    module.register_forward_hook(leave, always_call=True)

@@ -1,0 +1,148 @@
+"""Expert parallelism over data-parallel ranks: ``parallelize(ep_group=)`` on Hugging Face mixtures of experts.
+
+Each data-parallel rank trains on its own batch; the ranks of an expert-parallel group hold different experts
+and send every (token, choice) route to its expert's rank by all-to-all. The reference is the dense model on
+every rank's batch: the mean of the ranks' losses. What each parallel rank's gradients must sum to (the
+reductions a data-parallel wrapper performs, written out here so that the layers are tested on their own):
+
+- a dense parameter: the sum over the data-parallel group of the ranks' gradients is the dense gradient;
+- an expert parameter (``expert_parallel``): the all-to-all's backward already summed the expert-parallel
+  group's contributions; the sum over the expert-data-parallel group (the ranks holding the same experts) is
+  the dense gradient of this rank's experts.
+
+Layouts (``d`` the data-parallel index, tensor-parallel ranks innermost): 2 ranks dp=2 ep=2; 4 ranks dp=4 ep=2
+(two replicas of each expert); tp=2 × dp=2 ep=2 with and without sequence parallelism. fp32, the tolerance of
+tests/layers/test_hf.py. The routers' weights are scaled up so that fp32 reordering cannot flip a route.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, B, S, _assert_unchanged, _close, _state, needs_hf
+from tests.layers.test_hf_experts import _moe
+from tests.multiprocess import run_ranks
+
+
+def _groups(rank, world_size, tp, ep):
+    """(tp, dp, ep and expert-dp groups, dp rank, dp size) of this rank; global rank = d·tp + t."""
+    import torch.distributed as dist
+
+    dp = world_size // tp
+    d = rank // tp
+
+    def mine(groups):
+        return dist.new_subgroups_by_enumeration(groups)[0]
+
+    tp_group = mine([[d_ * tp + t for t in range(tp)] for d_ in range(dp)])
+    dp_group = mine([[d_ * tp + t for d_ in range(dp)] for t in range(tp)])
+    ep_group = mine([[(g * ep + e) * tp + t for e in range(ep)] for g in range(dp // ep) for t in range(tp)])
+    edp_group = mine([[(g * ep + e) * tp + t for g in range(dp // ep)] for e in range(ep) for t in range(tp)])
+    return tp_group, dp_group, ep_group, edp_group, d, dp
+
+
+def _batch(d):
+    gen = torch.Generator().manual_seed(10 + d)
+    return torch.randint(VOCAB, (B, S), generator=gen), torch.randn(B, S, VOCAB, generator=gen)
+
+
+def _loss(model, ids, weights, dp):
+    logits = model(ids).logits
+    return logits, (logits * weights).sum() / dp
+
+
+def _check(dense, par, groups, tag):
+    """par on batch d against dense on every batch; gradients reduced as DDP(expert_group=) would."""
+    import torch.distributed as dist
+
+    from tessel.parallel.comm import group_rank
+    from tessel.parallel.sharding import shard_like
+
+    tp_group, dp_group, ep_group, edp_group, d, dp = groups
+    for i in range(dp):
+        logits, loss = _loss(dense, *_batch(i), dp)
+        loss.backward()
+        if i == d:
+            want_logits = logits.detach()
+    got_logits, loss = _loss(par, *_batch(d), dp)
+    loss.backward()
+    _close(got_logits, want_logits, msg=lambda m: f"{tag} logits: {m}")
+    dense_params = dict(dense.named_parameters())
+    ep_rank = group_rank(ep_group)
+    for name, p in par.named_parameters():
+        grad = p.grad.clone()
+        want = dense_params[name].grad
+        if getattr(p, "expert_parallel", False):
+            dist.all_reduce(grad, group=edp_group)
+            n = p.shape[0]
+            want = want[ep_rank * n : (ep_rank + 1) * n]
+            assert torch.equal(p.detach(), dense_params[name].detach()[ep_rank * n : (ep_rank + 1) * n]), name
+        else:
+            dist.all_reduce(grad, group=dp_group)
+            want = shard_like(want, p, tp_group)
+        _close(grad, want, msg=lambda m, name=name: f"{tag} grad of {name}: {m}")
+
+
+def _layout(rank, world_size, tp, ep, cases):
+    from tessel.layers.parallelize import parallelize
+
+    groups = _groups(rank, world_size, tp, ep)
+    tp_group, ep_group = groups[0], groups[2]
+    for family, impl, sp in cases:
+        dense = _moe(family)
+        dense.set_experts_implementation(impl)
+        par = parallelize(copy.deepcopy(dense), tp_group, sequence_parallel=sp, ep_group=ep_group)
+        experts = next(m for n, m in par.named_modules() if n.endswith("mlp.experts"))
+        assert experts.num_experts == 4 // ep
+        assert all(getattr(p, "expert_parallel", False) and not getattr(p, "tensor_parallel", False)
+                   for p in experts.parameters())  # fmt: skip
+        _check(dense, par, groups, f"{family} {impl} tp={tp} ep={ep} sp={sp}")
+    return tp_group, ep_group
+
+
+def _two_ranks(rank, world_size):
+    tp_group, ep_group = _layout(rank, world_size, 1, 2, [
+        ("mixtral", "eager", False),
+        ("qwen2_moe", "grouped_mm", False),  # a shared expert and its gate beside the experts
+        ("qwen3_moe", "batched_mm", False),  # a dense MLP layer among the expert layers
+        ("glm4_moe", "eager", False),  # a shared expert split by the model's own plan
+    ])  # fmt: skip
+    from tessel.layers.parallelize import parallelize
+
+    # the refusals leave the model as it was
+    model = _moe("mixtral")
+    before, types = _state(model), [type(m) for m in model.modules()]
+    with pytest.raises(TypeError, match=r"ep_group must be None or a torch.distributed ProcessGroup, received int"):
+        parallelize(model, tp_group, ep_group=2)
+    with pytest.raises(ValueError, match=r"tp_group and ep_group share the ranks \[0, 1\]"):
+        parallelize(model, ep_group, ep_group=ep_group)
+    with pytest.raises(ValueError, match=r"experts fed every token once per expert are split by 'features' only"):
+        parallelize(_moe("llama4"), tp_group, ep_group=ep_group)
+    with pytest.raises(ValueError, match=r"the 3 experts do not split over the 2 ranks of the group"):
+        parallelize(_moe("mixtral", num_local_experts=3), tp_group, ep_group=ep_group)
+    from tests.layers.test_hf import _model
+
+    with pytest.raises(ValueError, match=r"ep_group was given, but the plan splits no experts module of LlamaFor"):
+        parallelize(_model("llama"), tp_group, ep_group=ep_group)
+    _assert_unchanged(model, before, types)
+    return "ok"
+
+
+def _four_ranks(rank, world_size):
+    _layout(rank, world_size, 1, 2, [("mixtral", "eager", False), ("qwen2_moe", "grouped_mm", False)])
+    _layout(rank, world_size, 2, 2, [("mixtral", "eager", False), ("mixtral", "grouped_mm", True),
+                                     ("qwen2_moe", "eager", True), ("glm4_moe", "grouped_mm", True)])  # fmt: skip
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_experts_split_over_data_parallel_ranks_match_dense_on_two_ranks():
+    assert run_ranks(_two_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_experts_split_over_data_parallel_ranks_match_dense_on_four_ranks():
+    assert run_ranks(_four_ranks, 4, timeout=400, env=REFERENCE_KERNELS) == ["ok"] * 4
