@@ -42,11 +42,14 @@ all-to-all each way), weighted at home, so a rank sends ``k`` rows per token at 
 gathering every rank's tokens.
 
 Expert parallelism over data-parallel ranks (``parallelize(ep_group=)``, Megatron-LM's and DeepSpeed-MoE's
-layout): the ranks of ``ep_group`` train on different batches and hold different experts, so every route is
-dispatched by the same all-to-all over ``ep_group``. The experts stay whole on each tensor-parallel rank: no
+layout): the ranks of ``ep_group`` hold different tokens (other batches, or other shards of the sequence under
+context parallelism) and different experts, so every route is dispatched by the same all-to-all over
+``ep_group``. The experts stay whole on each tensor-parallel rank: no
 communication over ``tp_group`` (under sequence parallelism their gradients are summed over it, as the
 router's). The parameters are marked ``expert_parallel``: :class:`~tessel.parallel.DDP` reduces them over
 the expert-data-parallel group (the ranks holding the same experts) instead of the whole data-parallel group.
+Every forward is then a collective over ``ep_group``: ranks generating text step together
+(``generate(..., synced_gpus=True)`` keeps a rank that has finished running forwards until all have).
 
 ``has_post_expert_norm`` (a norm of each expert's whole output) cannot be split and is refused, as is
 an experts module with parameters other than the ones above.
@@ -211,8 +214,9 @@ def check_ep_group(ep_group, tp_group) -> int | None:
     shared = set(dist.get_process_group_ranks(ep_group)) & set(tp_ranks)
     if shared != {dist.get_rank()}:
         raise ValueError(f"parallelize: tp_group and ep_group share the ranks {sorted(shared)}: expert-parallel peers "
-                         "must be data-parallel peers, not tensor-parallel ones (init_parallel(ep=)'s ep_group; for "
-                         "expert parallelism over the tensor-parallel group use expert_split='experts')")  # fmt: skip
+                         "must hold other tokens (data- or context-parallel peers), not tensor-parallel ones "
+                         "(init_parallel(ep=)'s ep_group; for expert parallelism over the tensor-parallel group use "
+                         "expert_split='experts')")  # fmt: skip
     return group_size(ep_group)
 
 

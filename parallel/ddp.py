@@ -17,6 +17,17 @@ Without an optimizer attached the reduction is an all-reduce and ``p.grad`` is t
 the wrapper to ZeRO-1/2: each bucket is reduce-scattered into this rank's ``[s]`` gradient shard (in
 place, a view of the full gradient, for ZeRO-1; a separate shard, with the ``[P]`` gradient freed after
 the reduction, for ZeRO-2), and ``p.grad`` is left ``None``: the averaged gradient exists only as shards.
+
+Expert parameters (``p.expert_parallel = True``) hold different experts on the ranks of an
+expert-parallel (ep) group and the same experts on the ranks of the expert-data-parallel group
+``expert_group`` (size ``N/ep``; :attr:`~tessel.parallel.dims.ParallelDims.expert_dp_group`). They live
+in buckets of their own whose every collective (reduction, ZeRO shards and all-gather, the broadcast at
+construction) runs over ``expert_group``. The reduction sums over ``expert_group`` but still divides by
+``N``: the loss is the mean of all ``N`` ranks' losses, and the all-to-all's backward has already summed
+the contributions of the ep group's ranks to each expert's gradient::
+
+    dense:   g = (1/N) · Σ_{N ranks} g_r           all-reduce over group, ÷ N
+    expert:  g = (1/N) · Σ_{expert_group} g_r      all-reduce over expert_group, ÷ N
 """
 
 from __future__ import annotations
@@ -29,7 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import all_gather, all_reduce, group_rank, group_size, reduce_scatter
-from .flat import Bucket, backward_order, flatten_into_buffers, make_buckets, shard_tensors
+from .flat import Bucket, backward_order, flatten_into_buffers, is_expert, make_buckets, shard_tensors
 
 __all__ = ["DDP", "broadcast_from_first_rank", "check_data_parallel_args"]
 
@@ -59,6 +70,40 @@ def broadcast_from_first_rank(tensors, group) -> None:
         dist.broadcast(t, src=src, group=group)
 
 
+def _ranks(group) -> list[int]:
+    return dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() else [0]
+
+
+def _check_expert_group(module: nn.Module, group, expert_group) -> None:
+    """``expert_group``: required when ``module`` has expert parameters and ``group`` more than one rank; a
+    subset of ``group`` whose size divides ``group``'s (the expert-data-parallel group of that layout)."""
+    if expert_group is not None and not isinstance(expert_group, dist.ProcessGroup):
+        raise TypeError(
+            "DDP: expert_group must be None or a torch.distributed ProcessGroup, "
+            f"received {type(expert_group).__name__}"
+        )
+    experts = [name for name, p in module.named_parameters() if is_expert(p)]
+    n = group_size(group)
+    if expert_group is None:
+        if experts and n > 1:
+            raise ValueError(
+                f"DDP: the module has expert parameters (expert_parallel = True, e.g. {experts[0]!r}) and the "
+                f"data-parallel group has {n} ranks: expert_group must be the expert-data-parallel group (the "
+                "ranks that hold the same experts, ParallelDims.expert_dp_group), received None"
+            )
+        return
+    ranks, expert_ranks = _ranks(group), _ranks(expert_group)
+    if not set(expert_ranks) <= set(ranks):
+        raise ValueError(
+            f"DDP: expert_group must be a subset of group's ranks {ranks}, received a group of ranks {expert_ranks}"
+        )
+    if n % len(expert_ranks):
+        raise ValueError(
+            f"DDP: expert_group's size must divide the data-parallel size {n}, received a group of "
+            f"{len(expert_ranks)} ranks {expert_ranks}"
+        )
+
+
 def _check_sync_call(name: str, sync: bool) -> None:
     if torch._C._current_graph_task_id() != -1:
         raise RuntimeError(f"{name}.sync_gradients: called during backward; call it after backward returns")
@@ -82,10 +127,16 @@ class DDP(nn.Module):
             and as :class:`~tessel.parallel.fsdp.FSDP`) or ``None``, the parameters' dtype (autograd
             adds into ``p.grad`` in place, rounding at every backward, with no extra buffer). fp32
             parameters accumulate in place either way.
+        expert_group: the expert-data-parallel group, the ranks of ``group`` that hold the same experts
+            (``ParallelDims.expert_dp_group``), over which expert parameters (``expert_parallel = True``)
+            are reduced and sharded; required when the module has expert parameters and ``group`` more
+            than one rank, unused without them. Its size must divide ``group``'s.
 
-    Rank 0's parameters and buffers are broadcast at construction. ``forward`` calls the module.
-    Gradients are averaged over the group at the end of each backward; inside :meth:`no_sync` they
-    accumulate locally and are reduced by the first backward outside it.
+    Rank 0's parameters and buffers are broadcast at construction; expert parameters (and frozen
+    parameters or buffers marked ``expert_parallel``) from rank 0 of ``expert_group``, so each rank keeps
+    its own experts. ``forward`` calls the module. Gradients are averaged over the group at the end of
+    each backward (expert gradients summed over ``expert_group`` and divided by ``group``'s size); inside
+    :meth:`no_sync` they accumulate locally and are reduced by the first backward outside it.
     """
 
     def __init__(
@@ -95,6 +146,7 @@ class DDP(nn.Module):
         bucket_mb: float = 25,
         *,
         accumulate_dtype: torch.dtype | None = torch.float32,
+        expert_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         check_data_parallel_args("DDP", module, group)
@@ -107,14 +159,19 @@ class DDP(nn.Module):
                 f"DDP: accumulate_dtype must be torch.float32 or None (the parameters' dtype), "
                 f"received {accumulate_dtype!r}"
             )
+        _check_expert_group(module, group, expert_group)
         self.accumulate_dtype = accumulate_dtype
         self.module = module
         self.group, self.world_size, self.rank = group, group_size(group), group_rank(group)
+        # Without an expert group (a world of one) expert buckets are laid out over ``group`` like the others.
+        self.expert_group = group if expert_group is None else expert_group
+        expert_layout = (self.expert_group, group_size(self.expert_group), group_rank(self.expert_group))
         named = backward_order(module)
-        self.buckets: list[Bucket] = make_buckets(named, self.world_size, self.rank, int(bucket_mb * 2**20))
+        self.buckets: list[Bucket] = make_buckets(
+            named, self.world_size, self.rank, int(bucket_mb * 2**20), group=group, expert_layout=expert_layout
+        )
         self.flat_buffers = list(flatten_into_buffers(self.buckets).values())
-        frozen = [p.data for p in module.parameters() if not p.requires_grad]
-        broadcast_from_first_rank([*self.flat_buffers, *frozen, *module.buffers()], group)
+        self._broadcast_initial_state()
         for bucket in self.buckets:
             bucket.grad = torch.zeros_like(bucket.params)
         self.zero_stage = 0  # 0: all-reduce; 1 or 2: reduce-scatter for ZeroAdam
@@ -127,6 +184,20 @@ class DDP(nn.Module):
             for si, slot in enumerate(bucket.slots):
                 slot.param.register_post_accumulate_grad_hook(lambda p, bi=bi, si=si: self._on_grad(bi, si, p))
                 setattr(slot.param, OWNER_ATTR, self)
+
+    def _broadcast_initial_state(self) -> None:
+        """Every rank starts from rank 0's dense tensors and from rank 0 (of ``expert_group``)'s experts."""
+        frozen = [p for p in self.module.parameters() if not p.requires_grad]
+        others = [*frozen, *self.module.buffers()]
+        dense = [t.data for t in others if not is_expert(t)]
+        experts = [t.data for t in others if is_expert(t)]
+        if any(b.expert for b in self.buckets):  # experts share the flat buffers: one broadcast per bucket
+            dense = [*(b.params for b in self.buckets if not b.expert), *dense]
+            experts = [*(b.params for b in self.buckets if b.expert), *experts]
+        else:
+            dense = [*self.flat_buffers, *dense]
+        broadcast_from_first_rank(dense, self.group)
+        broadcast_from_first_rank(experts, self.expert_group)
 
     def forward(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -240,9 +311,9 @@ class DDP(nn.Module):
                 else:
                     view.zero_()
         if self.zero_stage == 0:
-            _, work = all_reduce(bucket.grad, self.group, async_op=True)
+            _, work = all_reduce(bucket.grad, bucket.group, async_op=True)
         else:
-            _, work = reduce_scatter(bucket.grad, self.group, out=bucket.grad_shard, async_op=True)
+            _, work = reduce_scatter(bucket.grad, bucket.group, out=bucket.grad_shard, async_op=True)
         self._works.append((bi, work))
         self._next = bi + 1
 
@@ -263,6 +334,7 @@ class DDP(nn.Module):
                 self._touched, self._stash = touched, stash
 
     def _after_reduce(self, bi: int) -> None:
+        """Average: divide by ``N`` (for expert buckets too, whose reduction summed over ``expert_group``)."""
         bucket = self.buckets[bi]
         if self.zero_stage == 0:
             if self.world_size > 1:
@@ -309,7 +381,7 @@ class DDP(nn.Module):
 
     def _gather_params(self) -> None:
         """After the optimizer updated this rank's shards: all-gather every bucket in place."""
-        works = [all_gather(b.param_shard, self.group, out=b.params, async_op=True)[1] for b in self.buckets]
+        works = [all_gather(b.param_shard, b.group, out=b.params, async_op=True)[1] for b in self.buckets]
         for work in works:
             work.wait()
 

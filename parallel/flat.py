@@ -20,6 +20,11 @@ parameter with zero gradient and zero moments to zero.
 
 Each parameter's ``.data`` becomes a view of its slot in the flat buffer (``p.data = view``), so modules
 keep their parameters and every update of the buffer is seen by the module without a copy.
+
+Expert parameters (``p.expert_parallel = True``: different values on the ranks of an expert-parallel
+group) are reduced and sharded over another group than the dense ones (the ranks holding the same
+experts), so they never share a bucket with dense parameters: each bucket carries its own ``group``,
+and for an expert bucket ``N`` and ``r`` are that group's size and this rank's index in it.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ __all__ = [
     "Slot",
     "backward_order",
     "flatten_into_buffers",
+    "is_expert",
     "make_buckets",
     "padded_numel",
     "shard_tensors",
@@ -44,6 +50,11 @@ __all__ = [
 def padded_numel(numel: int, world_size: int) -> int:
     """``numel`` rounded up to a multiple of ``world_size`` (the shard arithmetic of one bucket)."""
     return -(-numel // world_size) * world_size
+
+
+def is_expert(t: torch.Tensor) -> bool:
+    """Whether ``t`` is marked ``expert_parallel = True``: its values differ across an expert-parallel group."""
+    return bool(getattr(t, "expert_parallel", False))
 
 
 def backward_order(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -66,9 +77,12 @@ class Slot:
 
 
 class Bucket:
-    """Consecutive parameters of one dtype and device, padded to a multiple of the data-parallel size.
+    """Consecutive parameters of one dtype and device, padded to a multiple of the size of ``group``.
 
-    The owner (DDP or FSDP) sets the tensors:
+    ``group`` (``None``: the default group, or a world of one) is the group every collective of the bucket
+    runs over, ``world_size`` and ``rank`` its size and this rank's index in it; ``expert`` says whether the
+    bucket holds expert parameters (then ``group`` is the expert-data-parallel group). The owner (DDP or
+    FSDP) sets the tensors:
 
     - ``params``: the full bucket ``[P]`` of parameters (a view into the flat buffer for DDP; FSDP's own
       storage, resized to zero bytes while the unit is sharded);
@@ -77,11 +91,12 @@ class Bucket:
     - ``grad_shard``: this rank's ``[s]`` reduced gradient (ZeroAdam reads it), else ``None``.
     """
 
-    def __init__(self, slots: list[Slot], world_size: int, rank: int):
+    def __init__(self, slots: list[Slot], world_size: int, rank: int, group=None):
         assert slots, "a bucket holds at least one parameter"
         first = slots[0].param
         self.slots = slots
-        self.dtype, self.device = first.dtype, first.device
+        self.dtype, self.device, self.expert = first.dtype, first.device, is_expert(first)
+        self.group = group
         self.numel = sum(slot.numel for slot in slots)
         self.padded = padded_numel(self.numel, world_size)
         self.world_size, self.rank = world_size, rank
@@ -132,18 +147,29 @@ class Bucket:
         return runs
 
     def __repr__(self) -> str:
-        return (f"Bucket({len(self.slots)} params, {self.dtype}, numel={self.numel}, padded={self.padded}, "
+        return (f"Bucket({len(self.slots)} {'expert ' if self.expert else ''}params, {self.dtype}, "
+                f"numel={self.numel}, padded={self.padded}, "
                 f"shard=[{self.shard_offset}, {self.shard_offset + self.shard_numel}))")  # fmt: skip
 
 
 def make_buckets(
-    named_params: Iterable[tuple[str, nn.Parameter]], world_size: int, rank: int, bucket_bytes: int | None
+    named_params: Iterable[tuple[str, nn.Parameter]],
+    world_size: int,
+    rank: int,
+    bucket_bytes: int | None,
+    *,
+    group=None,
+    expert_layout: tuple[object, int, int] | None = None,
 ) -> list[Bucket]:
     """Cut parameters (already in backward order) into buckets of at most ``bucket_bytes`` bytes.
 
-    A parameter larger than a bucket gets a bucket of its own; a change of dtype or device starts a new
-    bucket. ``bucket_bytes=None`` puts everything of one dtype and device run into a single bucket.
+    A parameter larger than a bucket gets a bucket of its own; a change of dtype, device or of expert
+    versus dense (:func:`is_expert`) starts a new bucket. ``bucket_bytes=None`` puts everything of one
+    such run into a single bucket. Dense buckets are laid out over ``group`` (``world_size`` ranks, this
+    one ``rank``), expert buckets over ``expert_layout = (group, world_size, rank)`` (default: as dense).
     """
+    dense_layout = (group, world_size, rank)
+    expert_layout = expert_layout or dense_layout
     buckets: list[Bucket] = []
     current: list[Slot] = []
     size = 0
@@ -151,14 +177,17 @@ def make_buckets(
     def close():
         nonlocal current, size
         if current:
-            buckets.append(Bucket(current, world_size, rank))
+            g, n, r = expert_layout if is_expert(current[0].param) else dense_layout
+            buckets.append(Bucket(current, n, r, g))
         current, size = [], 0
+
+    def kind(p):
+        return p.dtype, p.device, is_expert(p)
 
     for name, p in named_params:
         nbytes = p.numel() * p.element_size()
         if current and (
-            (p.dtype, p.device) != (current[0].param.dtype, current[0].param.device)
-            or (bucket_bytes is not None and size + nbytes > bucket_bytes)
+            kind(p) != kind(current[0].param) or (bucket_bytes is not None and size + nbytes > bucket_bytes)
         ):
             close()
         offset = sum(slot.numel for slot in current)

@@ -42,7 +42,7 @@ from torch import nn
 
 from .comm import all_gather, group_rank, group_size, reduce_scatter
 from .ddp import OWNER_ATTR, _check_sync_call, broadcast_from_first_rank, check_data_parallel_args
-from .flat import shard_tensors
+from .flat import is_expert, shard_tensors
 from .fsdp_units import Unit, assign_params, choose_units
 
 __all__ = ["FSDP"]
@@ -75,7 +75,8 @@ class FSDP(nn.Module):
     ``bucket.grad_shard`` (``[s]``); backwards accumulate into it until ZeroAdam's ``zero_grad()``, and
     inside :meth:`no_sync` they accumulate locally, unreduced. Raises ``ValueError`` before changing
     anything when a unit cannot be sharded (a parameter shared across units; mixed dtypes or devices
-    within a unit).
+    within a unit) and for expert parameters (``expert_parallel = True``), which FSDP's one group cannot
+    shard: train mixtures of experts with :class:`~tessel.parallel.ddp.DDP`'s ``expert_group`` and ZeroAdam.
     """
 
     def __init__(
@@ -89,6 +90,13 @@ class FSDP(nn.Module):
     ):
         super().__init__()
         check_data_parallel_args("FSDP", module, group)
+        experts = [name for name, p in module.named_parameters() if is_expert(p)]
+        if experts:
+            raise ValueError(
+                f"FSDP: the module has expert parameters (expert_parallel = True, e.g. {experts[0]!r}); FSDP shards "
+                "every parameter over one group, while experts differ across the expert-parallel group and must be "
+                "sharded over the expert-data-parallel group: use DDP(module, group, expert_group=...) with ZeroAdam"
+            )
         if accumulate_dtype not in (torch.float32, None):
             raise TypeError(
                 f"FSDP: accumulate_dtype must be torch.float32 or None (the parameters' dtype), "
@@ -108,6 +116,8 @@ class FSDP(nn.Module):
             Unit(name, mod, named, group, self.world_size, self.rank, self._live) for name, mod, named in specs
         ]
         self.buckets = [u.bucket for u in self.units]
+        for bucket in self.buckets:  # every collective of a bucket (ZeroAdam's checkpoints too) runs over its group
+            bucket.group = group
         self._shard_params(module)
         self.zero_stage = 0
         self._forward_order: list[Unit] = []  # units in the order the current forward ran them

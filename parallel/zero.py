@@ -19,6 +19,13 @@ mixed-precision Adam"; Rajbhandari et al. 2020):
 5. dynamic loss scaling on the device: ×``backoff_factor`` on a non-finite step, ×``growth_factor``
    after ``growth_interval`` good steps in a row.
 
+Expert parameters (DDP's ``expert_group``, :mod:`.ddp`) sit in buckets sharded over the
+expert-data-parallel group of size ``N/ep``, so each element of each expert is owned by exactly one
+rank of that group; the statistics of step 1 are still all-reduced over the whole data-parallel group:
+every element of every expert is then counted once, ``‖g‖`` is the norm of the whole model, and a
+non-finite expert gradient on one rank skips the step on every rank. ``state_dict`` holds this rank's
+own experts (:mod:`.zero_state`).
+
 Host synchronisation: none inside the step. A skipped step must not count towards Adam's bias
 correction, and whether it was skipped is known only on the device: the flag is copied
 asynchronously to the host and read at the start of the *next* step (or by ``state_dict``), long
@@ -37,7 +44,7 @@ import torch.distributed as dist
 
 from ..kernels.adam import adam_step, grad_stats
 from .comm import all_reduce, group_size
-from .ddp import OWNER_ATTR
+from .ddp import OWNER_ATTR, _ranks
 from .flat import shard_tensors
 from .zero_state import load_zero_shards, load_zero_state, zero_shard_views, zero_state_dict
 
@@ -121,10 +128,6 @@ def _resolve_stage(owner, stage) -> int:
     if stage not in allowed:
         raise ValueError(f"ZeroAdam: stage must be one of {allowed} with {type(owner).__name__}, received {stage!r}")
     return stage
-
-
-def _ranks(group) -> list[int]:
-    return dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() else [0]
 
 
 def _check_groups(owner, group, tp_group) -> None:
@@ -323,12 +326,19 @@ class ZeroAdam(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """Full, unsharded fp32 master weights and moments per parameter index, step and scale (a collective)."""
+        """Full, unsharded fp32 master weights and moments per parameter index, step and scale (a collective).
+
+        Expert parameters' state is this rank's own experts, gathered over the expert-data-parallel group.
+        """
         self._settle_skip()
         return zero_state_dict(self)
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a :meth:`state_dict` saved at any data-parallel size; sets the parameters from the masters."""
+        """Load a :meth:`state_dict` saved at any data-parallel size; sets the parameters from the masters.
+
+        With expert parameters the expert layout must be the same (the same ``ep``, each rank loading a
+        state saved by a rank of its ep index); the expert-data-parallel size may differ.
+        """
         self._settle_skip()
         load_zero_state(self, state_dict)
 

@@ -12,6 +12,11 @@ parameter's index in the optimizer's parameter order. Loading slices each parame
 rank's shards (whatever the data-parallel size the checkpoint was saved at), then writes the parameters
 from the masters and all-gathers them, so the model and the optimizer agree exactly.
 
+Expert parameters (a DDP with an ``expert_group``) are gathered over the expert-data-parallel group
+only, so each rank's state holds the experts it owns: expert state is per expert-parallel rank. A
+checkpoint loads into the same expert layout (the same ``ep``, each rank loading the state saved by a
+rank of its own ep index); the expert-data-parallel size, like the data-parallel size, may differ.
+
 Format::
 
     {"state": {i: {"master": fp32, "exp_avg": fp32, "exp_avg_sq": fp32}},   # param i's full tensors
@@ -38,7 +43,7 @@ def _bucket_tensors(opt):
 def zero_state_dict(opt) -> dict:
     state: dict[int, dict[str, torch.Tensor]] = {}
     for bucket, *shards in _bucket_tensors(opt):
-        fulls = [all_gather(shard.float(), opt.group)[0] for shard in shards]
+        fulls = [all_gather(shard.float(), bucket.group)[0] for shard in shards]
         for slot in bucket.slots:
             i = opt.param_index.get(id(slot.param))
             if i is not None:

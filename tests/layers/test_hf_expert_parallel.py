@@ -110,6 +110,16 @@ def _two_ranks(rank, world_size):
     ])  # fmt: skip
     from tessel.layers.parallelize import parallelize
 
+    # greedy generation with a cache, each rank its own prompt and its own number of new tokens: every forward
+    # joins the all-to-alls, so the ranks step together (Hugging Face's synced_gpus keeps a rank that has
+    # finished running forwards until every rank has) and each gets the dense model's tokens
+    dense = _moe("mixtral").eval()
+    prompt, new = _batch(rank)[0][:, :5], 3 + 2 * rank
+    with torch.inference_mode():
+        want = dense.generate(prompt, max_new_tokens=new, do_sample=False)
+        par = parallelize(copy.deepcopy(dense), tp_group, ep_group=ep_group)
+        got = par.generate(prompt, max_new_tokens=new, do_sample=False, synced_gpus=True)
+    assert torch.equal(got, want), (got, want)
     # the refusals leave the model as it was
     model = _moe("mixtral")
     before, types = _state(model), [type(m) for m in model.modules()]
@@ -133,7 +143,41 @@ def _four_ranks(rank, world_size):
     _layout(rank, world_size, 1, 2, [("mixtral", "eager", False), ("qwen2_moe", "grouped_mm", False)])
     _layout(rank, world_size, 2, 2, [("mixtral", "eager", False), ("mixtral", "grouped_mm", True),
                                      ("qwen2_moe", "eager", True), ("glm4_moe", "grouped_mm", True)])  # fmt: skip
+    _over_context_ranks(rank, world_size)
     return "ok"
+
+
+def _over_context_ranks(rank, world_size):
+    """tp=2 × cp=2, the experts split over the cp ranks (which hold one sequence's shards: different tokens).
+    The all-to-all's backward sums the cp ranks' contributions: an expert's gradient is complete as it is."""
+    import torch.distributed as dist
+
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.comm import group_rank
+    from tessel.parallel.context import gather_sequence, split_sequence
+    from tessel.parallel.sharding import shard_like
+    from tests.layers.test_context_parallel import _grid
+    from tests.layers.test_hf import _batch as _one_batch
+    from tests.layers.test_hf import _forward_backward
+
+    _, tp_group, cp_group = _grid(rank, world_size, 2)
+    for sp in (False, True):
+        dense = _moe("mixtral")
+        par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp, ep_group=cp_group)
+        ids, weights = _one_batch()
+        want = _forward_backward(dense, ids, weights)
+        got = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group))
+        _close(gather_sequence(got, cp_group), want, msg=lambda m, sp=sp: f"ep over cp, sp={sp}, logits: {m}")
+        dense_params = dict(dense.named_parameters())
+        for name, p in par.named_parameters():
+            grad, want = p.grad.clone(), dense_params[name].grad
+            if getattr(p, "expert_parallel", False):
+                n, e = p.shape[0], group_rank(cp_group)
+                want = want[e * n : (e + 1) * n]
+            else:
+                dist.all_reduce(grad, group=cp_group)
+                want = shard_like(want, p, tp_group)
+            _close(grad, want, msg=lambda m, name=name, sp=sp: f"ep over cp, sp={sp}, grad of {name}: {m}")
 
 
 @pytest.mark.multiprocess
@@ -146,3 +190,69 @@ def test_experts_split_over_data_parallel_ranks_match_dense_on_two_ranks():
 @needs_hf
 def test_experts_split_over_data_parallel_ranks_match_dense_on_four_ranks():
     assert run_ranks(_four_ranks, 4, timeout=400, env=REFERENCE_KERNELS) == ["ok"] * 4
+
+
+# ---------------------------------------------------------------------------------------------------- training
+
+# Adam moves each weight by about LR per step whatever the gradient's size, so an element whose gradient is
+# near zero turns fp32 reordering (~1e-7 relative) into a visible difference: the weights are compared at an
+# absolute tolerance of 1% of one step
+STEPS, LR, CLIP = 3, 1e-2, 0.5
+WEIGHTS = dict(rtol=1e-4, atol=1e-2 * LR)
+
+
+def _lm_loss(model, d):
+    ids = _batch(d)[0]
+    return model(ids, labels=ids).loss
+
+
+def _dense_training(dp, clip):
+    """One process, the dense model, the mean of the dp ranks' losses (clipped as ZeroAdam clips)."""
+    dense = _moe("mixtral")
+    opt = torch.optim.AdamW(dense.parameters(), lr=LR, weight_decay=0.1)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (sum(_lm_loss(dense, d) for d in range(dp)) / dp).backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(dense.parameters(), CLIP)
+        opt.step()
+    return dense
+
+
+def _training(rank, world_size, tp, ep, sp, zero):
+    """init_parallel(ep=) → parallelize(ep_group=) → DDP(expert_group=) → ZeroAdam (clipped) or torch's AdamW;
+    every weight after STEPS steps against the dense run's."""
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel import DDP, ZeroAdam, init_parallel
+    from tessel.parallel.sharding import shard_like
+
+    dims = init_parallel(tp=tp, ep=ep)
+    model = parallelize(_moe("mixtral"), dims.tp_group, sequence_parallel=sp, ep_group=dims.ep_group)
+    ddp = DDP(model, dims.dp_group, expert_group=dims.expert_dp_group)
+    if zero:
+        opt = ZeroAdam(ddp.parameters(), lr=LR, weight_decay=0.1, max_grad_norm=CLIP, tp_group=dims.tp_group)
+    else:
+        opt = torch.optim.AdamW(ddp.parameters(), lr=LR, weight_decay=0.1)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        _lm_loss(ddp, dims.dp_rank).backward()
+        opt.step()
+    dense_params = dict(_dense_training(dims.dp, zero).named_parameters())
+    for name, p in model.named_parameters():
+        want = dense_params[name].detach()
+        if getattr(p, "expert_parallel", False):
+            n = p.shape[0]
+            want = want[dims.ep_rank * n : (dims.ep_rank + 1) * n]
+        else:
+            want = shard_like(want, p, dims.tp_group)
+        torch.testing.assert_close(p.detach(), want, **WEIGHTS, msg=lambda m, name=name: f"{name}: {m}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+@pytest.mark.parametrize("world_size, tp, ep, sp, zero", [(2, 1, 2, False, False), (4, 1, 2, False, True),
+                                                          (4, 2, 2, True, True)])  # fmt: skip
+def test_training_with_experts_over_data_parallel_ranks_matches_dense_training(world_size, tp, ep, sp, zero):
+    result = run_ranks(_training, world_size, tp, ep, sp, zero, timeout=400, env=REFERENCE_KERNELS)
+    assert result == ["ok"] * world_size

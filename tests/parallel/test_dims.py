@@ -99,6 +99,56 @@ def test_context_parallel_layouts_on_four_ranks():
                          "tp": [rank - rank % 2, rank - rank % 2 + 1], "dp_cp": [rank % 2, rank % 2 + 2]}  # fmt: skip
 
 
+def _expert_layouts(rank, world_size, layouts):
+    found = []
+    for kw in layouts:
+        dims = init_parallel(**kw)
+        found.append({
+            "ep": dims.ep,
+            "ep_rank": dims.ep_rank,
+            "ep_group": None if dims.ep_group is None else _members(dims.ep_group, world_size),
+            "expert_dp": _members(dims.expert_dp_group, world_size),
+        })  # fmt: skip
+    return found
+
+
+def _expected_expert(rank: int, dp: int, ep: int, cp: int = 1, pp: int = 1, tp: int = 1) -> dict:
+    """By definition, over every rank's (d, c, p, t): the ep group shares d // ep, c, p, t; the expert-dp
+    group shares d % ep, p, t."""
+    coords = [(d, c, p, t) for d in range(dp) for c in range(cp) for p in range(pp) for t in range(tp)]
+    of = {((d * cp + c) * pp + p) * tp + t: (d, c, p, t) for d, c, p, t in coords}
+    d, c, p, t = of[rank]
+    ep_group = sorted(r for r, (d2, *rest) in of.items() if d2 // ep == d // ep and rest == [c, p, t])
+    expert_dp = sorted(r for r, (d2, _, p2, t2) in of.items() if d2 % ep == d % ep and (p2, t2) == (p, t))
+    return {"ep": ep, "ep_rank": d % ep, "ep_group": ep_group if ep > 1 else None, "expert_dp": expert_dp}
+
+
+@pytest.mark.multiprocess
+def test_expert_parallel_groups_on_four_ranks():
+    """ep splits dp: ep groups of consecutive dp indices, expert-dp groups of equal ep rank across replicas."""
+    layouts = [dict(ep=2), dict(tp=2, dp=2, ep=2), dict(cp=2, dp=2, ep=2), dict(ep=4), dict(tp=2)]
+    for rank, (dp4, tp_dp, cp_dp, ep4, no_ep) in enumerate(run_ranks(_expert_layouts, 4, layouts)):
+        pair = [rank - rank % 2, rank - rank % 2 + 1]
+        assert dp4 == {"ep": 2, "ep_rank": rank % 2, "ep_group": pair, "expert_dp": [rank % 2, rank % 2 + 2]}
+        # rank = 2d + t: the ep group spans d at fixed t; each d is its own expert-dp group (one replica)
+        assert tp_dp == {"ep": 2, "ep_rank": rank // 2, "ep_group": [rank % 2, rank % 2 + 2], "expert_dp": [rank]}
+        # rank = 2d + c: the ep group spans d at fixed c; the expert-dp group spans every cp index
+        assert cp_dp == {"ep": 2, "ep_rank": rank // 2, "ep_group": [rank % 2, rank % 2 + 2], "expert_dp": pair}
+        assert ep4 == {"ep": 4, "ep_rank": rank, "ep_group": [0, 1, 2, 3], "expert_dp": [rank]}
+        assert no_ep == {"ep": 1, "ep_rank": 0, "ep_group": None, "expert_dp": [rank % 2, rank % 2 + 2]}
+        for got, kw in zip((dp4, tp_dp, cp_dp, ep4, no_ep), layouts):
+            assert got == _expected_expert(rank, **{"dp": 4 // kw.get("tp", 1) // kw.get("cp", 1), "ep": 1, **kw})
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_parallel_groups_on_eight_ranks():
+    layouts = [dict(dp=4, tp=2, ep=2), dict(dp=2, cp=2, pp=2, ep=2), dict(dp=4, cp=2, ep=2)]
+    for rank, found in enumerate(run_ranks(_expert_layouts, 8, layouts, timeout=180)):
+        for got, kw in zip(found, layouts):
+            assert got == _expected_expert(rank, **kw), kw
+
+
 def _reuse_default_group(rank, world_size):
     world = dist.group.WORLD
     # backend="nccl" is ignored because a group exists: on this CPU-only gloo world it would fail otherwise.
@@ -171,6 +221,10 @@ def no_process_group(monkeypatch):
         ({"cp": 0}, ValueError, "init_parallel: cp must be a positive int, received 0"),
         ({"cp": 3}, ValueError, "the world size 4 is not divisible by cp*pp*tp = 3*1*1 = 3"),
         ({"cp": 2, "tp": 2, "dp": 2}, ValueError, "dp*cp*pp*tp = 2*2*1*2 = 8 must equal the world size 4"),
+        ({"ep": 0}, ValueError, "init_parallel: ep must be a positive int, received 0"),
+        ({"ep": 2.0}, TypeError, "init_parallel: ep must be an int, received float 2.0"),
+        ({"ep": 3}, ValueError, "init_parallel: ep must divide the data-parallel size dp = 4, received 3"),
+        ({"tp": 2, "ep": 4}, ValueError, "init_parallel: ep must divide the data-parallel size dp = 2, received 4"),
     ],
 )
 def test_bad_arguments_are_rejected_before_any_group_exists(no_process_group, kwargs, error, message):
