@@ -71,6 +71,7 @@ from ..parallel.collectives import (
     gather_from_tp,
     reduce_from_tp,
     reduce_scatter_to_sequence,
+    scatter_to_sequence,
 )
 from ..parallel.comm import all_gather, all_to_all, group_rank, group_size
 from ..parallel.sharding import local_shard
@@ -220,6 +221,20 @@ def check_ep_group(ep_group, tp_group) -> int | None:
     return group_size(ep_group)
 
 
+def _tp_share(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tp_group):
+    """This tensor-parallel rank's ``1/t`` of the tokens every rank of ``tp_group`` holds, padded to a multiple of
+    ``t`` with tokens routed to expert 0 with weight 0 (their rows come back zero). The hidden states and weights
+    pass through :func:`scatter_to_sequence`: the backward all-gathers their gradients over the group."""
+    pad = -hidden.shape[0] % group_size(tp_group)
+    if pad:
+        hidden = torch.cat([hidden, hidden.new_zeros((pad, *hidden.shape[1:]))])
+        ids = torch.cat([ids, ids.new_zeros((pad, *ids.shape[1:]))])
+        weights = torch.cat([weights, weights.new_zeros((pad, *weights.shape[1:]))])
+    n = ids.shape[0] // group_size(tp_group)
+    own = ids.narrow(0, group_rank(tp_group) * n, n)
+    return scatter_to_sequence(hidden, tp_group, dim=0), own, scatter_to_sequence(weights, tp_group, dim=0)
+
+
 def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, ...]]:
     """The signature of the experts' forward and the names of its (hidden states, expert ids, weights), or of
     its hidden states alone (experts that receive every token once per expert, already weighted: Llama 4)."""
@@ -244,8 +259,11 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
     and weight 0, as Hugging Face's all-reduce expert parallelism does.
 
     With ``ep_group`` (expert parallelism over data-parallel ranks, whose tokens differ) the parameters hold
-    this rank's experts of ``ep_group``'s split and every route is dispatched over ``ep_group``; nothing is
-    communicated over ``tp_group``: the experts are whole on every tensor-parallel rank and see its tokens.
+    this rank's experts of ``ep_group``'s split and every route is dispatched over ``ep_group``; the experts
+    are whole on every tensor-parallel rank. Under sequence parallelism each tensor-parallel rank dispatches
+    its shard's tokens. Without it the tensor-parallel ranks hold the same tokens: each dispatches its
+    ``1/t`` of them (padded to a multiple of ``t``, the padding routed with weight 0) and the outputs are
+    all-gathered over ``tp_group``, so no expert computes a token twice.
     """
     group = tp_group if ep_group is None else ep_group
     by = "experts" if ep_group is not None else by
@@ -263,6 +281,9 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
     # split by experts under sequence parallelism, every rank holds tokens of its own: each (token, choice)
     # route travels to the rank of its expert and its output back (an all-to-all each way), weighted at home
     dispatch = ep_group is not None or (by == "experts" and sequence_parallel and len(names) == 3)
+    # expert parallelism over other ranks than tp_group's, whose ranks hold the same tokens: each takes 1/t
+    share = ep_group is not None and not sequence_parallel and group_size(tp_group) > 1
+    shared_rows: list[int] = []  # the token count before the split, per call
     t = group_size(group)
     routes: list[tuple] = []
     inputs: list[tuple] = []  # (hidden states, routing weights) handed to the experts, without dispatch
@@ -315,6 +336,9 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
                                          else copy_to_tp(hidden, tp_group))  # fmt: skip
         elif dispatch:
             hidden, ids, weights = values
+            if share:
+                shared_rows.append(hidden.shape[0])
+                hidden, ids, weights = _tp_share(hidden, ids, weights, tp_group)
             rows, local_ids, ones = send_routes(hidden, ids, weights)
             bound.arguments.update({names[0]: rows, names[1]: local_ids, names[2]: ones})
         else:
@@ -342,6 +366,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         if out is None:  # the exception's path (or a forward without output, which nothing could use)
             routes.clear()
             inputs.clear()
+            shared_rows.clear()
             return None
         if not isinstance(out, torch.Tensor):
             raise ValueError(f"parallelize: {type(m).__name__} must return a tensor, received {type(out).__name__}")
@@ -352,7 +377,8 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
                 # a constant: tie it to the inputs, so that their collectives' backwards run here as elsewhere
                 out = out + (hidden.sum() + weights.sum()) * 0
         if dispatch:
-            return combine_routes(out)
+            out = combine_routes(out)
+            return gather_from_tp(out, tp_group, dim=0)[: shared_rows.pop()] if share else out
         if not sequence_parallel:
             return reduce_from_tp(out, tp_group)
         if len(names) == 1:

@@ -578,7 +578,7 @@ def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
             for name, p in e.shards.items():
                 setattr(e.module, name, p)
             install_expert_hooks(e.module, tp_group, e.sequence_parallel, e.expert_split, e.ep_group)
-            if e.ep_group is not None and e.sequence_parallel:  # whole experts that saw this rank's tokens
+            if e.ep_group is not None and group_size(tp_group) > 1:  # whole experts, each rank's own tokens
                 reduce_parameter_grads(e.module, tp_group)
         elif e.kind == GRAD_ALL_REDUCE:
             reduce_parameter_grads(e.module, tp_group)

@@ -143,8 +143,35 @@ def _four_ranks(rank, world_size):
     _layout(rank, world_size, 1, 2, [("mixtral", "eager", False), ("qwen2_moe", "grouped_mm", False)])
     _layout(rank, world_size, 2, 2, [("mixtral", "eager", False), ("mixtral", "grouped_mm", True),
                                      ("qwen2_moe", "eager", True), ("glm4_moe", "grouped_mm", True)])  # fmt: skip
+    _shared_between_tensor_parallel_ranks(rank, world_size)
     _over_context_ranks(rank, world_size)
     return "ok"
+
+
+def _shared_between_tensor_parallel_ranks(rank, world_size):
+    """tp=2 × dp=2 without sequence parallelism: the tensor-parallel ranks hold the same tokens and each
+    dispatches half of them; an odd token count (one-token decoding steps of one row) is padded."""
+    import tessel.layers.hf_experts as hf_experts
+    from tessel.layers.parallelize import parallelize
+
+    groups = _groups(rank, world_size, 2, 2)
+    tp_group, ep_group, d = groups[0], groups[2], groups[4]
+    sent, exchange = [], hf_experts.exchange_rows
+    hf_experts.exchange_rows = lambda x, group, send, recv: (sent.append(send), exchange(x, group, send, recv))[1]
+    try:
+        dense = _moe("mixtral")
+        par = parallelize(copy.deepcopy(dense), tp_group, ep_group=ep_group)
+        _check(dense, par, groups, "tp=2 ep=2 tokens shared between tp ranks")
+        # each tp rank sends half of its B·S tokens' routes (two choices each), in each of the two expert layers
+        assert [sum(c) for c in sent[0::2]] == [B * S // 2 * 2] * 2, sent
+        dense = _moe("mixtral").eval()
+        prompt = _batch(d)[0][:1, :5]  # one row: every decoding step holds one token for two tp ranks
+        with torch.inference_mode():
+            want = dense.generate(prompt, max_new_tokens=3, do_sample=False)
+            par = parallelize(copy.deepcopy(dense), tp_group, ep_group=ep_group)
+            assert torch.equal(par.generate(prompt, max_new_tokens=3, do_sample=False, synced_gpus=True), want)
+    finally:
+        hf_experts.exchange_rows = exchange
 
 
 def _over_context_ranks(rank, world_size):
