@@ -238,9 +238,9 @@ class HFSequenceLayout:
                         "replicated inside a block that gathers the sequence; split it (colwise/rowwise) as well"
                     )
 
-    def install(self, model: nn.Module, tp_group, rings: dict[str, SequenceRing]) -> None:
+    def install(self, model: nn.Module, tp_group, rings: dict[str, SequenceRing], cp_group=None) -> None:
         """Scatter before the first layer, a ring per block (``rings``: block name → its ring), gather after
-        the final norm."""
+        the final norm; the router logits are gathered over ``tp_group`` (and ``cp_group``, when given)."""
         modules = dict(model.named_modules())
         t = group_size(tp_group)
 
@@ -259,7 +259,7 @@ class HFSequenceLayout:
             return gather_from_tp(out, tp_group, dim=1)
 
         if self.local_blocks:
-            gather_router_logits(model, type(base_model(model)[1]), self.local_blocks, tp_group)
+            gather_router_logits(model, type(base_model(model)[1]), self.local_blocks, tp_group, cp_group)
         modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)
         for name in self.blocks:
             ring = rings[name]

@@ -29,8 +29,8 @@ expert whose projections the plan splits (DeepSeek-V3, GLM-4-MoE) gathers the sh
 as a dense MLP block does. For the load-balancing loss (``output_router_logits``) each router's logits are
 gathered over the group in the model's token order (:func:`gather_router_logits`), so that every rank
 computes the dense model's loss. Under context parallelism (``cp_group``) the experts route each rank's
-share of the tokens as they are (routing is per token); the load-balancing loss, which needs every token's
-routing, is refused there.
+share of the tokens as they are (routing is per token), and the router logits are gathered over the cp
+group too, put back in the sequence's order.
 
 Expert parallelism (``parallelize(expert_split="experts")``, or a plan's ``ep_dispatch_experts``): rank ``r``
 keeps experts ``r·E/t …`` whole instead; each expert's GEMMs keep their full intermediate width. Without
@@ -74,6 +74,7 @@ from ..parallel.collectives import (
     scatter_to_sequence,
 )
 from ..parallel.comm import all_gather, all_to_all, group_rank, group_size
+from ..parallel.context import zigzag_positions
 from ..parallel.sharding import local_shard
 
 __all__ = [
@@ -87,7 +88,6 @@ __all__ = [
     "gather_router_logits",
     "install_expert_hooks",
     "reduce_parameter_grads",
-    "refuse_router_logits_under_cp",
     "shard_experts",
 ]  # fmt: skip
 
@@ -497,11 +497,20 @@ def _asks_router_logits(model: nn.Module, kwargs: dict) -> bool:
     return bool(flag)
 
 
-def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp_group) -> None:
-    """Under sequence parallelism: when a forward asks for ``output_router_logits`` (the load-balancing loss),
-    each router's logits are gathered over the group, ``[B·S/t, E] → [B·S, E]`` in the model's token order, so
-    that every rank records every token's, as the dense model does; the loss is then the same on every rank,
-    and each rank's router receives the gradient of its own tokens' logits (``gather_from_tp``)."""
+def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp_group, cp_group=None, *,
+                         sequence_parallel: bool = True) -> None:  # fmt: skip
+    """When a forward asks for ``output_router_logits`` (the load-balancing loss), each router's logits are
+    gathered, ``[B·S/(t·c), E] → [B·S, E]`` in the model's token order, so that every rank records every token's,
+    as the dense model does, and computes the whole load-balancing loss.
+
+    ``tp_group`` (with ``sequence_parallel``, the sequence split over it): the tensor-parallel ranks' routers
+    sum their gradients over the group, so each receives the gradient of its own tokens' logits
+    (``gather_from_tp``). ``cp_group`` (context parallelism; None: none): the cp ranks' gradients are averaged
+    (a data-parallel reduction over dp × cp), and every rank's loss holds every token's routing, so the gather's
+    backward sums every rank's gradient of each rank's logits (``gather_from_sequence``): after the average
+    each router has the dense model's gradient.
+    The zigzag shares (:func:`~tessel.parallel.context.split_sequence`) are put back in order, which the
+    whole sequence's attention mask of a padded batch needs."""
     modules = dict(model.named_modules())
     routers = _routers(base_cls, modules, blocks)
     state = {"gather": False, "batch": None}
@@ -510,9 +519,10 @@ def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp
         flag = _asks_router_logits(module, kwargs)
         if flag and not routers:
             raise ValueError(
-                "parallelize: output_router_logits=True under sequence_parallel=True, but no router of "
-                f"{base_cls.__name__} is known (its _can_record_outputs names none inside the experts' blocks): "
-                "the load-balancing loss would see this rank's tokens only; use sequence_parallel=False"
+                "parallelize: output_router_logits=True with the sequence split over ranks, but no router of "
+                f"{base_cls.__name__} is known (its _can_record_outputs names none inside the split experts' "
+                "blocks): the load-balancing loss would see this rank's tokens only; use output_router_logits=False "
+                "or split no sequence (sequence_parallel=False, no cp_group)"
             )
         state["gather"] = bool(flag)
 
@@ -521,10 +531,16 @@ def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp
         state["batch"] = hidden.shape[0] if isinstance(hidden, torch.Tensor) and hidden.dim() == 3 else 1
 
     def gather(logits: torch.Tensor) -> torch.Tensor:
-        if logits.dim() == 3:  # [B, S/t, E]
-            return gather_from_tp(logits, tp_group, dim=1)
-        rows = logits.view(state["batch"], -1, logits.shape[-1])  # [B·S/t, E]: each row's tokens are contiguous
-        return gather_from_tp(rows, tp_group, dim=1).reshape(-1, logits.shape[-1])
+        # [B, L, E], or [B·L, E] whose rows' tokens are contiguous
+        rows = logits if logits.dim() == 3 else logits.view(state["batch"], -1, logits.shape[-1])
+        if sequence_parallel:
+            rows = gather_from_tp(rows, tp_group, dim=1)
+        if cp_group is not None and group_size(cp_group) > 1:
+            rows = gather_from_sequence(rows, cp_group, dim=1)  # every rank's zigzag share, rank after rank
+            c, seq = group_size(cp_group), rows.shape[1]
+            order = torch.cat([zigzag_positions(seq, c, r, device=rows.device) for r in range(c)])
+            rows = rows.index_select(1, torch.argsort(order))
+        return rows if logits.dim() == 3 else rows.reshape(-1, logits.shape[-1])
 
     def record(module, args, out, index):
         if not state["gather"]:
@@ -538,21 +554,6 @@ def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp
         modules[block].register_forward_pre_hook(batch, with_kwargs=True)
     for router, index in routers:  # before Hugging Face's recording hook, whenever that was installed
         router.register_forward_hook(lambda m, a, o, index=index: record(m, a, o, index), prepend=True)
-
-
-def refuse_router_logits_under_cp(model: nn.Module) -> None:
-    """Under context parallelism each rank's routers see its share of the tokens only, so the load-balancing
-    loss (``output_router_logits``) would not be the model's: a forward that asks for it is refused."""
-
-    def check(module, args, kwargs):
-        if _asks_router_logits(module, kwargs):
-            raise ValueError(
-                "parallelize: output_router_logits=True under context parallelism: each rank's routers see its "
-                "share of the tokens only, and the load-balancing loss needs every token's routing; train with "
-                "output_router_logits=False under cp_group, or without cp_group"
-            )
-
-    model.register_forward_pre_hook(check, with_kwargs=True)
 
 
 def reduce_parameter_grads(module: nn.Module, tp_group) -> None:

@@ -82,6 +82,7 @@ from .hf import (
     HFSequenceLayout,
     RingColumnLinear,
     SequenceRing,
+    base_model,
     head_dim_of,
     hf_tp_plan,
     is_hf_model,
@@ -94,9 +95,9 @@ from .hf_experts import (
     check_parameter_styles,
     expert_block_modules,
     expert_splits,
+    gather_router_logits,
     install_expert_hooks,
     reduce_parameter_grads,
-    refuse_router_logits_under_cp,
     shard_experts,
 )
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -211,11 +212,12 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     for parent, name, local in per_head:
         setattr(parent, name, local)
     if layout is not None:
-        layout.install(model, tp_group, rings)
+        layout.install(model, tp_group, rings, cp_group)
     if isinstance(context, HFContextLayout):
         context.install(model, cp_group)
-        if hasattr(getattr(model, "config", None), "output_router_logits"):
-            refuse_router_logits_under_cp(model)
+        if layout is None and hasattr(getattr(model, "config", None), "output_router_logits"):
+            blocks = sorted({e.name.rsplit(".", 1)[0] for e in entries if e.kind == EXPERTS})
+            gather_router_logits(model, type(base_model(model)[1]), blocks, tp_group, cp_group, sequence_parallel=False)
     elif context is not None:
         for m in context:
             m.cp_group = cp_group

@@ -340,7 +340,7 @@ def _refusals(world_size):
     ]  # fmt: skip
     by_experts = [
         (_moe("mixtral", num_local_experts=6 if world_size == 4 else 3), None,
-         r"experts \(MixtralExperts, style 'moe_tp_experts'\): the [36] experts do not split over the tensor-parallel"),
+         r"experts \(MixtralExperts, style 'moe_tp_experts'\): the [36] experts do not split over the [24] ranks"),
         (_moe("llama4"), None, r"experts fed every token once per expert are split by 'features' only"),
     ]  # fmt: skip
     features_with_ep_params = {**ATTENTION_PLAN, "model.layers.*.mlp.experts": "moe_tp_experts",
@@ -449,10 +449,43 @@ def _context_parallel(rank, world_size):
             par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp,
                               expert_split=split)  # fmt: skip
             _check_cp(dense, par, tp_group, cp_group, f"{family} {split} cp=2 sp={sp}")
-    # the load-balancing loss needs every token's routing, which no rank has
-    with pytest.raises(ValueError, match=r"output_router_logits=True under context parallelism"):
-        par(torch.zeros(2, 4, dtype=torch.long), output_router_logits=True)
+    _load_balancing_under_context_parallelism(tp_group, cp_group)
     return "ok"
+
+
+def _load_balancing_under_context_parallelism(tp_group, cp_group):
+    """The load-balancing loss under cp: every rank gathers every token's router logits in the sequence's order
+    (row 0's left padding crosses a chunk boundary: the whole sequence's mask must line up with them) and
+    computes the whole loss, equal to the dense model's. Each rank's loss weighs its own tokens' logits times c
+    (the mean of c ranks' losses is the dense loss, as with data parallelism), and the gradients averaged over
+    cp are the dense ones: the gather's backward sums every rank's gradient of each rank's router logits."""
+    import torch.distributed as dist
+
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.comm import group_size
+    from tessel.parallel.context import split_sequence
+    from tessel.parallel.sharding import shard_like
+
+    c = group_size(cp_group)
+    ids, weights = _batch()
+    mask = torch.ones_like(ids)
+    mask[0, :3] = 0
+    weights = weights * mask[..., None]  # a padded position's logits are nobody's (as in test_hf_context_parallel)
+    for sp, split in ((False, "features"), (True, "features"), (False, "experts")):
+        dense = _moe("mixtral", router_aux_loss_coef=0.5)
+        par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp, expert_split=split)
+        out = dense(ids, attention_mask=mask, output_router_logits=True)
+        ((out.logits * weights).sum() + out.aux_loss).backward()
+        got = par(split_sequence(ids, cp_group), attention_mask=mask, output_router_logits=True)
+        (c * (got.logits * split_sequence(weights, cp_group)).sum() + got.aux_loss).backward()
+        tag = f"load balancing under cp, sp={sp} {split}"
+        _close(got.aux_loss.detach(), out.aux_loss.detach(), msg=lambda m, tag=tag: f"{tag}: aux loss: {m}")
+        dense_params = dict(dense.named_parameters())
+        for name, p in par.named_parameters():
+            grad = p.grad.clone()
+            dist.all_reduce(grad, group=cp_group)
+            want = shard_like(dense_params[name].grad, p, tp_group)
+            _close(grad / c, want, msg=lambda m, name=name, tag=tag: f"{tag}: grad of {name}: {m}")
 
 
 @pytest.mark.multiprocess
