@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch import nn
 
 from tests.multiprocess import run_ranks
+from tests.parallel.test_zero import _equal_state
 
 FP32 = dict(rtol=1e-4, atol=1e-6)
 BF16 = dict(rtol=2e-2, atol=2e-2)
@@ -220,16 +221,6 @@ def _sharded_ranges(opt, full):
             ranges.append((i, start, n))
             match &= all(torch.equal(v, full["state"][i][k].reshape(-1)[start : start + n]) for k, v in views.items())
     return ranges, match
-
-
-def _equal_state(a, b) -> bool:
-    if isinstance(a, dict):
-        return a.keys() == b.keys() and all(_equal_state(a[k], b[k]) for k in a)
-    if isinstance(a, list | tuple):
-        return len(a) == len(b) and all(_equal_state(x, y) for x, y in zip(a, b))
-    if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    return a == b
 
 
 def _untouched(net, ptrs) -> bool:
