@@ -15,7 +15,9 @@ from the masters and all-gathers them, so the model and the optimizer agree exac
 Expert parameters (a DDP with an ``expert_group``) are gathered over the expert-data-parallel group
 only, so each rank's state holds the experts it owns: expert state is per expert-parallel rank. A
 checkpoint loads into the same expert layout (the same ``ep``, each rank loading the state saved by a
-rank of its own ep index); the expert-data-parallel size, like the data-parallel size, may differ.
+rank of its own ep index); the expert-data-parallel size, like the data-parallel size, may differ. Expert
+parameters that name their experts (``expert_range``, set by ``parallelize(ep_group=)``) save that range
+(``"experts"``), and loading it into a rank holding other experts is refused.
 
 Format::
 
@@ -48,6 +50,8 @@ def zero_state_dict(opt) -> dict:
             i = opt.param_index.get(id(slot.param))
             if i is not None:
                 state[i] = {k: bucket.slot_view(full, slot).cpu().clone() for k, full in zip(_KEYS, fulls)}
+                if getattr(slot.param, "expert_range", None) is not None:  # which experts this rank's state holds
+                    state[i]["experts"] = tuple(slot.param.expert_range)
     groups = []
     for g in opt.param_groups:
         saved = {k: v for k, v in g.items() if k != "params"}
@@ -81,6 +85,11 @@ def _check_state_dict(opt, sd) -> None:
         entry = sd["state"].get(i)
         if entry is None or any(k not in entry for k in _KEYS):
             raise ValueError(f"ZeroAdam.load_state_dict: no {'/'.join(_KEYS)} saved for parameter {i}")
+        held = getattr(p, "expert_range", None)
+        if held is not None and tuple(entry.get("experts", ())) != tuple(held):
+            raise ValueError(f"ZeroAdam.load_state_dict: parameter {i} holds experts [{held[0]}, {held[1]}) on this "
+                             f"rank, the state dict was saved for experts {entry.get('experts', 'not named')}: each "
+                             "rank must load a state saved by a rank of the same expert-parallel index")  # fmt: skip
         for k in _KEYS:
             if entry[k].numel() != p.numel():
                 raise ValueError(f"ZeroAdam.load_state_dict: parameter {i}'s {k} has {entry[k].numel()} elements, "

@@ -23,6 +23,7 @@ import torch
 from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, B, S, _assert_unchanged, _close, _state, needs_hf
 from tests.layers.test_hf_experts import _moe
 from tests.multiprocess import run_ranks
+from tests.parallel.test_zero import _equal_state
 
 
 def _groups(rank, world_size, tp, ep):
@@ -267,6 +268,8 @@ def _training(rank, world_size, tp, ep, sp, zero, aux):
         opt.zero_grad()
         _lm_loss(ddp, dims.dp_rank, aux).backward()
         opt.step()
+    if zero and tp == 1:
+        _check_expert_state(opt, dims)
     dense_params = dict(_dense_training(dims.dp, zero, aux).named_parameters())
     for name, p in model.named_parameters():
         want = dense_params[name].detach()
@@ -277,6 +280,24 @@ def _training(rank, world_size, tp, ep, sp, zero, aux):
             want = shard_like(want, p, dims.tp_group)
         torch.testing.assert_close(p.detach(), want, **WEIGHTS, msg=lambda m, name=name: f"{name}: {m}")
     return "ok"
+
+
+def _check_expert_state(opt, dims):
+    """Each rank's ZeroAdam state names its experts; it loads back on its own rank, and a state saved by a rank
+    of the other ep index (every rank swaps with its neighbour, so every rank refuses) is refused unchanged."""
+    import torch.distributed as dist
+
+    saved = opt.state_dict()
+    experts = [entry["experts"] for entry in saved["state"].values() if "experts" in entry]
+    n = 4 // dims.ep
+    assert experts and set(experts) == {(dims.ep_rank * n, (dims.ep_rank + 1) * n)}, experts
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, saved)
+    with pytest.raises(ValueError, match=r"holds experts \[\d, \d\) on this rank, the state dict was saved for"):
+        opt.load_state_dict(everyone[dist.get_rank() ^ 1])
+    assert _equal_state(opt.state_dict(), saved)
+    opt.load_state_dict(saved)
+    assert _equal_state(opt.state_dict(), saved)
 
 
 @pytest.mark.multiprocess
