@@ -116,8 +116,6 @@ class FSDP(nn.Module):
             Unit(name, mod, named, group, self.world_size, self.rank, self._live) for name, mod, named in specs
         ]
         self.buckets = [u.bucket for u in self.units]
-        for bucket in self.buckets:  # every collective of a bucket (ZeroAdam's checkpoints too) runs over its group
-            bucket.group = group
         self._shard_params(module)
         self.zero_stage = 0
         self._forward_order: list[Unit] = []  # units in the order the current forward ran them

@@ -105,7 +105,7 @@ class Unit:
             slots.append(Slot(pname, p, offset, p.numel(), p.shape))
             offset += p.numel()
         self.name, self.module, self.group = name, module, group
-        self.bucket = Bucket(slots, world_size, rank)
+        self.bucket = Bucket(slots, world_size, rank, group)  # its collectives (and checkpoints) run over group
         self.trainable = sum(p.requires_grad for _, p in named)
         self.full = torch.zeros(self.bucket.padded, dtype=self.bucket.dtype, device=self.bucket.device)
         self.bucket.params = self.full
