@@ -61,7 +61,6 @@ import inspect
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..parallel.collectives import (
@@ -73,7 +72,7 @@ from ..parallel.collectives import (
     reduce_scatter_to_sequence,
     scatter_to_sequence,
 )
-from ..parallel.comm import all_gather, all_to_all, group_rank, group_size
+from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.context import zigzag_positions
 from ..parallel.sharding import local_shard
 
@@ -206,19 +205,10 @@ def shard_experts(module: nn.Module, splits: list[ExpertSplit], group, expert_pa
 def check_ep_group(ep_group, tp_group) -> int | None:
     """The size of ``ep_group`` (None without one); its ranks must be distinct from ``tp_group``'s peers: its
     ranks hold different tokens, which tensor-parallel peers (the same tokens, or one sequence's shards) do not."""
-    if ep_group is None:
-        return None
-    if not isinstance(ep_group, dist.ProcessGroup):
-        raise TypeError(f"parallelize: ep_group must be None or a torch.distributed ProcessGroup, received "
-                        f"{type(ep_group).__name__}")  # fmt: skip
-    tp_ranks = dist.get_process_group_ranks(dist.group.WORLD if tp_group is None else tp_group)
-    shared = set(dist.get_process_group_ranks(ep_group)) & set(tp_ranks)
-    if shared != {dist.get_rank()}:
-        raise ValueError(f"parallelize: tp_group and ep_group share the ranks {sorted(shared)}: expert-parallel peers "
-                         "must hold other tokens (data- or context-parallel peers), not tensor-parallel ones "
-                         "(init_parallel(ep=)'s ep_group; for expert parallelism over the tensor-parallel group use "
-                         "expert_split='experts')")  # fmt: skip
-    return group_size(ep_group)
+    why = ("expert-parallel peers must hold other tokens (data- or context-parallel peers), not tensor-parallel ones "
+           "(init_parallel(ep=)'s ep_group; for expert parallelism over the tensor-parallel group use "
+           "expert_split='experts')")  # fmt: skip
+    return check_peer_group(ep_group, tp_group, caller="parallelize", name="ep_group", why=why)
 
 
 def _tp_share(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tp_group):

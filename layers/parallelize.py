@@ -69,11 +69,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ..parallel.collectives import reduce_from_tp
-from ..parallel.comm import group_rank, group_size
+from ..parallel.comm import check_peer_group, group_rank, group_size
 from ..parallel.sharding import local_shard
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
@@ -336,17 +335,9 @@ def _context_layout(model: nn.Module, tp_group, cp_group) -> HFContextLayout | l
     """What ``cp_group`` changes: a Hugging Face decoder's layout, or tessel's modules that take a cp group."""
     if cp_group is None:
         return None
-    if not isinstance(cp_group, dist.ProcessGroup):
-        raise TypeError(f"parallelize: cp_group must be None or a torch.distributed ProcessGroup, received "
-                        f"{type(cp_group).__name__}")  # fmt: skip
-    shared = set(dist.get_process_group_ranks(cp_group)) & set(
-        dist.get_process_group_ranks(dist.group.WORLD if tp_group is None else tp_group)
-    )
-    if shared != {dist.get_rank()}:
-        raise ValueError(
-            f"parallelize: tp_group and cp_group share the ranks {sorted(shared)}: a rank's tensor-parallel and "
-            "context-parallel peers must be distinct ranks (a (cp x tp) grid, as init_parallel(cp=) builds)"
-        )
+    check_peer_group(cp_group, tp_group, caller="parallelize", name="cp_group",
+                     why="a rank's tensor-parallel and context-parallel peers must be distinct ranks (a (cp x tp) "
+                         "grid, as init_parallel(cp=) builds)")  # fmt: skip
     if is_hf_model(model):
         return HFContextLayout.find(model)
     takers = [m for m in model.modules() if hasattr(m, "cp_group")]

@@ -29,6 +29,7 @@ __all__ = [
     "all_gather",
     "all_reduce",
     "all_to_all",
+    "check_peer_group",
     "count_bytes",
     "group_rank",
     "group_size",
@@ -117,6 +118,22 @@ def group_size(group: dist.ProcessGroup | None) -> int:
 
 def group_rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
+
+
+def check_peer_group(group, tp_group, *, caller: str, name: str, why: str) -> int | None:
+    """The size of ``group`` (None when it is None), a group whose ranks hold other tokens than this rank's
+    tensor-parallel peers: refused unless it is a ProcessGroup that shares no rank but this one with ``tp_group``
+    (``None``: every rank). ``name`` is the argument's name, ``why`` says what its ranks must be."""
+    if group is None:
+        return None
+    if not isinstance(group, dist.ProcessGroup):
+        raise TypeError(f"{caller}: {name} must be None or a torch.distributed ProcessGroup, received "
+                        f"{type(group).__name__}")  # fmt: skip
+    tp_ranks = dist.get_process_group_ranks(dist.group.WORLD if tp_group is None else tp_group)
+    shared = set(dist.get_process_group_ranks(group)) & set(tp_ranks)
+    if shared != {dist.get_rank()}:
+        raise ValueError(f"{caller}: tp_group and {name} share the ranks {sorted(shared)}: {why}")
+    return group_size(group)
 
 
 def _global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:
