@@ -73,7 +73,7 @@ from ..parallel.collectives import (
     scatter_to_sequence,
 )
 from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
-from ..parallel.context import zigzag_positions
+from ..parallel.context import zigzag_order
 from ..parallel.sharding import local_shard
 
 __all__ = [
@@ -527,8 +527,7 @@ def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp
             rows = gather_from_tp(rows, tp_group, dim=1)
         if cp_group is not None and group_size(cp_group) > 1:
             rows = gather_from_sequence(rows, cp_group, dim=1)  # every rank's zigzag share, rank after rank
-            c, seq = group_size(cp_group), rows.shape[1]
-            order = torch.cat([zigzag_positions(seq, c, r, device=rows.device) for r in range(c)])
+            order = zigzag_order(rows.shape[1], group_size(cp_group), device=rows.device)
             rows = rows.index_select(1, torch.argsort(order))
         return rows if logits.dim() == 3 else rows.reshape(-1, logits.shape[-1])
 

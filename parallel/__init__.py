@@ -1,7 +1,7 @@
 """Process groups, collectives, communication/GEMM overlap, DDP, FSDP, ZeRO (pipeline: ``tessel.parallel.pipeline``)."""
 
 from .comm import ByteCounter, EventLog, count_bytes, record_events
-from .context import gather_sequence, ring_attention, split_sequence, zigzag_positions
+from .context import gather_sequence, ring_attention, split_sequence, zigzag_order, zigzag_positions
 from .ddp import DDP
 from .dims import ParallelDims, init_parallel, shutdown
 from .fsdp import FSDP
@@ -31,5 +31,6 @@ __all__ = [
     "split_sequence",
     "zero_memory_bytes",
     "zero_traffic_bytes",
+    "zigzag_order",
     "zigzag_positions",
 ]

@@ -66,7 +66,7 @@ from ..kernels.attention_inputs import _check_softcap, _check_window, _cross_seg
 from ..kernels.attention_inputs import _validate as _validate_attention
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
-__all__ = ["gather_sequence", "ring_attention", "split_sequence", "zigzag_positions"]
+__all__ = ["gather_sequence", "ring_attention", "split_sequence", "zigzag_order", "zigzag_positions"]
 
 OP = "ring_attention"
 DKV_OP = "ring_attention.dkv"
@@ -96,6 +96,12 @@ def zigzag_positions(seq_len: int, cp_size: int, cp_rank: int, *, device=None) -
     first = torch.arange(cp_rank * h, (cp_rank + 1) * h, device=device)
     second = torch.arange((2 * cp_size - 1 - cp_rank) * h, (2 * cp_size - cp_rank) * h, device=device)
     return torch.cat((first, second))
+
+
+def zigzag_order(seq_len: int, cp_size: int, *, device=None) -> torch.Tensor:
+    """Global positions ``[S]`` of the tokens of every rank's zigzag share laid end to end, rank after rank (the
+    order an all-gather of the shares produces); ``argsort`` of it puts such a gather back in sequence order."""
+    return torch.cat([zigzag_positions(seq_len, cp_size, rank, device=device) for rank in range(cp_size)])
 
 
 def _check_dim(name: str, x, dim: int) -> int:
@@ -136,9 +142,8 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim
     gathered, work = all_gather(x.detach().movedim(dim, 0).contiguous(), group)  # [c·L, ...] in rank order
     work.wait()
     seq_len = c * x.shape[dim]
-    order = torch.cat([zigzag_positions(seq_len, c, rank) for rank in range(c)])
     whole = torch.empty_like(gathered)
-    whole[order.to(x.device)] = gathered
+    whole[zigzag_order(seq_len, c, device=x.device)] = gathered
     return whole.movedim(0, dim)
 
 

@@ -235,6 +235,17 @@ def test_zigzag_positions_balance_the_causal_work():
     assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
 
 
+def test_zigzag_order_lays_the_shares_end_to_end():
+    from tessel.parallel.context import zigzag_order
+
+    assert zigzag_order(8, 2).tolist() == [0, 1, 6, 7, 2, 3, 4, 5]
+    assert zigzag_order(12, 3).tolist() == [0, 1, 10, 11, 2, 3, 8, 9, 4, 5, 6, 7]
+    assert zigzag_order(6, 1).tolist() == list(range(6))
+    x = torch.randn(2, 24, 3)
+    order = zigzag_order(24, 3)
+    assert torch.equal(x[:, order].index_select(1, torch.argsort(order)), x)  # argsort undoes it
+
+
 def test_world_of_one_is_flash_attention(seed):
     from tessel.kernels.attention import flash_attention
     from tessel.parallel.context import gather_sequence, ring_attention, split_sequence
