@@ -23,12 +23,13 @@ from torch.utils.checkpoint import checkpoint
 
 from ..kernels.attention import HEAD_DIMS
 from ..parallel.comm import group_size
-from ..parallel.sharding import is_tp_sharded, shard_like, tp_spec
+from ..parallel.sharding import global_shape, shard_like
 from .attention import ParallelAttention, check_heads, check_window, context_size
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
 from .mlp import MLP_ACTIVATIONS, ParallelMLP
+from .moe import ParallelMoE
 from .norm import LayerNorm, RMSNorm
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -56,6 +57,9 @@ class GPTConfig:
     deterministic_attention: bool = True  # False: flash attention's backward adds dQ up with atomics
     recompute: bool = False  # activation checkpointing: each block's activations are recomputed in backward
     sliding_window: int | None = None  # each token attends to this many latest tokens up to itself (Mistral's name)
+    n_expert: int = 0  # > 0: every block's MLP is a mixture of this many experts (ParallelMoE), each mlp_hidden wide
+    top_k: int = 2  # experts per token
+    aux_loss_coef: float = 0.01  # weight of the load-balancing loss (mean over the layers) in GPT.loss
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
@@ -78,6 +82,20 @@ class GPTConfig:
             if not isinstance(getattr(self, name), bool):
                 raise TypeError(f"GPTConfig: {name} must be a bool, received {getattr(self, name)!r}")
         check_window("GPTConfig", self.sliding_window, True, arg="sliding_window")
+        for name in ("n_expert", "top_k"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ValueError(f"GPTConfig: {name} must be a non-negative int, received {value!r}")
+        if self.n_expert and self.bias:
+            raise ValueError("GPTConfig: the experts have no biases; bias=True needs n_expert=0")
+        if self.n_expert and not 1 <= self.top_k <= self.n_expert:
+            raise ValueError(f"GPTConfig: top_k must be in [1, n_expert={self.n_expert}], received {self.top_k}")
+        if (
+            not isinstance(self.aux_loss_coef, (int, float))
+            or isinstance(self.aux_loss_coef, bool)
+            or not (self.aux_loss_coef >= 0)
+        ):
+            raise ValueError(f"GPTConfig: aux_loss_coef must be a non-negative number, received {self.aux_loss_coef!r}")
         if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
             self.mlp_hidden = 4 * self.n_embd if self.mlp == "gelu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
@@ -96,7 +114,7 @@ class TransformerBlock(nn.Module):
     the sequence is further split over ``cp_group``, see :class:`~tessel.layers.attention.ParallelAttention`)."""
 
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False, overlap="auto",
-                 cp_group=None, device=None, dtype=None):  # fmt: skip
+                 cp_group=None, ep_group=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
         self.attn_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
@@ -104,7 +122,12 @@ class TransformerBlock(nn.Module):
                                       rope_theta=config.rope_theta, deterministic=config.deterministic_attention,
                                       cp_group=cp_group, window=config.sliding_window, **kw)  # fmt: skip
         self.mlp_norm = _norm(config, tp_group, sequence_parallel, device, dtype)
-        self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
+        if config.n_expert:
+            self.mlp = ParallelMoE(config.n_embd, config.mlp_hidden, config.n_expert, config.top_k,
+                                   activation=config.mlp, tp_group=tp_group, sequence_parallel=sequence_parallel,
+                                   ep_group=ep_group, cp_group=cp_group, device=device, dtype=dtype)  # fmt: skip
+        else:
+            self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         x = x + self.attn(self.attn_norm(x), segment_ids)
@@ -151,19 +174,22 @@ class GPT(nn.Module):
     }
 
     def __init__(self, config: GPTConfig, *, tp_group=None, sequence_parallel=False, overlap="auto",
-                 cp_group=None, device=None, dtype=None):  # fmt: skip
+                 cp_group=None, ep_group=None, device=None, dtype=None):  # fmt: skip
         super().__init__()
         if not isinstance(config, GPTConfig):
             raise TypeError(f"GPT: config must be a GPTConfig, received {type(config).__name__}")
         check_heads("GPT", config.n_head, config.n_kv_head, group_size(tp_group))
         self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
-        self.cp_group = cp_group
+        self.cp_group, self.ep_group = cp_group, ep_group
+        if ep_group is not None and not config.n_expert:
+            raise ValueError("GPT: ep_group splits the experts over ranks, but the config has none (n_expert=0)")
         # Drawn before the submodules draw their own (layout-dependent) initial values.
         init_seed = int(torch.randint(2**62, (1,)).item())
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, device=device, dtype=dtype)
         self.embed = VocabParallelEmbedding(config.vocab_size, config.n_embd, **kw)
         self.blocks = nn.ModuleList(
-            TransformerBlock(config, overlap=overlap, cp_group=cp_group, **kw) for _ in range(config.n_layer)
+            TransformerBlock(config, overlap=overlap, cp_group=cp_group, ep_group=ep_group, **kw)
+            for _ in range(config.n_layer)
         )
         self.norm = _norm(config, tp_group, sequence_parallel, device, dtype)
         self.lm_head = ColumnParallelLinear(config.n_embd, config.vocab_size, bias=False, overlap=overlap, **kw)
@@ -186,13 +212,10 @@ class GPT(nn.Module):
             elif "norm" in name:
                 p.fill_(1.0)
             else:
-                scale = 1 / math.sqrt(2 * self.config.n_layer) if name.endswith("proj.weight") else 1.0
-                full_shape = list(p.shape)
-                if is_tp_sharded(p):
-                    dim, parts = tp_spec(p, t)
-                    full_shape[dim] = sum(parts)
+                residual = name.endswith(("proj.weight", "mlp.proj"))  # the experts' down-projections too
+                scale = 1 / math.sqrt(2 * self.config.n_layer) if residual else 1.0
                 gen = torch.Generator().manual_seed(base_seed + index)
-                full = torch.randn(full_shape, generator=gen, dtype=torch.float32) * (std * scale)
+                full = torch.randn(global_shape(p, t), generator=gen, dtype=torch.float32) * (std * scale)
                 p.copy_(shard_like(full, p, self.tp_group))
 
     # ------------------------------------------------------------------------------------------------ forward
@@ -231,7 +254,15 @@ class GPT(nn.Module):
         """Mean cross entropy of next-token ``targets [B, S]`` (fp32), the logits never gathered; ``segment_ids``
         as in :meth:`forward` (a document's last target is the next document's first token unless the
         caller sets it to ``-100``, which is ignored)."""
-        return self.loss_from_logits(self(idx, segment_ids), targets)
+        loss = self.loss_from_logits(self(idx, segment_ids), targets)
+        aux = self.aux_loss()
+        return loss if aux is None else loss + self.config.aux_loss_coef * aux
+
+    def aux_loss(self) -> torch.Tensor | None:
+        """The mean over the layers of the experts' load-balancing losses of the last forward (None without
+        experts). :meth:`loss` adds it, times ``config.aux_loss_coef``."""
+        losses = [m.aux_loss for m in self.modules() if isinstance(m, ParallelMoE) and m.aux_loss is not None]
+        return torch.stack(losses).mean() if losses else None
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of vocab-parallel ``logits [B, S, V/t]`` (a pipeline's last-stage loss function)."""
@@ -240,17 +271,26 @@ class GPT(nn.Module):
     # ------------------------------------------------------------------------------------------------ accounting
 
     def num_params(self, include_embedding: bool = True) -> int:
-        """Parameters of the whole (unsharded) model."""
+        """Parameters of the whole (unsharded) model, every expert included."""
         t = group_size(self.tp_group)
-        total = sum(p.numel() * (t if is_tp_sharded(p) else 1) for p in self.parameters())
+        total = sum(math.prod(global_shape(p, t)) for p in self.parameters())
         return total if include_embedding else total - self.config.vocab_size * self.config.n_embd
 
+    def active_params(self) -> int:
+        """Parameters one token passes through, without the embedding: with experts, ``top_k`` of each layer's
+        ``n_expert`` experts (the router's included)."""
+        c, t = self.config, group_size(self.tp_group)
+        idle = sum(math.prod(global_shape(p, t)) for m in self.modules() if isinstance(m, ParallelMoE)
+                   for p in (m.fc, m.proj))  # fmt: skip
+        return self.num_params(include_embedding=False) - (idle * (c.n_expert - c.top_k) // c.n_expert if idle else 0)
+
     def flops_per_token(self, seq_len: int) -> float:
-        """Training FLOPs per token (PaLM, Chowdhery et al. 2022, App. B): ``6·N + 12·L·E·S``, N without embedding;
-        under a sliding window ``W`` the attention term counts ``min(S, W)`` keys instead of ``S``."""
+        """Training FLOPs per token (PaLM, Chowdhery et al. 2022, App. B): ``6·N + 12·L·E·S``, N the parameters a
+        token passes through (:meth:`active_params`); under a sliding window ``W`` the attention term counts
+        ``min(S, W)`` keys instead of ``S``."""
         c = self.config
         keys = seq_len if c.sliding_window is None else min(seq_len, c.sliding_window)
-        return 6 * self.num_params(include_embedding=False) + 12 * c.n_layer * c.n_embd * keys
+        return 6 * self.active_params() + 12 * c.n_layer * c.n_embd * keys
 
     # ------------------------------------------------------------------------------------------------ pipeline
 

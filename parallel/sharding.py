@@ -25,8 +25,8 @@ import torch.distributed as dist
 
 from .comm import all_gather, group_rank, group_size
 
-__all__ = ["flat_boxes", "full_tensor", "global_pieces", "global_shape", "is_tp_sharded", "local_shard",
-           "shard_like", "tp_spec"]  # fmt: skip
+__all__ = ["expert_spec", "flat_boxes", "full_tensor", "global_pieces", "global_shape", "is_tp_sharded",
+           "local_shard", "shard_like", "tp_spec"]  # fmt: skip
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
@@ -51,12 +51,24 @@ def _check_layout(op: str, ndim: int, dim, parts, t, rank=None) -> None:
         raise ValueError(f"{op}: parts must be sizes divisible by the group size {t}, received {tuple(parts)}")
 
 
+def expert_spec(p: torch.Tensor) -> tuple[int, int] | None:
+    """``(first expert, expert count)`` of a parameter that holds experts ``[first, first + p.shape[0])`` of the
+    ``expert_count`` of its global tensor (tessel's :class:`~tessel.layers.moe.ParallelMoE` under expert
+    parallelism: ``expert_range`` and ``expert_count``), else None."""
+    held, count = getattr(p, "expert_range", None), getattr(p, "expert_count", None)
+    return None if held is None or count is None else (held[0], count)
+
+
 def global_shape(p: torch.Tensor, t: int, shape: torch.Size | None = None) -> torch.Size:
-    """The shape of ``p``'s global tensor on a group of ``t`` (``shape``: its local shape, default ``p.shape``)."""
+    """The shape of ``p``'s global tensor on a group of ``t`` (``shape``: its local shape, default ``p.shape``);
+    an expert-parallel parameter's dim 0 is every expert's (:func:`expert_spec`)."""
     shape = list(p.shape if shape is None else shape)
     if is_tp_sharded(p):
         dim, parts = tp_spec(p, t)
         shape[dim] = sum(parts)
+    experts = expert_spec(p)
+    if experts is not None:
+        shape[0] = experts[1]
     return torch.Size(shape)
 
 
@@ -94,7 +106,11 @@ def full_tensor(local: torch.Tensor, dim: int, parts: tuple[int, ...], group: di
 
 
 def shard_like(full: torch.Tensor, p: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
-    """``full`` cut to this rank's shard if ``p`` is TP-sharded, else ``full`` itself."""
+    """``full`` cut to this rank's shard if ``p`` is TP-sharded (and to its experts if it holds some of them,
+    :func:`expert_spec`), else ``full`` itself."""
+    experts = expert_spec(p)
+    if experts is not None:
+        full = full.narrow(0, experts[0], p.shape[0])
     if not is_tp_sharded(p):
         return full
     t = group_size(group)
@@ -149,9 +165,16 @@ def global_pieces(p: torch.Tensor, flat: torch.Tensor, start: int, t: int, rank:
     ``flat`` is a 1-D tensor holding the flattened elements ``[start, start + flat.numel())`` of rank
     ``rank``'s local tensor of ``p`` (of local shape ``shape``, default ``p.shape``) on a group of ``t``.
     Each block is a view of ``flat`` (writing into it writes ``flat``). Parameters that are not
-    TP-sharded are their own global tensor.
+    TP-sharded are their own global tensor; an expert-parallel one's blocks start at its first expert.
     """
-    shape = tuple(p.shape if shape is None else shape)
+    pieces = _tp_pieces(p, flat, start, t, rank, tuple(p.shape if shape is None else shape))
+    experts = expert_spec(p)
+    if experts is None:
+        return pieces
+    return [((off[0] + experts[0], *off[1:]), view) for off, view in pieces]
+
+
+def _tp_pieces(p: torch.Tensor, flat: torch.Tensor, start: int, t: int, rank: int, shape: tuple[int, ...]) -> list:
     if flat.dim() != 1:
         raise ValueError(f"global_pieces: flat must be 1-D, received shape {tuple(flat.shape)}")
     boxes = flat_boxes(shape, start, start + flat.numel())

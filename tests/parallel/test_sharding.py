@@ -101,6 +101,42 @@ def test_global_pieces_of_every_ranks_flat_ranges_rebuild_the_global_tensor(glob
     torch.testing.assert_close(rebuilt, full, rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("t, e", [(1, 2), (2, 2), (2, 3), (1, 1)])
+def test_expert_parallel_pieces_rebuild_every_experts_tensor(t, e):
+    """Experts [r·X/e, …) of each ep rank, each tp-split along dim 1: global_shape, shard_like and global_pieces
+    agree on where every element sits in the [X, …] global tensor."""
+    from tessel.parallel.sharding import expert_spec, global_shape
+
+    experts, parts = 6, (4, 4)
+    full = torch.randn(experts, sum(parts), 3, generator=torch.Generator().manual_seed(e))
+    rebuilt = torch.full_like(full, float("nan"))
+    per = experts // e
+    for er, tr in itertools.product(range(e), range(t)):
+        local = local_shard(full, 1, parts, tr, t).narrow(0, er * per, per).clone()
+        p = _tagged(local, 1, parts)
+        if e > 1:
+            p.expert_parallel, p.expert_range, p.expert_count = True, (er * per, er * per + per), experts
+            assert expert_spec(p) == (er * per, experts)
+        assert global_shape(p, t) == full.shape
+        for offsets, block in global_pieces(p, local.reshape(-1)[1:], 1, t, tr) + global_pieces(
+            p, local.reshape(-1)[:1], 0, t, tr
+        ):
+            where = tuple(slice(o, o + n) for o, n in zip(offsets, block.shape))
+            assert rebuilt[where].isnan().all(), "two pieces overlap"
+            rebuilt[where] = block
+    torch.testing.assert_close(rebuilt, full, rtol=0, atol=0)
+
+
+def test_shard_like_cuts_an_expert_parallel_parameter_to_its_experts():
+    full = torch.arange(4 * 4 * 2, dtype=torch.float32).view(4, 4, 2)
+    p = torch.empty(2, 4, 2)
+    p.expert_parallel, p.expert_range, p.expert_count = True, (2, 4), 4
+    assert torch.equal(shard_like(full, p, None), full[2:])
+    q = torch.empty(2, 4, 2)
+    q.expert_range = (2, 4)  # without expert_count (Hugging Face experts under parallelize): not cut
+    assert torch.equal(shard_like(full, q, None), full)
+
+
 def test_global_pieces_are_views_that_write_through():
     buffer = torch.zeros(12)
     p = _tagged(torch.zeros(2, 6), 0, (2, 2))  # two fused parts of 2 rows, 1 row each per rank of 2

@@ -1,0 +1,246 @@
+"""A top-k mixture-of-experts MLP, split over tensor-parallel ranks by features and over expert-parallel ranks
+by experts.
+
+Legend: ``N`` tokens on this rank, ``E`` model width, ``F`` an expert's hidden width, ``X`` experts, ``k``
+experts per token, ``t`` tensor-parallel size, ``e`` expert-parallel size, ``X/e`` experts per rank.
+
+Routing (Mixtral, Qwen-MoE): a replicated router ``[X, E]`` scores every token in fp32, the softmax's ``k``
+largest probabilities choose the experts and, renormalised to sum to one, weight their outputs. The Switch
+Transformer load-balancing loss (Fedus et al. 2021, eq. 4), ``X · Σ_x f_x · P_x`` with ``f_x`` the fraction of
+routes that chose expert ``x`` and ``P_x`` its mean probability, is kept in :attr:`ParallelMoE.aux_loss` after
+each forward, over the same tokens the dense model would see: under sequence parallelism the counts and
+probability sums of every tensor-parallel rank's shard are added up (``reduce_from_tp``), under context
+parallelism those of every rank's share of the sequence (an all-gather whose backward sums every rank's
+gradient, so that gradients averaged over the cp ranks are the dense model's).
+
+Each expert is a SwiGLU or GELU MLP whose parameters live in two 3-d tensors, ``fc [X/e, F/t (per part), E]``
+and ``proj [X/e, E, F/t]``, split like :class:`~tessel.layers.mlp.ParallelMLP`'s over ``tp_group`` (each rank
+keeps ``F/t`` of every expert's hidden features; Megatron-LM's expert tensor parallelism) and by experts over
+``ep_group`` (rank ``r`` keeps experts ``r·X/e …``; the ranks of ``ep_group`` hold other tokens: data- or
+context-parallel peers, ``init_parallel(ep=)``). A forward:
+
+1. enters the tensor-parallel region as the MLP does: under sequence parallelism the hidden states, the chosen
+   experts and their weights of every rank's shard are all-gathered (the gradients reduce-scattered back);
+   otherwise they pass through ``copy_to_tp`` (the gradients all-reduced);
+2. sorts the ``N·k`` (token, choice) routes by expert; with ``ep_group`` each route travels to the rank of its
+   expert and back (:func:`~tessel.parallel.collectives.exchange_rows`, an all-to-all each way; the route counts
+   are read on the host once per layer to size them), every tensor-parallel rank exchanging the same routes
+   with its own ep peers;
+3. runs each local expert's two GEMMs on its rows (tessel's :func:`~tessel.kernels.matmul`);
+4. weights each route's output in fp32 and adds the ``k`` routes of a token up, then leaves the region:
+   reduce-scatter under sequence parallelism, all-reduce otherwise (each rank held ``F/t`` of the features).
+
+The expert parameters are marked ``tensor_parallel`` (``tp_dim``, ``tp_parts``) and, with ``ep_group``,
+``expert_parallel`` with ``expert_range = (first, stop)`` and ``expert_count = X``: :class:`~tessel.parallel.DDP`
+reduces them over the expert-data-parallel group, and :func:`~tessel.parallel.sharding.global_shape` places them
+in the ``[X, …]`` global tensor, so initialisation and checkpoints do not depend on the layout.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from ..kernels import matmul
+from ..parallel.collectives import (
+    copy_to_tp,
+    exchange_rows,
+    gather_from_sequence,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+)
+from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
+from .mlp import MLP_ACTIVATIONS
+
+__all__ = ["ParallelMoE", "load_balancing_loss", "route_top_k"]
+
+
+def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(weights [N, k] fp32, ids [N, k] int64, probs [N, X] fp32)``: the ``k`` most probable experts of each
+    row of ``logits [N, X]`` and their probabilities renormalised to sum to one."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, ids = probs.topk(k, dim=-1)
+    return top / top.sum(-1, keepdim=True), ids, probs
+
+
+def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
+    """Switch's ``X · Σ_x f_x · P_x`` from the routes per expert ``counts [X]`` (``f_x = counts_x / (tokens·k)``)
+    and the summed probabilities ``prob_sums [X]`` (``P_x = prob_sums_x / tokens``); 1 when balanced."""
+    experts = counts.numel()
+    return experts * (counts.to(prob_sums.dtype) * prob_sums).sum() / (tokens * tokens * k)
+
+
+class _Routes:
+    """Where each (token, choice) route went, to bring its output back (see :func:`_dispatch`)."""
+
+    __slots__ = ("order", "perm", "recv", "send", "token", "tokens")
+
+    def __init__(self, order, token, send, recv, perm, tokens):
+        self.order, self.token, self.send, self.recv, self.perm, self.tokens = order, token, send, recv, perm, tokens
+
+
+def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple[torch.Tensor, list[int], _Routes]:
+    """The rows ``[R, E]`` this rank's experts compute, grouped by local expert, the row count of each local
+    expert, and the routes. Without a group (or one of one rank) the rows are ``x``'s, sorted by expert."""
+    e = 1 if group is None else group_size(group)
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # routes by expert (so by rank), in token order within one
+    token = torch.div(order, ids.shape[-1], rounding_mode="floor")
+    counts = torch.bincount(flat, minlength=e * per_rank).view(e, per_rank)
+    if e == 1:
+        return x[token], counts[0].tolist(), _Routes(order, token, None, None, None, x.shape[0])
+    received = all_to_all(counts, group, [1] * e, [1] * e)[0]  # [source rank, local expert]
+    sent, got = torch.stack((counts, received)).tolist()  # the one read on the host
+    send, recv = [sum(row) for row in sent], [sum(row) for row in got]
+    rows = exchange_rows(x[token], group, send, recv)  # source after source, by local expert within one
+    starts, at = [], 0
+    for row in got:
+        starts.append(at)
+        at += sum(row)
+    perm, per_expert = [], []
+    for j in range(per_rank):  # group the rows by local expert over every source
+        per_expert.append(sum(got[q][j] for q in range(e)))
+        for q in range(e):
+            lo = starts[q] + sum(got[q][:j])
+            perm.extend(range(lo, lo + got[q][j]))
+    perm = torch.tensor(perm, dtype=torch.int64, device=x.device)
+    return rows.index_select(0, perm), per_expert, _Routes(order, token, send, recv, perm, x.shape[0])
+
+
+def _combine(out: torch.Tensor, weights: torch.Tensor, routes: _Routes, group) -> torch.Tensor:
+    """``[N, E]`` fp32: each token's routes' outputs, weighted, added up (the inverse of :func:`_dispatch`)."""
+    if routes.perm is not None:
+        out = out.index_select(0, torch.argsort(routes.perm))  # source after source again
+        out = exchange_rows(out, group, routes.recv, routes.send)  # this rank's routes, in `order`
+    weighted = out.float() * weights.reshape(-1)[routes.order, None]
+    return weighted.new_zeros((routes.tokens, out.shape[-1])).index_add(0, routes.token, weighted)
+
+
+class _SumOverRanks(torch.autograd.Function):
+    """All-reduce (sum) whose backward is an all-reduce too: every rank's copy of what follows is the same,
+    and each contributes to the gradient of every rank's part."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        out = x.clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class ParallelMoE(nn.Module):
+    """``Σ_k weight_k · expert_{id_k}(x)`` over the ``top_k`` experts the router chooses for each token.
+
+    Input and output are ``[B, S, E]`` (``[B, S/t, E]`` under ``sequence_parallel``). ``n_expert`` must split
+    evenly over ``ep_group``. After each forward :attr:`aux_loss` holds the load-balancing loss (fp32 scalar)
+    of this forward's tokens, differentiable; ``cp_group`` only widens it to the whole sequence.
+    """
+
+    def __init__(self, n_embd: int, hidden: int, n_expert: int, top_k: int, *, activation: str = "swiglu",
+                 tp_group=None, sequence_parallel: bool = False, ep_group=None, cp_group=None, device=None,
+                 dtype=None):  # fmt: skip
+        super().__init__()
+        for name, value in (("n_embd", n_embd), ("hidden", hidden), ("n_expert", n_expert), ("top_k", top_k)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"ParallelMoE: {name} must be a positive int, received {value!r}")
+        if top_k > n_expert:
+            raise ValueError(f"ParallelMoE: top_k={top_k} exceeds n_expert={n_expert}")
+        if activation not in MLP_ACTIVATIONS:
+            raise ValueError(f"ParallelMoE: activation must be one of {MLP_ACTIVATIONS}, received {activation!r}")
+        why = "expert-parallel peers must hold other tokens (init_parallel(ep=)'s ep_group)"
+        e = check_peer_group(ep_group, tp_group, caller="ParallelMoE", name="ep_group", why=why) or 1
+        t = group_size(tp_group)
+        if n_expert % e:
+            raise ValueError(f"ParallelMoE: n_expert={n_expert} does not split over the {e} ranks of ep_group")
+        if hidden % t:
+            raise ValueError(f"ParallelMoE: hidden={hidden} does not split over the {t} tensor-parallel ranks")
+        self.n_embd, self.hidden, self.n_expert, self.top_k = n_embd, hidden, n_expert, top_k
+        self.activation, self.sequence_parallel = activation, sequence_parallel
+        self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
+        self.per_rank, self.first_expert = n_expert // e, group_rank(ep_group) * (n_expert // e) if e > 1 else 0
+        kw = dict(device=device, dtype=dtype)
+        parts = (hidden, hidden) if activation == "swiglu" else (hidden,)
+        self.router = nn.Parameter(torch.empty(n_expert, n_embd, **kw))
+        self.fc = nn.Parameter(torch.empty(self.per_rank, sum(parts) // t, n_embd, **kw))
+        self.proj = nn.Parameter(torch.empty(self.per_rank, n_embd, hidden // t, **kw))
+        for p, dim, p_parts in ((self.fc, 1, parts), (self.proj, 2, (hidden,))):
+            p.tensor_parallel, p.tp_dim, p.tp_parts = True, dim, p_parts
+            if e > 1:
+                p.expert_parallel, p.expert_count = True, n_expert
+                p.expert_range = (self.first_expert, self.first_expert + self.per_rank)
+        self.aux_loss: torch.Tensor | None = None
+        with torch.no_grad():
+            for p in self.parameters():
+                nn.init.normal_(p, std=0.02)
+
+    def extra_repr(self) -> str:
+        e = 1 if self.ep_group is None else group_size(self.ep_group)
+        return (f"{self.n_embd}, hidden={self.hidden}, experts={self.n_expert} (top {self.top_k}, {self.per_rank} "
+                f"here, ep={e}), {self.activation}, tp={group_size(self.tp_group)}, "
+                f"sequence_parallel={self.sequence_parallel}")  # fmt: skip
+
+    def _router(self) -> torch.Tensor:
+        shared = self.sequence_parallel and group_size(self.tp_group) > 1  # each rank scores its own tokens
+        return copy_to_tp(self.router, self.tp_group) if shared else self.router
+
+    def _aux_loss(self, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+        counts = torch.bincount(ids.reshape(-1), minlength=self.n_expert)
+        prob_sums, tokens = probs.sum(0), probs.shape[0]
+        groups = []
+        if self.sequence_parallel and group_size(self.tp_group) > 1:
+            prob_sums = reduce_from_tp(prob_sums, self.tp_group)
+            groups.append(self.tp_group)
+        if self.cp_group is not None and group_size(self.cp_group) > 1:
+            prob_sums = _SumOverRanks.apply(prob_sums, self.cp_group)
+            groups.append(self.cp_group)
+        for group in groups:
+            dist.all_reduce(counts, group=group)
+            tokens *= group_size(group)
+        return load_balancing_loss(counts, prob_sums, tokens, self.top_k)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-1] != self.n_embd:
+            raise ValueError(f"ParallelMoE: the input's last dim must be n_embd={self.n_embd}, received shape "
+                             f"{tuple(x.shape)}")  # fmt: skip
+        shape, tokens = x.shape, x.reshape(-1, self.n_embd)
+        weights, ids, probs = route_top_k(F.linear(tokens.float(), self._router().float()), self.top_k)
+        self.aux_loss = self._aux_loss(ids, probs)
+        tp, t = self.tp_group, group_size(self.tp_group)
+        if self.sequence_parallel and t > 1:
+            tokens = gather_from_sequence(tokens, tp, dim=0)
+            weights = gather_from_sequence(weights, tp, dim=0)
+            ids = all_gather(ids, tp)[0]
+        elif t > 1:
+            tokens, weights = copy_to_tp(tokens, tp), copy_to_tp(weights, tp)
+        rows, per_expert, routes = _dispatch(tokens, ids, self.per_rank, self.ep_group)
+        out = _combine(self._experts(rows, per_expert), weights, routes, self.ep_group).to(x.dtype)
+        if self.sequence_parallel and t > 1:
+            out = reduce_scatter_to_sequence(out, tp, dim=0)
+        elif t > 1:
+            out = reduce_from_tp(out, tp)
+        return out.view(shape)
+
+    def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
+        """``[R, E]``: each local expert's MLP on its consecutive rows (partial sums over the ``F/t`` features)."""
+        outs, at = [], 0
+        for j, n in enumerate(per_expert):
+            if n:
+                a = rows.narrow(0, at, n)
+                if self.activation == "swiglu":
+                    gate, up = matmul(a, self.fc[j].t()).chunk(2, dim=-1)
+                    h = F.silu(gate) * up
+                else:
+                    h = matmul(a, self.fc[j].t(), activation="gelu")
+                outs.append(matmul(h, self.proj[j].t()))
+                at += n
+        if not outs:  # no route reached these experts: an empty result still tied to the rows (and their backward)
+            return rows * 0
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
