@@ -181,6 +181,9 @@ class GPT(nn.Module):
         check_heads("GPT", config.n_head, config.n_kv_head, group_size(tp_group))
         self.config, self.tp_group, self.sequence_parallel = config, tp_group, sequence_parallel
         self.cp_group, self.ep_group = cp_group, ep_group
+        if config.n_expert:  # each block's experts are split as one module (ParallelMoE.from_module)
+            plan = {k: v for k, v in type(self).tessel_tp_plan.items() if not k.startswith("blocks.*.mlp.")}
+            self.tessel_tp_plan = {**plan, "blocks.*.mlp": "moe"}
         if ep_group is not None and not config.n_expert:
             raise ValueError("GPT: ep_group splits the experts over ranks, but the config has none (n_expert=0)")
         # Drawn before the submodules draw their own (layout-dependent) initial values.

@@ -52,6 +52,7 @@ from ..parallel.collectives import (
     reduce_scatter_to_sequence,
 )
 from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
+from ..parallel.sharding import shard_like
 from .mlp import MLP_ACTIVATIONS
 
 __all__ = ["ParallelMoE", "load_balancing_loss", "route_top_k"]
@@ -180,6 +181,26 @@ class ParallelMoE(nn.Module):
         with torch.no_grad():
             for p in self.parameters():
                 nn.init.normal_(p, std=0.02)
+
+    @classmethod
+    def from_module(cls, moe: ParallelMoE, *, tp_group=None, sequence_parallel: bool = False, ep_group=None,
+                    cp_group=None) -> ParallelMoE:  # fmt: skip
+        """A layer split over ``tp_group`` (and ``ep_group``) holding this rank's shards of a whole layer's
+        parameters (what ``parallelize`` does with tessel's GPT); ``moe`` is not changed."""
+        if not isinstance(moe, ParallelMoE):
+            raise TypeError(f"ParallelMoE.from_module: expected a ParallelMoE, received {type(moe).__name__}")
+        if moe.per_rank != moe.n_expert or group_size(moe.tp_group) != 1:
+            raise ValueError(
+                "ParallelMoE.from_module: the layer is already split over tensor- or expert-parallel ranks"
+            )
+        w = moe.router
+        layer = cls(moe.n_embd, moe.hidden, moe.n_expert, moe.top_k, activation=moe.activation, tp_group=tp_group,
+                    sequence_parallel=sequence_parallel, ep_group=ep_group, cp_group=cp_group, device=w.device,
+                    dtype=w.dtype)  # fmt: skip
+        with torch.no_grad():
+            for name, p in layer.named_parameters():
+                p.copy_(shard_like(getattr(moe, name), p, tp_group))
+        return layer
 
     def extra_repr(self) -> str:
         e = 1 if self.ep_group is None else group_size(self.ep_group)

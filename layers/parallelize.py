@@ -2,7 +2,7 @@
 
 A plan maps module-name globs to styles. Names are those of ``model.named_modules()``; in a glob ``*``
 matches one name segment and ``?`` one character of a segment (``"layers.*.self_attn.q_proj"``).
-Without a plan the model's own is used: ``type(model).tessel_tp_plan`` (tessel's GPT), else the
+Without a plan the model's own is used: ``model.tessel_tp_plan`` (tessel's GPT), else the
 Hugging Face plan (``config.base_model_tp_plan`` below the base model's prefix, the input embedding
 over the vocabulary as transformers 5.x adds it, and the head model's ``_tp_plan``).
 
@@ -32,6 +32,8 @@ experts (moe_tp_experts)                           a Hugging Face experts module
                                                    output is summed over the group
                                                    (:mod:`~tessel.layers.hf_experts`)
 ep_dispatch_experts                                the same, split by whole experts ``r·E/t …``
+moe                                                tessel's ParallelMoE (GPT with experts): features over
+                                                   the group, experts over ``ep_group``
 =================================================  ===================================================
 
 A plan may also name the parameters of a module it splits as experts (Hugging Face's
@@ -100,6 +102,7 @@ from .hf_experts import (
     shard_experts,
 )
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .moe import ParallelMoE
 from .norm import LayerNorm, RMSNorm
 
 __all__ = ["STYLES", "parallelize"]
@@ -107,7 +110,7 @@ __all__ = ["STYLES", "parallelize"]
 COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
-EXPERTS, MLA_KV_A = "experts", "mla_kv_a_proj"
+EXPERTS, MLA_KV_A, MOE = "experts", "mla_kv_a_proj", "moe"
 
 STYLES: dict[str, str] = {
     COLUMN: COLUMN, "local_colwise": COLUMN,
@@ -121,7 +124,7 @@ STYLES: dict[str, str] = {
     GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
-    "ep_router": REPLICATE,
+    "ep_router": REPLICATE, MOE: MOE,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
 _SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
@@ -183,11 +186,11 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     own = plan is None
     entries, head_params = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
     for e in entries:
+        e.ep_group = ep_group
         if e.kind == EXPERTS:
             e.expert_split = "experts" if e.style == "ep_dispatch_experts" or ep else expert_split
-            e.ep_group = ep_group
         _validate_entry(e, ep or t if e.kind == EXPERTS else t, model)
-    if ep and not any(e.kind == EXPERTS for e in entries):
+    if ep and not any(e.kind in (EXPERTS, MOE) for e in entries):
         raise ValueError(f"parallelize: ep_group was given, but the plan splits no experts module of "
                          f"{type(model).__name__} (style 'moe_tp_experts' or 'ep_dispatch_experts')")  # fmt: skip
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
@@ -218,8 +221,9 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
             blocks = sorted({e.name.rsplit(".", 1)[0] for e in entries if e.kind == EXPERTS})
             gather_router_logits(model, type(base_model(model)[1]), blocks, tp_group, cp_group, sequence_parallel=False)
     elif context is not None:
-        for m in context:
-            m.cp_group = cp_group
+        for m in model.modules():  # the modules that take a cp group, replacements (ParallelMoE) included
+            if hasattr(m, "cp_group"):
+                m.cp_group = cp_group
     for attr, value in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel)):
         if hasattr(model, attr):  # tessel's GPT: its loss reads the group
             setattr(model, attr, value)
@@ -230,7 +234,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
 
 
 def _own_plan(model: nn.Module) -> dict[str, str]:
-    plan = getattr(type(model), "tessel_tp_plan", None) or hf_tp_plan(model)
+    plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
@@ -478,6 +482,9 @@ def _build(e: _Entry, tp_group, overlap) -> nn.Module | None:
         ep = e.ep_group is not None
         e.shards = shard_experts(e.module, e.splits, e.ep_group if ep else tp_group, expert_parallel=ep)
         return None
+    if e.kind == MOE:  # tessel's own experts
+        return ParallelMoE.from_module(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel,
+                                       ep_group=e.ep_group, cp_group=e.module.cp_group)  # fmt: skip
     if e.kind == EMBEDDING:
         return VocabParallelEmbedding.from_embedding(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
     if e.kind == NORM and e.sequence_parallel and any(True for _ in e.module.parameters()):

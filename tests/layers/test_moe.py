@@ -207,6 +207,7 @@ def _gathered(x, group, dim):
 
 def _moe_vs_dense(rank, world_size, layout, sequence_parallel, cfg_kw):
     """Each rank's parallel GPT against the dense GPT on that rank's batch (another batch per dp index)."""
+    from tessel.layers.parallelize import parallelize
     from tessel.parallel.dims import init_parallel
 
     tp, ep = layout
@@ -217,6 +218,13 @@ def _moe_vs_dense(rank, world_size, layout, sequence_parallel, cfg_kw):
     dense = GPT(cfg, tp_group=solo)
     torch.manual_seed(0)
     par = GPT(cfg, tp_group=dims.tp_group, sequence_parallel=sequence_parallel, ep_group=dims.ep_group)
+    torch.manual_seed(0)  # the dense model split by parallelize holds the same shards
+    via = parallelize(GPT(cfg, tp_group=solo), dims.tp_group, sequence_parallel=sequence_parallel,
+                      ep_group=dims.ep_group)  # fmt: skip
+    assert via.state_dict().keys() == par.state_dict().keys()
+    assert all(torch.equal(v, par.state_dict()[k]) for k, v in via.state_dict().items())
+    assert all(getattr(p, "expert_range", None) == getattr(q, "expert_range", None)
+               for p, q in zip(via.parameters(), par.parameters()))  # fmt: skip
     _sharpen(dense)
     _sharpen(par)
     gen = torch.Generator().manual_seed(100 + dims.dp_rank)

@@ -223,6 +223,8 @@ def _gpt_worker(rank, world_size, cases, heads_error=None):
         targets = _ids(2, 8, cfg.vocab_size, seed=4)
         want_logits, got_logits = dense(idx), par(idx)
         want, got = dense.loss_from_logits(want_logits, targets), par.loss(idx, targets)
+        if dense.aux_loss() is not None:  # experts: the load-balancing loss of dense(idx)'s routes
+            want = want + cfg.aux_loss_coef * dense.aux_loss()
         want.backward()
         got.backward()
         cols = slice(rank * cfg.vocab_size // world_size, (rank + 1) * cfg.vocab_size // world_size)
@@ -241,7 +243,8 @@ def _gpt_worker(rank, world_size, cases, heads_error=None):
 
 @pytest.mark.multiprocess
 def test_gpt_own_plan_matches_dense_on_two_ranks():
-    cases = [({}, False), ({}, True), (dict(mlp="gelu", norm="layernorm", bias=True), True)]
+    moe = dict(n_expert=4, top_k=2, mlp_hidden=32)  # each block's experts split by features (ParallelMoE)
+    cases = [({}, False), ({}, True), (dict(mlp="gelu", norm="layernorm", bias=True), True), (moe, False), (moe, True)]
     assert run_ranks(_gpt_worker, 2, cases, timeout=120, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
