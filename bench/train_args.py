@@ -72,6 +72,7 @@ def _epilog() -> str:
         "  torchrun --nproc_per_node=2 -m tessel.bench.train --tp 2 --sequence-parallel",
         "  torchrun --nproc_per_node=4 -m tessel.bench.train --pp 2 --dp 2 --zero 1 --schedule interleaved",
         "  torchrun --nproc_per_node=2 --max-restarts=1 -m tessel.bench.train --dp 2 --save-every 50 --resume",
+        "  torchrun --nproc_per_node=4 -m tessel.bench.train --tp 2 --dp 2 --experts 8 --ep 2 --zero 1",
         "",
         "Without a GPU the kernels run their PyTorch references; TRITON_INTERPRET=1 runs the Triton kernels",
         "through Triton's interpreter instead (about 100× slower).",
@@ -101,6 +102,27 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="context-parallel size: ranks that split each sequence (ring attention; --seq-len divisible by 2·cp)",
+    )
+    add(
+        "--experts",
+        type=int,
+        default=0,
+        help="a mixture of this many experts in every block instead of the MLP (each the preset's MLP width; "
+        "default: 0, dense)",
+    )
+    add("--top-k", type=int, default=2, help="experts per token with --experts (default: %(default)s)")
+    add(
+        "--ep",
+        type=int,
+        default=1,
+        help="expert-parallel size: groups of this many data-parallel ranks split the experts between them, each "
+        "token travelling to its experts' ranks (a divisor of --dp and of --experts)",
+    )
+    add(
+        "--aux-loss-coef",
+        type=float,
+        default=0.01,
+        help="weight of the experts' load-balancing loss, added to the training loss (default: %(default)s)",
     )
     add(
         "--zero",
@@ -215,7 +237,7 @@ def _positive(args, *names: str) -> None:
 
 
 def _check_layout(args) -> None:
-    _positive(args, "tp", "pp", "cp")
+    _positive(args, "tp", "pp", "cp", "ep")
     sizes = f"--tp {args.tp} × --pp {args.pp}" + (f" × --cp {args.cp}" if args.cp > 1 else "")
     model_ranks = args.tp * args.pp * args.cp  # the ranks that share one data-parallel replica's batch
     if args.dp == -1:
@@ -230,6 +252,8 @@ def _check_layout(args) -> None:
             f"{sizes} × --dp {args.dp} = {model_ranks * args.dp} does not match the "
             f"world size {args.world_size} (torchrun --nproc_per_node)"
         )
+    if args.dp % args.ep:
+        raise ArgumentError(f"--ep {args.ep} does not divide the data-parallel size {args.dp}")
     if args.pp == 1 and args.microbatches not in (None, 1):
         raise ArgumentError(f"--microbatches {args.microbatches} needs --pp > 1")
     if args.microbatches is None:
@@ -254,6 +278,7 @@ def _check_model(args, preset: Preset) -> None:
         )
     if args.sliding_window is not None:
         _positive(args, "sliding_window")
+    _check_experts(args)
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ArgumentError(
             f"--cp {args.cp} needs --seq-len {args.seq_len} divisible by 2·cp = {2 * args.cp} (two chunks per rank)"
@@ -261,6 +286,27 @@ def _check_model(args, preset: Preset) -> None:
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
         what = f"--seq-len {args.seq_len}" if args.cp == 1 else f"the {args.seq_len // args.cp} tokens per cp rank"
         raise ArgumentError(f"--sequence-parallel needs {what} divisible by --tp {args.tp}")
+
+
+def _check_experts(args) -> None:
+    if args.experts < 0:
+        raise ArgumentError(f"--experts must be 0 (dense) or positive, received {args.experts}")
+    if not args.experts:
+        if args.ep > 1:
+            raise ArgumentError(f"--ep {args.ep} splits experts over ranks: it needs --experts")
+        return
+    if not 1 <= args.top_k <= args.experts:
+        raise ArgumentError(f"--top-k must be in [1, --experts {args.experts}], received {args.top_k}")
+    if args.experts % args.ep:
+        raise ArgumentError(f"--ep {args.ep} does not divide --experts {args.experts}")
+    if args.aux_loss_coef < 0:
+        raise ArgumentError(f"--aux-loss-coef must be non-negative, received {args.aux_loss_coef}")
+    if args.pp > 1:
+        raise ArgumentError("--experts with --pp > 1 is not supported yet: the load-balancing loss of earlier "
+                            "stages does not reach the pipeline's loss")  # fmt: skip
+    if args.ep > 1 and args.zero == 3:
+        raise ArgumentError("--ep > 1 needs --zero 0, 1 or 2: FSDP shards every parameter over one group, and the "
+                            "experts of an ep group are reduced over another")  # fmt: skip
 
 
 def _check_run(args) -> None:

@@ -32,6 +32,7 @@ from torch import nn
 from ..layers.gpt import GPT, GPTConfig, TransformerBlock
 from ..parallel.comm import group_size
 from ..parallel.dims import ParallelDims
+from ..parallel.flat import is_expert
 from ..parallel.sharding import is_tp_sharded
 from .train_args import DTYPES, PRESETS, ArgumentError
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
@@ -118,7 +119,8 @@ class Engine:
         if self.schedule is None:
             logits = self.wrapper(x) if segment_ids is None else self.wrapper(x, segment_ids=segment_ids)
             loss = self._weighted(self.gpt.loss_from_logits(logits, y), y)
-            self._scaled(loss).backward()
+            aux = self.gpt.aux_loss()  # the experts' load balancing: trained, not reported
+            self._scaled(loss if aux is None else loss + self.config.aux_loss_coef * aux).backward()
             local = loss.detach().float()
         else:
             self._run_pipeline(x, y, segment_ids)
@@ -186,12 +188,16 @@ def clip_grad_norm(params, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Scale gradients so that their global norm (over TP shards and pipeline stages) is at most ``max_norm``.
 
     TP-sharded parameters contribute their squares from every TP rank; replicated ones (norm weights,
-    whose gradients the layers already reduce) once; pipeline stages hold disjoint parameters.
+    whose gradients the layers already reduce) once; pipeline stages hold disjoint parameters; the ranks of
+    an expert-parallel group hold different experts (their squares are summed over the group first).
     """
-    grads = [(p.grad, is_tp_sharded(p)) for p in params if p.grad is not None]
-    sums = torch.zeros(2, dtype=torch.float32, device=dims.device)
-    for g, sharded in grads:
-        sums[0 if sharded else 1] += g.float().pow(2).sum()
+    grads = [(p.grad, is_tp_sharded(p), is_expert(p)) for p in params if p.grad is not None]
+    sums = torch.zeros(4, dtype=torch.float32, device=dims.device)  # tp-sharded, replicated; and those of experts
+    for g, sharded, expert in grads:
+        sums[(0 if sharded else 1) + 2 * expert] += g.float().pow(2).sum()
+    if dims.ep > 1:
+        dist.all_reduce(sums[2:], group=dims.ep_group)
+    sums = sums[:2] + sums[2:]
     if dims.tp > 1:
         dist.all_reduce(sums[:1], group=dims.tp_group)
     total = sums.sum().reshape(1)
@@ -200,7 +206,7 @@ def clip_grad_norm(params, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     norm = total.sqrt()[0]
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
     if grads:
-        torch._foreach_mul_([g for g, _ in grads], coef)
+        torch._foreach_mul_([g for g, *_ in grads], coef)
     return norm
 
 
@@ -240,7 +246,7 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
     if args.zero == 0:
         fused = dims.device.type == "cuda"
         opt = torch.optim.AdamW(params, lr=args.lr, betas=BETAS, eps=EPS, weight_decay=args.weight_decay, fused=fused)
-        return opt, TorchAdamWState(opt, named, dims.tp_group, dims.dp_cp_group)
+        return opt, TorchAdamWState(opt, named, dims.tp_group, dims.dp_cp_group, dims.expert_dp_group)
     zero = _need("parallel.zero", f"--zero {args.zero}")
     opt = zero.ZeroAdam(
         params,
@@ -262,7 +268,8 @@ def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:
         return module
     if args.zero == 3:  # units: the transformer blocks; the root: embedding, final norm, head
         return _need("parallel.fsdp", "--zero 3").FSDP(module, group=dims.dp_cp_group, wrap={TransformerBlock})
-    return _need("parallel.ddp", f"--zero {args.zero}").DDP(module, group=dims.dp_cp_group)
+    experts = dims.expert_dp_group if dims.ep > 1 else None  # each ep rank's experts: over their replicas
+    return _need("parallel.ddp", f"--zero {args.zero}").DDP(module, group=dims.dp_cp_group, expert_group=experts)
 
 
 class _Stages(nn.Module):
@@ -313,11 +320,15 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         deterministic_attention=args.attention_backward == "deterministic",
         recompute=args.recompute,
         sliding_window=args.sliding_window,
+        n_expert=args.experts,
+        top_k=args.top_k,
+        aux_loss_coef=args.aux_loss_coef,
     )
     gpt = GPT(
         config,
         tp_group=dims.tp_group,
         cp_group=dims.cp_group,
+        ep_group=dims.ep_group,
         sequence_parallel=args.sequence_parallel,
         device=dims.device,
         dtype=DTYPES[args.dtype],
@@ -334,7 +345,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
     wrapper = _wrap(args, stages[0] if args.pp == 1 else _Stages(stages), dims)
     optimizer, opt_state = _optimizer(args, list(named.values()), dims, named)
     engine = Engine(args, dims, gpt, stages, wrapper, named, optimizer, opt_state, num_params, flops_per_token,
-                    model_state=ModelState(named, dims.tp_group, dims.dp_cp_group))  # fmt: skip
+                    model_state=ModelState(named, dims.tp_group, dims.dp_cp_group, dims.expert_dp_group))  # fmt: skip
     if args.pp > 1:
         n = args.pp * args.stages_per_rank
         ids = _stage_ids(args, dims)

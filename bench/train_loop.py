@@ -13,12 +13,13 @@ import os
 import signal
 import sys
 import time
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from ..layers.gpt import GPTConfig
 from ..parallel.context import split_sequence
 from ..parallel.dims import init_parallel, shutdown
 from .checkpoint import (
@@ -62,6 +63,8 @@ def _layout(args) -> str:
     text = f"dp={args.dp} pp={args.pp} tp={args.tp}" + (f" cp={args.cp}" if args.cp > 1 else "") + f" zero={args.zero}"
     if args.pp > 1:
         text += f" schedule={args.schedule} microbatches={args.microbatches}"
+    if args.experts:
+        text += f" experts={args.experts} top-k={args.top_k}" + (f" ep={args.ep}" if args.ep > 1 else "")
     text += " sequence-parallel" if args.sequence_parallel else ""
     text += " recompute" if args.recompute else ""
     return text + (" attention-backward=atomic" if args.attention_backward == "atomic" else "")
@@ -71,7 +74,7 @@ def _meta(args, engine: Engine, history: list[StepRecord]) -> dict:
     """The JSON part of a checkpoint's manifest: what was trained, how, and the loss so far."""
     return {
         "world_size": args.world_size,
-        "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "cp": args.cp, "zero": args.zero},
+        "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "cp": args.cp, "ep": args.ep, "zero": args.zero},
         "model": asdict(engine.config),
         "run": {
             "seed": args.seed,
@@ -102,10 +105,11 @@ def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
         return 0, [], None
     manifest = read_manifest(path)
     saved, built = manifest.get("model") or {}, asdict(engine.config)
+    defaults = {f.name: f.default for f in fields(GPTConfig)}  # of settings newer than the checkpoint
     differ = [
-        f"{k}={saved.get(k)!r} (this run: {v!r})"
+        f"{k}={saved.get(k, defaults[k])!r} (this run: {v!r})"
         for k, v in built.items()
-        if k not in _NUMERICS_ONLY and saved.get(k) != v
+        if k not in _NUMERICS_ONLY and saved.get(k, defaults[k]) != v
     ]
     if differ:
         raise CheckpointError(f"checkpoint {path} holds a different model: {', '.join(differ)}")
@@ -242,7 +246,7 @@ def run(args) -> None:
         )
     _cpu_threads()
     _join_torchrun_attempt()
-    dims = init_parallel(args.tp, args.pp, args.dp, cp=args.cp)
+    dims = init_parallel(args.tp, args.pp, args.dp, cp=args.cp, ep=args.ep)
     engine = build_engine(args, dims)
     args.out.mkdir(parents=True, exist_ok=True)
     start, history, resumed = _resume(args, engine) if args.resume else (0, [], None)

@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.comm import group_rank, group_size
+from ..parallel.flat import is_expert
 from ..parallel.sharding import global_pieces, global_shape, is_tp_sharded
 from .checkpoint import Pieces
 
@@ -44,16 +45,22 @@ def _value(p: nn.Parameter, local: torch.Tensor, tp_group, *, write: bool) -> to
     return Pieces(global_shape(p, t, local.shape), local.dtype, blocks)
 
 
+def _writers(dp_group, expert_dp_group) -> tuple[bool, bool]:
+    """Whether this rank writes a parameter (its TP shard) that is not / is an expert's: data-parallel replicas
+    hold the same values, one writes them; an expert-parallel rank's experts are its expert-dp group's."""
+    return group_rank(dp_group) == 0, group_rank(dp_group if expert_dp_group is None else expert_dp_group) == 0
+
+
 class ModelState:
     """``model.<fqn>``: each parameter in fp32, for optimizers that keep no master weights."""
 
-    def __init__(self, named: dict[str, nn.Parameter], tp_group, dp_group):
+    def __init__(self, named: dict[str, nn.Parameter], tp_group, dp_group, expert_dp_group=None):
         self.named, self.tp_group = named, tp_group
-        self.writer = group_rank(dp_group) == 0  # DP replicas hold the same TP shard: one writes it
+        self.writers = _writers(dp_group, expert_dp_group)
         self._buffers: dict[str, torch.Tensor] = {}
 
     def state(self) -> dict:
-        return {f"model.{n}": _value(p, p.detach().float(), self.tp_group, write=self.writer)
+        return {f"model.{n}": _value(p, p.detach().float(), self.tp_group, write=self.writers[is_expert(p)])
                 for n, p in self.named.items()}  # fmt: skip
 
     def template(self) -> dict:
@@ -88,9 +95,10 @@ class TorchAdamWState:
     owns_params = False  # the parameters are saved and loaded beside this state (ModelState)
     MOMENTS = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, optimizer: torch.optim.Optimizer, named: dict[str, nn.Parameter], tp_group, dp_group):
+    def __init__(self, optimizer: torch.optim.Optimizer, named: dict[str, nn.Parameter], tp_group, dp_group,
+                 expert_dp_group=None):  # fmt: skip
         self.optimizer, self.named, self.tp_group = optimizer, named, tp_group
-        self.writer = group_rank(dp_group) == 0
+        self.writers = _writers(dp_group, expert_dp_group)
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     def state(self) -> dict:
@@ -98,7 +106,8 @@ class TorchAdamWState:
         for name, p in self.named.items():
             st = self.optimizer.state[p]
             for moment in self.MOMENTS:
-                out[f"optim.{name}.{moment}"] = _value(p, st[moment].float(), self.tp_group, write=self.writer)
+                out[f"optim.{name}.{moment}"] = _value(p, st[moment].float(), self.tp_group,
+                                                       write=self.writers[is_expert(p)])  # fmt: skip
             out["optim.step"] = torch.tensor(int(st["step"]), dtype=torch.int64)
         return out
 

@@ -59,6 +59,15 @@ def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
         (["--cp", "2", "--seq-len", "30"], 2, "--cp 2 needs --seq-len 30 divisible by 2·cp = 4"),
         (["--cp", "2", "--tp", "4", "--sequence-parallel", "--seq-len", "36"], 8, "the 18 tokens per cp rank"),
         (["--sliding-window", "0"], 1, "--sliding-window must be a positive integer, received 0"),
+        (["--ep", "0"], 1, "--ep must be a positive integer, received 0"),
+        (["--ep", "2", "--experts", "4"], 3, "--ep 2 does not divide the data-parallel size 3"),
+        (["--ep", "2"], 2, "--ep 2 splits experts over ranks: it needs --experts"),
+        (["--experts", "-1"], 1, "--experts must be 0 (dense) or positive, received -1"),
+        (["--experts", "4", "--top-k", "5"], 1, "--top-k must be in [1, --experts 4], received 5"),
+        (["--experts", "6", "--ep", "4"], 4, "--ep 4 does not divide --experts 6"),
+        (["--experts", "4", "--aux-loss-coef", "-1"], 1, "--aux-loss-coef must be non-negative, received -1.0"),
+        (["--experts", "4", "--pp", "2"], 2, "--experts with --pp > 1 is not supported yet"),
+        (["--experts", "4", "--ep", "2", "--zero", "3"], 2, "--ep > 1 needs --zero 0, 1 or 2"),
     ],
 )
 def test_layout_and_run_checks(monkeypatch, args, world, expected):

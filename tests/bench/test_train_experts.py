@@ -1,0 +1,72 @@
+"""``python -m tessel.bench.train --experts``: tessel's GPT with a mixture of experts in every block, under
+expert parallelism (``--ep``) beside data and tensor parallelism; checkpoints hold every expert's global
+tensor, so a run saved with the experts split over two ranks resumes with them on one.
+
+Every run has the same global batch and the same math; only which rank computes an expert differs, so the
+loss curves agree to fp32 rounding.
+"""
+
+import json
+
+import pytest
+
+from tests.bench.test_train import _checkpoint, _copy_checkpoint, _losses, _ok, _tensors, _train
+
+# 4 steps of 8×32 tokens with 4 experts (2 per token), a checkpoint every 2.
+MOE = ["--experts", "4", "--top-k", "2", "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--save-every", "2"]
+
+
+@pytest.fixture(scope="module")
+def replicated(tmp_path_factory):
+    """The reference: dp=2, every rank holding every expert (torch's AdamW)."""
+    out = tmp_path_factory.mktemp("moe-dp2")
+    _ok(_train(out, "--dp", "2", *MOE, nproc=2))
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_parallel_run_trains_like_the_replicated_experts(replicated, tmp_path):
+    """--ep 2: each rank holds 2 of the 4 experts and the routes travel to them; ZeRO-1 shards the experts'
+    state over their own (here single-rank) data-parallel group. The loss falls and follows the reference."""
+    proc = _ok(_train(tmp_path, "--dp", "2", "--ep", "2", "--zero", "1", *MOE, nproc=2))
+    assert "experts=4 top-k=2 ep=2" in proc.stdout
+    losses = _losses(tmp_path)
+    assert losses[-1] < losses[0]
+    assert losses == pytest.approx(_losses(replicated), rel=1e-5)
+    run = json.loads((tmp_path / "run.json").read_text())
+    assert run["args"]["ep"] == 2 and run["args"]["experts"] == 4
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_parallel_checkpoint_holds_every_expert_and_resumes_in_a_world_of_one(replicated, tmp_path):
+    """Saved with the experts split over 2 ep ranks (torch's AdamW; each rank writes its own experts): the same
+    global tensors as the replicated run's checkpoint, values equal to fp32 rounding; continued in one process,
+    every expert on it, the run ends as the reference does."""
+    saved, resumed = tmp_path / "ep2", tmp_path / "one"
+    _ok(_train(saved, "--dp", "2", "--ep", "2", *MOE, nproc=2))
+    ours, theirs = _tensors(_checkpoint(saved, 2)), _tensors(_checkpoint(replicated, 2))
+    assert ours.keys() == theirs.keys()
+    expert_keys = [k for k in ours if k.endswith((".mlp.fc", ".mlp.proj"))]
+    assert expert_keys and all(ours[k].shape[0] == 4 for k in expert_keys)  # [experts, ...] whole
+    for key in ours:  # Adam's update of an element whose gradient nearly cancels magnifies rounding: 1e-4 of the max
+        if ours[key].is_floating_point():
+            assert ours[key].double().sub(theirs[key].double()).abs().max() <= 1e-4 * theirs[key].abs().max(), key
+    _copy_checkpoint(_checkpoint(saved, 2), resumed)
+    _ok(_train(resumed, *MOE, "--resume"))
+    assert _losses(resumed)[2:] == pytest.approx(_losses(replicated)[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_experts_split_by_features_and_by_ranks_on_four_ranks(replicated, tmp_path):
+    """tp=2 (each expert's hidden features split, sequence parallelism) × dp=2 with ep=2, ZeRO-2; resumed
+    from its step-2 checkpoint at dp=2 with every expert on every rank."""
+    split, resumed = tmp_path / "tp2-ep2", tmp_path / "dp2"
+    layout = ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2", "--zero", "2"]
+    _ok(_train(split, *layout, *MOE, nproc=4))
+    assert _losses(split) == pytest.approx(_losses(replicated), rel=1e-5)
+    _copy_checkpoint(_checkpoint(split, 2), resumed)
+    _ok(_train(resumed, "--dp", "2", *MOE, "--resume", nproc=2))
+    assert _losses(resumed)[2:] == pytest.approx(_losses(replicated)[2:], rel=1e-5)
