@@ -7,6 +7,7 @@ from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import ParallelMLP
+from .moe import ParallelMoE
 from .norm import LayerNorm, RMSNorm
 from .parallelize import parallelize
 
@@ -17,6 +18,7 @@ __all__ = [
     "LayerNorm",
     "ParallelAttention",
     "ParallelMLP",
+    "ParallelMoE",
     "RMSNorm",
     "RowParallelLinear",
     "TransformerBlock",
