@@ -80,6 +80,25 @@ def test_moe_matches_a_float64_token_by_token_definition(activation, n_expert, t
         assert err < 1e-4, f"grad of {name}: relative error {err:.3g}"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
+def test_moe_on_cuda_matches_the_float64_definition(activation):
+    """The compiled GEMMs of every expert (fp32, TF32-free) and the CUDA routing against float64."""
+    moe = _layer(activation=activation).cuda()
+    x = torch.randn(3, 37, 32, device="cuda", requires_grad=True)
+    leaves = [p.detach().cpu().double().requires_grad_() for p in (moe.router, moe.fc, moe.proj)]
+    x64 = x.detach().cpu().double().requires_grad_()
+    want, want_aux = _reference(x64, *leaves, 2, activation)
+    got = moe(x)
+    torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(moe.aux_loss.cpu().double(), want_aux, rtol=1e-5, atol=1e-6)
+    dout = torch.randn_like(got)
+    (got * dout).sum().backward()
+    (want * dout.cpu().double()).sum().backward()
+    for g, w in zip((x.grad, moe.router.grad, moe.fc.grad, moe.proj.grad), (x64.grad, *(q.grad for q in leaves))):
+        assert ((g.cpu().double() - w).abs().max() / w.abs().max()).item() < 1e-4
+
+
 def test_routing_weights_sum_to_one_and_choose_the_most_probable():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
     weights, ids, probs = route_top_k(logits, 2)
