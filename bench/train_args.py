@@ -301,9 +301,6 @@ def _check_experts(args) -> None:
         raise ArgumentError(f"--ep {args.ep} does not divide --experts {args.experts}")
     if args.aux_loss_coef < 0:
         raise ArgumentError(f"--aux-loss-coef must be non-negative, received {args.aux_loss_coef}")
-    if args.pp > 1:
-        raise ArgumentError("--experts with --pp > 1 is not supported yet: the load-balancing loss of earlier "
-                            "stages does not reach the pipeline's loss")  # fmt: skip
     if args.ep > 1 and args.zero == 3:
         raise ArgumentError("--ep > 1 needs --zero 0, 1 or 2: FSDP shards every parameter over one group, and the "
                             "experts of an ep group are reduced over another")  # fmt: skip

@@ -147,6 +147,10 @@ class Engine:
         does with FSDP.)
         """
         self._microbatch_losses.clear()
+        if self.config.n_expert:  # each stage's load-balancing losses, weighted as the microbatch losses are
+            weight = self._scaled(torch.tensor(self.config.aux_loss_coef / self.config.n_layer, device=self.device))
+            for stage in self.stages:
+                stage.aux_grad = weight / self.args.microbatches
         inputs = () if not self.is_first else (x,) if segment_ids is None else (x, segment_ids)
         no_sync = getattr(self.wrapper, "no_sync", None)
         with no_sync() if no_sync else contextlib.nullcontext():

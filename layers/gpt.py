@@ -311,6 +311,21 @@ class GPT(nn.Module):
         return GPTStage(self, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1)
 
 
+class _WithAuxGrad(torch.autograd.Function):
+    """``x`` itself forward; backward also gives ``aux`` the gradient ``weight`` (Megatron-LM's aux-loss
+    auto-scaler): the load-balancing losses of pipeline stages that do not compute the loss get trained."""
+
+    @staticmethod
+    def forward(ctx, x, aux, weight):
+        ctx.weight, ctx.aux_meta = weight, (aux.shape, aux.dtype)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        shape, dtype = ctx.aux_meta
+        return grad, torch.ones(shape, dtype=dtype, device=grad.device) * ctx.weight, None
+
+
 class GPTStage(nn.Module):
     """Blocks ``[start, stop)`` of a GPT, with the embedding on the first stage and the head on the last.
 
@@ -325,11 +340,19 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleList(gpt.blocks[start:stop])
         self.norm = gpt.norm if last else None
         self.lm_head = gpt.lm_head if last else None
+        self.aux_grad: float | torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None):
+        """With experts and :attr:`aux_grad` set (a float or a 0-d tensor), the backward that reaches this
+        stage's output gives each of its blocks' load-balancing losses the gradient ``aux_grad``, as if the
+        pipeline's loss had added them (``aux_loss_coef / n_layer`` times the loss's own scale: 1/microbatches,
+        a loss scale); the forward's values are unchanged."""
         if self.first:
             x = self.embed(x)
         x = run_blocks(self.blocks, x, self.recompute, segment_ids)
+        losses = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, ParallelMoE)]
+        if self.aux_grad is not None and losses and torch.is_grad_enabled():
+            x = _WithAuxGrad.apply(x, torch.stack(losses).sum(), self.aux_grad)
         if self.last:
             return self.lm_head(self.norm(x))
         return x if segment_ids is None else (x, segment_ids)

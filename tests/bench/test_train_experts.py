@@ -70,3 +70,17 @@ def test_experts_split_by_features_and_by_ranks_on_four_ranks(replicated, tmp_pa
     _copy_checkpoint(_checkpoint(split, 2), resumed)
     _ok(_train(resumed, "--dp", "2", *MOE, "--resume", nproc=2))
     assert _losses(resumed)[2:] == pytest.approx(_losses(replicated)[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_pipelined_experts_train_their_load_balancing_loss(replicated, tmp_path):
+    """Two pipeline stages: the first stage's load-balancing losses reach the backward through its output
+    (GPTStage.aux_grad). With one microbatch the run is the one-process run; with two (1F1B) each microbatch is
+    one data-parallel rank's half of the reference's batch, so the curve is the dp=2 reference's."""
+    one, gpipe, one_f_one_b = tmp_path / "one", tmp_path / "pp2-gpipe", tmp_path / "pp2-1f1b"
+    _ok(_train(one, *MOE))
+    _ok(_train(gpipe, "--pp", "2", "--schedule", "gpipe", "--microbatches", "1", *MOE, nproc=2))
+    assert _losses(gpipe) == pytest.approx(_losses(one), rel=1e-5)
+    _ok(_train(one_f_one_b, "--pp", "2", "--microbatches", "2", *MOE, nproc=2))
+    assert _losses(one_f_one_b) == pytest.approx(_losses(replicated), rel=1e-5)

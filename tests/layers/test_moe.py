@@ -211,6 +211,31 @@ def test_recomputed_gpt_with_experts_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
 
 
+def test_pipeline_stages_train_the_load_balancing_loss_through_aux_grad(num_stages=3):
+    """Stages chained by hand, the loss only on the last: with aux_grad = coef / n_layer every block's router
+    gets GPT.loss's gradient (its load-balancing term included); without it, a different one."""
+    cfg = _config(n_layer=3)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    _sharpen(gpt)
+    idx = torch.randint(cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
+    gpt.loss(idx, idx).backward()
+    want = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    for weight in (cfg.aux_loss_coef / cfg.n_layer, None):
+        gpt.zero_grad()
+        stages = [gpt.pipeline_stage(i, num_stages) for i in range(num_stages)]
+        x = idx
+        for stage in stages:
+            stage.aux_grad = weight
+            x = stage(x)
+        gpt.loss_from_logits(x, idx).backward()
+        close = [torch.allclose(p.grad, want[n], rtol=1e-5, atol=1e-7) for n, p in gpt.named_parameters()]
+        if weight is None:
+            assert not all(close)  # the routers miss the load-balancing gradient
+        else:
+            assert all(close), [n for (n, _), ok in zip(gpt.named_parameters(), close) if not ok]
+
+
 # ---------------------------------------------------------------------------------------------------- parallel
 
 
