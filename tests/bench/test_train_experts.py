@@ -84,3 +84,36 @@ def test_pipelined_experts_train_their_load_balancing_loss(replicated, tmp_path)
     assert _losses(gpipe) == pytest.approx(_losses(one), rel=1e-5)
     _ok(_train(one_f_one_b, "--pp", "2", "--microbatches", "2", *MOE, nproc=2))
     assert _losses(one_f_one_b) == pytest.approx(_losses(replicated), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_resuming_checks_the_experts_but_not_their_loss_weight(replicated, tmp_path):
+    """The experts are part of the model: a dense run refuses the checkpoint with one line. The load-balancing
+    loss's weight is a training setting: a run may resume with another. A checkpoint written before the expert
+    settings existed (no n_expert in its manifest) is a dense model's and still loads into a dense run."""
+    _copy_checkpoint(_checkpoint(replicated, 2), tmp_path / "dense")
+    proc = _train(tmp_path / "dense", "--dp", "2", *MOE[2:], "--resume", nproc=2)
+    assert proc.returncode != 0 and "holds a different model: n_expert=4 (this run: 0)" in proc.stderr
+    _copy_checkpoint(_checkpoint(replicated, 2), tmp_path / "coef")
+    _ok(_train(tmp_path / "coef", "--dp", "2", *MOE, "--aux-loss-coef", "0.1", "--resume", nproc=2))
+    assert _losses(tmp_path / "coef")[:2] == _losses(replicated)[:2]
+    assert _losses(tmp_path / "coef")[3] != pytest.approx(_losses(replicated)[3], rel=1e-6)
+
+    old = tmp_path / "old"
+    _ok(_train(old, *MOE[2:]))  # dense, one process
+    manifest = _checkpoint(old, 4) / "manifest.json"  # the latest, which --resume reads
+    record = json.loads(manifest.read_text())
+    for key in ("n_expert", "top_k", "aux_loss_coef"):
+        del record["model"][key]
+    manifest.write_text(json.dumps(record))
+    proc = _ok(_train(old, *MOE[2:], "--steps", "5", "--resume"))
+    assert "(step 4)" in proc.stdout and len(_losses(old)) == 5
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fully_sharded_experts_train_like_the_replicated_ones(replicated, tmp_path):
+    """--zero 3 (FSDP units: the blocks, experts included) with every expert on every rank."""
+    _ok(_train(tmp_path, "--dp", "2", "--zero", "3", *MOE, nproc=2))
+    assert _losses(tmp_path) == pytest.approx(_losses(replicated), rel=1e-5)
