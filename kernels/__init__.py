@@ -2,6 +2,7 @@
 
 from .adam import adam_step, adam_step_reference, grad_stats, grad_stats_reference
 from .attention import HEAD_DIMS, flash_attention, flash_attention_backward, flash_attention_reference
+from .grouped_matmul import grouped_matmul, grouped_matmul_reference
 from .matmul import ACTIVATIONS, matmul, matmul_reference
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
@@ -15,6 +16,8 @@ __all__ = [
     "flash_attention_reference",
     "grad_stats",
     "grad_stats_reference",
+    "grouped_matmul",
+    "grouped_matmul_reference",
     "layer_norm",
     "layer_norm_reference",
     "matmul",

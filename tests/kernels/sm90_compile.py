@@ -413,9 +413,35 @@ def norm_cases():
     ]  # fmt: skip
 
 
+def grouped_matmul_cases():
+    """Every autotuner configuration of the experts' grouped GEMM (bf16): the forward with ``b`` a transposed
+    view of ``[X, N, K]`` weights (unit stride along K), and the weight gradient ``a_eᵀ · g_e``."""
+    gm = importlib.import_module("tessel.kernels.grouped_matmul")
+    flags = dict(DOT_FP32=False, INPUT_PRECISION="tf32")
+    cases = []
+    for config in gm._CONFIGS:
+        tile = {k: config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+        label = "x".join(str(v) for v in tile.values()) + f" w{config.num_warps} s{config.num_stages}"
+        meta = {"dtype": "bf16", "stages": config.num_stages, "tile_bytes": _tile_bytes("bf16", **tile)}
+        cases.append((
+            f"grouped matmul bf16 {label}", gm._grouped_kernel,
+            {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64"},
+            {**flags, **tile, "BLOCK_X": 64, "stride_ak": 1, "stride_bk": 1, "stride_on": 1}, (), (),
+            config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul"},
+        ))  # fmt: skip
+        cases.append((
+            f"grouped matmul wgrad bf16 {label}", gm._grouped_wgrad_kernel,
+            {"a_ptr": "bf16", "g_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64"},
+            {**flags, **tile, "stride_ak": 1, "stride_gn": 1, "stride_on": 1}, (), (),
+            config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad"},
+        ))  # fmt: skip
+    return cases
+
+
 def all_cases():
     return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_segment_cases()
-            + attention_window_cases() + attention_softcap_cases() + adam_cases() + norm_cases())  # fmt: skip
+            + attention_window_cases() + attention_softcap_cases() + adam_cases() + norm_cases()
+            + grouped_matmul_cases())  # fmt: skip
 
 
 _CASES = None

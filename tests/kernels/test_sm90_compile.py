@@ -52,7 +52,8 @@ def test_every_kernel_compiles_and_fits_in_shared_memory(compiled):
     assert kernels == {
         "matmul", "attention fwd", "attention split-kv", "attention combine", "attention dkdv",
         "attention dkdv atomic-dq", "attention dq",
-        "attention preprocess", "adam", "adam stats", "norm fwd", "norm bwd",
+        "attention preprocess", "adam", "adam stats", "norm fwd", "norm bwd", "grouped matmul",
+        "grouped matmul wgrad",
     }  # fmt: skip
     for name, record in compiled.items():
         assert record["shared"] > 0, name
@@ -176,6 +177,16 @@ def test_attention_with_segments_compiles_to_tensor_core_loops(compiled, kernel)
         good = [r for r in configs if r["shared"] <= H200_SHARED_BYTES and r["cp_async"] > 0
                 and r["loop_local_ops"] == 0 and not r["wgmma_serialized"]]  # fmt: skip
         assert good, report
+
+
+def test_grouped_gemm_programs_use_tensor_cores_and_pipelines(compiled):
+    """The experts' grouped GEMM, forward and weight gradient, in every autotuner configuration: Hopper's
+    warpgroup MMA fed by pipelined copies, one A and one B block per stage, nothing spilled."""
+    grouped = {n: r for n, r in compiled.items() if r["kernel"].startswith("grouped matmul")}
+    assert len(grouped) == 8
+    for name, r in grouped.items():
+        assert r["wgmma"] > 0 and r["cp_async"] > 0 and r["tma"] == 0, name
+        assert r["shared"] >= r["stages"] * r["tile_bytes"] and r["shared"] <= H200_SHARED_BYTES, name
 
 
 def test_gemm_main_loops_and_elementwise_programs_do_not_spill(compiled):

@@ -1,0 +1,237 @@
+"""Grouped GEMM for mixtures of experts: every expert's rows times its own weight, in one launch.
+
+Legend: ``R`` rows (tokens routed to experts, grouped by expert), ``X`` experts, ``K`` input and ``N`` output
+width. ``grouped_matmul(a [R, K], b [X, K, N], offsets [X+1])`` computes ``out[offsets[e]:offsets[e+1]] =
+a[offsets[e]:offsets[e+1]] @ b[e]`` for every expert ``e``, fp32 accumulation, any strides (``b`` is usually a
+transposed view of an ``[X, N, K]`` parameter; nothing is copied).
+
+The row counts stay on the device: each program finds its expert from ``offsets`` itself. The grid holds
+``ceil(R / BLOCK_M) + X`` row tiles, an upper bound on ``Σ_e ceil(m_e / BLOCK_M)``; a program computes the
+prefix sums of the experts' tile counts (``tl.cumsum``), takes the expert whose tiles contain its index, and
+programs past the last tile return at once. So the launch needs no host synchronisation and the autotuner may
+choose ``BLOCK_M``.
+
+Backward (:class:`_GroupedMatmul`): ``dA = grouped_matmul(dOut, bᵀ)`` (the same kernel over ``[X, N, K]``
+views), and ``dB[e] = a_eᵀ · dOut_e`` by a second kernel whose programs each own one ``[BLOCK_K, BLOCK_N]``
+tile of one expert's gradient and loop over that expert's rows (an expert without rows gets zeros).
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import Backend, backend_for, upcast_dot_operands
+
+__all__ = ["grouped_matmul", "grouped_matmul_reference"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@triton.jit
+def _expert_of_tile(offsets_ptr, pid_m, X, BLOCK_X: tl.constexpr, BLOCK_M: tl.constexpr):
+    """``(expert, first row of this tile, the expert's end row)``; ``expert == X`` for a tile past the last."""
+    xs = tl.arange(0, BLOCK_X)
+    lo = tl.load(offsets_ptr + xs, mask=xs < X, other=0)
+    hi = tl.load(offsets_ptr + xs + 1, mask=xs < X, other=0)
+    tiles = (hi - lo + BLOCK_M - 1) // BLOCK_M
+    ends = tl.cumsum(tiles, 0)
+    expert = tl.sum((ends <= pid_m).to(tl.int32), 0)
+    mine = xs == expert
+    first_tile = tl.sum(tl.where(mine, ends - tiles, 0), 0)
+    row0 = tl.sum(tl.where(mine, lo, 0), 0) + (pid_m - first_tile) * BLOCK_M
+    return expert, row0, tl.sum(tl.where(mine, hi, 0), 0)
+
+
+@triton.jit
+def _grouped_kernel(
+    a_ptr, b_ptr, out_ptr, offsets_ptr, N, K, X,
+    stride_am, stride_ak, stride_bx, stride_bk, stride_bn, stride_om, stride_on,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_X: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_M x BLOCK_N`` tile of one expert's rows of ``out``."""
+    expert, row0, row_end = _expert_of_tile(offsets_ptr, tl.program_id(0), X, BLOCK_X, BLOCK_M)
+    if expert < X:
+        offs_m = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
+        offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        rows, cols = offs_m < row_end, offs_n < N
+        a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
+        b_ptrs = b_ptr + expert.to(tl.int64) * stride_bx + offs_k[:, None] * stride_bk + offs_n[None, :] * stride_bn
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k in range(0, tl.cdiv(K, BLOCK_K)):
+            k_left = K - k * BLOCK_K
+            a = tl.load(a_ptrs, mask=rows[:, None] & (offs_k[None, :] < k_left), other=0.0)
+            b = tl.load(b_ptrs, mask=(offs_k[:, None] < k_left) & cols[None, :], other=0.0)
+            if DOT_FP32:
+                a = a.to(tl.float32)
+                b = b.to(tl.float32)
+            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            a_ptrs += BLOCK_K * stride_ak
+            b_ptrs += BLOCK_K * stride_bk
+        out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & cols[None, :])
+
+
+@triton.jit
+def _grouped_wgrad_kernel(
+    a_ptr, g_ptr, out_ptr, offsets_ptr, K, N,
+    stride_am, stride_ak, stride_gm, stride_gn, stride_ox, stride_ok, stride_on,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """One ``BLOCK_K x BLOCK_N`` tile of ``out[e] = a_eᵀ · g_e``, summed over the expert's rows."""
+    expert = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    offs_k = (tl.program_id(1) // tiles_n).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = (tl.program_id(1) % tiles_n).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = tl.load(offsets_ptr + expert).to(tl.int64)
+    hi = tl.load(offsets_ptr + expert + 1).to(tl.int64)
+    acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
+    for m in range(lo, hi, BLOCK_M):
+        offs_m = m + tl.arange(0, BLOCK_M)
+        rows = offs_m < hi
+        at = tl.load(a_ptr + offs_m[None, :] * stride_am + offs_k[:, None] * stride_ak,
+                     mask=rows[None, :] & (offs_k[:, None] < K), other=0.0)  # fmt: skip
+        g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn,
+                    mask=rows[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
+        if DOT_FP32:
+            at = at.to(tl.float32)
+            g = g.to(tl.float32)
+        acc = tl.dot(at, g, acc, input_precision=INPUT_PRECISION)
+    out_ptrs = out_ptr + expert.to(tl.int64) * stride_ox + offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
+
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): Hopper-sized tiles; which wins is the autotuner's measurement.
+_CONFIGS = [
+    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+    for bm, bn, bk, w, s in [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
+]
+_grouped_tuned = triton.autotune(_CONFIGS, key=["N", "K", "X"])(_grouped_kernel)
+# Every program of the weight-gradient kernel writes its whole tile (zeros for an expert without rows).
+_wgrad_tuned = triton.autotune(_CONFIGS, key=["N", "K"])(_grouped_wgrad_kernel)
+_INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+
+
+def _input_precision(dtype: torch.dtype, backend: str) -> str:
+    if dtype == torch.float32 and (backend != Backend.TRITON or not torch.backends.cuda.matmul.allow_tf32):
+        return "ieee"
+    return "tf32"
+
+
+def _flags(dtype: torch.dtype, backend: str) -> dict:
+    return {"DOT_FP32": upcast_dot_operands(backend), "INPUT_PRECISION": _input_precision(dtype, backend)}
+
+
+def _launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+    (rows, k), (experts, _, n) = a.shape, b.shape
+    if rows == 0 or n == 0:
+        return
+    backend = backend_for(a)
+    if backend == Backend.REFERENCE:
+        out.copy_(grouped_matmul_reference(a, b, offsets))
+        return
+    args = (a, b, out, offsets, n, k, experts, *a.stride(), *b.stride(), *out.stride())
+    meta = {**_flags(a.dtype, backend), "BLOCK_X": triton.next_power_of_2(experts)}
+    grid = lambda m: (triton.cdiv(rows, m["BLOCK_M"]) + experts, triton.cdiv(n, m["BLOCK_N"]))
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        if backend == Backend.INTERPRETER:
+            _grouped_kernel[grid(_INTERPRETER_BLOCKS)](*args, **meta, **_INTERPRETER_BLOCKS)
+        else:
+            _grouped_tuned[grid](*args, **meta)
+
+
+def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+    experts, k, n = out.shape
+    if experts == 0 or k == 0 or n == 0:
+        return
+    backend = backend_for(a)
+    if backend == Backend.REFERENCE:
+        out.copy_(_wgrad_reference(a, g, offsets, out.shape))
+        return
+    args = (a, g, out, offsets, k, n, *a.stride(), *g.stride(), *out.stride())
+    grid = lambda m: (experts, triton.cdiv(k, m["BLOCK_K"]) * triton.cdiv(n, m["BLOCK_N"]))
+    with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
+        if backend == Backend.INTERPRETER:
+            _grouped_wgrad_kernel[grid(_INTERPRETER_BLOCKS)](*args, **_flags(a.dtype, backend), **_INTERPRETER_BLOCKS)
+        else:
+            _wgrad_tuned[grid](*args, **_flags(a.dtype, backend))
+
+
+class _GroupedMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, a, b, offsets):
+        ctx.save_for_backward(a, b, offsets)
+        out = a.new_empty((a.shape[0], b.shape[2]))
+        _launch(a, b, offsets, out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        a, b, offsets = ctx.saved_tensors
+        grad_a = grad_b = None
+        if ctx.needs_input_grad[0]:
+            grad_a = a.new_empty(a.shape)
+            _launch(grad, b.transpose(1, 2), offsets, grad_a)
+        if ctx.needs_input_grad[1]:
+            grad_b = b.new_empty(b.shape)
+            _launch_wgrad(a, grad, offsets, grad_b)
+        return grad_a, grad_b, None
+
+
+def _check(a, b, offsets) -> None:
+    for name, t in (("a", a), ("b", b), ("offsets", offsets)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"grouped_matmul: {name} must be a torch.Tensor, received {type(t).__name__}")
+    if a.dim() != 2 or b.dim() != 3 or a.shape[1] != b.shape[1]:
+        raise ValueError(f"grouped_matmul: expected a [R, K] and b [X, K, N], received a {tuple(a.shape)} and b "
+                         f"{tuple(b.shape)}")  # fmt: skip
+    if a.dtype not in _DTYPES or b.dtype != a.dtype:
+        raise ValueError(f"grouped_matmul: a and b must share one dtype of {_DTYPES}, received {a.dtype} and "
+                         f"{b.dtype}")  # fmt: skip
+    if offsets.dim() != 1 or offsets.numel() != b.shape[0] + 1 or offsets.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"grouped_matmul: offsets must be an int32/int64 [X+1] = [{b.shape[0] + 1}] tensor, "
+                         f"received {offsets.dtype} of shape {tuple(offsets.shape)}")  # fmt: skip
+    if not (a.device == b.device == offsets.device):
+        raise ValueError(f"grouped_matmul: a, b and offsets must be on one device, received {a.device}, "
+                         f"{b.device} and {offsets.device}")  # fmt: skip
+
+
+def grouped_matmul(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """``out [R, N]`` with ``out[offsets[e]:offsets[e+1]] = a[offsets[e]:offsets[e+1]] @ b[e]``; differentiable
+    in ``a`` and ``b``.
+
+    Args:
+        a: ``[R, K]`` rows grouped by expert, any strides, float32/float16/bfloat16.
+        b: ``[X, K, N]`` one matrix per expert, a's dtype and device, any strides.
+        offsets: ``[X+1]`` int32/int64 on a's device, non-decreasing, ``offsets[0] = 0`` and ``offsets[X] = R``
+            (not checked: reading them would synchronise with the device).
+    """
+    _check(a, b, offsets)
+    if torch.is_grad_enabled() and (a.requires_grad or b.requires_grad):
+        return _GroupedMatmul.apply(a, b, offsets)
+    out = a.new_empty((a.shape[0], b.shape[2]))
+    _launch(a, b, offsets, out)
+    return out
+
+
+def grouped_matmul_reference(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Plain-PyTorch definition of :func:`grouped_matmul`: fp32 products (float64 for float64 inputs), one
+    rounding to ``a``'s dtype; reads ``offsets`` on the host."""
+    bounds = offsets.tolist()
+    work = torch.float64 if a.dtype == torch.float64 else torch.float32
+    out = a.new_empty((a.shape[0], b.shape[2]), dtype=work)
+    for e in range(b.shape[0]):
+        out[bounds[e] : bounds[e + 1]] = a[bounds[e] : bounds[e + 1]].to(work) @ b[e].to(work)
+    return out.to(a.dtype)
+
+
+def _wgrad_reference(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, shape) -> torch.Tensor:
+    bounds = offsets.tolist()
+    return torch.stack([a[bounds[e] : bounds[e + 1]].float().T @ g[bounds[e] : bounds[e + 1]].float()
+                        for e in range(shape[0])]).to(a.dtype)  # fmt: skip
