@@ -24,9 +24,10 @@ context-parallel peers, ``init_parallel(ep=)``). A forward:
    otherwise they pass through ``copy_to_tp`` (the gradients all-reduced);
 2. sorts the ``N·k`` (token, choice) routes by expert; with ``ep_group`` each route travels to the rank of its
    expert and back (:func:`~tessel.parallel.collectives.exchange_rows`, an all-to-all each way; the route counts
-   are read on the host once per layer to size them), every tensor-parallel rank exchanging the same routes
-   with its own ep peers;
-3. runs each local expert's two GEMMs on its rows (tessel's :func:`~tessel.kernels.matmul`);
+   are read on the host once per layer to size them, the layer's only synchronisation with the device), every
+   tensor-parallel rank exchanging the same routes with its own ep peers;
+3. runs the local experts' GEMMs on their rows, each projection one grouped launch for every expert
+   (:func:`~tessel.kernels.grouped_matmul`, which reads the row counts on the device);
 4. weights each route's output in fp32 and adds the ``k`` routes of a token up, then leaves the region:
    reduce-scatter under sequence parallelism, all-reduce otherwise (each rank held ``F/t`` of the features).
 
@@ -39,11 +40,10 @@ in the ``[X, …]`` global tensor, so initialisation and checkpoints do not depe
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from ..kernels import matmul
+from ..kernels.grouped_matmul import grouped_matmul
 from ..parallel.collectives import (
     copy_to_tp,
     exchange_rows,
@@ -51,7 +51,7 @@ from ..parallel.collectives import (
     reduce_from_tp,
     reduce_scatter_to_sequence,
 )
-from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
+from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.sharding import shard_like
 from .mlp import MLP_ACTIVATIONS
 
@@ -82,16 +82,17 @@ class _Routes:
         self.order, self.token, self.send, self.recv, self.perm, self.tokens = order, token, send, recv, perm, tokens
 
 
-def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple[torch.Tensor, list[int], _Routes]:
+def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple[torch.Tensor, torch.Tensor, _Routes]:
     """The rows ``[R, E]`` this rank's experts compute, grouped by local expert, the row count of each local
-    expert, and the routes. Without a group (or one of one rank) the rows are ``x``'s, sorted by expert."""
+    expert (a device tensor), and the routes. Without a group (or one of one rank) the rows are ``x``'s, sorted
+    by expert, and nothing is read on the host."""
     e = 1 if group is None else group_size(group)
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # routes by expert (so by rank), in token order within one
     token = torch.div(order, ids.shape[-1], rounding_mode="floor")
     counts = torch.bincount(flat, minlength=e * per_rank).view(e, per_rank)
     if e == 1:
-        return x[token], counts[0].tolist(), _Routes(order, token, None, None, None, x.shape[0])
+        return x[token], counts[0], _Routes(order, token, None, None, None, x.shape[0])
     received = all_to_all(counts, group, [1] * e, [1] * e)[0]  # [source rank, local expert]
     sent, got = torch.stack((counts, received)).tolist()  # the one read on the host
     send, recv = [sum(row) for row in sent], [sum(row) for row in got]
@@ -107,6 +108,7 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple
             lo = starts[q] + sum(got[q][:j])
             perm.extend(range(lo, lo + got[q][j]))
     perm = torch.tensor(perm, dtype=torch.int64, device=x.device)
+    per_expert = torch.tensor(per_expert, dtype=torch.int64, device=x.device)
     return rows.index_select(0, perm), per_expert, _Routes(order, token, send, recv, perm, x.shape[0])
 
 
@@ -126,15 +128,11 @@ class _SumOverRanks(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
         ctx.group = group
-        out = x.clone()
-        dist.all_reduce(out, group=group)
-        return out
+        return all_reduce(x.clone(), group)[0]
 
     @staticmethod
     def backward(ctx, grad):
-        grad = grad.clone()
-        dist.all_reduce(grad, group=ctx.group)
-        return grad, None
+        return all_reduce(grad.clone(), ctx.group)[0], None
 
 
 class ParallelMoE(nn.Module):
@@ -223,7 +221,7 @@ class ParallelMoE(nn.Module):
             prob_sums = _SumOverRanks.apply(prob_sums, self.cp_group)
             groups.append(self.cp_group)
         for group in groups:
-            dist.all_reduce(counts, group=group)
+            all_reduce(counts, group)
             tokens *= group_size(group)
         return load_balancing_loss(counts, prob_sums, tokens, self.top_k)
 
@@ -249,19 +247,14 @@ class ParallelMoE(nn.Module):
             out = reduce_from_tp(out, tp)
         return out.view(shape)
 
-    def _experts(self, rows: torch.Tensor, per_expert: list[int]) -> torch.Tensor:
-        """``[R, E]``: each local expert's MLP on its consecutive rows (partial sums over the ``F/t`` features)."""
-        outs, at = [], 0
-        for j, n in enumerate(per_expert):
-            if n:
-                a = rows.narrow(0, at, n)
-                if self.activation == "swiglu":
-                    gate, up = matmul(a, self.fc[j].t()).chunk(2, dim=-1)
-                    h = F.silu(gate) * up
-                else:
-                    h = matmul(a, self.fc[j].t(), activation="gelu")
-                outs.append(matmul(h, self.proj[j].t()))
-                at += n
-        if not outs:  # no route reached these experts: an empty result still tied to the rows (and their backward)
-            return rows * 0
-        return torch.cat(outs) if len(outs) > 1 else outs[0]
+    def _experts(self, rows: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``[R, E]``: each local expert's MLP on its consecutive rows (partial sums over the ``F/t`` features),
+        every expert's GEMM in one grouped launch."""
+        offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
+        h = grouped_matmul(rows, self.fc.transpose(1, 2), offsets)
+        if self.activation == "swiglu":
+            gate, up = h.chunk(2, dim=-1)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h)
+        return grouped_matmul(h, self.proj.transpose(1, 2), offsets)
