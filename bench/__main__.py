@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 from .adam import run_adam_suite
 from .attention import run_attention_suite
 from .decode import run_decode_suite
+from .experts import run_experts_suite
 from .matmul import BenchmarkError, run_matmul_suite
 from .overlap import run_overlap_suite
 from .pipeline import run_pipeline_suite
@@ -34,6 +35,7 @@ SUITES = {
     "attention": run_attention_suite,
     "window": run_window_suite,
     "decode": run_decode_suite,
+    "experts": run_experts_suite,
     "adam": run_adam_suite,
     "overlap": run_overlap_suite,
     "pipeline": run_pipeline_suite,

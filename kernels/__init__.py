@@ -2,7 +2,7 @@
 
 from .adam import adam_step, adam_step_reference, grad_stats, grad_stats_reference
 from .attention import HEAD_DIMS, flash_attention, flash_attention_backward, flash_attention_reference
-from .grouped_matmul import grouped_matmul, grouped_matmul_reference
+from .grouped_matmul import grouped_matmul, grouped_matmul_reference, grouped_weight_grad, grouped_weight_grad_reference
 from .matmul import ACTIVATIONS, matmul, matmul_reference
 from .norm import layer_norm, layer_norm_reference, rms_norm, rms_norm_reference
 
@@ -18,6 +18,8 @@ __all__ = [
     "grad_stats_reference",
     "grouped_matmul",
     "grouped_matmul_reference",
+    "grouped_weight_grad",
+    "grouped_weight_grad_reference",
     "layer_norm",
     "layer_norm_reference",
     "matmul",

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._dispatch import Backend, backend_for, upcast_dot_operands
 
-__all__ = ["grouped_matmul", "grouped_matmul_reference"]
+__all__ = ["grouped_matmul", "grouped_matmul_reference", "grouped_weight_grad", "grouped_weight_grad_reference"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -218,6 +218,27 @@ def grouped_matmul(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> t
     out = a.new_empty((a.shape[0], b.shape[2]))
     _launch(a, b, offsets, out)
     return out
+
+
+def grouped_weight_grad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[X, K, N]`` with ``[e] = a[offsets[e]:offsets[e+1]]ᵀ @ g[offsets[e]:offsets[e+1]]`` (zeros for an expert
+    without rows): the weight gradient of :func:`grouped_matmul`, for callers that schedule it themselves."""
+    if not isinstance(num_experts, int) or isinstance(num_experts, bool) or num_experts < 1:
+        raise ValueError(f"grouped_weight_grad: num_experts must be a positive int, received {num_experts!r}")
+    if not isinstance(g, torch.Tensor) or g.dim() != 2 or g.shape[0] != a.shape[0]:
+        got = tuple(g.shape) if isinstance(g, torch.Tensor) else type(g).__name__
+        raise ValueError(f"grouped_weight_grad: g must be [R, N] with a's R = {a.shape[0]} rows, received {got}")
+    _check(a, a.new_empty((num_experts, a.shape[1], 0)), offsets)
+    if g.dtype != a.dtype or g.device != a.device:
+        raise ValueError(f"grouped_weight_grad: g must share a's dtype and device, received {g.dtype} on {g.device}")
+    out = a.new_empty((num_experts, a.shape[1], g.shape[1]))
+    _launch_wgrad(a, g, offsets, out)
+    return out
+
+
+def grouped_weight_grad_reference(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, num_experts: int):
+    """Plain-PyTorch definition of :func:`grouped_weight_grad` (fp32 products, one rounding)."""
+    return _wgrad_reference(a, g, offsets, (num_experts, a.shape[1], g.shape[1]))
 
 
 def grouped_matmul_reference(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:

@@ -70,6 +70,25 @@ def test_no_rows_at_all():
     assert torch.equal(w.grad, torch.zeros_like(w)) and a.grad.shape == (0, 8)
 
 
+def test_weight_grad_alone_matches_float64_and_refuses_bad_input():
+    from tessel.kernels.grouped_matmul import grouped_weight_grad
+
+    a, g = torch.randn(13, 7), torch.randn(13, 5)
+    offsets = _offsets([3, 0, 10])
+    got = grouped_weight_grad(a, g, offsets, 3)
+    bounds = offsets.tolist()
+    want = torch.stack(
+        [a[bounds[e] : bounds[e + 1]].double().T @ g[bounds[e] : bounds[e + 1]].double() for e in range(3)]
+    )
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="num_experts must be a positive int, received 0"):
+        grouped_weight_grad(a, g, offsets, 0)
+    with pytest.raises(ValueError, match=r"g must be \[R, N\] with a's R = 13 rows, received \(12, 5\)"):
+        grouped_weight_grad(a, g[:12], offsets, 3)
+    with pytest.raises(ValueError, match="offsets must be an int32/int64"):
+        grouped_weight_grad(a, g, offsets, 2)
+
+
 def test_reference_is_the_definition():
     a, b = torch.randn(10, 6, dtype=torch.float64), torch.randn(3, 6, 5, dtype=torch.float64)
     offsets = _offsets([4, 0, 6])

@@ -1,0 +1,43 @@
+"""The experts benchmark suite on a CPU in quick mode: its rows, its figures and its correctness check."""
+
+import math
+
+import pytest
+import torch
+
+import tessel.bench.experts as experts_bench
+from tessel.bench.experts import COLUMNS, expert_shapes, make_inputs, run_experts_suite
+from tessel.bench.matmul import BenchmarkError
+
+
+def test_quick_cpu_rows():
+    rows = run_experts_suite(None, quick=True)
+    shapes = expert_shapes(cuda=False, quick=True)
+    assert [(r["case"], r["pass"]) for r in rows[:-1]] == [(s.label, p) for s in shapes for p in ("fwd", "wgrad")]
+    for row in rows[:-1]:
+        assert tuple(row) == COLUMNS and row["dtype"] == "float32"
+        numbers = [v for k, v in row.items() if k not in ("case", "pass", "dtype")]
+        assert all(isinstance(v, (int, float)) and math.isfinite(v) for v in numbers), row
+        assert 0 <= row["max_rel_err"] <= 1e-4  # the check ran and passed
+        flops = 2 * row["rows"] * row["k"] * row["n"]
+        assert row["tessel_TFLOPs"] == pytest.approx(flops / row["tessel_ms"] / 1e9)
+        assert row["tessel/torch"] == pytest.approx(row["torch_ms"] / row["tessel_ms"])
+    assert rows[-1]["case"] == "geomean" and rows[-1]["tessel/torch"] > 0
+
+
+def test_rows_spread_over_every_expert():
+    shape = expert_shapes(cuda=False)[-1]
+    a, w, g, offsets, bounds = make_inputs(shape, torch.float32, "cpu")
+    assert g.shape == (shape.rows, shape.n)
+    counts = torch.tensor(bounds).diff()
+    assert bounds[0] == 0 and bounds[-1] == shape.rows and (counts > 0).all() and offsets.tolist() == bounds
+    assert a.shape == (shape.rows, shape.k) and w.shape == (shape.experts, shape.n, shape.k)
+
+
+def test_a_wrong_kernel_stops_the_suite(monkeypatch):
+    def off(a, b, offsets):
+        return experts_bench.grouped_matmul_reference(a, b, offsets) * 1.01
+
+    monkeypatch.setattr(experts_bench, "grouped_matmul", off)
+    with pytest.raises(BenchmarkError, match="experts suite: odd-4 fwd: a result differs from the reference"):
+        run_experts_suite(None, quick=True)
