@@ -117,3 +117,13 @@ def test_fully_sharded_experts_train_like_the_replicated_ones(replicated, tmp_pa
     """--zero 3 (FSDP units: the blocks, experts included) with every expert on every rank."""
     _ok(_train(tmp_path, "--dp", "2", "--zero", "3", *MOE, nproc=2))
     assert _losses(tmp_path) == pytest.approx(_losses(replicated), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_experts_over_data_parallel_ranks_beside_context_parallelism(replicated, tmp_path):
+    """cp=2 × dp=2 with ep=2: each sequence split over two ranks (ring attention, the load-balancing loss summed
+    over both halves), the experts over the two data-parallel ranks of each cp index."""
+    proc = _ok(_train(tmp_path, "--cp", "2", "--dp", "2", "--ep", "2", "--zero", "1", *MOE, nproc=4))
+    assert "cp=2 zero=1 experts=4 top-k=2 ep=2" in proc.stdout
+    assert _losses(tmp_path) == pytest.approx(_losses(replicated), rel=1e-5)
