@@ -97,19 +97,11 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple
     sent, got = torch.stack((counts, received)).tolist()  # the one read on the host
     send, recv = [sum(row) for row in sent], [sum(row) for row in got]
     rows = exchange_rows(x[token], group, send, recv)  # source after source, by local expert within one
-    starts, at = [], 0
-    for row in got:
-        starts.append(at)
-        at += sum(row)
-    perm, per_expert = [], []
-    for j in range(per_rank):  # group the rows by local expert over every source
-        per_expert.append(sum(got[q][j] for q in range(e)))
-        for q in range(e):
-            lo = starts[q] + sum(got[q][:j])
-            perm.extend(range(lo, lo + got[q][j]))
-    perm = torch.tensor(perm, dtype=torch.int64, device=x.device)
-    per_expert = torch.tensor(per_expert, dtype=torch.int64, device=x.device)
-    return rows.index_select(0, perm), per_expert, _Routes(order, token, send, recv, perm, x.shape[0])
+    # the local expert of every received row, then a stable sort: grouped by expert, by source within one
+    experts = torch.arange(per_rank, device=x.device).repeat(e)
+    of_row = torch.repeat_interleave(experts, received.reshape(-1), output_size=sum(recv))  # sized: no sync
+    perm = torch.argsort(of_row, stable=True)
+    return rows.index_select(0, perm), received.sum(0), _Routes(order, token, send, recv, perm, x.shape[0])
 
 
 def _combine(out: torch.Tensor, weights: torch.Tensor, routes: _Routes, group) -> torch.Tensor:
