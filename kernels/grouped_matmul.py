@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import Backend, backend_for, upcast_dot_operands
+from .matmul import _input_precision  # TF32 for fp32 exactly when torch.matmul would use it
 
 __all__ = ["grouped_matmul", "grouped_matmul_reference", "grouped_weight_grad", "grouped_weight_grad_reference"]
 
@@ -116,12 +117,6 @@ _grouped_tuned = triton.autotune(_CONFIGS, key=["N", "K", "X"])(_grouped_kernel)
 # Every program of the weight-gradient kernel writes its whole tile (zeros for an expert without rows).
 _wgrad_tuned = triton.autotune(_CONFIGS, key=["N", "K"])(_grouped_wgrad_kernel)
 _INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
-
-
-def _input_precision(dtype: torch.dtype, backend: str) -> str:
-    if dtype == torch.float32 and (backend != Backend.TRITON or not torch.backends.cuda.matmul.allow_tf32):
-        return "ieee"
-    return "tf32"
 
 
 def _flags(dtype: torch.dtype, backend: str) -> dict:
