@@ -10,8 +10,8 @@ Transformer load-balancing loss (Fedus et al. 2021, eq. 4), ``X · Σ_x f_x · P
 routes that chose expert ``x`` and ``P_x`` its mean probability, is kept in :attr:`ParallelMoE.aux_loss` after
 each forward, over the same tokens the dense model would see: under sequence parallelism the counts and
 probability sums of every tensor-parallel rank's shard are added up (``reduce_from_tp``), under context
-parallelism those of every rank's share of the sequence (an all-gather whose backward sums every rank's
-gradient, so that gradients averaged over the cp ranks are the dense model's).
+parallelism those of every rank's share of the sequence (an all-reduce whose backward all-reduces too: every
+cp rank's loss is the whole sequence's, so gradients averaged over the cp ranks are the dense model's).
 
 Each expert is a SwiGLU or GELU MLP whose parameters live in two 3-d tensors, ``fc [X/e, F/t (per part), E]``
 and ``proj [X/e, E, F/t]``, split like :class:`~tessel.layers.mlp.ParallelMLP`'s over ``tp_group`` (each rank
