@@ -50,6 +50,7 @@ from ..parallel.collectives import (
     gather_from_sequence,
     reduce_from_tp,
     reduce_scatter_to_sequence,
+    sum_over_ranks,
 )
 from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.sharding import shard_like
@@ -111,20 +112,6 @@ def _combine(out: torch.Tensor, weights: torch.Tensor, routes: _Routes, group) -
         out = exchange_rows(out, group, routes.recv, routes.send)  # this rank's routes, in `order`
     weighted = out.float() * weights.reshape(-1)[routes.order, None]
     return weighted.new_zeros((routes.tokens, out.shape[-1])).index_add(0, routes.token, weighted)
-
-
-class _SumOverRanks(torch.autograd.Function):
-    """All-reduce (sum) whose backward is an all-reduce too: every rank's copy of what follows is the same,
-    and each contributes to the gradient of every rank's part."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return all_reduce(x.clone(), group)[0]
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce(grad.clone(), ctx.group)[0], None
 
 
 class ParallelMoE(nn.Module):
@@ -210,7 +197,7 @@ class ParallelMoE(nn.Module):
             prob_sums = reduce_from_tp(prob_sums, self.tp_group)
             groups.append(self.tp_group)
         if self.cp_group is not None and group_size(self.cp_group) > 1:
-            prob_sums = _SumOverRanks.apply(prob_sums, self.cp_group)
+            prob_sums = sum_over_ranks(prob_sums, self.cp_group)
             groups.append(self.cp_group)
         for group in groups:
             all_reduce(counts, group)

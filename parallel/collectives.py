@@ -42,6 +42,7 @@ __all__ = [
     "reduce_scatter_to_sequence",
     "scatter_to_sequence",
     "split_to_tp",
+    "sum_over_ranks",
 ]
 
 Group = dist.ProcessGroup | None
@@ -137,6 +138,17 @@ class _ReduceFromTP(torch.autograd.Function):
         return grad, None
 
 
+class _SumOverRanks(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _all_reduced(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_reduced(grad, ctx.group), None
+
+
 class _DimCollective(torch.autograd.Function):
     """``fwd(x, group, dim)`` forward and ``bwd(grad, group, dim)`` backward: one Function for each pair of
     data movements along ``dim`` (all-gather / reduce-scatter / own chunk) that the public ops below name."""
@@ -185,6 +197,17 @@ def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
     """
     _check_tensor("reduce_from_tp", x)
     return _ReduceFromTP.apply(x, group)
+
+
+def sum_over_ranks(x: torch.Tensor, group: Group) -> torch.Tensor:
+    """A sum over ranks that each compute a loss of their own from it (a statistic of every context-parallel
+    rank's tokens, whose gradients are then averaged over the group).
+
+    Forward: all-reduce (sum) of ``x`` into a new tensor. Backward: all-reduce of the gradient too, because
+    every rank's copy of the sum contributed to each rank's ``x``.
+    """
+    _check_tensor("sum_over_ranks", x)
+    return _SumOverRanks.apply(x, group)
 
 
 def gather_from_sequence(x: torch.Tensor, group: Group, dim: int = 1) -> torch.Tensor:

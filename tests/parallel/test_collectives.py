@@ -23,6 +23,7 @@ from tessel.parallel.collectives import (
     reduce_scatter_to_sequence,
     scatter_to_sequence,
     split_to_tp,
+    sum_over_ranks,
 )
 from tessel.parallel.comm import count_bytes
 from tests.multiprocess import run_ranks
@@ -76,6 +77,7 @@ class _Spec:
 _SPECS = [
     _Spec(copy_to_tp, None, "base", True, False, _same, _summed, "", "AR"),
     _Spec(reduce_from_tp, None, "base", False, True, _summed, _same, "AR", ""),
+    _Spec(sum_over_ranks, None, "base", False, False, _summed, _summed, "AR", "AR"),
     _Spec(gather_from_sequence, 1, "shard", False, False, _gathered, _summed_chunk, "AG", "RS"),
     _Spec(reduce_scatter_to_sequence, 1, "full", False, False, _summed_chunk, _gathered, "RS", "AG"),
     _Spec(scatter_to_sequence, 1, "full", True, False, _own_chunk, _gathered, "", "AG"),
