@@ -22,6 +22,16 @@ def seed():
 
 
 @pytest.fixture
+def reference_kernels(monkeypatch):
+    """tessel's kernels run as their plain-PyTorch references for the whole test instead of through Triton's
+    interpreter (CPU tensors only; CUDA tensors still run compiled Triton). For tests of how a model composes,
+    where the kernels are only the means: tests/kernels proves each kernel against float64 and its reference."""
+    from tessel.kernels import _dispatch
+
+    monkeypatch.setattr(_dispatch, "INTERPRET", False)
+
+
+@pytest.fixture
 def attention_launches(monkeypatch):
     """The ``(kernel name, ATOMIC_DQ)`` of every flash attention launch that goes through ``_launch``
     (the forward and the backward's dK/dV and dQ kernels), in order, for the whole test."""

@@ -15,6 +15,15 @@ Example::
 method (fork is unsafe once torch has started its threads), which imports ``fn`` by name in each child.
 Its arguments and return value must be picklable; return small, detached tensors.
 
+Ranks are forked from a server process that has imported torch and tessel once (multiprocessing's
+"forkserver" start method, started with one intra-op thread and the parent's ``TRITON_INTERPRET``), so a rank
+starts in a fraction of a second instead of paying for those imports; each rank is still a fresh process whose
+state no other test has touched. A call whose ``env`` changes a variable that torch, Triton or tessel read at
+import time (``IMPORT_TIME_VARIABLES``) spawns fresh interpreters instead, except ``TRITON_INTERPRET=0`` under
+a server that imported tessel with the interpreter: those ranks switch tessel's kernel dispatch to the PyTorch
+references (the only import-time decision that can be taken back, since no kernel has been launched). With
+CUDA present every rank is spawned: a process forked after torch has touched the driver cannot use it.
+
 Rendezvous goes through a ``TCPStore`` that the parent opens on a port chosen by the OS, so concurrent
 runs never race for a port. Each child also sees the torchrun variables (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT) for code that initialises itself from the environment.
@@ -36,15 +45,33 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 
+import torch
 import torch.distributed as dist
 
-__all__ = ["run_ranks"]
+__all__ = ["IMPORT_TIME_VARIABLES", "REFERENCE_KERNELS", "run_ranks"]
 
 _HOST = "127.0.0.1"
 _FAILURE_GRACE_S = 1.0  # after the first failure, wait this long for the others' tracebacks, then kill them
 _KILL_GRACE_S = 3.0  # between SIGTERM and SIGKILL
+# What the fork server imports, so that every rank finds them imported (modules that fail to import are skipped).
+_PRELOAD = ["torch", "torch.distributed", "numpy", "tessel.kernels", "tessel.layers", "tessel.parallel"] + [
+    f"transformers.models.{family}.modeling_{family}"  # the Hugging Face families tests/layers parallelizes
+    for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
+                   "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "jamba", "llama4", "qwen3_next")
+]  # fmt: skip
+# Read once when torch, Triton or tessel is imported: a rank forked from the server could not see a change.
+IMPORT_TIME_VARIABLES = ("TRITON_INTERPRET", "OMP_NUM_THREADS", "MKL_NUM_THREADS", "TORCH_DISTRIBUTED_DEBUG")
+# One intra-op thread per rank: several ranks share the cores, and oversubscribed OpenMP threads spin-wait each
+# other out (a 64×64 matmul slows down ~50× on 2 cores with 2 ranks of 2 threads).
+_RANK_THREADS = {"OMP_NUM_THREADS": "1"}
+# ``env=`` for ranks that run tessel's kernels as their plain-PyTorch references instead of through Triton's
+# interpreter: for tests of how layers and parallel algorithms compose, where the kernels are only the means
+# (tests/kernels proves each kernel against float64 and against its reference, argument for argument).
+REFERENCE_KERNELS = {"TRITON_INTERPRET": "0"}
+_server_env: dict[str, str | None] | None = None  # the import-time variables the fork server started with
 
 
 @dataclass
@@ -74,15 +101,14 @@ def run_ranks(
     store = dist.TCPStore(_HOST, 0, is_master=True, wait_for_workers=False) if init_process_group else None
     base_env = {"WORLD_SIZE": str(world_size), "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": _HOST}
     base_env["MASTER_PORT"] = str(_free_port())
-    # One intra-op thread per rank: several ranks share the cores, and oversubscribed OpenMP threads
-    # spin-wait each other out (a 64×64 matmul slows down ~50× on 2 cores with 2 ranks of 2 threads).
-    base_env["OMP_NUM_THREADS"] = "1"
+    base_env.update(_RANK_THREADS)
     store_port = store.port if store else None
+    ctx = _context({**base_env, **(env or {})})
     ranks: list[_Rank] = []
     try:
         for rank in range(world_size):
             child_env = {**base_env, "RANK": str(rank), "LOCAL_RANK": str(rank), **(env or {})}
-            ranks.append(_start_rank(fn, rank, world_size, args, backend, store_port, child_env))
+            ranks.append(_start_rank(ctx, fn, rank, world_size, args, backend, store_port, child_env))
         results, failures, unfinished = _collect(ranks, timeout)
     finally:
         _stop(ranks)
@@ -129,12 +155,34 @@ def _environ(overrides: dict[str, str]):
                 os.environ[key] = value
 
 
-def _start_rank(fn, rank, world_size, args, backend, store_port, child_env) -> _Rank:
-    # The environment is set before exec, not inside the child, so that variables read when torch is
-    # imported (OMP_NUM_THREADS, TORCH_DISTRIBUTED_DEBUG) take effect.
-    ctx = mp.get_context("spawn")
+def _import_time(env: dict[str, str | None], *, interpret: str | None = None) -> dict[str, str | None]:
+    values = {key: env.get(key) for key in IMPORT_TIME_VARIABLES}
+    values["TRITON_INTERPRET"] = interpret or ("1" if values["TRITON_INTERPRET"] == "1" else "0")
+    return values
+
+
+def _context(child_env: dict[str, str]):
+    """The fork server's context when the ranks' import-time variables are the server's (or differ only in
+    asking for the reference kernels), else "spawn"."""
+    global _server_env
+    if torch.cuda.is_available():
+        return mp.get_context("spawn")
+    wanted = _import_time({**os.environ, **child_env})
+    if _server_env is None:
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(_PRELOAD)
+        with _environ(_RANK_THREADS):  # the server's environment is this process's, when it starts
+            forkserver.ensure_running()
+            _server_env = _import_time(dict(os.environ))
+    forked = wanted in (_server_env, _import_time(_server_env, interpret="0"))
+    return mp.get_context("forkserver" if forked else "spawn")
+
+
+def _start_rank(ctx, fn, rank, world_size, args, backend, store_port, child_env) -> _Rank:
+    # A spawned rank sees the environment from its start, so variables read when torch is imported take
+    # effect; a forked one has the server's, so the child also applies ``child_env`` before anything else.
     reader, writer = ctx.Pipe(duplex=False)
-    child_args = (fn, rank, world_size, args, backend, store_port, writer)
+    child_args = (fn, rank, world_size, args, backend, store_port, child_env, writer)
     process = ctx.Process(target=_rank_main, args=child_args, name=f"rank{rank}", daemon=True)
     with _environ(child_env):
         process.start()
@@ -145,7 +193,11 @@ def _start_rank(fn, rank, world_size, args, backend, store_port, child_env) -> _
 # ----------------------------------------------------------------------------------------------- child
 
 
-def _rank_main(fn, rank, world_size, args, backend, store_port, conn: Connection) -> None:
+def _rank_main(fn, rank, world_size, args, backend, store_port, child_env, conn: Connection) -> None:
+    os.environ.update(child_env)
+    dispatch = sys.modules.get("tessel.kernels._dispatch")  # imported already: forked from the server
+    if dispatch is not None and child_env.get("TRITON_INTERPRET") == "0":
+        dispatch.INTERPRET = False
     try:
         message, status = ("ok", _run_fn(fn, rank, world_size, args, backend, store_port)), 0
     except BaseException:

@@ -8,6 +8,10 @@ global positions, so a wrong position or a missing cross-rank key shows up in ev
 
 Tolerances as in test_gpt.py: fp32, summation orders differ (the ring merges partial attention outputs
 through their log-sum-exps), checked at 1e-4 relative.
+
+The kernels run through Triton's interpreter in the first test; the others run their plain-PyTorch
+references (``REFERENCE_KERNELS``): what they test is how the model composes over ranks, and the ring's use of
+the kernels (log-sum-exps, documents, windows) is tested against the interpreter in tests/parallel.
 """
 
 import pytest
@@ -17,7 +21,7 @@ import torch.distributed as dist
 from tessel.layers.gpt import GPT
 from tessel.parallel.sharding import shard_like
 from tests.layers.test_gpt import TOL, _batch, _config
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 
 def _grid(rank, world_size, cp):
@@ -101,19 +105,20 @@ def _cp_vs_dense(rank, world_size, cp, sequence_parallel, cfg_kw, via_paralleliz
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("cfg_kw", [{}, dict(n_layer=2, recompute=True)], ids=["one-block", "recompute"])
 def test_context_parallel_gpt_matches_dense(cfg_kw):
-    losses = run_ranks(_cp_vs_dense, 2, 2, False, cfg_kw, timeout=300)
+    env = REFERENCE_KERNELS if cfg_kw else None
+    losses = run_ranks(_cp_vs_dense, 2, 2, False, cfg_kw, timeout=300, env=env)
     assert losses[0] != losses[1]  # each rank's loss is over its own tokens
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_context_and_tensor_parallel_gpt_matches_dense(sequence_parallel):
-    run_ranks(_cp_vs_dense, 4, 2, sequence_parallel, {}, timeout=300)
+    run_ranks(_cp_vs_dense, 4, 2, sequence_parallel, {}, timeout=300, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess
 def test_parallelize_with_a_cp_group_makes_a_dense_gpt_context_and_tensor_parallel():
-    run_ranks(_cp_vs_dense, 4, 2, True, {}, True, timeout=300)
+    run_ranks(_cp_vs_dense, 4, 2, True, {}, True, timeout=300, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess
@@ -122,12 +127,12 @@ def test_parallelize_with_a_cp_group_makes_a_dense_gpt_context_and_tensor_parall
 def test_context_parallel_packed_documents_match_dense(world_size, cp, sequence_parallel):
     """segment_ids of the whole sequence: ring attention within documents, rotary positions restarting."""
     run_ranks(_cp_vs_dense, world_size, cp, sequence_parallel, dict(block_size=24, n_layer=2), False, True,
-              timeout=300)  # fmt: skip
+              timeout=300, env=REFERENCE_KERNELS)  # fmt: skip
 
 
 @pytest.mark.multiprocess
 def test_four_context_parallel_ranks_match_dense():
-    run_ranks(_cp_vs_dense, 4, 4, False, dict(block_size=24), timeout=300)
+    run_ranks(_cp_vs_dense, 4, 4, False, dict(block_size=24), timeout=300, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess
@@ -141,4 +146,5 @@ def test_context_parallel_sliding_window_matches_dense(world_size, cp, sequence_
     """GPTConfig.sliding_window under cp: the ring runs the window (4 ranks, chunks of 3 tokens: the blocks
     travel one link each way), and parallelize(cp_group=) keeps the model's window."""
     cfg = dict(block_size=24, n_layer=2, sliding_window=window)
-    run_ranks(_cp_vs_dense, world_size, cp, sequence_parallel, cfg, via_parallelize, documents, timeout=300)
+    args = (world_size, cp, sequence_parallel, cfg, via_parallelize, documents)
+    run_ranks(_cp_vs_dense, *args, timeout=300, env=REFERENCE_KERNELS)

@@ -6,7 +6,11 @@ weights, and every logit, loss and gradient shard must agree.
 
 Tolerances: fp32 throughout. The parallel model sums the row-parallel partial products across ranks
 (a different summation order) and its cross entropy combines per-rank max/sum-exp: differences of a
-few fp32 ulps that grow through the layers to ~1e-6 relative; checked at 1e-4 relative (issue 4).
+few fp32 ulps that grow through the layers to ~1e-6 relative; checked at 1e-4 relative.
+
+The two-rank tensor-parallel runs of the plain model go through the kernels in Triton's interpreter; the
+variants (four ranks, recomputation, windows, GELU) and the recomputation test run the kernels' plain-PyTorch
+references: they test how the model composes, and tests/kernels proves the kernels.
 """
 
 import pytest
@@ -17,7 +21,7 @@ import torch.nn.functional as F
 from tessel.layers.attention import ParallelAttention, check_heads
 from tessel.layers.gpt import GPT, GPTConfig
 from tessel.parallel.sharding import shard_like
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 TOL = dict(rtol=1e-4, atol=1e-5)
 
@@ -107,7 +111,7 @@ def _activation_bytes(model, idx, targets):
 
 
 @pytest.mark.parametrize("mlp, norm", [("swiglu", "rmsnorm"), ("gelu", "layernorm")])
-def test_recompute_gives_the_same_gradients_and_holds_no_block_activations(seed, mlp, norm):
+def test_recompute_gives_the_same_gradients_and_holds_no_block_activations(seed, reference_kernels, mlp, norm):
     """Activation checkpointing changes what backward keeps, not what it computes: loss and every gradient
     are bit-equal to the plain model's, the kernels' recomputed forward being the same launches on the
     same inputs. With depth the saved activations grow by one [B, S, E] tensor per block (its input),
@@ -281,7 +285,8 @@ def _tp_vs_dense(rank, world_size, cfg_kw, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_tensor_parallel_gpt_matches_dense(world_size, sequence_parallel):
     cfg_kw = dict(n_kv_head=4) if world_size == 4 else {}
-    losses = run_ranks(_tp_vs_dense, world_size, cfg_kw, sequence_parallel, timeout=300)
+    env = REFERENCE_KERNELS if world_size == 4 else None
+    losses = run_ranks(_tp_vs_dense, world_size, cfg_kw, sequence_parallel, timeout=300, env=env)
     assert len(set(losses)) == 1  # every rank computed the same (replicated) loss
 
 
@@ -289,17 +294,18 @@ def test_tensor_parallel_gpt_matches_dense(world_size, sequence_parallel):
 def test_recomputed_tensor_parallel_gpt_matches_dense():
     """Recomputation re-runs each block's overlapped all-gather and reduce-scatter rings inside backward,
     on every rank in the same order; the sequence-parallel norm weights still get their TP-summed grads."""
-    run_ranks(_tp_vs_dense, 2, dict(n_layer=2, recompute=True), True, timeout=300)
+    run_ranks(_tp_vs_dense, 2, dict(n_layer=2, recompute=True), True, timeout=300, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess
 def test_tensor_parallel_gpt_with_a_sliding_window_matches_dense():
-    run_ranks(_tp_vs_dense, 2, dict(sliding_window=3), True, timeout=300)
+    run_ranks(_tp_vs_dense, 2, dict(sliding_window=3), True, timeout=300, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess
 def test_gelu_layernorm_gpt_with_bias_matches_dense():
-    run_ranks(_tp_vs_dense, 2, dict(mlp="gelu", norm="layernorm", bias=True), True, timeout=300)
+    run_ranks(_tp_vs_dense, 2, dict(mlp="gelu", norm="layernorm", bias=True), True, timeout=300,
+              env=REFERENCE_KERNELS)  # fmt: skip
 
 
 def _train_curves(rank, world_size, steps):
@@ -327,7 +333,7 @@ def _train_curves(rank, world_size, steps):
 def test_fifty_steps_at_tp2_follow_the_dense_loss_curve():
     # The kernels' own tests cover the Triton paths; here the ranks run the plain-PyTorch references
     # (TRITON_INTERPRET=0) so that 2 × 50 training steps take seconds, not minutes.
-    dense, par = run_ranks(_train_curves, 2, 50, timeout=300, env={"TRITON_INTERPRET": "0"})[0]
+    dense, par = run_ranks(_train_curves, 2, 50, timeout=300, env=REFERENCE_KERNELS)[0]
     assert par[-1] < 0.8 * par[0], "the loss must fall"
     # The two runs differ by fp32 summation order only; Adam amplifies that a little over 50 steps.
     torch.testing.assert_close(torch.tensor(par), torch.tensor(dense), rtol=2e-3, atol=0)

@@ -23,9 +23,8 @@ import sys
 import pytest
 import torch
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
-REFERENCE_KERNELS = {"TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
 B, S, VOCAB = 2, 8, 128  # S divisible by 2 and 4 (sequence parallelism)
 # transformers is a test extra; find_spec does not import it (that takes seconds)
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")

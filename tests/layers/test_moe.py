@@ -16,9 +16,8 @@ import torch.nn.functional as F
 from tessel.layers.gpt import GPT, GPTConfig
 from tessel.layers.moe import ParallelMoE, load_balancing_loss, route_top_k
 from tessel.parallel.sharding import shard_like
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
-REFERENCE_KERNELS = {"TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
 TOL = dict(rtol=1e-4, atol=1e-5)
 ROUTER_GAIN = 40.0  # routers far from uniform, so that no choice of experts is a near-tie
 

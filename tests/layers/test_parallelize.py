@@ -17,9 +17,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
-REFERENCE_KERNELS = {"TRITON_INTERPRET": "0", "OMP_NUM_THREADS": "1"}
 V, E, HEADS, KV_HEADS, HIDDEN = 32, 16, 4, 2, 24
 
 

@@ -5,7 +5,8 @@ each call's mask laid over the global positions, must be exactly the pairs of th
 causal window at that rank's queries, each computed once; and the blocks travel only as far as some
 rank needs them. Then on gloo ranks the output and gradients must equal the float64 windowed
 attention of the whole sequence (each query row over the keys of its window only), with the bytes
-of that route.
+of that route. Beyond 2 ranks the blocks run the kernels' plain-PyTorch references: the route is what more
+ranks add, and 2 ranks run the windows through the kernels in Triton's interpreter.
 """
 
 import pytest
@@ -92,8 +93,8 @@ def test_pairs_inside_the_window_share_calls():
             assert len(unmasked) == 1 and len(step.pairs) <= 2, step
 
 
-def _windows_rank(rank, world_size, s, windows, ids=None, dtype=torch.float32, deterministic=True):
-    return [_ring_rank(rank, world_size, "gqa", s, True, dtype, deterministic, False, ids, w) for w in windows]
+def _windows_rank(rank, world_size, s, windows, ids=None, dtype=torch.float32, deterministic=True, reference=False):
+    return [_ring_rank(rank, world_size, "gqa", s, True, dtype, deterministic, reference, ids, w) for w in windows]
 
 
 def _busy_transfers(c: int, rank: int, h: int, window: int) -> dict:
@@ -121,7 +122,7 @@ def test_windowed_ring_matches_the_whole_sequence_and_moves_only_the_route(world
     h = 5
     s = 2 * world_size * h
     windows = (1, 4, 7, 13)
-    results = run_ranks(_windows_rank, world_size, s, windows)
+    results = run_ranks(_windows_rank, world_size, s, windows, None, torch.float32, True, world_size > 2)
     hkv = LAYOUTS["gqa"][1]
     kv_bytes = 2 * B * hkv * (s // world_size) * D * 4  # keys and values of one rank, fp32
     for i, window in enumerate(windows):
@@ -147,7 +148,7 @@ def test_windowed_ring_within_packed_documents_on_4_ranks():
     from tests.kernels.test_attention_segments import ids_from_lengths
 
     ids = ids_from_lengths(SEGMENTS[4])
-    results = run_ranks(_windows_rank, 4, 40, (3, 9), ids)
+    results = run_ranks(_windows_rank, 4, 40, (3, 9), ids, torch.float32, True, True)
     for i, window in enumerate((3, 9)):
         _check_against_whole([got[i] for got in results], "gqa", 40, True, torch.float32, ids, window)
 

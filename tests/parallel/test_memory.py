@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 from tests.parallel.data_parallel_models import Block as _Block
 
 
@@ -62,7 +62,7 @@ def _measure(rank, world_size):
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["2 ranks", "4 ranks"])
 def measured(request):
-    return request.param, run_ranks(_measure, request.param, timeout=240, env={"TRITON_INTERPRET": "0"})
+    return request.param, run_ranks(_measure, request.param, timeout=240, env=REFERENCE_KERNELS)
 
 
 def _padded_bytes(stage, padded, shard):

@@ -20,7 +20,7 @@ from tessel.layers.gpt import GPT, GPTConfig
 from tessel.parallel.dims import init_parallel
 from tessel.parallel.pipeline import PipelineStage, Schedule1F1B, ScheduleZeroBubble
 from tessel.parallel.sharding import shard_like
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 SCHEDULES = {"1f1b": Schedule1F1B, "zb": ScheduleZeroBubble}
 TOL = dict(rtol=1e-5, atol=1e-6)
@@ -83,7 +83,7 @@ def _compare(gpt, dense, stage_module, tp_group, attr, tol):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule, sequence_parallel", [("1f1b", False), ("zb", True)], ids=["1f1b", "zb+sp"])
 def test_tp2_pp2_gpt_matches_the_dense_run(schedule, sequence_parallel):
-    curves = run_ranks(_train_3d, 4, schedule, sequence_parallel, timeout=300, env={"TRITON_INTERPRET": "0"})
+    curves = run_ranks(_train_3d, 4, schedule, sequence_parallel, timeout=300, env=REFERENCE_KERNELS)
     last_stage = [c for c in curves if c]
     assert len(last_stage) == 2 and last_stage[0] == last_stage[1]
 
@@ -138,4 +138,4 @@ def _train_dp_pp(rank, world_size, optimizer, schedule="1f1b"):
 def test_dp2_pp2_gpt_with_ddp_matches_the_dense_run(optimizer, schedule):
     # Under ZB the layers do not defer the weight gradients of DDP-managed parameters (DDP must reduce them
     # in the backward that produced them): the schedule's W actions find nothing to run, and results match.
-    run_ranks(_train_dp_pp, 4, optimizer, schedule, timeout=300, env={"TRITON_INTERPRET": "0"})
+    run_ranks(_train_dp_pp, 4, optimizer, schedule, timeout=300, env=REFERENCE_KERNELS)
