@@ -7,6 +7,7 @@ argument ends every rank at once with one line on stderr and a non-zero status, 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -123,6 +124,13 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         type=float,
         default=0.01,
         help="weight of the experts' load-balancing loss, added to the training loss (default: %(default)s)",
+    )
+    add(
+        "--z-loss-coef",
+        type=float,
+        default=0.0,
+        help="weight of the routers' z-loss (ST-MoE: the mean squared log-sum-exp of the router logits), added to "
+        "the training loss (default: %(default)s; ST-MoE uses 1e-3)",
     )
     add(
         "--zero",
@@ -299,8 +307,10 @@ def _check_experts(args) -> None:
         raise ArgumentError(f"--top-k must be in [1, --experts {args.experts}], received {args.top_k}")
     if args.experts % args.ep:
         raise ArgumentError(f"--ep {args.ep} does not divide --experts {args.experts}")
-    if args.aux_loss_coef < 0:
-        raise ArgumentError(f"--aux-loss-coef must be non-negative, received {args.aux_loss_coef}")
+    for flag in ("aux_loss_coef", "z_loss_coef"):
+        value = getattr(args, flag)
+        if not 0 <= value < math.inf:
+            raise ArgumentError(f"--{flag.replace('_', '-')} must be a finite non-negative number, received {value}")
     if args.ep > 1 and args.zero == 3:
         raise ArgumentError("--ep > 1 needs --zero 0, 1 or 2: FSDP shards every parameter over one group, and the "
                             "experts of an ep group are reduced over another")  # fmt: skip

@@ -119,8 +119,8 @@ class Engine:
         if self.schedule is None:
             logits = self.wrapper(x) if segment_ids is None else self.wrapper(x, segment_ids=segment_ids)
             loss = self._weighted(self.gpt.loss_from_logits(logits, y), y)
-            aux = self.gpt.aux_loss()  # the experts' load balancing: trained, not reported
-            self._scaled(loss if aux is None else loss + self.config.aux_loss_coef * aux).backward()
+            router = self.gpt.router_loss()  # the experts' load balancing and z-loss: trained, not reported
+            self._scaled(loss if router is None else loss + router).backward()
             local = loss.detach().float()
         else:
             self._run_pipeline(x, y, segment_ids)
@@ -147,8 +147,8 @@ class Engine:
         does with FSDP.)
         """
         self._microbatch_losses.clear()
-        if self.config.n_expert:  # each stage's load-balancing losses, weighted as the microbatch losses are
-            weight = self._scaled(torch.tensor(self.config.aux_loss_coef / self.config.n_layer, device=self.device))
+        if self.config.n_expert:  # each stage's router losses, weighted as the microbatch losses are
+            weight = self._scaled(torch.tensor(1 / self.config.n_layer, device=self.device))
             for stage in self.stages:
                 stage.aux_grad = weight / self.args.microbatches
         inputs = () if not self.is_first else (x,) if segment_ids is None else (x, segment_ids)
@@ -327,6 +327,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         n_expert=args.experts,
         top_k=args.top_k,
         aux_loss_coef=args.aux_loss_coef,
+        z_loss_coef=args.z_loss_coef,
     )
     gpt = GPT(
         config,

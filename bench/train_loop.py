@@ -96,7 +96,7 @@ def _save(args, engine: Engine, step: int, history: list[StepRecord]) -> None:
 # Model settings that change how gradients are computed, not what the weights are: a run may resume with
 # another choice (and from a checkpoint written before the setting existed). The load-balancing loss's weight
 # is a training setting like the learning rate.
-_NUMERICS_ONLY = frozenset({"deterministic_attention", "recompute", "aux_loss_coef"})
+_NUMERICS_ONLY = frozenset({"deterministic_attention", "recompute", "aux_loss_coef", "z_loss_coef"})
 
 
 def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:

@@ -60,6 +60,7 @@ class GPTConfig:
     n_expert: int = 0  # > 0: every block's MLP is a mixture of this many experts (ParallelMoE), each mlp_hidden wide
     top_k: int = 2  # experts per token
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (mean over the layers) in GPT.loss
+    z_loss_coef: float = 0.0  # weight of the router z-loss (mean over the layers) in GPT.loss; ST-MoE uses 1e-3
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
@@ -90,12 +91,10 @@ class GPTConfig:
             raise ValueError("GPTConfig: the experts have no biases; bias=True needs n_expert=0")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"GPTConfig: top_k must be in [1, n_expert={self.n_expert}], received {self.top_k}")
-        if (
-            not isinstance(self.aux_loss_coef, (int, float))
-            or isinstance(self.aux_loss_coef, bool)
-            or not (self.aux_loss_coef >= 0)
-        ):
-            raise ValueError(f"GPTConfig: aux_loss_coef must be a non-negative number, received {self.aux_loss_coef!r}")
+        for name in ("aux_loss_coef", "z_loss_coef"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 <= value < math.inf):
+                raise ValueError(f"GPTConfig: {name} must be a finite non-negative number, received {value!r}")
         if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
             self.mlp_hidden = 4 * self.n_embd if self.mlp == "gelu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
@@ -258,14 +257,27 @@ class GPT(nn.Module):
         as in :meth:`forward` (a document's last target is the next document's first token unless the
         caller sets it to ``-100``, which is ignored)."""
         loss = self.loss_from_logits(self(idx, segment_ids), targets)
-        aux = self.aux_loss()
-        return loss if aux is None else loss + self.config.aux_loss_coef * aux
+        router = self.router_loss()
+        return loss if router is None else loss + router
 
     def aux_loss(self) -> torch.Tensor | None:
         """The mean over the layers of the experts' load-balancing losses of the last forward (None without
-        experts). :meth:`loss` adds it, times ``config.aux_loss_coef``."""
-        losses = [m.aux_loss for m in self.modules() if isinstance(m, ParallelMoE) and m.aux_loss is not None]
-        return torch.stack(losses).mean() if losses else None
+        experts)."""
+        return self._mean_over_layers("aux_loss")
+
+    def z_loss(self) -> torch.Tensor | None:
+        """The mean over the layers of the routers' z-losses of the last forward (None without experts)."""
+        return self._mean_over_layers("z_loss")
+
+    def router_loss(self) -> torch.Tensor | None:
+        """What :meth:`loss` adds to the cross entropy with experts: ``aux_loss_coef · aux_loss() + z_loss_coef ·
+        z_loss()`` (None without experts)."""
+        aux, z = self.aux_loss(), self.z_loss()
+        return None if aux is None else self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
+
+    def _mean_over_layers(self, name: str) -> torch.Tensor | None:
+        losses = [getattr(m, name) for m in self.modules() if isinstance(m, ParallelMoE)]
+        return torch.stack(losses).mean() if losses and all(x is not None for x in losses) else None
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of vocab-parallel ``logits [B, S, V/t]`` (a pipeline's last-stage loss function)."""
@@ -313,7 +325,7 @@ class GPT(nn.Module):
 
 class _WithAuxGrad(torch.autograd.Function):
     """``x`` itself forward; backward also gives ``aux`` the gradient ``weight`` (Megatron-LM's aux-loss
-    auto-scaler): the load-balancing losses of pipeline stages that do not compute the loss get trained."""
+    auto-scaler): the router losses of pipeline stages that do not compute the loss get trained."""
 
     @staticmethod
     def forward(ctx, x, aux, weight):
@@ -340,19 +352,23 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleList(gpt.blocks[start:stop])
         self.norm = gpt.norm if last else None
         self.lm_head = gpt.lm_head if last else None
+        self.coefs = (gpt.config.aux_loss_coef, gpt.config.z_loss_coef)
         self.aux_grad: float | torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None):
         """With experts and :attr:`aux_grad` set (a float or a 0-d tensor), the backward that reaches this
-        stage's output gives each of its blocks' load-balancing losses the gradient ``aux_grad``, as if the
-        pipeline's loss had added them (``aux_loss_coef / n_layer`` times the loss's own scale: 1/microbatches,
-        a loss scale); the forward's values are unchanged."""
+        stage's output gives each of its blocks' router losses (``aux_loss_coef · aux_loss + z_loss_coef ·
+        z_loss``) the gradient ``aux_grad``, as if the pipeline's loss had added them as :meth:`GPT.loss` does
+        (``1 / n_layer`` times the loss's own scale: 1/microbatches, a loss scale); the forward's values are
+        unchanged."""
         if self.first:
             x = self.embed(x)
         x = run_blocks(self.blocks, x, self.recompute, segment_ids)
-        losses = [b.mlp.aux_loss for b in self.blocks if isinstance(b.mlp, ParallelMoE)]
-        if self.aux_grad is not None and losses and torch.is_grad_enabled():
-            x = _WithAuxGrad.apply(x, torch.stack(losses).sum(), self.aux_grad)
+        routers = [b.mlp for b in self.blocks if isinstance(b.mlp, ParallelMoE)]
+        if self.aux_grad is not None and routers and torch.is_grad_enabled():
+            aux, z = self.coefs
+            losses = torch.stack([aux * m.aux_loss + z * m.z_loss for m in routers])
+            x = _WithAuxGrad.apply(x, losses.sum(), self.aux_grad)
         if self.last:
             return self.lm_head(self.norm(x))
         return x if segment_ids is None else (x, segment_ids)

@@ -8,10 +8,12 @@ Routing (Mixtral, Qwen-MoE): a replicated router ``[X, E]`` scores every token i
 largest probabilities choose the experts and, renormalised to sum to one, weight their outputs. The Switch
 Transformer load-balancing loss (Fedus et al. 2021, eq. 4), ``X · Σ_x f_x · P_x`` with ``f_x`` the fraction of
 routes that chose expert ``x`` and ``P_x`` its mean probability, is kept in :attr:`ParallelMoE.aux_loss` after
-each forward, over the same tokens the dense model would see: under sequence parallelism the counts and
-probability sums of every tensor-parallel rank's shard are added up (``reduce_from_tp``), under context
-parallelism those of every rank's share of the sequence (an all-reduce whose backward all-reduces too: every
-cp rank's loss is the whole sequence's, so gradients averaged over the cp ranks are the dense model's).
+each forward, and ST-MoE's router z-loss (Zoph et al. 2022, eq. 5), the mean of ``logsumexp(logits)²``, which
+keeps the router's logits small, in :attr:`ParallelMoE.z_loss`. Both are over the same tokens the dense model
+would see: under sequence parallelism the counts and sums of every tensor-parallel rank's shard are added up
+(``reduce_from_tp``), under context parallelism those of every rank's share of the sequence (an all-reduce
+whose backward all-reduces too: every cp rank's loss is the whole sequence's, so gradients averaged over the cp
+ranks are the dense model's).
 
 Each expert is a SwiGLU or GELU MLP whose parameters live in two 3-d tensors, ``fc [X/e, F/t (per part), E]``
 and ``proj [X/e, E, F/t]``, split like :class:`~tessel.layers.mlp.ParallelMLP`'s over ``tp_group`` (each rank
@@ -56,7 +58,7 @@ from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group
 from ..parallel.sharding import shard_like
 from .mlp import MLP_ACTIVATIONS
 
-__all__ = ["ParallelMoE", "load_balancing_loss", "route_top_k"]
+__all__ = ["ParallelMoE", "load_balancing_loss", "route_top_k", "router_z_loss"]
 
 
 def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -72,6 +74,11 @@ def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: i
     and the summed probabilities ``prob_sums [X]`` (``P_x = prob_sums_x / tokens``); 1 when balanced."""
     experts = counts.numel()
     return experts * (counts.to(prob_sums.dtype) * prob_sums).sum() / (tokens * tokens * k)
+
+
+def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
+    """ST-MoE's ``mean_n logsumexp(logits[n])²`` over the rows of ``logits [N, X]``, in fp32."""
+    return torch.logsumexp(logits.float(), dim=-1).square().mean()
 
 
 class _Routes:
@@ -118,8 +125,9 @@ class ParallelMoE(nn.Module):
     """``Σ_k weight_k · expert_{id_k}(x)`` over the ``top_k`` experts the router chooses for each token.
 
     Input and output are ``[B, S, E]`` (``[B, S/t, E]`` under ``sequence_parallel``). ``n_expert`` must split
-    evenly over ``ep_group``. After each forward :attr:`aux_loss` holds the load-balancing loss (fp32 scalar)
-    of this forward's tokens, differentiable; ``cp_group`` only widens it to the whole sequence.
+    evenly over ``ep_group``. After each forward :attr:`aux_loss` holds the load-balancing loss and
+    :attr:`z_loss` the router z-loss (fp32 scalars) of this forward's tokens, differentiable; ``cp_group`` only
+    widens them to the whole sequence.
     """
 
     def __init__(self, n_embd: int, hidden: int, n_expert: int, top_k: int, *, activation: str = "swiglu",
@@ -155,6 +163,7 @@ class ParallelMoE(nn.Module):
                 p.expert_parallel, p.expert_count = True, n_expert
                 p.expert_range = (self.first_expert, self.first_expert + self.per_rank)
         self.aux_loss: torch.Tensor | None = None
+        self.z_loss: torch.Tensor | None = None
         with torch.no_grad():
             for p in self.parameters():
                 nn.init.normal_(p, std=0.02)
@@ -189,28 +198,31 @@ class ParallelMoE(nn.Module):
         shared = self.sequence_parallel and group_size(self.tp_group) > 1  # each rank scores its own tokens
         return copy_to_tp(self.router, self.tp_group) if shared else self.router
 
-    def _aux_loss(self, ids: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
+    def _router_losses(self, logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor):
+        """(load-balancing loss, z-loss) over the dense model's tokens: the sums of probabilities and of squared
+        log-sum-exps travel together, one collective per group."""
         counts = torch.bincount(ids.reshape(-1), minlength=self.n_expert)
-        prob_sums, tokens = probs.sum(0), probs.shape[0]
+        sums, tokens = torch.cat((probs.sum(0), torch.logsumexp(logits, dim=-1).square().sum()[None])), probs.shape[0]
         groups = []
         if self.sequence_parallel and group_size(self.tp_group) > 1:
-            prob_sums = reduce_from_tp(prob_sums, self.tp_group)
+            sums = reduce_from_tp(sums, self.tp_group)
             groups.append(self.tp_group)
         if self.cp_group is not None and group_size(self.cp_group) > 1:
-            prob_sums = sum_over_ranks(prob_sums, self.cp_group)
+            sums = sum_over_ranks(sums, self.cp_group)
             groups.append(self.cp_group)
         for group in groups:
             all_reduce(counts, group)
             tokens *= group_size(group)
-        return load_balancing_loss(counts, prob_sums, tokens, self.top_k)
+        return load_balancing_loss(counts, sums[:-1], tokens, self.top_k), sums[-1] / tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.shape[-1] != self.n_embd:
             raise ValueError(f"ParallelMoE: the input's last dim must be n_embd={self.n_embd}, received shape "
                              f"{tuple(x.shape)}")  # fmt: skip
         shape, tokens = x.shape, x.reshape(-1, self.n_embd)
-        weights, ids, probs = route_top_k(F.linear(tokens.float(), self._router().float()), self.top_k)
-        self.aux_loss = self._aux_loss(ids, probs)
+        logits = F.linear(tokens.float(), self._router().float())
+        weights, ids, probs = route_top_k(logits, self.top_k)
+        self.aux_loss, self.z_loss = self._router_losses(logits, ids, probs)
         tp, t = self.tp_group, group_size(self.tp_group)
         if self.sequence_parallel and t > 1:
             tokens = gather_from_sequence(tokens, tp, dim=0)

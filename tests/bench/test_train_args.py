@@ -65,7 +65,21 @@ def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
         (["--experts", "-1"], 1, "--experts must be 0 (dense) or positive, received -1"),
         (["--experts", "4", "--top-k", "5"], 1, "--top-k must be in [1, --experts 4], received 5"),
         (["--experts", "6", "--ep", "4"], 4, "--ep 4 does not divide --experts 6"),
-        (["--experts", "4", "--aux-loss-coef", "-1"], 1, "--aux-loss-coef must be non-negative, received -1.0"),
+        (
+            ["--experts", "4", "--aux-loss-coef", "-1"],
+            1,
+            "--aux-loss-coef must be a finite non-negative number, received -1",
+        ),
+        (
+            ["--experts", "4", "--z-loss-coef", "inf"],
+            1,
+            "--z-loss-coef must be a finite non-negative number, received inf",
+        ),
+        (
+            ["--experts", "4", "--z-loss-coef", "nan"],
+            1,
+            "--z-loss-coef must be a finite non-negative number, received nan",
+        ),
         (["--experts", "4", "--ep", "2", "--zero", "3"], 2, "--ep > 1 needs --zero 0, 1 or 2"),
     ],
 )

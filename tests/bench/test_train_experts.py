@@ -12,8 +12,9 @@ import pytest
 
 from tests.bench.test_train import _checkpoint, _copy_checkpoint, _losses, _ok, _tensors, _train
 
-# 4 steps of 8×32 tokens with 4 experts (2 per token), a checkpoint every 2.
-MOE = ["--experts", "4", "--top-k", "2", "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--save-every", "2"]
+# 4 steps of 8×32 tokens with 4 experts (2 per token) trained with the router z-loss too, a checkpoint every 2.
+MOE = ["--experts", "4", "--top-k", "2", "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--save-every", "2",
+       "--z-loss-coef", "0.01"]  # fmt: skip
 
 
 @pytest.fixture(scope="module")
@@ -89,25 +90,29 @@ def test_pipelined_experts_train_their_load_balancing_loss(replicated, tmp_path)
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_resuming_checks_the_experts_but_not_their_loss_weight(replicated, tmp_path):
-    """The experts are part of the model: a dense run refuses the checkpoint with one line. The load-balancing
-    loss's weight is a training setting: a run may resume with another. A checkpoint written before the expert
-    settings existed (no n_expert in its manifest) is a dense model's and still loads into a dense run."""
+    """The experts are part of the model: a dense run refuses the checkpoint with one line. The weights of the
+    load-balancing loss and of the z-loss are training settings: a run may resume with others. A checkpoint
+    written before the expert settings existed (no n_expert in its manifest) is a dense model's and still loads
+    into a dense run."""
+    model = json.loads((_checkpoint(replicated, 2) / "manifest.json").read_text())["model"]
+    assert (model["n_expert"], model["aux_loss_coef"], model["z_loss_coef"]) == (4, 0.01, 0.01)
     _copy_checkpoint(_checkpoint(replicated, 2), tmp_path / "dense")
-    proc = _train(tmp_path / "dense", "--dp", "2", *MOE[2:], "--resume", nproc=2)
+    proc = _train(tmp_path / "dense", "--dp", "2", *MOE[2:-2], "--resume", nproc=2)
     assert proc.returncode != 0 and "holds a different model: n_expert=4 (this run: 0)" in proc.stderr
     _copy_checkpoint(_checkpoint(replicated, 2), tmp_path / "coef")
-    _ok(_train(tmp_path / "coef", "--dp", "2", *MOE, "--aux-loss-coef", "0.1", "--resume", nproc=2))
+    _ok(_train(tmp_path / "coef", "--dp", "2", *MOE, "--aux-loss-coef", "0.1", "--z-loss-coef", "0.2", "--resume",
+               nproc=2))  # fmt: skip
     assert _losses(tmp_path / "coef")[:2] == _losses(replicated)[:2]
     assert _losses(tmp_path / "coef")[3] != pytest.approx(_losses(replicated)[3], rel=1e-6)
 
     old = tmp_path / "old"
-    _ok(_train(old, *MOE[2:]))  # dense, one process
+    _ok(_train(old, *MOE[2:-2]))  # dense, one process
     manifest = _checkpoint(old, 4) / "manifest.json"  # the latest, which --resume reads
     record = json.loads(manifest.read_text())
-    for key in ("n_expert", "top_k", "aux_loss_coef"):
+    for key in ("n_expert", "top_k", "aux_loss_coef", "z_loss_coef"):
         del record["model"][key]
     manifest.write_text(json.dumps(record))
-    proc = _ok(_train(old, *MOE[2:], "--steps", "5", "--resume"))
+    proc = _ok(_train(old, *MOE[2:-2], "--steps", "5", "--resume"))
     assert "(step 4)" in proc.stdout and len(_losses(old)) == 5
 
 

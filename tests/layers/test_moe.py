@@ -8,13 +8,15 @@ rank's batch, every gradient compared with the reductions the data-parallel wrap
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from tessel.layers.gpt import GPT, GPTConfig
-from tessel.layers.moe import ParallelMoE, load_balancing_loss, route_top_k
+from tessel.layers.moe import ParallelMoE, load_balancing_loss, route_top_k, router_z_loss
 from tessel.parallel.sharding import shard_like
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
@@ -23,10 +25,11 @@ ROUTER_GAIN = 40.0  # routers far from uniform, so that no choice of experts is 
 
 
 def _reference(x, router, fc, proj, k, activation):
-    """float64, one token at a time: ``Σ_k w_k · expert(x)`` and Switch's loss over the tokens."""
+    """float64, one token at a time: ``Σ_k w_k · expert(x)``, Switch's loss and ST-MoE's z-loss over the tokens."""
     x, router, fc, proj = (t.double() for t in (x, router, fc, proj))
     tokens = x.reshape(-1, x.shape[-1])
-    probs = torch.softmax(tokens @ router.T, dim=-1)
+    logits = tokens @ router.T
+    probs = torch.softmax(logits, dim=-1)
     out = []
     chosen = torch.zeros(router.shape[0], dtype=torch.float64)
     for n in range(tokens.shape[0]):
@@ -44,7 +47,8 @@ def _reference(x, router, fc, proj, k, activation):
         out.append(row)
     n_tok = tokens.shape[0]
     aux = router.shape[0] * ((chosen / (n_tok * k)) * probs.mean(0)).sum()
-    return torch.stack(out).view(x.shape), aux
+    z = torch.stack([torch.log(torch.exp(row).sum()) ** 2 for row in logits]).mean()
+    return torch.stack(out).view(x.shape), aux, z
 
 
 def _layer(n_embd=32, hidden=24, n_expert=5, top_k=2, activation="swiglu", seed=0):
@@ -65,13 +69,14 @@ def test_moe_matches_a_float64_token_by_token_definition(activation, n_expert, t
     params = (moe.router, moe.fc, moe.proj)
     leaves = [p.detach().double().requires_grad_() for p in params]
     x64 = x.detach().double().requires_grad_()
-    want, want_aux = _reference(x64, *leaves, top_k, activation)
+    want, want_aux, want_z = _reference(x64, *leaves, top_k, activation)
     got = moe(x)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(moe.aux_loss.double(), want_aux, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moe.z_loss.double(), want_z, rtol=1e-5, atol=1e-6)
     dout = torch.randn_like(got)
-    ((got * dout).sum() + 0.3 * moe.aux_loss).backward()
-    ((want * dout.double()).sum() + 0.3 * want_aux).backward()
+    ((got * dout).sum() + 0.3 * moe.aux_loss + 0.02 * moe.z_loss).backward()
+    ((want * dout.double()).sum() + 0.3 * want_aux + 0.02 * want_z).backward()
     for name, g, w in [("x", x.grad, x64.grad)] + [(n, p.grad, q.grad) for n, p, q in
                                                      zip(("router", "fc", "proj"), params, leaves)]:  # fmt: skip
         assert g is not None, name
@@ -87,10 +92,11 @@ def test_moe_on_cuda_matches_the_float64_definition(activation):
     x = torch.randn(3, 37, 32, device="cuda", requires_grad=True)
     leaves = [p.detach().cpu().double().requires_grad_() for p in (moe.router, moe.fc, moe.proj)]
     x64 = x.detach().cpu().double().requires_grad_()
-    want, want_aux = _reference(x64, *leaves, 2, activation)
+    want, want_aux, want_z = _reference(x64, *leaves, 2, activation)
     got = moe(x)
     torch.testing.assert_close(got.cpu().double(), want, rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(moe.aux_loss.cpu().double(), want_aux, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moe.z_loss.cpu().double(), want_z, rtol=1e-5, atol=1e-6)
     dout = torch.randn_like(got)
     (got * dout).sum().backward()
     (want * dout.cpu().double()).sum().backward()
@@ -114,6 +120,14 @@ def test_load_balancing_loss_is_one_when_balanced_and_grows_with_imbalance():
     # every route to expert 0, which the router also favours: X · f_0 · P_0 = 4 · 1 · 0.7
     skewed = torch.tensor([0.7, 0.1, 0.1, 0.1]) * 8
     assert load_balancing_loss(torch.tensor([8, 0, 0, 0]), skewed, tokens=8, k=1).item() == pytest.approx(2.8)
+
+
+def test_router_z_loss_is_the_mean_squared_log_sum_exp():
+    logits = torch.tensor([[0.0, 0.0, 0.0, 0.0], [2.0, -1.0, 0.5, 3.0], [-30.0, 40.0, 0.0, 1.0]])
+    want = torch.tensor([math.log(4.0), math.log(sum(math.exp(v) for v in (2.0, -1.0, 0.5, 3.0))), 40.0])
+    torch.testing.assert_close(router_z_loss(logits), want.square().mean(), rtol=1e-6, atol=1e-5)
+    # shifting every logit of a row by c changes the softmax nowhere, the z-loss by (lse + c)²: what it penalises
+    assert router_z_loss(logits[:1] + 5) > router_z_loss(logits[:1]) and router_z_loss(logits[:1] - 1.3863) < 1e-8
 
 
 def test_experts_no_route_reaches_still_get_a_zero_gradient():
@@ -155,7 +169,9 @@ def test_wrong_input_width_is_refused():
         (dict(n_expert=4, top_k=5), r"top_k must be in \[1, n_expert=4\], received 5"),
         (dict(n_expert=4, top_k=0), r"top_k must be in \[1, n_expert=4\], received 0"),
         (dict(n_expert=4, bias=True), "the experts have no biases"),
-        (dict(n_expert=4, aux_loss_coef=-0.1), "aux_loss_coef must be a non-negative number"),
+        (dict(n_expert=4, aux_loss_coef=-0.1), "aux_loss_coef must be a finite non-negative number"),
+        (dict(n_expert=4, z_loss_coef=float("nan")), "z_loss_coef must be a finite non-negative number"),
+        (dict(n_expert=4, z_loss_coef=True), "z_loss_coef must be a finite non-negative number"),
     ],
 )
 def test_gpt_config_refuses_bad_expert_settings(kw, match):
@@ -165,7 +181,7 @@ def test_gpt_config_refuses_bad_expert_settings(kw, match):
 
 def _config(**kw):
     base = dict(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=16, n_expert=4, top_k=2,
-                mlp_hidden=32, aux_loss_coef=0.05)  # fmt: skip
+                mlp_hidden=32, aux_loss_coef=0.05, z_loss_coef=0.01)  # fmt: skip
     return GPTConfig(**{**base, **kw})
 
 
@@ -193,8 +209,12 @@ def test_gpt_loss_adds_the_mean_load_balancing_loss():
     idx = torch.randint(cfg.vocab_size, (2, 8))
     ce = gpt.loss_from_logits(gpt(idx), idx)
     aux = torch.stack([b.mlp.aux_loss for b in gpt.blocks]).mean()
-    torch.testing.assert_close(gpt.loss(idx, idx), ce + cfg.aux_loss_coef * aux)
-    assert GPT(_config(n_expert=0)).aux_loss() is None
+    z = torch.stack([b.mlp.z_loss for b in gpt.blocks]).mean()
+    assert z > 0 and torch.equal(gpt.z_loss(), z) and torch.equal(gpt.aux_loss(), aux)
+    torch.testing.assert_close(gpt.loss(idx, idx), ce + cfg.aux_loss_coef * aux + cfg.z_loss_coef * z)
+    dense = GPT(_config(n_expert=0))
+    dense(idx)
+    assert dense.aux_loss() is None and dense.z_loss() is None and dense.router_loss() is None
 
 
 def test_recomputed_gpt_with_experts_gives_the_same_gradients():
@@ -211,8 +231,8 @@ def test_recomputed_gpt_with_experts_gives_the_same_gradients():
 
 
 def test_pipeline_stages_train_the_load_balancing_loss_through_aux_grad(num_stages=3):
-    """Stages chained by hand, the loss only on the last: with aux_grad = coef / n_layer every block's router
-    gets GPT.loss's gradient (its load-balancing term included); without it, a different one."""
+    """Stages chained by hand, the loss only on the last: with aux_grad = 1 / n_layer every block's router
+    gets GPT.loss's gradient (its load-balancing and z-loss terms included); without it, a different one."""
     cfg = _config(n_layer=3)
     torch.manual_seed(0)
     gpt = GPT(cfg)
@@ -220,7 +240,7 @@ def test_pipeline_stages_train_the_load_balancing_loss_through_aux_grad(num_stag
     idx = torch.randint(cfg.vocab_size, (2, 8), generator=torch.Generator().manual_seed(2))
     gpt.loss(idx, idx).backward()
     want = {n: p.grad.clone() for n, p in gpt.named_parameters()}
-    for weight in (cfg.aux_loss_coef / cfg.n_layer, None):
+    for weight in (1 / cfg.n_layer, None):
         gpt.zero_grad()
         stages = [gpt.pipeline_stage(i, num_stages) for i in range(num_stages)]
         x = idx
@@ -333,6 +353,7 @@ def _context_vs_dense(rank, world_size, expert_parallel):
     got = par.loss(split_sequence(idx, cp), split_sequence(targets, cp))
     got.backward()
     torch.testing.assert_close(par.aux_loss(), dense.aux_loss(), **TOL)  # the whole sequence's
+    torch.testing.assert_close(par.z_loss(), dense.z_loss(), **TOL)
     dist.all_reduce(got.detach(), group=cp)
     dense_grads = dict(dense.named_parameters())
     for name, p in par.named_parameters():
