@@ -13,6 +13,11 @@ import pytest
 
 HAS_CUDA = torch.cuda.is_available()
 
+# Under pytest-xdist the workers share the cores: each keeps its share of intra-op threads, since OpenMP threads
+# that outnumber the cores spin-wait each other out.
+if os.environ.get("PYTEST_XDIST_WORKER_COUNT"):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
 
 @pytest.fixture
 def seed():

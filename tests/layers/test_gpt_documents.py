@@ -8,6 +8,10 @@ ranks with sequence parallelism, against the dense model.
 
 Tolerances: fp32; the kernel's online softmax visits different key blocks packed and alone, and the
 parallel model sums row-parallel partial products in another order: ~1e-6 relative, checked at 1e-4.
+
+The tensor-parallel runs go through the kernels in Triton's interpreter; the one-process tests of how the model
+packs documents run the kernels' plain-PyTorch references (the ``reference_kernels`` fixture; tests/kernels
+proves flash attention's segments against float64).
 """
 
 import pytest
@@ -93,6 +97,7 @@ def _alone_vs_packed(model, idx, weights, segments):
     return packed.detach(), packed_grads, alone, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_packed_documents_match_each_document_alone():
     cfg = _config(n_layer=1)  # one block: the interpreter runs every kernel, for each document alone too
     torch.manual_seed(0)
@@ -112,6 +117,7 @@ def test_packed_documents_match_each_document_alone():
     torch.testing.assert_close(model.loss(idx, targets, segment_ids=_segments()).detach(), want, **TOL)
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_pipeline_stages_pass_the_segment_ids_on():
     """A stage that is not the last returns (activation, segment_ids); chained, the stages are the model."""
     cfg = _config(n_layer=2)
@@ -126,6 +132,7 @@ def test_pipeline_stages_pass_the_segment_ids_on():
     assert isinstance(first(idx), torch.Tensor)  # without documents: the activation alone, as before
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_recomputed_packed_documents_give_the_same_gradients():
     """Activation checkpointing hands each block the segment ids again when it recomputes the block."""
     grads = {}
@@ -151,6 +158,7 @@ def _counting(monkeypatch, module, name):
     return calls
 
 
+@pytest.mark.usefixtures("reference_kernels")
 @pytest.mark.parametrize("recompute", [False, True])
 def test_document_tables_are_built_once_per_forward_not_per_layer(monkeypatch, recompute):
     """Every layer gets the same segment ids: the kernel's segment tables and the rotary tables are built
@@ -174,6 +182,7 @@ def test_document_tables_are_built_once_per_forward_not_per_layer(monkeypatch, r
     torch.testing.assert_close(got, model(idx, segment_ids=segments.clone()), rtol=0, atol=0)
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_rotary_tables_without_documents_are_shared_by_the_layers_and_survive_inference_mode():
     import tessel.layers.attention as attention_layer
 

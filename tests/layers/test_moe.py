@@ -4,6 +4,8 @@ One process: the layer against a float64 token-by-token definition (output, aux 
 routing and the load-balancing loss by hand, bad arguments. On gloo ranks: GPTs with experts under tensor,
 expert (over data- and context-parallel ranks) and sequence parallelism against the dense model on every
 rank's batch, every gradient compared with the reductions the data-parallel wrapper performs written out.
+The layer's tests run the grouped GEMM through Triton's interpreter; the GPT's, which test how the model
+composes, run the kernels' plain-PyTorch references (``reference_kernels``, ``REFERENCE_KERNELS``).
 """
 
 from __future__ import annotations
@@ -217,6 +219,7 @@ def test_gpt_loss_adds_the_mean_load_balancing_loss():
     assert dense.aux_loss() is None and dense.z_loss() is None and dense.router_loss() is None
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_recomputed_gpt_with_experts_gives_the_same_gradients():
     grads = []
     for recompute in (False, True):
@@ -230,6 +233,7 @@ def test_recomputed_gpt_with_experts_gives_the_same_gradients():
         torch.testing.assert_close(grads[1][name], g, rtol=0, atol=0, msg=name)
 
 
+@pytest.mark.usefixtures("reference_kernels")
 def test_pipeline_stages_train_the_load_balancing_loss_through_aux_grad(num_stages=3):
     """Stages chained by hand, the loss only on the last: with aux_grad = 1 / n_layer every block's router
     gets GPT.loss's gradient (its load-balancing and z-loss terms included); without it, a different one."""
