@@ -137,3 +137,26 @@ def test_arguments_are_validated(kwargs, error, match):
     timeout = call.pop("timeout", 120.0)
     with pytest.raises(error, match=match):
         run_ranks(call["fn"], call["world_size"], timeout=timeout)
+
+
+def _how_started(rank, world_size):
+    import sys
+
+    preloaded = "tessel.kernels._dispatch" in sys.modules  # before this function imports anything of tessel
+    from tessel.kernels._dispatch import backend_for
+
+    return preloaded, backend_for(torch.zeros(1)), os.environ.get("TRITON_INTERPRET"), torch.get_num_threads()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="with CUDA every rank is spawned")
+def test_ranks_are_forked_from_a_server_that_imported_tessel_and_may_ask_for_the_reference_kernels():
+    """Without CUDA the ranks start from the fork server, tessel already imported; ``REFERENCE_KERNELS`` switches
+    their kernel dispatch to the PyTorch references (and the environment says so); either way one thread each.
+    A variable read at import time that the server cannot honour (here MKL_NUM_THREADS) makes fresh processes."""
+    from tests.multiprocess import REFERENCE_KERNELS
+
+    interpreter = "interpreter" if os.environ.get("TRITON_INTERPRET") == "1" else "reference"
+    assert run_ranks(_how_started, 2) == [(True, interpreter, os.environ.get("TRITON_INTERPRET", "0"), 1)] * 2
+    assert run_ranks(_how_started, 2, env=REFERENCE_KERNELS) == [(True, "reference", "0", 1)] * 2
+    spawned = run_ranks(_how_started, 2, env={**REFERENCE_KERNELS, "MKL_NUM_THREADS": "1"})
+    assert spawned == [(False, "reference", "0", 1)] * 2
