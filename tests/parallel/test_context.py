@@ -4,7 +4,7 @@ Each rank holds its zigzag share of q, k, v; its output and its dq, dk, dv must 
 whole sequence's float64 attention (and gradients) at the positions it holds. Errors are
 max|got - want| / max|want| per tensor, with test_attention.py's tolerances: the ring merges partial
 outputs in fp32 from partials rounded to the input dtype, one more rounding than one flash call, well
-inside them. On 4 ranks the blocks run the kernels' plain-PyTorch references (``reference_backend``): the ring
+inside them. On 4 ranks the blocks run the kernels' plain-PyTorch references (``REFERENCE_KERNELS``): the ring
 is what 4 ranks add, and 2 ranks run every case through the kernels in Triton's interpreter.
 """
 
@@ -14,7 +14,7 @@ import torch
 from tests.kernels.test_attention import LAYOUTS, TOL, reference_with_grads
 from tests.kernels.test_attention_segments import ids_from_lengths, per_segment_reference, runs
 from tests.kernels.test_attention_window import window_reference
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 B, D = 2, 16
 
@@ -30,15 +30,10 @@ def _whole(layout, s, dtype, seed=0):
     return q, k, v, dout
 
 
-def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, reference_backend, ids=None, window=None,
-               softcap=None):  # fmt: skip
+def _ring_rank(rank, world_size, layout, s, causal, dtype, deterministic, ids=None, window=None, softcap=None):
     from tessel.parallel import count_bytes, record_events
     from tessel.parallel.context import ring_attention, split_sequence
 
-    if reference_backend:  # CPU without the interpreter: the plain-PyTorch forward and backward
-        import tessel.kernels.attention as attention
-
-        attention.backend_for = lambda *t: attention.Backend.REFERENCE
     q, k, v, dout = _whole(layout, s, dtype)
     mine = [split_sequence(t, dim=2).requires_grad_() for t in (q, k, v)]
     with record_events() as fwd_log, count_bytes() as fwd_bytes:
@@ -100,14 +95,15 @@ def _check_against_whole(results, layout, s, causal, dtype, ids=None, window=Non
 @pytest.mark.parametrize("layout", ["gqa", "mha"])
 def test_ring_attention_matches_the_whole_sequence(world_size, causal, layout):
     s = 2 * world_size * 5  # chunks of 5 tokens: odd, and not a multiple of any block
-    results = run_ranks(_ring_rank, world_size, layout, s, causal, torch.float32, True, world_size == 4)
+    results = run_ranks(_ring_rank, world_size, layout, s, causal, torch.float32, True,
+                        env=REFERENCE_KERNELS if world_size == 4 else None)  # fmt: skip
     _check_against_whole(results, layout, s, causal, torch.float32)
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("causal", [True, False])
 def test_ring_attention_fp16_mqa(causal):
-    results = run_ranks(_ring_rank, 2, "mqa", 28, causal, torch.float16, True, False)
+    results = run_ranks(_ring_rank, 2, "mqa", 28, causal, torch.float16, True)
     _check_against_whole(results, "mqa", 28, causal, torch.float16)
 
 
@@ -115,7 +111,8 @@ def test_ring_attention_fp16_mqa(causal):
 def test_ring_attention_atomic_backward_and_reference_backend():
     """deterministic=False (atomic dQ in each block) and the reference backend give the same result."""
     for deterministic, reference in ((False, False), (True, True)):
-        results = run_ranks(_ring_rank, 2, "gqa", 20, True, torch.float32, deterministic, reference)
+        results = run_ranks(_ring_rank, 2, "gqa", 20, True, torch.float32, deterministic,
+                            env=REFERENCE_KERNELS if reference else None)  # fmt: skip
         _check_against_whole(results, "gqa", 20, True, torch.float32)
 
 
@@ -137,7 +134,8 @@ def test_ring_attention_with_packed_documents(world_size, causal):
     ids[0] = torch.tensor([7, 0, 7, 0, 7, 0][: len(SEGMENTS[world_size][0])]).repeat_interleave(
         torch.tensor(SEGMENTS[world_size][0])
     )  # ids repeat: a segment is a run of equal ids, not an id
-    results = run_ranks(_ring_rank, world_size, "gqa", s, causal, torch.float32, True, world_size == 4, ids)
+    results = run_ranks(_ring_rank, world_size, "gqa", s, causal, torch.float32, True, ids,
+                        env=REFERENCE_KERNELS if world_size == 4 else None)  # fmt: skip
     _check_against_whole(results, "gqa", s, causal, torch.float32, ids)
 
 
@@ -145,7 +143,8 @@ def test_ring_attention_with_packed_documents(world_size, causal):
 def test_ring_attention_with_packed_documents_fp16_atomic_and_reference_backend():
     ids = ids_from_lengths(SEGMENTS[2])
     for dtype, deterministic, reference in ((torch.float16, False, False), (torch.float32, True, True)):
-        results = run_ranks(_ring_rank, 2, "mqa", 20, True, dtype, deterministic, reference, ids)
+        results = run_ranks(_ring_rank, 2, "mqa", 20, True, dtype, deterministic, ids,
+                            env=REFERENCE_KERNELS if reference else None)  # fmt: skip
         _check_against_whole(results, "mqa", 20, True, dtype, ids)
 
 
@@ -159,8 +158,8 @@ def test_ring_attention_with_soft_capped_logits(world_size):
 
     s = 2 * world_size * 6
     ids, window = (ids_from_lengths([[7, 17], [24]]), 5) if world_size == 2 else (None, None)
-    reference = world_size == 4
-    results = run_ranks(_ring_rank, world_size, "gqa", s, True, torch.float32, True, reference, ids, window, 1.5)
+    results = run_ranks(_ring_rank, world_size, "gqa", s, True, torch.float32, True, ids, window, 1.5,
+                        env=REFERENCE_KERNELS if world_size == 4 else None)  # fmt: skip
     q, k, v, dout = _whole("gqa", s, torch.float32)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     want = flash_attention_reference(q64, k64, v64, True, softcap=1.5, segment_ids=ids, window=window)
@@ -187,7 +186,7 @@ def _overlapping(events, op):
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_ring_overlaps_every_transfer_and_moves_the_ring_bytes(world_size):
     s = 2 * world_size * 3
-    results = run_ranks(_ring_rank, world_size, "gqa", s, True, torch.float16, True, False)
+    results = run_ranks(_ring_rank, world_size, "gqa", s, True, torch.float16, True)
     hkv = LAYOUTS["gqa"][1]
     kv_bytes = 2 * B * hkv * (s // world_size) * D * 2  # keys and values of one rank, fp16
     for got in results:

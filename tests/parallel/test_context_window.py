@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.kernels.test_attention import LAYOUTS
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 from tests.parallel.test_context import SEGMENTS, B, D, _check_against_whole, _overlapping, _ring_rank
 
 
@@ -93,8 +93,8 @@ def test_pairs_inside_the_window_share_calls():
             assert len(unmasked) == 1 and len(step.pairs) <= 2, step
 
 
-def _windows_rank(rank, world_size, s, windows, ids=None, dtype=torch.float32, deterministic=True, reference=False):
-    return [_ring_rank(rank, world_size, "gqa", s, True, dtype, deterministic, reference, ids, w) for w in windows]
+def _windows_rank(rank, world_size, s, windows, ids=None, dtype=torch.float32, deterministic=True):
+    return [_ring_rank(rank, world_size, "gqa", s, True, dtype, deterministic, ids, w) for w in windows]
 
 
 def _busy_transfers(c: int, rank: int, h: int, window: int) -> dict:
@@ -122,7 +122,7 @@ def test_windowed_ring_matches_the_whole_sequence_and_moves_only_the_route(world
     h = 5
     s = 2 * world_size * h
     windows = (1, 4, 7, 13)
-    results = run_ranks(_windows_rank, world_size, s, windows, None, torch.float32, True, world_size > 2)
+    results = run_ranks(_windows_rank, world_size, s, windows, env=REFERENCE_KERNELS if world_size > 2 else None)
     hkv = LAYOUTS["gqa"][1]
     kv_bytes = 2 * B * hkv * (s // world_size) * D * 4  # keys and values of one rank, fp32
     for i, window in enumerate(windows):
@@ -148,7 +148,7 @@ def test_windowed_ring_within_packed_documents_on_4_ranks():
     from tests.kernels.test_attention_segments import ids_from_lengths
 
     ids = ids_from_lengths(SEGMENTS[4])
-    results = run_ranks(_windows_rank, 4, 40, (3, 9), ids, torch.float32, True, True)
+    results = run_ranks(_windows_rank, 4, 40, (3, 9), ids, env=REFERENCE_KERNELS)
     for i, window in enumerate((3, 9)):
         _check_against_whole([got[i] for got in results], "gqa", 40, True, torch.float32, ids, window)
 
