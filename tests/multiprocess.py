@@ -58,6 +58,9 @@ _FAILURE_GRACE_S = 1.0  # after the first failure, wait this long for the others
 _KILL_GRACE_S = 3.0  # between SIGTERM and SIGKILL
 # What the fork server imports, so that every rank finds them imported (modules that fail to import are skipped).
 _PRELOAD = ["torch", "torch.distributed", "numpy", "tessel.kernels", "tessel.layers", "tessel.parallel"] + [
+    # the main job's loop (with torch.distributed.checkpoint), its progress bar and its plot's backend
+    "tessel.bench.train_loop", "tqdm", "matplotlib.figure", "matplotlib.backends.backend_agg",
+] + [
     f"transformers.models.{family}.modeling_{family}"  # the Hugging Face families tests/layers parallelizes
     for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
                    "gpt_oss", "deepseek_v2", "deepseek_v3", "glm4_moe", "jamba", "llama4", "qwen3_next")

@@ -4,20 +4,29 @@ uninterrupted run ends.
 
 The runs use tessel's plain-PyTorch kernel references (``TRITON_INTERPRET=0``): in Triton's interpreter one
 step of the tiny preset takes ~5 s even at 2×16 tokens (bench/train.py measures why), so only
-``test_interpreter_step_matches_reference`` runs the Triton kernels, for one step. Multi-rank runs go
-through ``torchrun`` (``python -m torch.distributed.run``) on gloo, as a user would start them.
+``test_interpreter_step_matches_reference`` runs the Triton kernels, for two steps.
+
+The default run and the killed-rank restart start the command as a user would (``python -m`` and ``torchrun
+--max-restarts``, ``python -m torch.distributed.run``, on gloo). Every other run calls the command's
+``main(argv)`` on ranks forked by ``tests.multiprocess`` (the torchrun environment, one process per rank, its
+stdout and stderr captured), which saves each rank the seconds a fresh interpreter spends importing torch,
+``torch.distributed.checkpoint`` and matplotlib.
 """
 
+import contextlib
+import io
 import json
 import os
 import shutil
 import subprocess
 import sys
+from dataclasses import dataclass
 
 import pytest
 import torch
 
 from tessel.bench.checkpoint import checkpoint_keys, load_checkpoint
+from tests.multiprocess import run_ranks
 
 # Hidden GPUs make every run take its CPU defaults (gloo, tiny preset, fp32) on any machine.
 CPU_ENV = {**os.environ, "TRITON_INTERPRET": "0", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -26,17 +35,48 @@ PREFIX = "python -m tessel.bench.train: error: "
 RUN = ["--dp", "2", "--zero", "2", "--steps", "4", "--seq-len", "32", "--save-every", "2"]
 
 
-def _train(out, *args, nproc: int = 1, restarts: int | None = None, env=None, timeout: float = 240):
-    """Run the command; ``nproc > 1`` or ``restarts`` goes through torchrun."""
-    module = ["-m", "tessel.bench.train", "--out", str(out), *args]
-    if nproc == 1 and restarts is None:
-        cmd = [sys.executable, *module]
-    else:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
-        if restarts is not None:
-            launcher.append(f"--max-restarts={restarts}")
-        cmd = [sys.executable, *launcher, *module]
-    return subprocess.run(cmd, env={**CPU_ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+@dataclass
+class Run:
+    """What a run left: its exit status and its output (every rank's, in rank order)."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def _train_rank(rank, world_size, argv):
+    from tessel.bench.train import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        status = main(argv)
+    return status, out.getvalue(), err.getvalue()
+
+
+def _train(out, *args, nproc: int = 1, restarts: int | None = None, env=None, timeout: float = 240, command=False):
+    """Run the main job on ``nproc`` ranks: forked ranks calling ``main(argv)``, or with ``command=True`` or
+    ``restarts`` the command itself (``torchrun`` when ``nproc > 1`` or ``restarts``)."""
+    argv = ["--out", str(out), *args]
+    if command or restarts is not None:
+        module = ["-m", "tessel.bench.train", *argv]
+        if nproc == 1 and restarts is None:
+            cmd = [sys.executable, *module]
+        else:
+            launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+            if restarts is not None:
+                launcher.append(f"--max-restarts={restarts}")
+            cmd = [sys.executable, *launcher, *module]
+        proc = subprocess.run(cmd, env={**CPU_ENV, **(env or {})}, capture_output=True, text=True, timeout=timeout)
+        return Run(proc.returncode, proc.stdout, proc.stderr)
+    ranks = run_ranks(_train_rank, nproc, argv, timeout=timeout, init_process_group=False, env=_rank_env(env))
+    status = next((s for s, _, _ in ranks if s != 0), 0)
+    return Run(status, "".join(o for _, o, _ in ranks), "".join(e for _, _, e in ranks))
+
+
+def _rank_env(env) -> dict[str, str]:
+    """The variables of ``CPU_ENV`` that differ from this process's, with ``env`` over them."""
+    changed = {k: v for k, v in CPU_ENV.items() if os.environ.get(k) != v}
+    return {**changed, **(env or {})}
 
 
 def _ok(proc):
@@ -74,7 +114,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.mark.slow
 def test_default_run_learns_and_writes_its_report(tmp_path):
-    proc = _ok(_train(tmp_path, "--steps", "40", "--profile"))
+    proc = _ok(_train(tmp_path, "--steps", "40", "--profile", command=True))
     losses = _losses(tmp_path)
     assert len(losses) == 40 and losses[0] > 5.0  # ln 256 = 5.55 at initialisation
     assert sum(losses[-10:]) / 10 < losses[0] - 1.5  # measured: ~2.9 after 40 steps

@@ -6,6 +6,7 @@ import sys
 
 import pytest
 
+from tessel.bench.train import main
 from tessel.bench.train_args import PRESETS, ArgumentError, parse_args
 
 # Hidden GPUs make the command take its CPU defaults on any machine.
@@ -25,14 +26,25 @@ CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         (["--doc-sep", "\\x4"], "argument --doc-sep: cannot read the escapes of '\\\\x4'"),
     ],
 )
-def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
-    cmd = [sys.executable, "-m", "tessel.bench.train", "--out", str(tmp_path / "run"), *args]
+def test_bad_argument_ends_the_run_with_one_line(tmp_path, capsys, args, expected):
+    assert main(["--out", str(tmp_path / "run"), *args]) == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("python -m tessel.bench.train: error: "), err
+    assert expected in lines[0], err
+    assert out == "" and not (tmp_path / "run").exists()  # nothing ran, nothing written
+
+
+def test_the_command_exits_with_status_two_and_one_line(tmp_path):
+    """The same through ``python -m`` (the status is the process's; nothing else reaches stderr)."""
+    cmd = [sys.executable, "-m", "tessel.bench.train", "--out", str(tmp_path / "run"), "--tp", "2", "--dp", "1"]
     proc = subprocess.run(cmd, env=CPU_ENV, capture_output=True, text=True, timeout=120)
-    assert proc.returncode == 2
-    lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("python -m tessel.bench.train: error: "), proc.stderr
-    assert expected in lines[0], proc.stderr
-    assert proc.stdout == "" and not (tmp_path / "run").exists()  # nothing ran, nothing written
+    assert proc.returncode == 2 and proc.stdout == "", proc.stdout + proc.stderr
+    assert proc.stderr.strip().splitlines() == [
+        "python -m tessel.bench.train: error: --tp 2 × --pp 1 × --dp 1 = 2 does not match the world size 1 "
+        "(torchrun --nproc_per_node)"
+    ]
+    assert not (tmp_path / "run").exists()
 
 
 @pytest.mark.parametrize(

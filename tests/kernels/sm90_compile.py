@@ -14,7 +14,9 @@ because that decides whether loads can be vectorised and pipelined.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import importlib
+import io
 import itertools
 import json
 import multiprocessing
@@ -27,9 +29,11 @@ import time
 import traceback
 
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
 
 TARGET = GPUTarget("cuda", 90, 32)
+knobs.nvidia.dump_ptxas_log = True  # the compiles below print ptxas' report; compile_case reads it
 PTX_COUNTS = {
     "wgmma": "wgmma.mma_async",
     "mma": "mma.sync",  # Ampere-style tensor-core instruction: tiles too small for a warpgroup
@@ -70,7 +74,9 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         raise ValueError(f"{name}: constexpr arguments without a value: {missing}")
     source = triton.compiler.ASTSource(fn=fn, signature=signature, constexprs=constants, attrs=attrs)
     start = time.perf_counter()
-    kernel = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
+    log = io.StringIO()  # Triton prints the report of the ptxas it runs (knobs.nvidia.dump_ptxas_log)
+    with contextlib.redirect_stdout(log):
+        kernel = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
     return {
         "name": name,
@@ -79,7 +85,7 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         "shared": kernel.metadata.shared,
         **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
         **{key: len(pattern.findall(ptx)) for key, pattern in PTX_INSTRUCTIONS.items()},
-        **resource_usage(ptx),
+        **resource_usage(ptx, log.getvalue()),
         "loop_local_ops": loop_local_ops(kernel.asm["cubin"]),
         "num_warps": num_warps,
         "num_stages": num_stages,
@@ -87,21 +93,12 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
     }
 
 
-def resource_usage(ptx: str) -> dict:
-    """Registers per thread and bytes spilled to local memory, from the ptxas Triton uses for sm_90."""
-    from triton.backends.nvidia.compiler import get_ptxas
-
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
-        source.write(ptx)
-        source.flush()
-        proc = subprocess.run(
-            [get_ptxas(TARGET.arch).path, f"-arch=sm_{TARGET.arch}a", "-v", source.name, "-o", "/dev/null"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
-    report = proc.stdout + proc.stderr
+def resource_usage(ptx: str, report: str = "") -> dict:
+    """Registers per thread and bytes spilled to local memory, from the report of the ptxas that built the
+    program: ``report`` when Triton printed it (a compile, not a cache hit), else from running Triton's
+    ptxas again with the options Triton passes it (line info and register allocation change the numbers)."""
+    if "Used" not in report:
+        report = _ptxas_report(ptx)
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
     if registers is None or spills is None:
@@ -115,6 +112,23 @@ def resource_usage(ptx: str) -> dict:
     }
 
 
+def _ptxas_report(ptx: str) -> str:
+    from triton.backends.nvidia.compiler import get_ptxas
+
+    with tempfile.NamedTemporaryFile("w", suffix=".ptx") as source:
+        source.write(ptx)
+        source.flush()
+        options = ["-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{TARGET.arch}a"]
+        proc = subprocess.run(
+            [get_ptxas(TARGET.arch).path, *options, source.name, "-o", "/dev/null"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            check=True,
+        )
+    return proc.stdout + proc.stderr
+
+
 _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*([^;]*);", re.M)
 _BACK_BRANCH = re.compile(r"\bBRA\s+0x([0-9a-f]+)")
 
@@ -124,8 +138,6 @@ def loop_local_ops(cubin: bytes) -> int:
     crowded innermost loop of the program's SASS. Spills outside the loops cost once per program; these
     cost at every step of a main loop. Loops are read from backward branches; innermost ones contain
     no other."""
-    from triton import knobs
-
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as binary:
         binary.write(cubin)
         binary.flush()
