@@ -133,6 +133,13 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "the training loss (default: %(default)s; ST-MoE uses 1e-3)",
     )
     add(
+        "--expert-bias-rate",
+        type=float,
+        default=0.0,
+        help="auxiliary-loss-free balancing (DeepSeek-V3): after each step every expert's routing bias moves by "
+        "this much towards balance (default: %(default)s, off; DeepSeek-V3 uses 1e-3 with --aux-loss-coef ~0)",
+    )
+    add(
         "--zero",
         type=int,
         choices=(0, 1, 2, 3),
@@ -302,12 +309,14 @@ def _check_experts(args) -> None:
     if not args.experts:
         if args.ep > 1:
             raise ArgumentError(f"--ep {args.ep} splits experts over ranks: it needs --experts")
+        if args.expert_bias_rate:
+            raise ArgumentError(f"--expert-bias-rate {args.expert_bias_rate} balances experts: it needs --experts")
         return
     if not 1 <= args.top_k <= args.experts:
         raise ArgumentError(f"--top-k must be in [1, --experts {args.experts}], received {args.top_k}")
     if args.experts % args.ep:
         raise ArgumentError(f"--ep {args.ep} does not divide --experts {args.experts}")
-    for flag in ("aux_loss_coef", "z_loss_coef"):
+    for flag in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
         value = getattr(args, flag)
         if not 0 <= value < math.inf:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be a finite non-negative number, received {value}")

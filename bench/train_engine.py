@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..layers.gpt import GPT, GPTConfig, TransformerBlock
+from ..layers.moe import update_expert_biases
 from ..parallel.comm import group_size
 from ..parallel.dims import ParallelDims
 from ..parallel.flat import is_expert
@@ -130,6 +131,8 @@ class Engine:
         elif self.args.grad_clip > 0 and self.args.pp > 1:  # ZeroAdam's own clipping sees DP and TP, not PP
             clip_grad_shards(self.wrapper, self.args.grad_clip, self.dims, self.optimizer.loss_scale)
         self.optimizer.step()
+        if self.config.expert_bias_rate:  # the step's routes per expert, over the ranks that hold other tokens
+            update_expert_biases(nn.ModuleList(self.stages), self.config.expert_bias_rate, self.dims.dp_group)
         return self._global_loss(local)
 
     def _global_target_weight(self, y: torch.Tensor) -> torch.Tensor:
@@ -166,22 +169,29 @@ class Engine:
 
     # ------------------------------------------------------------------------------------------------ state
 
+    def _model_buffers(self) -> dict[str, torch.Tensor]:
+        """This rank's persistent buffers by their name in the whole GPT (the experts' routing biases): whole
+        tensors, alike on every rank that holds their stage."""
+        local = {id(b) for m in self.stages for b in m.buffers()}
+        skip = {f"{n}.{b}" if n else b for n, m in self.gpt.named_modules() for b in m._non_persistent_buffers_set}
+        return {n: b for n, b in self.gpt.named_buffers() if id(b) in local and n not in skip}
+
     def state_dict(self) -> dict:
         """This rank's part of the run's state, keyed by global tensors (``train_state.py``); no communication."""
-        optim = self.opt_state.state()
+        optim = {**self.opt_state.state(), **{f"model.{n}": b for n, b in self._model_buffers().items()}}
         if self.opt_state.owns_params:  # ZeroAdam: the fp32 masters are the model's weights
             return optim
         return {**self.model_state.state(), **optim}
 
     def state_template(self) -> dict:
         """The keys :meth:`state_dict` saves, with this rank's buffers to load into (:meth:`load_state_dict`)."""
-        optim = self.opt_state.template()
+        optim = {**self.opt_state.template(), **{f"model.{n}": b for n, b in self._model_buffers().items()}}
         if self.opt_state.owns_params:
             return optim
         return {**self.model_state.template(), **optim}
 
     def load_state_dict(self, state: dict) -> None:
-        """Apply a :meth:`state_template` that a checkpoint has filled."""
+        """Apply a :meth:`state_template` that a checkpoint has filled (the buffers are loaded in place)."""
         if not self.opt_state.owns_params:
             self.model_state.load(state)
         self.opt_state.load(state)
@@ -328,6 +338,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         top_k=args.top_k,
         aux_loss_coef=args.aux_loss_coef,
         z_loss_coef=args.z_loss_coef,
+        expert_bias_rate=args.expert_bias_rate,
     )
     gpt = GPT(
         config,

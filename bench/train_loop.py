@@ -97,6 +97,11 @@ def _save(args, engine: Engine, step: int, history: list[StepRecord]) -> None:
 # another choice (and from a checkpoint written before the setting existed). The load-balancing loss's weight
 # is a training setting like the learning rate.
 _NUMERICS_ONLY = frozenset({"deterministic_attention", "recompute", "aux_loss_coef", "z_loss_coef"})
+_PRESENT_ONLY = frozenset({"expert_bias_rate"})  # the rate may change; whether the model has the biases may not
+
+
+def _kind(key: str, value):
+    return bool(value) if key in _PRESENT_ONLY else value
 
 
 def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
@@ -110,7 +115,7 @@ def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
     differ = [
         f"{k}={saved.get(k, defaults[k])!r} (this run: {v!r})"
         for k, v in built.items()
-        if k not in _NUMERICS_ONLY and saved.get(k, defaults[k]) != v
+        if k not in _NUMERICS_ONLY and _kind(k, saved.get(k, defaults[k])) != _kind(k, v)
     ]
     if differ:
         raise CheckpointError(f"checkpoint {path} holds a different model: {', '.join(differ)}")

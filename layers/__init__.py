@@ -7,7 +7,7 @@ from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import ParallelMLP
-from .moe import ParallelMoE
+from .moe import ParallelMoE, update_expert_biases
 from .norm import LayerNorm, RMSNorm
 from .parallelize import parallelize
 
@@ -25,5 +25,6 @@ __all__ = [
     "VocabParallelEmbedding",
     "parallelize",
     "register_hf_attention",
+    "update_expert_biases",
     "vocab_parallel_cross_entropy",
 ]

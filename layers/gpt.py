@@ -29,7 +29,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
 from .mlp import MLP_ACTIVATIONS, ParallelMLP
-from .moe import ParallelMoE
+from .moe import ParallelMoE, update_expert_biases
 from .norm import LayerNorm, RMSNorm
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -61,6 +61,9 @@ class GPTConfig:
     top_k: int = 2  # experts per token
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (mean over the layers) in GPT.loss
     z_loss_coef: float = 0.0  # weight of the router z-loss (mean over the layers) in GPT.loss; ST-MoE uses 1e-3
+    # > 0: auxiliary-loss-free balancing, each layer's expert biases move by this much per update_expert_bias()
+    # (DeepSeek-V3 uses 1e-3 with aux_loss_coef ~0)
+    expert_bias_rate: float = 0.0
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
@@ -91,10 +94,12 @@ class GPTConfig:
             raise ValueError("GPTConfig: the experts have no biases; bias=True needs n_expert=0")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"GPTConfig: top_k must be in [1, n_expert={self.n_expert}], received {self.top_k}")
-        for name in ("aux_loss_coef", "z_loss_coef"):
+        for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 <= value < math.inf):
                 raise ValueError(f"GPTConfig: {name} must be a finite non-negative number, received {value!r}")
+        if self.expert_bias_rate and not self.n_expert:
+            raise ValueError(f"GPTConfig: expert_bias_rate={self.expert_bias_rate} needs experts (n_expert > 0)")
         if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
             self.mlp_hidden = 4 * self.n_embd if self.mlp == "gelu" else 64 * math.ceil(8 * self.n_embd / 3 / 64)
 
@@ -124,7 +129,8 @@ class TransformerBlock(nn.Module):
         if config.n_expert:
             self.mlp = ParallelMoE(config.n_embd, config.mlp_hidden, config.n_expert, config.top_k,
                                    activation=config.mlp, tp_group=tp_group, sequence_parallel=sequence_parallel,
-                                   ep_group=ep_group, cp_group=cp_group, device=device, dtype=dtype)  # fmt: skip
+                                   ep_group=ep_group, cp_group=cp_group, expert_bias=config.expert_bias_rate > 0,
+                                   device=device, dtype=dtype)  # fmt: skip
         else:
             self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 
@@ -274,6 +280,13 @@ class GPT(nn.Module):
         z_loss()`` (None without experts)."""
         aux, z = self.aux_loss(), self.z_loss()
         return None if aux is None else self.config.aux_loss_coef * aux + self.config.z_loss_coef * z
+
+    def update_expert_bias(self, group=None) -> torch.Tensor | None:
+        """After an optimizer step with ``expert_bias_rate > 0``: move every layer's expert biases towards balance
+        (:func:`~tessel.layers.moe.update_expert_biases` with ``group`` the data-parallel ranks) and return the
+        step's routes per expert ``[n_layer, n_expert]``; None without the biases."""
+        rate = self.config.expert_bias_rate
+        return update_expert_biases(self, rate, group) if rate else None
 
     def _mean_over_layers(self, name: str) -> torch.Tensor | None:
         losses = [getattr(m, name) for m in self.modules() if isinstance(m, ParallelMoE)]

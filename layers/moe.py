@@ -9,11 +9,15 @@ largest probabilities choose the experts and, renormalised to sum to one, weight
 Transformer load-balancing loss (Fedus et al. 2021, eq. 4), ``X · Σ_x f_x · P_x`` with ``f_x`` the fraction of
 routes that chose expert ``x`` and ``P_x`` its mean probability, is kept in :attr:`ParallelMoE.aux_loss` after
 each forward, and ST-MoE's router z-loss (Zoph et al. 2022, eq. 5), the mean of ``logsumexp(logits)²``, which
-keeps the router's logits small, in :attr:`ParallelMoE.z_loss`. Both are over the same tokens the dense model
-would see: under sequence parallelism the counts and sums of every tensor-parallel rank's shard are added up
-(``reduce_from_tp``), under context parallelism those of every rank's share of the sequence (an all-reduce
-whose backward all-reduces too: every cp rank's loss is the whole sequence's, so gradients averaged over the cp
-ranks are the dense model's).
+keeps the router's logits small, in :attr:`ParallelMoE.z_loss`. With ``expert_bias=True`` the layer balances its
+experts without a loss (DeepSeek-V3's auxiliary-loss-free balancing, Wang et al. 2024): a bias per expert, a
+buffer outside the gradient, is added to the probabilities only to choose the ``k`` experts (the weights stay
+the chosen probabilities), and :func:`update_expert_biases` raises the bias of every expert that received fewer
+than the mean number of routes since the last update by a fixed rate and lowers the others' (called after each
+optimizer step). All three are over the same tokens the dense model would see: under sequence parallelism the
+counts and sums of every tensor-parallel rank's shard are added up (``reduce_from_tp``), under context
+parallelism those of every rank's share of the sequence (an all-reduce whose backward all-reduces too: every cp
+rank's loss is the whole sequence's, so gradients averaged over the cp ranks are the dense model's).
 
 Each expert is a SwiGLU or GELU MLP whose parameters live in two 3-d tensors, ``fc [X/e, F/t (per part), E]``
 and ``proj [X/e, E, F/t]``, split like :class:`~tessel.layers.mlp.ParallelMLP`'s over ``tp_group`` (each rank
@@ -41,6 +45,8 @@ in the ``[X, …]`` global tensor, so initialisation and checkpoints do not depe
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -58,14 +64,19 @@ from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group
 from ..parallel.sharding import shard_like
 from .mlp import MLP_ACTIVATIONS
 
-__all__ = ["ParallelMoE", "load_balancing_loss", "route_top_k", "router_z_loss"]
+__all__ = ["ParallelMoE", "load_balancing_loss", "route_top_k", "router_z_loss", "update_expert_biases"]
 
 
-def route_top_k(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def route_top_k(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None):
     """``(weights [N, k] fp32, ids [N, k] int64, probs [N, X] fp32)``: the ``k`` most probable experts of each
-    row of ``logits [N, X]`` and their probabilities renormalised to sum to one."""
+    row of ``logits [N, X]`` and their probabilities renormalised to sum to one. With ``bias [X]`` the experts
+    are those of the ``k`` largest ``probs + bias`` (the weights are still their probabilities)."""
     probs = torch.softmax(logits.float(), dim=-1)
-    top, ids = probs.topk(k, dim=-1)
+    if bias is None:
+        top, ids = probs.topk(k, dim=-1)
+    else:
+        ids = (probs + bias.float()).topk(k, dim=-1)[1]
+        top = probs.gather(-1, ids)
     return top / top.sum(-1, keepdim=True), ids, probs
 
 
@@ -79,6 +90,31 @@ def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: i
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's ``mean_n logsumexp(logits[n])²`` over the rows of ``logits [N, X]``, in fp32."""
     return torch.logsumexp(logits.float(), dim=-1).square().mean()
+
+
+@torch.no_grad()
+def update_expert_biases(module: nn.Module, rate: float, group=None) -> torch.Tensor | None:
+    """One step of auxiliary-loss-free balancing for every :class:`ParallelMoE` in ``module`` built with
+    ``expert_bias=True``: ``bias_x += rate · sign(mean load − load_x)``, where ``load_x`` counts the routes to
+    expert ``x`` since the last update (every forward that recorded gradients, in training mode), summed over
+    ``group``: the ranks that hold other tokens of the step beside this one, the data-parallel group (tensor- and
+    context-parallel ranks' shares are already counted in every layer). One all-reduce for all layers; the
+    counts start again from zero. Returns the summed loads ``[layers, X]`` (None when there is no such layer).
+
+    A recomputed forward (activation checkpointing) counts its routes again: every count doubles and the signs,
+    so the update, stay the same."""
+    if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
+        raise ValueError(f"update_expert_biases: rate must be a positive finite number, received {rate!r}")
+    layers = [m for m in module.modules() if isinstance(m, ParallelMoE) and m.expert_bias is not None]
+    if not layers:
+        return None
+    loads = torch.stack([m.expert_load for m in layers])
+    if group is not None and group_size(group) > 1:
+        all_reduce(loads, group)
+    for m, load in zip(layers, loads, strict=True):
+        m.expert_bias += rate * torch.sign(load.mean() - load)
+        m.expert_load.zero_()
+    return loads
 
 
 class _Routes:
@@ -131,8 +167,8 @@ class ParallelMoE(nn.Module):
     """
 
     def __init__(self, n_embd: int, hidden: int, n_expert: int, top_k: int, *, activation: str = "swiglu",
-                 tp_group=None, sequence_parallel: bool = False, ep_group=None, cp_group=None, device=None,
-                 dtype=None):  # fmt: skip
+                 tp_group=None, sequence_parallel: bool = False, ep_group=None, cp_group=None,
+                 expert_bias: bool = False, device=None, dtype=None):  # fmt: skip
         super().__init__()
         for name, value in (("n_embd", n_embd), ("hidden", hidden), ("n_expert", n_expert), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -162,6 +198,12 @@ class ParallelMoE(nn.Module):
             if e > 1:
                 p.expert_parallel, p.expert_count = True, n_expert
                 p.expert_range = (self.first_expert, self.first_expert + self.per_rank)
+        if not isinstance(expert_bias, bool):
+            raise TypeError(f"ParallelMoE: expert_bias must be a bool, received {expert_bias!r}")
+        # fp32 whatever the parameters' dtype: steps of ~1e-3 vanish in a bf16 bias (its checkpointed state)
+        bias = torch.zeros(n_expert, dtype=torch.float32, device=device) if expert_bias else None
+        self.register_buffer("expert_bias", bias)
+        self.register_buffer("expert_load", None if bias is None else torch.zeros_like(bias), persistent=False)
         self.aux_loss: torch.Tensor | None = None
         self.z_loss: torch.Tensor | None = None
         with torch.no_grad():
@@ -181,18 +223,22 @@ class ParallelMoE(nn.Module):
             )
         w = moe.router
         layer = cls(moe.n_embd, moe.hidden, moe.n_expert, moe.top_k, activation=moe.activation, tp_group=tp_group,
-                    sequence_parallel=sequence_parallel, ep_group=ep_group, cp_group=cp_group, device=w.device,
-                    dtype=w.dtype)  # fmt: skip
+                    sequence_parallel=sequence_parallel, ep_group=ep_group, cp_group=cp_group,
+                    expert_bias=moe.expert_bias is not None, device=w.device, dtype=w.dtype)  # fmt: skip
         with torch.no_grad():
             for name, p in layer.named_parameters():
                 p.copy_(shard_like(getattr(moe, name), p, tp_group))
+            if moe.expert_bias is not None:
+                layer.expert_bias.copy_(moe.expert_bias)
+                layer.expert_load.copy_(moe.expert_load)
         return layer
 
     def extra_repr(self) -> str:
         e = 1 if self.ep_group is None else group_size(self.ep_group)
         return (f"{self.n_embd}, hidden={self.hidden}, experts={self.n_expert} (top {self.top_k}, {self.per_rank} "
                 f"here, ep={e}), {self.activation}, tp={group_size(self.tp_group)}, "
-                f"sequence_parallel={self.sequence_parallel}")  # fmt: skip
+                f"sequence_parallel={self.sequence_parallel}"
+                + (", expert_bias=True" if self.expert_bias is not None else ""))  # fmt: skip
 
     def _router(self) -> torch.Tensor:
         shared = self.sequence_parallel and group_size(self.tp_group) > 1  # each rank scores its own tokens
@@ -213,6 +259,8 @@ class ParallelMoE(nn.Module):
         for group in groups:
             all_reduce(counts, group)
             tokens *= group_size(group)
+        if self.expert_load is not None and self.training and torch.is_grad_enabled():
+            self.expert_load += counts
         return load_balancing_loss(counts, sums[:-1], tokens, self.top_k), sums[-1] / tokens
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -221,7 +269,7 @@ class ParallelMoE(nn.Module):
                              f"{tuple(x.shape)}")  # fmt: skip
         shape, tokens = x.shape, x.reshape(-1, self.n_embd)
         logits = F.linear(tokens.float(), self._router().float())
-        weights, ids, probs = route_top_k(logits, self.top_k)
+        weights, ids, probs = route_top_k(logits, self.top_k, self.expert_bias)
         self.aux_loss, self.z_loss = self._router_losses(logits, ids, probs)
         tp, t = self.tp_group, group_size(self.tp_group)
         if self.sequence_parallel and t > 1:

@@ -9,6 +9,7 @@ loss curves agree to fp32 rounding.
 import json
 
 import pytest
+import torch
 
 from tests.bench.test_train import _checkpoint, _copy_checkpoint, _losses, _ok, _tensors, _train
 
@@ -132,3 +133,46 @@ def test_experts_over_data_parallel_ranks_beside_context_parallelism(replicated,
     proc = _ok(_train(tmp_path, "--cp", "2", "--dp", "2", "--ep", "2", "--zero", "1", *MOE, nproc=4))
     assert "cp=2 zero=1 experts=4 top-k=2 ep=2" in proc.stdout
     assert _losses(tmp_path) == pytest.approx(_losses(replicated), rel=1e-5)
+
+
+# Auxiliary-loss-free balancing only, at a rate that changes routes within a step of this young model (whose
+# router probabilities differ by ~1e-2; 0.05 would send every route to the raised experts and back, step after step).
+BIASED = [*MOE, "--expert-bias-rate", "0.01", "--aux-loss-coef", "0"]
+
+
+def _biases(out, step):
+    return {k: v for k, v in _tensors(_checkpoint(out, step)).items() if k.endswith(".expert_bias")}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_expert_biases_move_alike_under_every_layout_and_resume_exactly(replicated, tmp_path):
+    """--expert-bias-rate: every layout counts the global batch's routes, so the biases (checkpointed as whole
+    fp32 tensors) and the losses are the dp=2 reference's: ep=2 under ZeRO-1, two pipeline stages of two
+    microbatches, recomputed blocks (whose routes are counted twice, which changes no sign). Resumed from step
+    2, the run is the uninterrupted one bit for bit (the routes of steps 3 and 4 depend on the saved biases);
+    the rate may change on resume, the biases' presence may not."""
+    ref = tmp_path / "dp2"
+    _ok(_train(ref, "--dp", "2", *BIASED, nproc=2))
+    want = _biases(ref, 4)
+    assert sorted(want) == [f"model.blocks.{i}.mlp.expert_bias" for i in range(4)]  # the tiny preset's 4 blocks
+    assert all(b.dtype == torch.float32 and b.abs().sum() > 0 for b in want.values())
+    assert any(b.abs().sum() > 0 for b in _biases(ref, 2).values())  # what the resumed run must start from
+    assert _losses(ref)[0] == _losses(replicated)[0]  # step 1: no bias yet (the reported loss has no aux term)
+    layouts = {"ep2": ["--dp", "2", "--ep", "2", "--zero", "1"], "pp2": ["--pp", "2", "--microbatches", "2"],
+               "recompute": ["--dp", "2", "--zero", "3", "--recompute"]}  # fmt: skip
+    for name, layout in layouts.items():
+        _ok(_train(tmp_path / name, *layout, *BIASED, nproc=2))
+        assert _losses(tmp_path / name) == pytest.approx(_losses(ref), rel=1e-5), name
+        got = _biases(tmp_path / name, 4)
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+
+    _copy_checkpoint(_checkpoint(ref, 2), tmp_path / "resumed")
+    _ok(_train(tmp_path / "resumed", "--dp", "2", *BIASED, "--resume", nproc=2))
+    assert _losses(tmp_path / "resumed") == _losses(ref)
+    assert all(torch.equal(b, want[k]) for k, b in _biases(tmp_path / "resumed", 4).items())
+    _copy_checkpoint(_checkpoint(ref, 2), tmp_path / "rate")
+    _ok(_train(tmp_path / "rate", "--dp", "2", *BIASED, "--expert-bias-rate", "0.002", "--resume", nproc=2))
+    _copy_checkpoint(_checkpoint(ref, 2), tmp_path / "unbiased")
+    proc = _train(tmp_path / "unbiased", "--dp", "2", *MOE, "--resume", nproc=2)
+    assert proc.returncode != 0 and "holds a different model: expert_bias_rate=0.01 (this run: 0.0)" in proc.stderr
