@@ -365,7 +365,7 @@ class GPTStage(nn.Module):
         self.blocks = nn.ModuleList(gpt.blocks[start:stop])
         self.norm = gpt.norm if last else None
         self.lm_head = gpt.lm_head if last else None
-        self.coefs = (gpt.config.aux_loss_coef, gpt.config.z_loss_coef)
+        self.config = gpt.config
         self.aux_grad: float | torch.Tensor | None = None
 
     def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None):
@@ -379,7 +379,7 @@ class GPTStage(nn.Module):
         x = run_blocks(self.blocks, x, self.recompute, segment_ids)
         routers = [b.mlp for b in self.blocks if isinstance(b.mlp, ParallelMoE)]
         if self.aux_grad is not None and routers and torch.is_grad_enabled():
-            aux, z = self.coefs
+            aux, z = self.config.aux_loss_coef, self.config.z_loss_coef
             losses = torch.stack([aux * m.aux_loss + z * m.z_loss for m in routers])
             x = _WithAuxGrad.apply(x, losses.sum(), self.aux_grad)
         if self.last:

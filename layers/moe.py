@@ -89,7 +89,11 @@ def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: i
 
 def router_z_loss(logits: torch.Tensor) -> torch.Tensor:
     """ST-MoE's ``mean_n logsumexp(logits[n])²`` over the rows of ``logits [N, X]``, in fp32."""
-    return torch.logsumexp(logits.float(), dim=-1).square().mean()
+    return _squared_log_sum_exp(logits).mean()
+
+
+def _squared_log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
+    return torch.logsumexp(logits.float(), dim=-1).square()
 
 
 @torch.no_grad()
@@ -248,7 +252,7 @@ class ParallelMoE(nn.Module):
         """(load-balancing loss, z-loss) over the dense model's tokens: the sums of probabilities and of squared
         log-sum-exps travel together, one collective per group."""
         counts = torch.bincount(ids.reshape(-1), minlength=self.n_expert)
-        sums, tokens = torch.cat((probs.sum(0), torch.logsumexp(logits, dim=-1).square().sum()[None])), probs.shape[0]
+        sums, tokens = torch.cat((probs.sum(0), _squared_log_sum_exp(logits).sum()[None])), probs.shape[0]
         groups = []
         if self.sequence_parallel and group_size(self.tp_group) > 1:
             sums = reduce_from_tp(sums, self.tp_group)
