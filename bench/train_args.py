@@ -14,6 +14,7 @@ from pathlib import Path
 
 import torch
 
+from ..layers.moe import ROUTER_SCORES
 from .dataset import DEFAULT_DATASET
 
 __all__ = ["DTYPES", "PRESETS", "SCHEDULES", "ArgumentError", "Preset", "parse_args"]
@@ -131,6 +132,12 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         default=0.0,
         help="weight of the routers' z-loss (ST-MoE: the mean squared log-sum-exp of the router logits), added to "
         "the training loss (default: %(default)s; ST-MoE uses 1e-3)",
+    )
+    add(
+        "--router-score",
+        choices=ROUTER_SCORES,
+        default="softmax",
+        help="how the router scores the experts: softmax over them (Mixtral) or each one's sigmoid (DeepSeek-V3)",
     )
     add(
         "--expert-bias-rate",

@@ -339,6 +339,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         aux_loss_coef=args.aux_loss_coef,
         z_loss_coef=args.z_loss_coef,
         expert_bias_rate=args.expert_bias_rate,
+        router_score=args.router_score,
     )
     gpt = GPT(
         config,

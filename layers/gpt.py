@@ -29,7 +29,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
 from .mlp import MLP_ACTIVATIONS, ParallelMLP
-from .moe import ParallelMoE, update_expert_biases
+from .moe import ROUTER_SCORES, ParallelMoE, update_expert_biases
 from .norm import LayerNorm, RMSNorm
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -59,6 +59,7 @@ class GPTConfig:
     sliding_window: int | None = None  # each token attends to this many latest tokens up to itself (Mistral's name)
     n_expert: int = 0  # > 0: every block's MLP is a mixture of this many experts (ParallelMoE), each mlp_hidden wide
     top_k: int = 2  # experts per token
+    router_score: str = "softmax"  # how the router scores the experts: "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (mean over the layers) in GPT.loss
     z_loss_coef: float = 0.0  # weight of the router z-loss (mean over the layers) in GPT.loss; ST-MoE uses 1e-3
     # > 0: auxiliary-loss-free balancing, each layer's expert biases move by this much per update_expert_bias()
@@ -92,6 +93,8 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig: {name} must be a non-negative int, received {value!r}")
         if self.n_expert and self.bias:
             raise ValueError("GPTConfig: the experts have no biases; bias=True needs n_expert=0")
+        if self.router_score not in ROUTER_SCORES:
+            raise ValueError(f"GPTConfig: router_score must be one of {ROUTER_SCORES}, received {self.router_score!r}")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"GPTConfig: top_k must be in [1, n_expert={self.n_expert}], received {self.top_k}")
         for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
@@ -130,7 +133,7 @@ class TransformerBlock(nn.Module):
             self.mlp = ParallelMoE(config.n_embd, config.mlp_hidden, config.n_expert, config.top_k,
                                    activation=config.mlp, tp_group=tp_group, sequence_parallel=sequence_parallel,
                                    ep_group=ep_group, cp_group=cp_group, expert_bias=config.expert_bias_rate > 0,
-                                   device=device, dtype=dtype)  # fmt: skip
+                                   router_score=config.router_score, device=device, dtype=dtype)  # fmt: skip
         else:
             self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 

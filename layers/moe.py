@@ -5,7 +5,10 @@ Legend: ``N`` tokens on this rank, ``E`` model width, ``F`` an expert's hidden w
 experts per token, ``t`` tensor-parallel size, ``e`` expert-parallel size, ``X/e`` experts per rank.
 
 Routing (Mixtral, Qwen-MoE): a replicated router ``[X, E]`` scores every token in fp32, the softmax's ``k``
-largest probabilities choose the experts and, renormalised to sum to one, weight their outputs. The Switch
+largest probabilities choose the experts and, renormalised to sum to one, weight their outputs; with
+``router_score="sigmoid"`` (DeepSeek-V3) each expert's score is ``σ(logit)``, independent of the others', and the
+``k`` largest, renormalised, weight the outputs (the load-balancing loss averages the scores normalised over the
+experts). The Switch
 Transformer load-balancing loss (Fedus et al. 2021, eq. 4), ``X · Σ_x f_x · P_x`` with ``f_x`` the fraction of
 routes that chose expert ``x`` and ``P_x`` its mean probability, is kept in :attr:`ParallelMoE.aux_loss` after
 each forward, and ST-MoE's router z-loss (Zoph et al. 2022, eq. 5), the mean of ``logsumexp(logits)²``, which
@@ -64,19 +67,38 @@ from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group
 from ..parallel.sharding import shard_like
 from .mlp import MLP_ACTIVATIONS
 
-__all__ = ["ParallelMoE", "load_balancing_loss", "route_top_k", "router_z_loss", "update_expert_biases"]
+__all__ = [
+    "ROUTER_SCORES",
+    "ParallelMoE",
+    "load_balancing_loss",
+    "route_top_k",
+    "router_z_loss",
+    "update_expert_biases",
+]
 
 
-def route_top_k(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None):
-    """``(weights [N, k] fp32, ids [N, k] int64, probs [N, X] fp32)``: the ``k`` most probable experts of each
-    row of ``logits [N, X]`` and their probabilities renormalised to sum to one. With ``bias [X]`` the experts
-    are those of the ``k`` largest ``probs + bias`` (the weights are still their probabilities)."""
-    probs = torch.softmax(logits.float(), dim=-1)
-    if bias is None:
-        top, ids = probs.topk(k, dim=-1)
+ROUTER_SCORES = ("softmax", "sigmoid")
+
+
+def route_top_k(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None, score: str = "softmax"):
+    """``(weights [N, k] fp32, ids [N, k] int64, probs [N, X] fp32)``: the ``k`` highest-scoring experts of each
+    row of ``logits [N, X]`` and their scores renormalised to sum to one. ``score``: ``"softmax"`` (Mixtral,
+    Qwen-MoE) or ``"sigmoid"`` (DeepSeek-V3: each expert's affinity ``σ(logit)`` on its own). ``probs`` is the
+    scores normalised over the experts (the softmax itself), what the load-balancing loss averages. With
+    ``bias [X]`` the experts are those of the ``k`` largest ``score + bias`` (the weights are still their
+    scores)."""
+    if score not in ROUTER_SCORES:
+        raise ValueError(f"route_top_k: score must be one of {ROUTER_SCORES}, received {score!r}")
+    if score == "softmax":
+        scores = probs = torch.softmax(logits.float(), dim=-1)
     else:
-        ids = (probs + bias.float()).topk(k, dim=-1)[1]
-        top = probs.gather(-1, ids)
+        scores = torch.sigmoid(logits.float())
+        probs = scores / scores.sum(-1, keepdim=True)
+    if bias is None:
+        top, ids = scores.topk(k, dim=-1)
+    else:
+        ids = (scores + bias.float()).topk(k, dim=-1)[1]
+        top = scores.gather(-1, ids)
     return top / top.sum(-1, keepdim=True), ids, probs
 
 
@@ -172,7 +194,7 @@ class ParallelMoE(nn.Module):
 
     def __init__(self, n_embd: int, hidden: int, n_expert: int, top_k: int, *, activation: str = "swiglu",
                  tp_group=None, sequence_parallel: bool = False, ep_group=None, cp_group=None,
-                 expert_bias: bool = False, device=None, dtype=None):  # fmt: skip
+                 expert_bias: bool = False, router_score: str = "softmax", device=None, dtype=None):  # fmt: skip
         super().__init__()
         for name, value in (("n_embd", n_embd), ("hidden", hidden), ("n_expert", n_expert), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -181,6 +203,8 @@ class ParallelMoE(nn.Module):
             raise ValueError(f"ParallelMoE: top_k={top_k} exceeds n_expert={n_expert}")
         if activation not in MLP_ACTIVATIONS:
             raise ValueError(f"ParallelMoE: activation must be one of {MLP_ACTIVATIONS}, received {activation!r}")
+        if router_score not in ROUTER_SCORES:
+            raise ValueError(f"ParallelMoE: router_score must be one of {ROUTER_SCORES}, received {router_score!r}")
         why = "expert-parallel peers must hold other tokens (init_parallel(ep=)'s ep_group)"
         e = check_peer_group(ep_group, tp_group, caller="ParallelMoE", name="ep_group", why=why) or 1
         t = group_size(tp_group)
@@ -189,7 +213,7 @@ class ParallelMoE(nn.Module):
         if hidden % t:
             raise ValueError(f"ParallelMoE: hidden={hidden} does not split over the {t} tensor-parallel ranks")
         self.n_embd, self.hidden, self.n_expert, self.top_k = n_embd, hidden, n_expert, top_k
-        self.activation, self.sequence_parallel = activation, sequence_parallel
+        self.activation, self.sequence_parallel, self.router_score = activation, sequence_parallel, router_score
         self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
         self.per_rank, self.first_expert = n_expert // e, group_rank(ep_group) * (n_expert // e) if e > 1 else 0
         kw = dict(device=device, dtype=dtype)
@@ -228,7 +252,8 @@ class ParallelMoE(nn.Module):
         w = moe.router
         layer = cls(moe.n_embd, moe.hidden, moe.n_expert, moe.top_k, activation=moe.activation, tp_group=tp_group,
                     sequence_parallel=sequence_parallel, ep_group=ep_group, cp_group=cp_group,
-                    expert_bias=moe.expert_bias is not None, device=w.device, dtype=w.dtype)  # fmt: skip
+                    expert_bias=moe.expert_bias is not None, router_score=moe.router_score, device=w.device,
+                    dtype=w.dtype)  # fmt: skip
         with torch.no_grad():
             for name, p in layer.named_parameters():
                 p.copy_(shard_like(getattr(moe, name), p, tp_group))
@@ -239,7 +264,8 @@ class ParallelMoE(nn.Module):
 
     def extra_repr(self) -> str:
         e = 1 if self.ep_group is None else group_size(self.ep_group)
-        return (f"{self.n_embd}, hidden={self.hidden}, experts={self.n_expert} (top {self.top_k}, {self.per_rank} "
+        return (f"{self.n_embd}, hidden={self.hidden}, experts={self.n_expert} ({self.router_score} top "
+                f"{self.top_k}, {self.per_rank} "
                 f"here, ep={e}), {self.activation}, tp={group_size(self.tp_group)}, "
                 f"sequence_parallel={self.sequence_parallel}"
                 + (", expert_bias=True" if self.expert_bias is not None else ""))  # fmt: skip
@@ -273,7 +299,7 @@ class ParallelMoE(nn.Module):
                              f"{tuple(x.shape)}")  # fmt: skip
         shape, tokens = x.shape, x.reshape(-1, self.n_embd)
         logits = F.linear(tokens.float(), self._router().float())
-        weights, ids, probs = route_top_k(logits, self.top_k, self.expert_bias)
+        weights, ids, probs = route_top_k(logits, self.top_k, self.expert_bias, self.router_score)
         self.aux_loss, self.z_loss = self._router_losses(logits, ids, probs)
         tp, t = self.tp_group, group_size(self.tp_group)
         if self.sequence_parallel and t > 1:

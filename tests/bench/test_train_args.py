@@ -22,6 +22,7 @@ CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         (["--preset", "huge"], "argument --preset: invalid choice: 'huge'"),
         (["--schedule", "zigzag"], "argument --schedule: invalid choice: 'zigzag'"),
         (["--attention-backward", "fast"], "argument --attention-backward: invalid choice: 'fast'"),
+        (["--router-score", "tanh"], "argument --router-score: invalid choice: 'tanh'"),
         (["--doc-sep", ""], "argument --doc-sep: the document separator must not be empty"),
         (["--doc-sep", "\\x4"], "argument --doc-sep: cannot read the escapes of '\\\\x4'"),
     ],

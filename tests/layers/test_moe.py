@@ -26,16 +26,19 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 ROUTER_GAIN = 40.0  # routers far from uniform, so that no choice of experts is a near-tie
 
 
-def _reference(x, router, fc, proj, k, activation):
-    """float64, one token at a time: ``Σ_k w_k · expert(x)``, Switch's loss and ST-MoE's z-loss over the tokens."""
+def _reference(x, router, fc, proj, k, activation, score="softmax"):
+    """float64, one token at a time: ``Σ_k w_k · expert(x)``, Switch's loss and ST-MoE's z-loss over the tokens.
+    ``score="sigmoid"``: each expert's score is ``1 / (1 + e^-logit)``; Switch's ``P_x`` averages the scores
+    normalised over the experts."""
     x, router, fc, proj = (t.double() for t in (x, router, fc, proj))
     tokens = x.reshape(-1, x.shape[-1])
     logits = tokens @ router.T
-    probs = torch.softmax(logits, dim=-1)
+    scores = torch.softmax(logits, dim=-1) if score == "softmax" else 1 / (1 + torch.exp(-logits))
+    probs = scores / scores.sum(-1, keepdim=True)
     out = []
     chosen = torch.zeros(router.shape[0], dtype=torch.float64)
     for n in range(tokens.shape[0]):
-        top, ids = probs[n].topk(k)
+        top, ids = scores[n].topk(k)
         row = torch.zeros_like(tokens[n])
         for w, e in zip(top / top.sum(), ids.tolist()):
             h = fc[e] @ tokens[n]
@@ -84,6 +87,46 @@ def test_moe_matches_a_float64_token_by_token_definition(activation, n_expert, t
         assert g is not None, name
         err = ((g.double() - w).abs().max() / w.abs().max()).item()
         assert err < 1e-4, f"grad of {name}: relative error {err:.3g}"
+
+
+@pytest.mark.parametrize("n_expert, top_k", [(5, 2), (4, 1)])
+def test_sigmoid_routed_moe_matches_the_float64_definition(n_expert, top_k):
+    """DeepSeek-V3's routing: the experts of the k largest sigmoids, weighted by them renormalised."""
+    moe = _layer(n_expert=n_expert, top_k=top_k)
+    moe.router_score = "sigmoid"
+    assert "sigmoid top" in repr(moe)
+    x = torch.randn(2, 7, 32, requires_grad=True)
+    params = (moe.router, moe.fc, moe.proj)
+    leaves = [p.detach().double().requires_grad_() for p in params]
+    x64 = x.detach().double().requires_grad_()
+    want, want_aux, want_z = _reference(x64, *leaves, top_k, "swiglu", score="sigmoid")
+    got = moe(x)
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(moe.aux_loss.double(), want_aux, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(moe.z_loss.double(), want_z, rtol=1e-5, atol=1e-6)
+    dout = torch.randn_like(got)
+    ((got * dout).sum() + 0.3 * moe.aux_loss).backward()
+    ((want * dout.double()).sum() + 0.3 * want_aux).backward()
+    for name, g, w in [("x", x.grad, x64.grad)] + [(n, p.grad, q.grad) for n, p, q in
+                                                     zip(("router", "fc", "proj"), params, leaves)]:  # fmt: skip
+        err = ((g.double() - w).abs().max() / w.abs().max()).item()
+        assert err < 1e-4, f"grad of {name}: relative error {err:.3g}"
+
+
+def test_sigmoid_routing_by_hand():
+    logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
+    weights, ids, probs = route_top_k(logits, 2, score="sigmoid")
+    s = torch.sigmoid(logits)
+    assert ids.tolist() == [[1, 2], [3, 0]]
+    torch.testing.assert_close(weights[1], s[1, [3, 0]] / s[1, [3, 0]].sum())
+    torch.testing.assert_close(probs, s / s.sum(-1, keepdim=True))
+    biased = route_top_k(logits, 2, torch.tensor([0.0, 0.0, 0.0, 0.5]), score="sigmoid")
+    assert biased[1].tolist()[0] == [1, 3]  # σ(-1) + 0.5 = 0.77 passes σ(1) = 0.73
+    torch.testing.assert_close(biased[0][0], s[0, [1, 3]] / s[0, [1, 3]].sum())  # weighed without the bias
+    with pytest.raises(
+        ValueError, match=r"route_top_k: score must be one of \('softmax', 'sigmoid'\), received 'relu'"
+    ):
+        route_top_k(logits, 2, score="relu")
 
 
 @pytest.mark.gpu
@@ -151,6 +194,11 @@ def test_experts_no_route_reaches_still_get_a_zero_gradient():
         (dict(activation="relu"), ValueError, r"activation must be one of \('swiglu', 'gelu'\), received 'relu'"),
         (dict(hidden=2.5), ValueError, r"hidden must be a positive int, received 2.5"),
         (dict(ep_group=3), TypeError, r"ep_group must be None or a torch.distributed ProcessGroup, received int"),
+        (
+            dict(router_score="relu"),
+            ValueError,
+            r"router_score must be one of \('softmax', 'sigmoid'\), received 'relu'",
+        ),
     ],
 )
 def test_bad_arguments_are_refused(kw, error, match):
@@ -174,6 +222,7 @@ def test_wrong_input_width_is_refused():
         (dict(n_expert=4, aux_loss_coef=-0.1), "aux_loss_coef must be a finite non-negative number"),
         (dict(n_expert=4, z_loss_coef=float("nan")), "z_loss_coef must be a finite non-negative number"),
         (dict(n_expert=4, z_loss_coef=True), "z_loss_coef must be a finite non-negative number"),
+        (dict(n_expert=4, router_score="tanh"), r"router_score must be one of \('softmax', 'sigmoid'\)"),
     ],
 )
 def test_gpt_config_refuses_bad_expert_settings(kw, match):
@@ -330,6 +379,13 @@ def test_gpt_with_experts_matches_dense(world_size, layout, sequence_parallel):
     losses = run_ranks(_moe_vs_dense, world_size, layout, sequence_parallel, {}, timeout=300, env=REFERENCE_KERNELS)
     if layout[1] > 1:  # the ep peers trained on other batches
         assert len(set(losses)) > 1
+
+
+@pytest.mark.multiprocess
+def test_sigmoid_routed_experts_split_by_features_and_ranks_match_dense():
+    """DeepSeek-V3's routing (sigmoid scores, routing biases) under tp=2 with sequence parallelism × ep=2."""
+    cfg_kw = {"router_score": "sigmoid", "expert_bias_rate": 0.01}
+    run_ranks(_moe_vs_dense, 4, (2, 2), True, cfg_kw, timeout=300, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess
