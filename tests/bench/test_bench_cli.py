@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from tessel.bench.__main__ import main
 from tessel.bench.matmul import COLUMNS, OPS
 from tessel.bench.shapes import matmul_shapes
 
@@ -70,9 +71,20 @@ def test_quick_run_writes_markdown_with_versions(quick_run):
     ("args", "expected"),
     [(["no-such-suite"], "no-such-suite"), (["--dtype", "int8"], "int8"), (["--frobnicate"], "--frobnicate")],
 )
-def test_bad_argument_exits_nonzero_with_one_line(tmp_path, args, expected):
-    proc = _bench(*args, "--out", str(tmp_path), cwd=tmp_path)
-    assert proc.returncode != 0
+def test_bad_argument_ends_the_run_with_one_line(tmp_path, capsys, args, expected):
+    with pytest.raises(SystemExit) as exit_info:
+        main([*args, "--out", str(tmp_path)])
+    assert exit_info.value.code == 2
+    out, err = capsys.readouterr()
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and "error" in lines[0] and expected in lines[0], err
+    assert out == "" and not list(tmp_path.iterdir())  # nothing ran, nothing written
+
+
+def test_the_command_exits_nonzero_with_one_line(tmp_path):
+    """The same through ``python -m tessel.bench``."""
+    proc = _bench("no-such-suite", "--out", str(tmp_path), cwd=tmp_path)
+    assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "error" in lines[0] and expected in lines[0], proc.stderr
-    assert not list(tmp_path.iterdir())  # nothing ran, nothing written
+    assert len(lines) == 1 and lines[0].startswith("python -m tessel.bench: error: unknown suite"), proc.stderr
+    assert not list(tmp_path.iterdir())

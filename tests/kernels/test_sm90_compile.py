@@ -166,13 +166,13 @@ def test_attention_with_a_window_or_soft_capping_compiles_to_tensor_core_loops(c
 @pytest.mark.parametrize("kernel", [k for k in ATTENTION_MAIN_LOOPS if k != "attention split-kv"])
 def test_attention_with_segments_compiles_to_tensor_core_loops(compiled, kernel):
     """segment_ids (packed documents) add a masked loop and the segment comparisons: every tile compiled (every
-    other autotuning configuration) still uses tensor-core MMAs, and, causal and not, some tile the autotuner
-    may pick fits in shared memory, pipelines its copies and keeps its main loops free of spills (the
-    autotuner skips tiles that do not fit)."""
+    other autotuning configuration when causal, the largest and the smallest without the mask) still uses
+    tensor-core MMAs, and, causal and not, some tile the autotuner may pick fits in shared memory, pipelines its
+    copies and keeps its main loops free of spills (the autotuner skips tiles that do not fit)."""
     for causal in (True, False):
         configs = [r for r in compiled.values()
                    if r["kernel"] == kernel and r.get("segments") and r["causal"] == causal]  # fmt: skip
-        assert len(configs) >= 4, (kernel, causal)
+        assert len(configs) >= (4 if causal else 2), (kernel, causal)
         report = [(r["name"], r["shared"], r["cp_async"], r["loop_local_ops"], r["wgmma_serialized"]) for r in configs]
         assert all(r["wgmma"] + r["mma"] > 0 for r in configs), report
         good = [r for r in configs if r["shared"] <= H200_SHARED_BYTES and r["cp_async"] > 0
