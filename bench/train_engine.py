@@ -170,25 +170,25 @@ class Engine:
     # ------------------------------------------------------------------------------------------------ state
 
     def _model_buffers(self) -> dict[str, torch.Tensor]:
-        """This rank's persistent buffers by their name in the whole GPT (the experts' routing biases): whole
-        tensors, alike on every rank that holds their stage."""
+        """``model.<fqn>``: this rank's persistent buffers (the experts' routing biases), whole tensors alike on
+        every rank that holds their stage; loading writes into them in place."""
+        persistent = self.gpt.state_dict(keep_vars=True).keys()
         local = {id(b) for m in self.stages for b in m.buffers()}
-        skip = {f"{n}.{b}" if n else b for n, m in self.gpt.named_modules() for b in m._non_persistent_buffers_set}
-        return {n: b for n, b in self.gpt.named_buffers() if id(b) in local and n not in skip}
+        return {f"model.{n}": b for n, b in self.gpt.named_buffers() if id(b) in local and n in persistent}
 
     def state_dict(self) -> dict:
         """This rank's part of the run's state, keyed by global tensors (``train_state.py``); no communication."""
-        optim = {**self.opt_state.state(), **{f"model.{n}": b for n, b in self._model_buffers().items()}}
+        state = {**self.opt_state.state(), **self._model_buffers()}
         if self.opt_state.owns_params:  # ZeroAdam: the fp32 masters are the model's weights
-            return optim
-        return {**self.model_state.state(), **optim}
+            return state
+        return {**self.model_state.state(), **state}
 
     def state_template(self) -> dict:
         """The keys :meth:`state_dict` saves, with this rank's buffers to load into (:meth:`load_state_dict`)."""
-        optim = {**self.opt_state.template(), **{f"model.{n}": b for n, b in self._model_buffers().items()}}
+        state = {**self.opt_state.template(), **self._model_buffers()}
         if self.opt_state.owns_params:
-            return optim
-        return {**self.model_state.template(), **optim}
+            return state
+        return {**self.model_state.template(), **state}
 
     def load_state_dict(self, state: dict) -> None:
         """Apply a :meth:`state_template` that a checkpoint has filled (the buffers are loaded in place)."""
