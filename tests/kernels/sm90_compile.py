@@ -78,6 +78,7 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
     with contextlib.redirect_stdout(log):
         kernel = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
+    sass = meta.pop("sass", True)  # False: no test weighs this program's loop spills, skip the disassembly
     return {
         "name": name,
         "ok": True,
@@ -86,8 +87,7 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
         **{key: len(pattern.findall(ptx)) for key, pattern in PTX_INSTRUCTIONS.items()},
         **resource_usage(ptx, log.getvalue()),
-        # read from the SASS of the main loops whose spills the tests weigh (not those of the specialisations)
-        "loop_local_ops": loop_local_ops(kernel.asm["cubin"]) if meta.pop("sass", True) else None,
+        "loop_local_ops": loop_local_ops(kernel.asm["cubin"]) if sass else None,
         "num_warps": num_warps,
         "num_stages": num_stages,
         **meta,
