@@ -327,9 +327,6 @@ def _check_experts(args) -> None:
         value = getattr(args, flag)
         if not 0 <= value < math.inf:
             raise ArgumentError(f"--{flag.replace('_', '-')} must be a finite non-negative number, received {value}")
-    if args.ep > 1 and args.zero == 3:
-        raise ArgumentError("--ep > 1 needs --zero 0, 1 or 2: FSDP shards every parameter over one group, and the "
-                            "experts of an ep group are reduced over another")  # fmt: skip
 
 
 def _check_run(args) -> None:

@@ -280,9 +280,10 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
 def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:
     if args.dp * args.cp == 1 and args.zero == 0:  # nothing to reduce: torch's AdamW on the module's own parameters
         return module
-    if args.zero == 3:  # units: the transformer blocks; the root: embedding, final norm, head
-        return _need("parallel.fsdp", "--zero 3").FSDP(module, group=dims.dp_cp_group, wrap={TransformerBlock})
     experts = dims.expert_dp_group if dims.ep > 1 else None  # each ep rank's experts: over their replicas
+    if args.zero == 3:  # units: the transformer blocks (their experts a unit apart); the root: embedding, norm, head
+        fsdp = _need("parallel.fsdp", "--zero 3")
+        return fsdp.FSDP(module, group=dims.dp_cp_group, wrap={TransformerBlock}, expert_group=experts)
     return _need("parallel.ddp", f"--zero {args.zero}").DDP(module, group=dims.dp_cp_group, expert_group=experts)
 
 

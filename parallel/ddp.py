@@ -42,7 +42,7 @@ from torch import nn
 from .comm import all_gather, all_reduce, group_rank, group_size, reduce_scatter
 from .flat import Bucket, backward_order, flatten_into_buffers, is_expert, make_buckets, shard_tensors
 
-__all__ = ["DDP", "broadcast_from_first_rank", "check_data_parallel_args"]
+__all__ = ["DDP", "broadcast_from_first_rank", "check_data_parallel_args", "check_expert_group"]
 
 OWNER_ATTR = "_tessel_data_parallel"  # set on every parameter a DDP or FSDP wrapper manages
 
@@ -74,20 +74,21 @@ def _ranks(group) -> list[int]:
     return dist.get_process_group_ranks(group or dist.group.WORLD) if dist.is_initialized() else [0]
 
 
-def _check_expert_group(module: nn.Module, group, expert_group) -> None:
-    """``expert_group``: required when ``module`` has expert parameters and ``group`` more than one rank; a
-    subset of ``group`` whose size divides ``group``'s (the expert-data-parallel group of that layout)."""
+def check_expert_group(name: str, module: nn.Module, group, expert_group) -> None:
+    """``expert_group`` of wrapper ``name``: required when ``module`` has expert parameters and ``group`` more
+    than one rank; a subset of ``group`` whose size divides ``group``'s (the expert-data-parallel group of that
+    layout)."""
     if expert_group is not None and not isinstance(expert_group, dist.ProcessGroup):
         raise TypeError(
-            "DDP: expert_group must be None or a torch.distributed ProcessGroup, "
+            f"{name}: expert_group must be None or a torch.distributed ProcessGroup, "
             f"received {type(expert_group).__name__}"
         )
-    experts = [name for name, p in module.named_parameters() if is_expert(p)]
+    experts = [pname for pname, p in module.named_parameters() if is_expert(p)]
     n = group_size(group)
     if expert_group is None:
         if experts and n > 1:
             raise ValueError(
-                f"DDP: the module has expert parameters (expert_parallel = True, e.g. {experts[0]!r}) and the "
+                f"{name}: the module has expert parameters (expert_parallel = True, e.g. {experts[0]!r}) and the "
                 f"data-parallel group has {n} ranks: expert_group must be the expert-data-parallel group (the "
                 "ranks that hold the same experts, ParallelDims.expert_dp_group), received None"
             )
@@ -95,11 +96,11 @@ def _check_expert_group(module: nn.Module, group, expert_group) -> None:
     ranks, expert_ranks = _ranks(group), _ranks(expert_group)
     if not set(expert_ranks) <= set(ranks):
         raise ValueError(
-            f"DDP: expert_group must be a subset of group's ranks {ranks}, received a group of ranks {expert_ranks}"
+            f"{name}: expert_group must be a subset of group's ranks {ranks}, received a group of ranks {expert_ranks}"
         )
     if n % len(expert_ranks):
         raise ValueError(
-            f"DDP: expert_group's size must divide the data-parallel size {n}, received a group of "
+            f"{name}: expert_group's size must divide the data-parallel size {n}, received a group of "
             f"{len(expert_ranks)} ranks {expert_ranks}"
         )
 
@@ -159,7 +160,7 @@ class DDP(nn.Module):
                 f"DDP: accumulate_dtype must be torch.float32 or None (the parameters' dtype), "
                 f"received {accumulate_dtype!r}"
             )
-        _check_expert_group(module, group, expert_group)
+        check_expert_group("DDP", module, group, expert_group)
         self.accumulate_dtype = accumulate_dtype
         self.module = module
         self.group, self.world_size, self.rank = group, group_size(group), group_rank(group)

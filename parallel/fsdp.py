@@ -30,6 +30,14 @@ again. The unit's storage is resized rather than replaced, so saved tensors neve
 
 With :class:`~tessel.parallel.zero.ZeroAdam` (ZeRO-3), the fp32 master weights and moments of each
 shard live in the optimizer and the step writes the low-precision parameter shard in place.
+
+Expert parameters (``p.expert_parallel = True``: different experts on the ranks of an expert-parallel group)
+are sharded over ``expert_group``, the ranks holding the same experts (size ``N/ep``), as DDP reduces them
+(:mod:`.ddp`). A unit whose module holds both (a transformer block with a mixture of experts) becomes two
+units of the same module: its dense parameters over ``group``, its experts over ``expert_group``. Both are
+gathered together before the module runs and freed together after it; each has its own storage, so
+backward gathers each when it needs it. An expert gradient is summed over ``expert_group`` and divided by
+``N``, the data-parallel size: every rank's tokens may reach every expert of the ep group.
 """
 
 from __future__ import annotations
@@ -41,13 +49,23 @@ import torch.distributed as dist
 from torch import nn
 
 from .comm import all_gather, group_rank, group_size, reduce_scatter
-from .ddp import OWNER_ATTR, _check_sync_call, broadcast_from_first_rank, check_data_parallel_args
+from .ddp import OWNER_ATTR, _check_sync_call, broadcast_from_first_rank, check_data_parallel_args, check_expert_group
 from .flat import is_expert, shard_tensors
 from .fsdp_units import Unit, assign_params, choose_units
 
 __all__ = ["FSDP"]
 
 _MAX_REDUCTIONS_IN_FLIGHT = 2  # bounds the full-size gradient buffers alive during backward
+
+
+def _key(module: nn.Module | None) -> int:
+    return 0 if module is None else id(module)
+
+
+def _split_experts(named: list[tuple[str, nn.Parameter]]) -> list[tuple[bool, list[tuple[str, nn.Parameter]]]]:
+    """A unit's parameters as ``(expert, params)`` parts: the dense ones, then the experts (each part non-empty)."""
+    parts = [(expert, [(n, p) for n, p in named if is_expert(p) == expert]) for expert in (False, True)]
+    return [(expert, part) for expert, part in parts if part] or [(False, named)]
 
 
 def _in_backward() -> bool:
@@ -68,15 +86,19 @@ class FSDP(nn.Module):
             gradients are added exactly and rounded once, when the sum is reduce-scattered) or
             ``None``, the parameters' dtype (half the memory for 16-bit models, one rounding per
             backward).
+        expert_group: the expert-data-parallel group (``ParallelDims.expert_dp_group``), over which
+            expert parameters (``expert_parallel = True``) are sharded; required when the module has
+            expert parameters and ``group`` more than one rank.
 
-    Rank 0's parameters and buffers are broadcast at construction. Use with
+    Rank 0's parameters and buffers are broadcast at construction, expert parameters and buffers from rank 0
+    of ``expert_group``. Use with
     :class:`~tessel.parallel.zero.ZeroAdam`; outside forward and backward the parameters hold no data:
     read them with :meth:`full_state_dict`. After a backward each unit's averaged gradient is its
     ``bucket.grad_shard`` (``[s]``); backwards accumulate into it until ZeroAdam's ``zero_grad()``, and
     inside :meth:`no_sync` they accumulate locally, unreduced. Raises ``ValueError`` before changing
     anything when a unit cannot be sharded (a parameter shared across units; mixed dtypes or devices
-    within a unit) and for expert parameters (``expert_parallel = True``), which FSDP's one group cannot
-    shard: train mixtures of experts with :class:`~tessel.parallel.ddp.DDP`'s ``expert_group`` and ZeroAdam.
+    within a unit) or when ``expert_group`` is missing or is not a subset of ``group`` whose size divides it.
+    :meth:`full_state_dict` holds this rank's own experts.
     """
 
     def __init__(
@@ -87,16 +109,11 @@ class FSDP(nn.Module):
         wrap=None,
         prefetch=True,
         accumulate_dtype: torch.dtype | None = torch.float32,
+        expert_group: dist.ProcessGroup | None = None,
     ):
         super().__init__()
         check_data_parallel_args("FSDP", module, group)
-        experts = [name for name, p in module.named_parameters() if is_expert(p)]
-        if experts:
-            raise ValueError(
-                f"FSDP: the module has expert parameters (expert_parallel = True, e.g. {experts[0]!r}); FSDP shards "
-                "every parameter over one group, while experts differ across the expert-parallel group and must be "
-                "sharded over the expert-data-parallel group: use DDP(module, group, expert_group=...) with ZeroAdam"
-            )
+        check_expert_group("FSDP", module, group, expert_group)
         if accumulate_dtype not in (torch.float32, None):
             raise TypeError(
                 f"FSDP: accumulate_dtype must be torch.float32 or None (the parameters' dtype), "
@@ -112,10 +129,19 @@ class FSDP(nn.Module):
         if assigned[-1]:
             specs.insert(0, ("", None, assigned[-1]))  # the root runs first: it wraps the whole forward
         self._live: dict[int, Unit] = {}  # storage address -> gathered unit (what _pack looks up)
+        # Without an expert group (a world of one) expert parameters are sharded over ``group`` like the others.
+        self.expert_group = group if expert_group is None else expert_group
+        layouts = {False: (group, self.world_size, self.rank),
+                   True: (self.expert_group, group_size(self.expert_group), group_rank(self.expert_group))}  # fmt: skip
         self.units = [
-            Unit(name, mod, named, group, self.world_size, self.rank, self._live) for name, mod, named in specs
+            Unit(name, mod, part, *layouts[expert], self._live)
+            for name, mod, named in specs
+            for expert, part in _split_experts(named)
         ]
         self.buckets = [u.bucket for u in self.units]
+        self._units_of: dict[int, list[Unit]] = {}  # id(module) (0: the root) -> its units, gathered together
+        for u in self.units:
+            self._units_of.setdefault(_key(u.module), []).append(u)
         self._shard_params(module)
         self.zero_stage = 0
         self._forward_order: list[Unit] = []  # units in the order the current forward ran them
@@ -124,10 +150,11 @@ class FSDP(nn.Module):
         self._backward_prefetched: set[int] = set()
         self._finish_queued = False
         self._sync = True  # False inside no_sync(): backward keeps the full gradients instead of reducing
+        for us in self._units_of.values():
+            if us[0].module is not None:
+                us[0].module.register_forward_pre_hook(lambda m, args, us=us: self._before_forward(us))
+                us[0].module.register_forward_hook(lambda m, args, out, us=us: self._after_forward(us))
         for ui, u in enumerate(self.units):
-            if u.module is not None:
-                u.module.register_forward_pre_hook(lambda m, args, u=u: self._before_forward(u))
-                u.module.register_forward_hook(lambda m, args, out, u=u: self._after_forward(u))
             for slot in u.bucket.slots:
                 if slot.param.requires_grad:
                     slot.param.register_post_accumulate_grad_hook(lambda p, ui=ui: self._on_grad(ui))
@@ -136,7 +163,9 @@ class FSDP(nn.Module):
     def _shard_params(self, module: nn.Module) -> None:
         for u in self.units:
             u.adopt_params()
-        broadcast_from_first_rank([*(u.full for u in self.units), *module.buffers()], self.group)
+        for expert, group in ((False, self.group), (True, self.expert_group)):
+            fulls = [u.full for u in self.units if u.bucket.expert == expert]
+            broadcast_from_first_rank([*fulls, *(b for b in module.buffers() if is_expert(b) == expert)], group)
         param_shards = shard_tensors(self.buckets, lambda b: b.dtype)
         grad_shards = shard_tensors(self.buckets, lambda b: b.dtype)
         for u, param_shard, grad_shard in zip(self.units, param_shards, grad_shards):
@@ -205,35 +234,39 @@ class FSDP(nn.Module):
     def forward(self, *args, **kwargs):
         self._forward_order = []
         with torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
-            root = self.units[0] if self.units and self.units[0].module is None else None
-            if root is not None:
+            root = self._units_of.get(_key(None))
+            if root:
                 self._before_forward(root)
             try:
                 return self.module(*args, **kwargs)
             finally:
-                if root is not None:
+                if root:
                     self._after_forward(root)
                 self._last_forward_order = list(self._forward_order)
 
-    def _before_forward(self, u: Unit) -> None:
-        u.gather_async()
+    def _before_forward(self, us: list[Unit]) -> None:
+        """Gather a module's units (its dense parameters and its experts), prefetching the next module's."""
+        for u in us:
+            u.gather_async()
         if self.prefetch and not _in_backward():
-            nxt = self._next_in_forward(u)
-            if nxt is not None:
+            for nxt in self._next_in_forward(us[-1]):
                 nxt.gather_async()
-        u.wait()
+        for u in us:
+            u.wait()
         if not _in_backward():
-            self._forward_order.append(u)
+            self._forward_order.extend(us)
 
-    def _next_in_forward(self, u: Unit) -> Unit | None:
+    def _next_in_forward(self, u: Unit) -> list[Unit]:
+        """The units of the module that ran after ``u``'s in the previous forward (none after the last)."""
         order = self._last_forward_order or self.units
         i = next((i for i, x in enumerate(order) if x is u), None)
-        return order[i + 1] if i is not None and i + 1 < len(order) else None
+        return self._units_of[_key(order[i + 1].module)] if i is not None and i + 1 < len(order) else []
 
-    def _after_forward(self, u: Unit) -> None:
+    def _after_forward(self, us: list[Unit]) -> None:
         if _in_backward():  # a recomputation (activation checkpointing): backward still needs the values
             return
-        u.free()
+        for u in us:
+            u.free()
 
     # ------------------------------------------------------------------------------------------------ backward
 
@@ -298,7 +331,7 @@ class FSDP(nn.Module):
         if full_grad.dtype != b.dtype:  # an fp32 sum from no_sync: rounded once, reduced in the bucket's dtype
             full_grad = full_grad.to(b.dtype)
         out = torch.empty_like(b.grad_shard) if u.accumulated else b.grad_shard
-        _, work = reduce_scatter(full_grad, self.group, out=out, async_op=True)
+        _, work = reduce_scatter(full_grad, b.group, out=out, async_op=True)
         self._pending.append((u, work, full_grad, out))
         while len(self._pending) > _MAX_REDUCTIONS_IN_FLIGHT:
             self._complete(*self._pending.pop(0))
@@ -361,11 +394,13 @@ class FSDP(nn.Module):
     def full_state_dict(self) -> dict[str, torch.Tensor]:
         """The module's state dict unsharded: parameters gathered as fp32 CPU tensors, buffers copied.
 
+        Expert parameters are gathered over ``expert_group``: this rank's own experts, whole.
+
         A collective: every rank calls it.
         """
         values: dict[int, torch.Tensor] = {}
         for u in self.units:
-            full, _ = all_gather(u.bucket.param_shard, self.group)
+            full, _ = all_gather(u.bucket.param_shard, u.bucket.group)
             for slot in u.bucket.slots:
                 values[id(slot.param)] = u.bucket.slot_view(full, slot).float().cpu().clone()
         out = {}

@@ -93,7 +93,6 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
             1,
             "--z-loss-coef must be a finite non-negative number, received nan",
         ),
-        (["--experts", "4", "--ep", "2", "--zero", "3"], 2, "--ep > 1 needs --zero 0, 1 or 2"),
         (["--expert-bias-rate", "0.001"], 1, "--expert-bias-rate 0.001 balances experts: it needs --experts"),
         (
             ["--experts", "4", "--expert-bias-rate", "-1"],

@@ -120,9 +120,21 @@ def test_resuming_checks_the_experts_but_not_their_loss_weight(replicated, tmp_p
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_fully_sharded_experts_train_like_the_replicated_ones(replicated, tmp_path):
-    """--zero 3 (FSDP units: the blocks, experts included) with every expert on every rank."""
-    _ok(_train(tmp_path, "--dp", "2", "--zero", "3", *MOE, nproc=2))
-    assert _losses(tmp_path) == pytest.approx(_losses(replicated), rel=1e-5)
+    """--zero 3 (FSDP units: the blocks) with every expert on every rank, and with the experts split over ep=2 of
+    4 data-parallel ranks: each block's dense weights sharded over the 4 ranks, its experts over the 2 holding
+    them. The split run follows dp=4 with every expert on every rank (not the dp=2 reference: the load-balancing
+    loss is each rank's, so the data-parallel size changes it, by ~1e-4 here); its step-2 checkpoint resumes
+    there."""
+    everywhere, dp4, split, resumed = (tmp_path / d for d in ("dp2", "dp4", "dp4-ep2", "resumed"))
+    _ok(_train(everywhere, "--dp", "2", "--zero", "3", *MOE, nproc=2))
+    assert _losses(everywhere) == pytest.approx(_losses(replicated), rel=1e-5)
+    _ok(_train(dp4, "--dp", "4", *MOE, nproc=4))
+    proc = _ok(_train(split, "--dp", "4", "--ep", "2", "--zero", "3", *MOE, nproc=4))
+    assert "zero=3 experts=4 top-k=2 ep=2" in proc.stdout
+    assert _losses(split) == pytest.approx(_losses(dp4), rel=1e-5)
+    _copy_checkpoint(_checkpoint(split, 2), resumed)
+    _ok(_train(resumed, "--dp", "4", *MOE, "--resume", nproc=4))
+    assert _losses(resumed)[2:] == pytest.approx(_losses(dp4)[2:], rel=1e-5)
 
 
 @pytest.mark.slow

@@ -91,9 +91,11 @@ def _loss(model, x, y, expert):
     return (model(x, expert) - y).float().pow(2).mean()
 
 
-def _reference(name, world_size, steps=STEPS):
-    """One process, every expert, the mean of the ranks' losses; clip_grad_norm_ where ZeroAdam clips."""
-    _, clip, dtype, lr, _ = CASES[name]
+def _reference(case, world_size, steps=STEPS):
+    """One process, every expert, the mean of the ranks' losses; clip_grad_norm_ where ZeroAdam clips.
+
+    ``case``: ``(optimizer, max_grad_norm, dtype, lr, microbatches)`` as in :data:`CASES`."""
+    _, clip, dtype, lr, _ = case
     net = _Toy(dtype=dtype).float()  # the bf16 case starts from the bf16-rounded weights, then trains in fp32
     opt = torch.optim.AdamW(net.parameters(), lr=lr, weight_decay=0.1)
     grads = None
@@ -231,10 +233,13 @@ def _untouched(net, ptrs) -> bool:
     )
 
 
-def _refusals(rank, world_size, dims):
-    """Each bad expert_group raises (ValueError/TypeError) and leaves the module as it was."""
+def _refusals(rank, world_size, dims, wrapper=None):
+    """Each bad expert_group raises (ValueError/TypeError) and leaves the module as it was (DDP's, or
+    ``wrapper``'s: FSDP's)."""
     from tessel.parallel.ddp import DDP
 
+    wrapper = wrapper or DDP
+    name = wrapper.__name__
     net = _Toy(keep=dims.ep_rank)
     ptrs = [p.data_ptr() for p in net.parameters()]
     own = dist.new_subgroups_by_enumeration([[r] for r in range(world_size)])[0]
@@ -244,22 +249,22 @@ def _refusals(rank, world_size, dims):
         three, members = (last, "1, 2, 3") if rank == 3 else (first, "0, 1, 2")
     attempts = [
         ("missing", dict(group=dims.dp_group), ValueError,
-         r"DDP: the module has expert parameters \(expert_parallel = True, e.g. 'experts\.\d\.fc1\.weight'\) and the "
-         rf"data-parallel group has {world_size} ranks: expert_group must be .* received None"),
+         rf"{name}: the module has expert parameters \(expert_parallel = True, e.g. 'experts\.\d\.fc1\.weight'\) "
+         rf"and the data-parallel group has {world_size} ranks: expert_group must be .* received None"),
         ("not a subset", dict(group=own, expert_group=dist.group.WORLD), ValueError,
-         rf"DDP: expert_group must be a subset of group's ranks \[{rank}\], received a group of ranks "
+         rf"{name}: expert_group must be a subset of group's ranks \[{rank}\], received a group of ranks "
          rf"\[{', '.join(map(str, range(world_size)))}\]"),
         ("wrong type", dict(group=dims.dp_group, expert_group="expert_dp"), TypeError,
-         r"DDP: expert_group must be None or a torch\.distributed ProcessGroup, received str"),
+         rf"{name}: expert_group must be None or a torch\.distributed ProcessGroup, received str"),
     ]  # fmt: skip
     if three is not None:
         attempts.append(("not dividing", dict(group=dims.dp_group, expert_group=three), ValueError,
-                         r"DDP: expert_group's size must divide the data-parallel size 4, received a group of 3 "
+                         rf"{name}: expert_group's size must divide the data-parallel size 4, received a group of 3 "
                          rf"ranks \[{members}\]"))  # fmt: skip
     outcome = {}
     for what, kwargs, error, match in attempts:
         with pytest.raises(error, match=match):
-            DDP(net, **kwargs)
+            wrapper(net, **kwargs)
         outcome[what] = _untouched(net, ptrs)
     return outcome
 
@@ -275,17 +280,21 @@ def _all_cases(rank, world_size):
     return out
 
 
-@pytest.fixture(scope="module")
-def results():
-    """Spawns the ranks of a layout once, on first use, and runs every case there."""
+def layout_results(all_cases, layouts: dict[str, int]):
+    """A getter that spawns the ranks of a layout once, on first use, and runs ``all_cases`` there."""
     cache: dict[str, list] = {}
 
     def get(layout):
         if layout not in cache:
-            cache[layout] = run_ranks(_all_cases, LAYOUTS[layout], timeout=120)
+            cache[layout] = run_ranks(all_cases, layouts[layout], timeout=120)
         return cache[layout]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def results():
+    return layout_results(_all_cases, LAYOUTS)
 
 
 # ---------------------------------------------------------------------------------------------------- tests
@@ -298,7 +307,7 @@ def test_matches_one_process_holding_every_expert(results, layout, name):
     world_size = LAYOUTS[layout]
     kind, clip, dtype, _, _ = CASES[name]
     tol = BF16 if dtype == torch.bfloat16 else FP32
-    weights, outs, grads, norm = _reference(name, world_size)
+    weights, outs, grads, norm = _reference(CASES[name], world_size)
     if clip is not None:
         assert norm > 2 * clip, "clipping must be active for the comparison to test it"
     ranks = results(layout)
@@ -314,18 +323,27 @@ def test_matches_one_process_holding_every_expert(results, layout, name):
                 torch.testing.assert_close(g, grads[k], **tol, msg=lambda m, k=k, r=rank: f"rank {r} grad {k}: {m}")
         else:  # the global norm over dense and every expert, before clipping
             torch.testing.assert_close(got["norm"], norm, **tol)
-    for rank in range(1, world_size):  # bitwise: dense everywhere, experts across their expert group
-        mine, first = ranks[rank][name]["weights"], ranks[rank % EP][name]["weights"]
-        assert all(torch.equal(w, ranks[0][name]["weights"][k]) for k, w in mine.items() if "experts" not in k)
+    check_replicas_agree([r[name]["weights"] for r in ranks])
+
+
+def check_replicas_agree(weights: list[dict]) -> None:
+    """Bitwise: dense weights alike on every rank, each expert alike across its expert group."""
+    for rank in range(1, len(weights)):
+        mine, first = weights[rank], weights[rank % EP]
+        assert all(torch.equal(w, weights[0][k]) for k, w in mine.items() if "experts" not in k)
         assert all(torch.equal(w, first[k]) for k, w in mine.items()), f"rank {rank} diverged"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_non_finite_expert_gradient_on_one_rank_skips_everywhere(results, layout):
-    for rank, got in enumerate(results(layout)):
+    check_skipped_everywhere(results(layout))
+
+
+def check_skipped_everywhere(ranks: list[dict]) -> None:
+    for rank, got in enumerate(ranks):
         unchanged, scale, (scale_after, taken, skipped), moved = got["skip"]
-        assert unchanged, f"rank {rank}: weights, masters or moments changed on a skipped step"
+        assert unchanged, f"rank {rank}: parameters, masters or moments changed on a skipped step"
         assert scale_after == scale / 2 and (taken, skipped) == (1, 1), f"rank {rank}"
         assert moved
 
@@ -337,12 +355,22 @@ def test_state_dict_holds_own_experts_and_round_trips(results, layout, stage):
     from tessel.parallel.ddp import DDP
     from tessel.parallel.zero import ZeroAdam
 
-    world_size = LAYOUTS[layout]
-    ranks = [r["checkpoint"][stage] for r in results(layout)]
+    def one_process():
+        net = _Toy(keep=1)
+        opt = ZeroAdam(DDP(net).parameters(), weight_decay=0.1, stage=stage, lr=1e-2, max_grad_norm=CLIP)
+        return opt, lambda: dict(net.named_parameters())
+
+    check_state_dicts([r["checkpoint"][stage] for r in results(layout)], one_process)
+
+
+def check_state_dicts(ranks: list[dict], one_process) -> None:
+    """Each rank's ZeroAdam state holds its own parameters, its expert included, round-trips and resumes; the
+    shards cover every element of every parameter once; a world of one holding expert 1 (another
+    expert-data-parallel size; ``one_process() -> (its ZeroAdam, a getter of its parameters)``) loads rank 1's."""
     covered: dict[tuple[int, str], torch.Tensor] = {}  # (ep rank or -1 for dense, name) -> elements covered
     for rank, got in enumerate(ranks):
-        assert got["round_trip"] and got["resumed_equal"], f"rank {rank}"
-        for i, k in got["names"].items():  # each rank's state is its own parameters, its expert included
+        assert got["round_trip"] and got["resumed_equal"] and got.get("loaded_equal", True), f"rank {rank}"
+        for i, k in got["names"].items():
             torch.testing.assert_close(got["saved"]["state"][i]["master"], got["at_save"][k], rtol=0, atol=0)
         ranges, views_match = got["sharded"]
         assert views_match
@@ -353,22 +381,24 @@ def test_state_dict_holds_own_experts_and_round_trips(results, layout, stage):
             covered[key][start : start + n] += 1
     # dense parameters sharded over all N ranks, each expert over its expert group: every element once
     assert all(c.eq(1).all() for c in covered.values()) and len(covered) == 4 + 4 * EP
-    # a different expert-data-parallel size loads: a world of one holding expert 1
     saved = ranks[1]["saved"]
-    net = _Toy(keep=1)
-    opt = ZeroAdam(DDP(net).parameters(), weight_decay=0.1, stage=stage, lr=1e-2, max_grad_norm=CLIP)
+    opt, params = one_process()
     opt.load_state_dict(saved)
     assert _equal_state({k: v for k, v in opt.state_dict().items() if k != "world_size"},
                         {k: v for k, v in saved.items() if k != "world_size"})  # fmt: skip
-    assert saved["world_size"] == world_size
-    assert all(torch.equal(p, ranks[1]["at_save"][k]) for k, p in net.named_parameters())
+    assert saved["world_size"] == len(ranks)
+    assert all(torch.equal(p, ranks[1]["at_save"][k]) for k, p in params().items())
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_bad_expert_group_is_refused_and_changes_nothing(results, layout):
-    for rank, got in enumerate(results(layout)):
-        expected = {"missing", "not a subset", "wrong type"} | ({"not dividing"} if layout == "dp4_ep2" else set())
+    check_refusals(results(layout))
+
+
+def check_refusals(ranks: list[dict]) -> None:
+    for rank, got in enumerate(ranks):
+        expected = {"missing", "not a subset", "wrong type"} | ({"not dividing"} if len(ranks) == 4 else set())
         assert got["refusals"].keys() == expected and all(got["refusals"].values()), f"rank {rank}: {got['refusals']}"
 
 
@@ -410,15 +440,3 @@ def test_world_of_one_needs_no_expert_group(seed):
             o.zero_grad()
     for (k, a), b in zip(plain.named_parameters(), net.parameters()):
         torch.testing.assert_close(b, a, **FP32, msg=lambda m, k=k: f"{k}: {m}")
-
-
-def test_fsdp_refuses_expert_parameters_and_changes_nothing():
-    from tessel.parallel.fsdp import FSDP
-
-    net = _Toy(keep=0)
-    ptrs = [p.data_ptr() for p in net.parameters()]
-    with pytest.raises(ValueError, match=r"FSDP: the module has expert parameters \(expert_parallel = True, e\.g\. "
-                                         r"'experts\.0\.fc1\.weight'\);.*use DDP\(module, group, expert_group=\.\.\.\) "
-                                         r"with ZeroAdam"):  # fmt: skip
-        FSDP(net)
-    assert _untouched(net, ptrs)
