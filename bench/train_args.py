@@ -140,6 +140,20 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         help="how the router scores the experts: softmax over them (Mixtral) or each one's sigmoid (DeepSeek-V3)",
     )
     add(
+        "--expert-groups",
+        type=int,
+        default=1,
+        help="group-limited routing (DeepSeek-V3's n_group): the experts form this many groups of consecutive "
+        "experts and each token chooses among those of its --top-groups best groups only (default: 1, off)",
+    )
+    add(
+        "--top-groups",
+        type=int,
+        default=1,
+        help="with --expert-groups: the groups each token may choose from, those whose two best scores add up "
+        "highest (DeepSeek-V3's topk_group; with --expert-groups a multiple of --ep, the ranks a token reaches)",
+    )
+    add(
         "--expert-bias-rate",
         type=float,
         default=0.0,
@@ -318,11 +332,22 @@ def _check_experts(args) -> None:
             raise ArgumentError(f"--ep {args.ep} splits experts over ranks: it needs --experts")
         if args.expert_bias_rate:
             raise ArgumentError(f"--expert-bias-rate {args.expert_bias_rate} balances experts: it needs --experts")
+        if (args.expert_groups, args.top_groups) != (1, 1):
+            raise ArgumentError("--expert-groups and --top-groups group the experts: they need --experts")
         return
     if not 1 <= args.top_k <= args.experts:
         raise ArgumentError(f"--top-k must be in [1, --experts {args.experts}], received {args.top_k}")
     if args.experts % args.ep:
         raise ArgumentError(f"--ep {args.ep} does not divide --experts {args.experts}")
+    if args.expert_groups < 1 or args.experts % args.expert_groups:
+        raise ArgumentError(f"--expert-groups must be a positive divisor of --experts {args.experts}, received "
+                            f"{args.expert_groups}")  # fmt: skip
+    if not 1 <= args.top_groups <= args.expert_groups:
+        raise ArgumentError(f"--top-groups must be in [1, --expert-groups {args.expert_groups}], received "
+                            f"{args.top_groups}")  # fmt: skip
+    if args.top_k > args.top_groups * (args.experts // args.expert_groups):
+        raise ArgumentError(f"--top-k {args.top_k} exceeds the {args.top_groups * (args.experts // args.expert_groups)}"
+                            f" experts of --top-groups {args.top_groups} groups")  # fmt: skip
     for flag in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
         value = getattr(args, flag)
         if not 0 <= value < math.inf:

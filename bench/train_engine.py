@@ -341,6 +341,8 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         z_loss_coef=args.z_loss_coef,
         expert_bias_rate=args.expert_bias_rate,
         router_score=args.router_score,
+        expert_groups=args.expert_groups,
+        top_groups=args.top_groups,
     )
     gpt = GPT(
         config,

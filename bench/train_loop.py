@@ -65,6 +65,7 @@ def _layout(args) -> str:
         text += f" schedule={args.schedule} microbatches={args.microbatches}"
     if args.experts:
         text += f" experts={args.experts} top-k={args.top_k}" + (f" ep={args.ep}" if args.ep > 1 else "")
+        text += f" groups={args.expert_groups} top-groups={args.top_groups}" if args.expert_groups > 1 else ""
     text += " sequence-parallel" if args.sequence_parallel else ""
     text += " recompute" if args.recompute else ""
     return text + (" attention-backward=atomic" if args.attention_backward == "atomic" else "")

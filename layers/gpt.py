@@ -29,7 +29,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
 from .mlp import MLP_ACTIVATIONS, ParallelMLP
-from .moe import ROUTER_SCORES, ParallelMoE, update_expert_biases
+from .moe import ROUTER_SCORES, ParallelMoE, check_expert_groups, update_expert_biases
 from .norm import LayerNorm, RMSNorm
 
 __all__ = ["GPT", "GPTConfig", "TransformerBlock"]
@@ -60,6 +60,10 @@ class GPTConfig:
     n_expert: int = 0  # > 0: every block's MLP is a mixture of this many experts (ParallelMoE), each mlp_hidden wide
     top_k: int = 2  # experts per token
     router_score: str = "softmax"  # how the router scores the experts: "softmax" (Mixtral) or "sigmoid" (DeepSeek-V3)
+    # group-limited routing (DeepSeek-V3's n_group / topk_group): the experts form this many groups of consecutive
+    # experts and each token chooses among those of its top_groups best groups only
+    expert_groups: int = 1
+    top_groups: int = 1
     aux_loss_coef: float = 0.01  # weight of the load-balancing loss (mean over the layers) in GPT.loss
     z_loss_coef: float = 0.0  # weight of the router z-loss (mean over the layers) in GPT.loss; ST-MoE uses 1e-3
     # > 0: auxiliary-loss-free balancing, each layer's expert biases move by this much per update_expert_bias()
@@ -97,6 +101,13 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: router_score must be one of {ROUTER_SCORES}, received {self.router_score!r}")
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"GPTConfig: top_k must be in [1, n_expert={self.n_expert}], received {self.top_k}")
+        if self.n_expert:
+            check_expert_groups(
+                "GPTConfig", self.n_expert, self.top_k, self.expert_groups, self.top_groups, "expert_groups"
+            )
+        elif (self.expert_groups, self.top_groups) != (1, 1):
+            raise ValueError(f"GPTConfig: expert_groups={self.expert_groups}, top_groups={self.top_groups} group the "
+                             "experts: they need n_expert > 0")  # fmt: skip
         for name in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 <= value < math.inf):
@@ -133,7 +144,8 @@ class TransformerBlock(nn.Module):
             self.mlp = ParallelMoE(config.n_embd, config.mlp_hidden, config.n_expert, config.top_k,
                                    activation=config.mlp, tp_group=tp_group, sequence_parallel=sequence_parallel,
                                    ep_group=ep_group, cp_group=cp_group, expert_bias=config.expert_bias_rate > 0,
-                                   router_score=config.router_score, device=device, dtype=dtype)  # fmt: skip
+                                   router_score=config.router_score, expert_groups=config.expert_groups,
+                                   top_groups=config.top_groups, device=device, dtype=dtype)  # fmt: skip
         else:
             self.mlp = ParallelMLP(config.n_embd, config.mlp_hidden, activation=config.mlp, bias=config.bias, **kw)
 

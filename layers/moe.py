@@ -8,7 +8,9 @@ Routing (Mixtral, Qwen-MoE): a replicated router ``[X, E]`` scores every token i
 largest probabilities choose the experts and, renormalised to sum to one, weight their outputs; with
 ``router_score="sigmoid"`` (DeepSeek-V3) each expert's score is ``σ(logit)``, independent of the others', and the
 ``k`` largest, renormalised, weight the outputs (the load-balancing loss averages the scores normalised over the
-experts). The Switch
+experts); with ``expert_groups`` (DeepSeek-V3's group-limited routing) a token chooses only among the experts of
+its ``top_groups`` best groups of consecutive experts, which bounds how many expert-parallel ranks it reaches. The
+Switch
 Transformer load-balancing loss (Fedus et al. 2021, eq. 4), ``X · Σ_x f_x · P_x`` with ``f_x`` the fraction of
 routes that chose expert ``x`` and ``P_x`` its mean probability, is kept in :attr:`ParallelMoE.aux_loss` after
 each forward, and ST-MoE's router z-loss (Zoph et al. 2022, eq. 5), the mean of ``logsumexp(logits)²``, which
@@ -70,6 +72,7 @@ from .mlp import MLP_ACTIVATIONS
 __all__ = [
     "ROUTER_SCORES",
     "ParallelMoE",
+    "check_expert_groups",
     "load_balancing_loss",
     "route_top_k",
     "router_z_loss",
@@ -80,26 +83,53 @@ __all__ = [
 ROUTER_SCORES = ("softmax", "sigmoid")
 
 
-def route_top_k(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None, score: str = "softmax"):
+def route_top_k(logits: torch.Tensor, k: int, bias: torch.Tensor | None = None, score: str = "softmax", *,
+                groups: int = 1, top_groups: int = 1):  # fmt: skip
     """``(weights [N, k] fp32, ids [N, k] int64, probs [N, X] fp32)``: the ``k`` highest-scoring experts of each
     row of ``logits [N, X]`` and their scores renormalised to sum to one. ``score``: ``"softmax"`` (Mixtral,
     Qwen-MoE) or ``"sigmoid"`` (DeepSeek-V3: each expert's affinity ``σ(logit)`` on its own). ``probs`` is the
     scores normalised over the experts (the softmax itself), what the load-balancing loss averages. With
     ``bias [X]`` the experts are those of the ``k`` largest ``score + bias`` (the weights are still their
-    scores)."""
+    scores).
+
+    Group-limited routing (DeepSeek-V3's ``n_group``/``topk_group``): with ``groups > 1`` the experts form that
+    many groups of consecutive experts, each row keeps the ``top_groups`` groups whose two best ``score (+ bias)``
+    add up highest, and chooses its ``k`` experts among theirs only. Groups laid out along the expert-parallel
+    ranks bound the ranks a token's routes travel to."""
     if score not in ROUTER_SCORES:
         raise ValueError(f"route_top_k: score must be one of {ROUTER_SCORES}, received {score!r}")
+    experts = logits.shape[-1]
+    check_expert_groups("route_top_k", experts, k, groups, top_groups)
     if score == "softmax":
         scores = probs = torch.softmax(logits.float(), dim=-1)
     else:
         scores = torch.sigmoid(logits.float())
         probs = scores / scores.sum(-1, keepdim=True)
-    if bias is None:
-        top, ids = scores.topk(k, dim=-1)
-    else:
-        ids = (scores + bias.float()).topk(k, dim=-1)[1]
-        top = scores.gather(-1, ids)
+    choice = scores if bias is None else scores + bias.float()
+    if groups > 1:
+        grouped = choice.view(*choice.shape[:-1], groups, experts // groups)
+        best = grouped.topk(min(2, experts // groups), dim=-1)[0].sum(-1)  # [N, groups]
+        kept = torch.zeros_like(best, dtype=torch.bool).scatter_(-1, best.topk(top_groups, dim=-1)[1], True)
+        choice = grouped.masked_fill(~kept[..., None], -math.inf).view_as(choice)
+    ids = choice.topk(k, dim=-1)[1]
+    top = scores.gather(-1, ids)
     return top / top.sum(-1, keepdim=True), ids, probs
+
+
+def check_expert_groups(caller: str, n_expert: int, top_k: int, groups: int, top_groups: int,
+                        name: str = "groups") -> None:  # fmt: skip
+    """Group-limited routing's settings: ``groups`` (called ``name`` by ``caller``) divides the experts,
+    ``1 <= top_groups <= groups``, and the kept groups hold at least ``top_k`` experts."""
+    for arg, value in ((name, groups), ("top_groups", top_groups)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{caller}: {arg} must be a positive int, received {value!r}")
+    if n_expert % groups:
+        raise ValueError(f"{caller}: {name}={groups} does not divide the {n_expert} experts")
+    if top_groups > groups:
+        raise ValueError(f"{caller}: top_groups={top_groups} exceeds {name}={groups}")
+    if top_k > top_groups * (n_expert // groups):
+        raise ValueError(f"{caller}: top_k={top_k} exceeds the {top_groups * (n_expert // groups)} experts of "
+                         f"top_groups={top_groups} groups of {n_expert // groups}")  # fmt: skip
 
 
 def load_balancing_loss(counts: torch.Tensor, prob_sums: torch.Tensor, tokens: int, k: int) -> torch.Tensor:
@@ -189,12 +219,15 @@ class ParallelMoE(nn.Module):
     Input and output are ``[B, S, E]`` (``[B, S/t, E]`` under ``sequence_parallel``). ``n_expert`` must split
     evenly over ``ep_group``. After each forward :attr:`aux_loss` holds the load-balancing loss and
     :attr:`z_loss` the router z-loss (fp32 scalars) of this forward's tokens, differentiable; ``cp_group`` only
-    widens them to the whole sequence.
+    widens them to the whole sequence. ``expert_groups``/``top_groups``: group-limited routing
+    (:func:`route_top_k`'s ``groups``/``top_groups``); with ``expert_groups`` a multiple of ``ep_group``'s size
+    each group's experts live on one rank, so a token's routes reach at most ``top_groups`` ranks.
     """
 
     def __init__(self, n_embd: int, hidden: int, n_expert: int, top_k: int, *, activation: str = "swiglu",
                  tp_group=None, sequence_parallel: bool = False, ep_group=None, cp_group=None,
-                 expert_bias: bool = False, router_score: str = "softmax", device=None, dtype=None):  # fmt: skip
+                 expert_bias: bool = False, router_score: str = "softmax", expert_groups: int = 1, top_groups: int = 1,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
         for name, value in (("n_embd", n_embd), ("hidden", hidden), ("n_expert", n_expert), ("top_k", top_k)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -205,6 +238,7 @@ class ParallelMoE(nn.Module):
             raise ValueError(f"ParallelMoE: activation must be one of {MLP_ACTIVATIONS}, received {activation!r}")
         if router_score not in ROUTER_SCORES:
             raise ValueError(f"ParallelMoE: router_score must be one of {ROUTER_SCORES}, received {router_score!r}")
+        check_expert_groups("ParallelMoE", n_expert, top_k, expert_groups, top_groups, "expert_groups")
         why = "expert-parallel peers must hold other tokens (init_parallel(ep=)'s ep_group)"
         e = check_peer_group(ep_group, tp_group, caller="ParallelMoE", name="ep_group", why=why) or 1
         t = group_size(tp_group)
@@ -214,6 +248,7 @@ class ParallelMoE(nn.Module):
             raise ValueError(f"ParallelMoE: hidden={hidden} does not split over the {t} tensor-parallel ranks")
         self.n_embd, self.hidden, self.n_expert, self.top_k = n_embd, hidden, n_expert, top_k
         self.activation, self.sequence_parallel, self.router_score = activation, sequence_parallel, router_score
+        self.expert_groups, self.top_groups = expert_groups, top_groups
         self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
         self.per_rank, self.first_expert = n_expert // e, group_rank(ep_group) * (n_expert // e) if e > 1 else 0
         kw = dict(device=device, dtype=dtype)
@@ -252,7 +287,8 @@ class ParallelMoE(nn.Module):
         w = moe.router
         layer = cls(moe.n_embd, moe.hidden, moe.n_expert, moe.top_k, activation=moe.activation, tp_group=tp_group,
                     sequence_parallel=sequence_parallel, ep_group=ep_group, cp_group=cp_group,
-                    expert_bias=moe.expert_bias is not None, router_score=moe.router_score, device=w.device,
+                    expert_bias=moe.expert_bias is not None, router_score=moe.router_score,
+                    expert_groups=moe.expert_groups, top_groups=moe.top_groups, device=w.device,
                     dtype=w.dtype)  # fmt: skip
         with torch.no_grad():
             for name, p in layer.named_parameters():
@@ -268,6 +304,7 @@ class ParallelMoE(nn.Module):
                 f"{self.top_k}, {self.per_rank} "
                 f"here, ep={e}), {self.activation}, tp={group_size(self.tp_group)}, "
                 f"sequence_parallel={self.sequence_parallel}"
+                + (f", groups={self.expert_groups} (top {self.top_groups})" if self.expert_groups > 1 else "")
                 + (", expert_bias=True" if self.expert_bias is not None else ""))  # fmt: skip
 
     def _router(self) -> torch.Tensor:
@@ -299,7 +336,14 @@ class ParallelMoE(nn.Module):
                              f"{tuple(x.shape)}")  # fmt: skip
         shape, tokens = x.shape, x.reshape(-1, self.n_embd)
         logits = F.linear(tokens.float(), self._router().float())
-        weights, ids, probs = route_top_k(logits, self.top_k, self.expert_bias, self.router_score)
+        weights, ids, probs = route_top_k(
+            logits,
+            self.top_k,
+            self.expert_bias,
+            self.router_score,
+            groups=self.expert_groups,
+            top_groups=self.top_groups,
+        )
         self.aux_loss, self.z_loss = self._router_losses(logits, ids, probs)
         tp, t = self.tp_group, group_size(self.tp_group)
         if self.sequence_parallel and t > 1:

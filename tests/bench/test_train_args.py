@@ -99,6 +99,22 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
             1,
             "--expert-bias-rate must be a finite non-negative number, received -1",
         ),
+        (["--expert-groups", "2"], 1, "--expert-groups and --top-groups group the experts: they need --experts"),
+        (
+            ["--experts", "4", "--expert-groups", "3"],
+            1,
+            "--expert-groups must be a positive divisor of --experts 4, received 3",
+        ),
+        (
+            ["--experts", "4", "--expert-groups", "2", "--top-groups", "3"],
+            1,
+            "--top-groups must be in [1, --expert-groups 2], received 3",
+        ),
+        (
+            ["--experts", "4", "--top-k", "3", "--expert-groups", "2"],
+            1,
+            "--top-k 3 exceeds the 2 experts of --top-groups 1 groups",
+        ),
     ],
 )
 def test_layout_and_run_checks(monkeypatch, args, world, expected):

@@ -147,6 +147,22 @@ def test_experts_over_data_parallel_ranks_beside_context_parallelism(replicated,
     assert _losses(tmp_path) == pytest.approx(_losses(replicated), rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_group_limited_routing_over_expert_parallel_ranks(replicated, tmp_path):
+    """--expert-groups 2 --top-groups 1 with --ep 2: the groups are the ranks' experts, so each token's two routes
+    go to one rank. The run follows the same routing with every expert on both ranks, and not the unlimited one."""
+    grouped = [*MOE, "--expert-groups", "2", "--top-groups", "1"]
+    everywhere, split = tmp_path / "dp2", tmp_path / "dp2-ep2"
+    _ok(_train(everywhere, "--dp", "2", *grouped, nproc=2))
+    proc = _ok(_train(split, "--dp", "2", "--ep", "2", "--zero", "1", *grouped, nproc=2))
+    assert "experts=4 top-k=2 ep=2 groups=2 top-groups=1" in proc.stdout
+    assert _losses(split) == pytest.approx(_losses(everywhere), rel=1e-5)
+    assert _losses(everywhere) != pytest.approx(_losses(replicated), rel=1e-4)  # the same model, routed otherwise
+    run = json.loads((split / "run.json").read_text())
+    assert (run["args"]["expert_groups"], run["args"]["top_groups"]) == (2, 1)
+
+
 # DeepSeek-V3's recipe: sigmoid scores and auxiliary-loss-free balancing only, at a rate that changes routes within
 # a step of this young model (whose scores differ by ~1e-2; 0.05 would send every route to the raised experts
 # and back, step after step).

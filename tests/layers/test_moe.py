@@ -26,10 +26,11 @@ TOL = dict(rtol=1e-4, atol=1e-5)
 ROUTER_GAIN = 40.0  # routers far from uniform, so that no choice of experts is a near-tie
 
 
-def _reference(x, router, fc, proj, k, activation, score="softmax"):
+def _reference(x, router, fc, proj, k, activation, score="softmax", choose=None):
     """float64, one token at a time: ``Σ_k w_k · expert(x)``, Switch's loss and ST-MoE's z-loss over the tokens.
     ``score="sigmoid"``: each expert's score is ``1 / (1 + e^-logit)``; Switch's ``P_x`` averages the scores
-    normalised over the experts."""
+    normalised over the experts. ``choose(scores [X]) -> ids [k]``: which experts a token takes (default: the
+    ``k`` best)."""
     x, router, fc, proj = (t.double() for t in (x, router, fc, proj))
     tokens = x.reshape(-1, x.shape[-1])
     logits = tokens @ router.T
@@ -38,7 +39,8 @@ def _reference(x, router, fc, proj, k, activation, score="softmax"):
     out = []
     chosen = torch.zeros(router.shape[0], dtype=torch.float64)
     for n in range(tokens.shape[0]):
-        top, ids = scores[n].topk(k)
+        ids = scores[n].topk(k)[1] if choose is None else choose(scores[n].detach())
+        top = scores[n][ids]
         row = torch.zeros_like(tokens[n])
         for w, e in zip(top / top.sum(), ids.tolist()):
             h = fc[e] @ tokens[n]
@@ -95,11 +97,16 @@ def test_sigmoid_routed_moe_matches_the_float64_definition(n_expert, top_k):
     moe = _layer(n_expert=n_expert, top_k=top_k)
     moe.router_score = "sigmoid"
     assert "sigmoid top" in repr(moe)
+    check_against_reference(moe, "sigmoid")
+
+
+def check_against_reference(moe, score, choose=None):
+    """The layer's output, losses and gradients (x, router, fc, proj) against :func:`_reference`."""
     x = torch.randn(2, 7, 32, requires_grad=True)
     params = (moe.router, moe.fc, moe.proj)
     leaves = [p.detach().double().requires_grad_() for p in params]
     x64 = x.detach().double().requires_grad_()
-    want, want_aux, want_z = _reference(x64, *leaves, top_k, "swiglu", score="sigmoid")
+    want, want_aux, want_z = _reference(x64, *leaves, moe.top_k, moe.activation, score=score, choose=choose)
     got = moe(x)
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(moe.aux_loss.double(), want_aux, rtol=1e-5, atol=1e-6)
