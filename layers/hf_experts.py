@@ -47,7 +47,8 @@ context parallelism) and different experts, so every route is dispatched by the 
 ``ep_group``. The experts stay whole on each tensor-parallel rank: no
 communication over ``tp_group`` (under sequence parallelism their gradients are summed over it, as the
 router's). The parameters are marked ``expert_parallel``: :class:`~tessel.parallel.DDP` reduces them over
-the expert-data-parallel group (the ranks holding the same experts) instead of the whole data-parallel group.
+the expert-data-parallel group (the ranks holding the same experts) instead of the whole data-parallel group,
+and :class:`~tessel.parallel.FSDP` shards them over it.
 Every forward is then a collective over ``ep_group``: ranks generating text step together
 (``generate(..., synced_gpus=True)`` keeps a rank that has finished running forwards until all have).
 

@@ -249,35 +249,46 @@ def _dense_training(dp, clip, aux):
 
 
 def _training(rank, world_size, tp, ep, sp, zero, aux):
-    """init_parallel(ep=) → parallelize(ep_group=) → DDP(expert_group=) → ZeroAdam (clipped) or torch's AdamW;
-    every weight after STEPS steps against the dense run's. Each rank's load-balancing loss (``aux``) is its
-    own batch's, as the dense reference's (under sequence parallelism the router logits are gathered over tp)."""
+    """init_parallel(ep=) → parallelize(ep_group=) → DDP(expert_group=) with torch's AdamW (``zero=0``) or
+    ZeroAdam, clipped (``zero=2``), or FSDP(expert_group=) with ZeroAdam, clipped (``zero=3``: each decoder layer
+    a unit, its experts sharded over the expert-data-parallel group, the rest over dp); every weight after STEPS
+    steps against the dense run's. Each rank's load-balancing loss (``aux``) is its own batch's, as the dense
+    reference's (under sequence parallelism the router logits are gathered over tp)."""
+    from transformers.models.mixtral.modeling_mixtral import MixtralDecoderLayer
+
     from tessel.layers.parallelize import parallelize
-    from tessel.parallel import DDP, ZeroAdam, init_parallel
+    from tessel.parallel import DDP, FSDP, ZeroAdam, init_parallel
     from tessel.parallel.sharding import shard_like
 
     dims = init_parallel(tp=tp, ep=ep)
     model = _moe("mixtral", router_aux_loss_coef=0.5)
     model = parallelize(model, dims.tp_group, sequence_parallel=sp, ep_group=dims.ep_group)
-    ddp = DDP(model, dims.dp_group, expert_group=dims.expert_dp_group)
-    if zero:
-        opt = ZeroAdam(ddp.parameters(), lr=LR, eps=EPS, weight_decay=0.1, max_grad_norm=CLIP, tp_group=dims.tp_group)
+    if zero == 3:
+        wrapper = FSDP(model, dims.dp_group, wrap={MixtralDecoderLayer}, expert_group=dims.expert_dp_group)
+        assert {u.bucket.expert for u in wrapper.units} == {False, True}
     else:
-        opt = torch.optim.AdamW(ddp.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
+        wrapper = DDP(model, dims.dp_group, expert_group=dims.expert_dp_group)
+    if zero:
+        opt = ZeroAdam(wrapper.parameters(), lr=LR, eps=EPS, weight_decay=0.1, max_grad_norm=CLIP,
+                       tp_group=dims.tp_group)  # fmt: skip
+    else:
+        opt = torch.optim.AdamW(wrapper.parameters(), lr=LR, eps=EPS, weight_decay=0.1)
     for _ in range(STEPS):
         opt.zero_grad()
-        _lm_loss(ddp, dims.dp_rank, aux).backward()
+        _lm_loss(wrapper, dims.dp_rank, aux).backward()
         opt.step()
     if zero and tp == 1:
         _check_expert_state(opt, dims)
     dense_params = dict(_dense_training(dims.dp, zero, aux).named_parameters())
-    for name, p in model.named_parameters():
+    trained = wrapper.full_state_dict() if zero == 3 else dict(model.named_parameters())
+    for name, param in model.named_parameters():
+        p = trained[name]
         want = dense_params[name].detach()
-        if getattr(p, "expert_parallel", False):
+        if getattr(param, "expert_parallel", False):
             n = p.shape[0]
             want = want[dims.ep_rank * n : (dims.ep_rank + 1) * n]
         else:
-            want = shard_like(want, p, dims.tp_group)
+            want = shard_like(want, param, dims.tp_group)
         torch.testing.assert_close(p.detach(), want, **WEIGHTS, msg=lambda m, name=name: f"{name}: {m}")
     return "ok"
 
@@ -302,9 +313,10 @@ def _check_expert_state(opt, dims):
 
 @pytest.mark.multiprocess
 @needs_hf
-@pytest.mark.parametrize("world_size, tp, ep, sp, zero, aux", [(2, 1, 2, False, False, False),
-                                                               (4, 1, 2, False, True, True),
-                                                               (4, 2, 2, True, True, True)])  # fmt: skip
+@pytest.mark.parametrize("world_size, tp, ep, sp, zero, aux", [(2, 1, 2, False, 0, False),
+                                                               (4, 1, 2, False, 2, True),
+                                                               (4, 2, 2, True, 2, True),
+                                                               (4, 1, 2, False, 3, True)])  # fmt: skip
 def test_training_with_experts_over_data_parallel_ranks_matches_dense_training(world_size, tp, ep, sp, zero, aux):
     result = run_ranks(_training, world_size, tp, ep, sp, zero, aux, timeout=400, env=REFERENCE_KERNELS)
     assert result == ["ok"] * world_size
