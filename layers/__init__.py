@@ -5,6 +5,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
+from .hf_balance import track_expert_loads
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .mlp import ParallelMLP
 from .moe import ParallelMoE, update_expert_biases
@@ -25,6 +26,7 @@ __all__ = [
     "VocabParallelEmbedding",
     "parallelize",
     "register_hf_attention",
+    "track_expert_loads",
     "update_expert_biases",
     "vocab_parallel_cross_entropy",
 ]

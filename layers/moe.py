@@ -67,6 +67,7 @@ from ..parallel.collectives import (
 )
 from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.sharding import shard_like
+from .hf_balance import expert_loads
 from .mlp import MLP_ACTIVATIONS
 
 __all__ = [
@@ -151,25 +152,42 @@ def _squared_log_sum_exp(logits: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def update_expert_biases(module: nn.Module, rate: float, group=None) -> torch.Tensor | None:
     """One step of auxiliary-loss-free balancing for every :class:`ParallelMoE` in ``module`` built with
-    ``expert_bias=True``: ``bias_x += rate · sign(mean load − load_x)``, where ``load_x`` counts the routes to
-    expert ``x`` since the last update (every forward that recorded gradients, in training mode), summed over
-    ``group``: the ranks that hold other tokens of the step beside this one, the data-parallel group (tensor- and
-    context-parallel ranks' shares are already counted in every layer). One all-reduce for all layers; the
-    counts start again from zero. Returns the summed loads ``[layers, X]`` (None when there is no such layer).
+    ``expert_bias=True``, and every Hugging Face block whose loads :func:`~tessel.layers.hf_balance.
+    track_expert_loads` counts (its ``e_score_correction_bias``; ``parallelize`` tracks the blocks it splits):
+    ``bias_x += rate · sign(mean load − load_x)``, where ``load_x`` counts the routes to expert ``x`` since the
+    last update (every forward that recorded gradients, in training mode), summed over ``group``: the ranks that
+    hold other tokens of the step beside this one, the data-parallel group (tensor- and context-parallel ranks'
+    shares are already counted in every layer). One all-reduce for all layers of a kind; the counts start again
+    from zero. Returns the summed loads ``[layers, X]`` (None when there is no such layer).
 
     A recomputed forward (activation checkpointing) counts its routes again: every count doubles and the signs,
     so the update, stay the same."""
     if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not 0 < rate < math.inf:
         raise ValueError(f"update_expert_biases: rate must be a positive finite number, received {rate!r}")
     layers = [m for m in module.modules() if isinstance(m, ParallelMoE) and m.expert_bias is not None]
-    if not layers:
+    tracked = expert_loads(module)
+    if not layers and not tracked:
         return None
-    loads = torch.stack([m.expert_load for m in layers])
+    biases, counts, extra = [m.expert_bias for m in layers], [m.expert_load for m in layers], [()] * len(layers)
+    for load in tracked:
+        biases.append(load.bias)
+        counts.append(load.counts)
+        extra.append(load.groups)
+    if len({c.numel() for c in counts}) != 1:
+        raise ValueError(f"update_expert_biases: the layers route to different numbers of experts "
+                         f"{sorted({c.numel() for c in counts})}; update each model on its own")  # fmt: skip
+    loads = torch.stack([c.to(torch.float32) for c in counts])
+    for groups in {g for g in extra if g}:  # the tokens of other ranks inside these layers (sequence, context)
+        rows = [i for i, g in enumerate(extra) if g == groups]
+        part = loads[rows]
+        for g in groups:
+            all_reduce(part, g)
+        loads[rows] = part
     if group is not None and group_size(group) > 1:
         all_reduce(loads, group)
-    for m, load in zip(layers, loads, strict=True):
-        m.expert_bias += rate * torch.sign(load.mean() - load)
-        m.expert_load.zero_()
+    for bias, count, load in zip(biases, counts, loads, strict=True):
+        bias += rate * torch.sign(load.mean() - load)
+        count.zero_()
     return loads
 
 

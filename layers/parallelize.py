@@ -46,22 +46,21 @@ a model whose layers are all experts); a user plan may not.
 Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and ``grouped_gemm`` (of a module) and
 ``moe_identity_expert`` are refused by name.
 
-Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module
-of the wrong kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose
-extra work a tessel layer would drop), widths or head counts that do not split over the group (kv heads
-fewer than ranks are not replicated), parameters tied to a module split differently, all raise
-``ValueError`` and leave the model as it was. Then every replacement is built,
-and only then installed. Parents of split projections see their local head counts: tessel's attention
-derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
+Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module of the wrong
+kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose extra work a tessel layer
+would drop), widths or head counts that do not split over the group (kv heads fewer than ranks are not replicated),
+parameters tied to a module split differently, all raise ``ValueError`` and leave the model as it was. Then every
+replacement is built, and only then installed. Parents of split projections see their local head counts: tessel's
+attention derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
 older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layers.hf.local_head_updates`), and
 parameters with one value per query head (GPT-OSS's attention sinks) keep this rank's heads' values.
 
-``sequence_parallel=True``: tessel's GPT (and any model written like it) passes the flag to every
-layer, and the layers split and gather the sequence. A Hugging Face decoder is split where its layers
-begin and gathered after its final norm (:class:`~tessel.layers.hf.HFSequenceLayout`), and the column
-projections of each block run as one overlapped all-gather ring (:class:`~tessel.layers.hf.SequenceRing`);
-the sequence length must then be divisible by ``t``. Parameters replicated over the group (norms, a replicated
-embedding, biases of row layers) hold their complete gradient after ``backward()``.
+``sequence_parallel=True``: tessel's GPT (and any model written like it) passes the flag to every layer, and the
+layers split and gather the sequence. A Hugging Face decoder is split where its layers begin and gathered after its
+final norm (:class:`~tessel.layers.hf.HFSequenceLayout`), and the column projections of each block run as one
+overlapped all-gather ring (:class:`~tessel.layers.hf.SequenceRing`); the sequence length must then be divisible by
+``t``. Parameters replicated over the group (norms, a replicated embedding, biases of row layers) hold their
+complete gradient after ``backward()``.
 """
 
 from __future__ import annotations
@@ -90,6 +89,7 @@ from .hf import (
     local_head_updates,
 )
 from .hf_attention import mla_rope_dim, mla_shared_key, per_head_parameters
+from .hf_balance import balanced_blocks, track_split_loads
 from .hf_experts import (
     ExpertSplit,
     check_ep_group,
@@ -204,6 +204,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         e.new = _build(e, tp_group, overlap)
     rings = _rings(layout, entries, tp_group) if layout is not None else {}
     ties = _ties(model, entries)
+    balanced = is_hf_model(model) and balanced_blocks(model)  # checked here: raises before any change
     # ---- nothing of the model has changed above this line ----
     _install(model, entries, tp_group)
     for target, source in ties:
@@ -224,6 +225,9 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         for m in model.modules():  # the modules that take a cp group, replacements (ParallelMoE) included
             if hasattr(m, "cp_group"):
                 m.cp_group = cp_group
+    if balanced:  # e_score_correction_bias: the ranks routing other tokens of each layer's batch, for its update
+        sharded = [e.module for e in entries if e.kind == EXPERTS and e.sequence_parallel]
+        track_split_loads(model, sharded, tp_group, cp_group)
     for attr, value in (("tp_group", tp_group), ("sequence_parallel", sequence_parallel)):
         if hasattr(model, attr):  # tessel's GPT: its loss reads the group
             setattr(model, attr, value)

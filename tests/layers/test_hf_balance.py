@@ -1,0 +1,158 @@
+"""Auxiliary-loss-free balancing of Hugging Face mixtures of experts (layers/hf_balance.py): the routes counted
+at the experts of every block with an ``e_score_correction_bias``, and ``update_expert_biases`` moving the biases.
+
+One process: GLM-4-MoE and DeepSeek-V3 (tiny, random) against the routes their routers return (read by a hook
+on each router), training forwards only; the biases kept in fp32. On 4 gloo ranks: tensor × context parallelism
+(with and without sequence parallelism) and expert parallelism over data-parallel ranks, every rank's biases
+after one update against the dense model's update on the whole batch (the exact same routes: integer counts,
+routers sharpened so that fp32 reordering cannot flip a route).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tessel.layers import track_expert_loads, update_expert_biases
+from tessel.layers.hf_balance import expert_loads
+from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, B, S, needs_hf
+from tests.layers.test_hf_experts import _moe
+from tests.multiprocess import run_ranks
+
+RATE = 0.01
+
+
+def _routers(model):
+    """The router of every block holding an ``e_score_correction_bias``, in module order."""
+    return [m for m in model.modules() if m._buffers.get("e_score_correction_bias") is not None]
+
+
+def _routes_by_hand(model, run) -> torch.Tensor:
+    """``[layers, X]``: the routes each router returned (its third output, the expert ids) while ``run()`` ran."""
+    routers = _routers(model)
+    counts = torch.zeros(len(routers), routers[0].e_score_correction_bias.numel(), dtype=torch.int64)
+
+    def record(i, out):
+        counts[i] += torch.bincount(out[2].reshape(-1), minlength=counts.shape[1])
+
+    hooks = [r.register_forward_hook(lambda m, a, out, i=i: record(i, out)) for i, r in enumerate(routers)]
+    try:
+        run()
+    finally:
+        for h in hooks:
+            h.remove()
+    return counts
+
+
+def _step(model, ids, weights=None):
+    """A training forward and backward of ``model`` on ``ids``."""
+    logits = model(ids).logits
+    (logits * (weights if weights is not None else 1)).sum().backward()
+
+
+@needs_hf
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3"])
+def test_training_routes_are_counted_and_move_the_biases(family):
+    model = _moe(family)
+    assert track_expert_loads(model) == len(_routers(model)) == 1  # the first layer is dense
+    gen = torch.Generator().manual_seed(3)
+    batches = [torch.randint(VOCAB, (B, S), generator=gen) for _ in range(3)]
+    model.train()
+    want = _routes_by_hand(model, lambda: [_step(model, ids) for ids in batches[:2]])
+    model.eval()
+    model(batches[2])  # neither an evaluation forward
+    model.train()
+    with torch.no_grad():
+        model(batches[2])  # nor one that records no gradient counts
+    assert want.sum() == 2 * B * S * 2  # every token's two routes, in two training forwards
+    assert torch.equal(torch.stack([load.counts for load in expert_loads(model)]), want)
+    before = [r.e_score_correction_bias.clone() for r in _routers(model)]
+    loads = update_expert_biases(model, RATE)
+    assert torch.equal(loads, want.float())
+    for router, bias, count in zip(_routers(model), before, want.float()):
+        torch.testing.assert_close(
+            router.e_score_correction_bias, bias + RATE * torch.sign(count.mean() - count).float()
+        )
+        assert router.e_score_correction_bias.dtype == torch.float32
+    assert all(not load.counts.any() for load in expert_loads(model))  # counting starts again
+    assert not torch.equal(before[0], _routers(model)[0].e_score_correction_bias)
+
+
+@needs_hf
+def test_biases_stay_fp32_in_a_bf16_model_and_tracking_twice_counts_once():
+    model = _moe("glm4_moe").to(torch.bfloat16)
+    assert _routers(model)[0].e_score_correction_bias.dtype == torch.bfloat16
+    assert track_expert_loads(model) == track_expert_loads(model) == 1
+    assert _routers(model)[0].e_score_correction_bias.dtype == torch.float32  # 1e-3 steps survive
+    assert next(model.parameters()).dtype == torch.bfloat16
+    model.train()
+    ids = torch.randint(VOCAB, (B, S), generator=torch.Generator().manual_seed(0))
+    want = _routes_by_hand(model, lambda: _step(model, ids))
+    assert torch.equal(expert_loads(model)[0].counts, want[0])
+    update_expert_biases(model, 1e-3)
+    assert _routers(model)[0].e_score_correction_bias.abs().max() == pytest.approx(1e-3)
+
+
+@needs_hf
+def test_models_without_routing_biases_track_nothing():
+    model = _moe("mixtral")
+    assert track_expert_loads(model) == 0 and expert_loads(model) == []
+    assert update_expert_biases(model, RATE) is None
+    with pytest.raises(TypeError, match=r"track_expert_loads: model must be an nn.Module, received str"):
+        track_expert_loads("model")
+
+
+# ---------------------------------------------------------------------------------------------------- ranks
+
+
+def _dense_update(dense, batches) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """The biases of ``dense`` after training forwards on ``batches`` and one update, and the loads it counted."""
+    track_expert_loads(dense)
+    dense.train()
+    for ids in batches:
+        _step(dense, ids)
+    loads = update_expert_biases(dense, RATE)
+    return [r.e_score_correction_bias for r in _routers(dense)], loads
+
+
+def _parallel(rank, world_size):
+    """tp=2 × cp=2 (each rank its share of the sequence; with sequence parallelism each tp rank routes its shard
+    of it): the counts are summed over the groups ``parallelize`` noted. Then dp=4 with ep=2 (each rank its own
+    batch, every route sent to its expert's rank): summed over the data-parallel group given to the update."""
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel import init_parallel
+    from tessel.parallel.context import split_sequence
+    from tests.layers.test_context_parallel import _grid
+
+    gen = torch.Generator().manual_seed(5)
+    batches = [torch.randint(VOCAB, (B, S), generator=gen) for _ in range(world_size)]
+    _, tp_group, cp_group = _grid(rank, world_size, 2)
+    for family in ("glm4_moe",):
+        for sp in (False, True):
+            dense = _moe(family)
+            par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp)
+            par.train()
+            _step(par, split_sequence(batches[0], cp_group))
+            loads = update_expert_biases(par, RATE)
+            want, want_loads = _dense_update(dense, batches[:1])
+            assert torch.equal(loads, want_loads), (family, sp, loads, want_loads)  # every token once
+            for got, ref in zip((r.e_score_correction_bias for r in _routers(par)), want, strict=True):
+                assert torch.equal(got, ref), (family, sp, got, ref)
+    dims = init_parallel(ep=2)
+    dense = _moe("glm4_moe")
+    par = parallelize(copy.deepcopy(dense), dims.tp_group, ep_group=dims.ep_group)
+    par.train()
+    _step(par, batches[dims.dp_rank])
+    loads = update_expert_biases(par, RATE, dims.dp_group)
+    want, want_loads = _dense_update(dense, batches)
+    assert torch.equal(loads, want_loads) and loads.sum() == world_size * B * S * 2
+    assert torch.equal(_routers(par)[0].e_score_correction_bias, want[0])
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_parallel_layouts_update_the_biases_as_the_dense_model_does():
+    assert run_ranks(_parallel, 4, timeout=400, env=REFERENCE_KERNELS) == ["ok"] * 4
