@@ -34,10 +34,13 @@ run the kernel too: its output is rescaled by ``sigmoid(lse - sink)`` from the l
 returns, differentiably, so the sinks get their gradients; where the kernel does not run, the model's own
 eager attention does (``sdpa`` has no sinks).
 
-Everything else goes to ``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding
-hole in the middle of a row, say), attention dropout in training, position biases, and head dims or dtypes
-the kernel does not take (Gemma 2's head dim of 256, say); with sinks or soft-capping, which ``sdpa`` does
-not take, the model's own eager attention.
+Head dims the kernel lacks run at the next one it takes, widened with zeros (queries and keys of 80 dims at
+128: zeros add nothing to q·k), and so do values narrower than the queries (multi-head latent attention,
+DeepSeek-V2/V3: the values' zero columns give output columns that are cut off). Everything else goes to
+``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding hole in the middle of a row,
+say), attention dropout in training, position biases, and head dims above 128 or dtypes the kernel does not
+take (Gemma 2's head dim of 256, say); with sinks or soft-capping, which ``sdpa`` does not take, the model's
+own eager attention.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
 :func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).
@@ -53,6 +56,7 @@ import torch
 from torch import nn
 
 from ..kernels._memo import kept_on
+from ..kernels.attention_inputs import HEAD_DIMS
 from ..parallel.collectives import copy_to_tp
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import ring_attention
@@ -222,9 +226,31 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     if kwargs.get(SINKS_KWARG) is not None:
         refuse("attention sinks are not supported")
     segment_ids = kwargs.get(SEGMENT_IDS_KWARG)
-    out_BHSD = ring_attention(query, key, value, cp_group, causal=causal, scale=scaling, segment_ids=segment_ids,
+    width = _kernel_head_dim(query, value)
+    if width is None:
+        refuse(f"head dims of {query.shape[-1]} (queries, keys) and {value.shape[-1]} (values) are not supported: "
+               f"at most {max(HEAD_DIMS)}")  # fmt: skip
+    q, k, v = (_widened(t, width) for t in (query, key, value))
+    out_BHSD = ring_attention(q, k, v, cp_group, causal=causal, scale=_scale(scaling, query), segment_ids=segment_ids,
                               window=window, softcap=None if softcap is None else float(softcap))  # fmt: skip
-    return out_BHSD.transpose(1, 2), None  # laid out [B, S, H, D] already
+    return out_BHSD[..., : value.shape[-1]].transpose(1, 2), None  # laid out [B, S, H, D] already
+
+
+def _kernel_head_dim(query: torch.Tensor, value: torch.Tensor) -> int | None:
+    """The head dim the kernels run ``query``/``key`` (dim ``d``) and ``value`` (dim ``dv``) at: the smallest they
+    take that holds both, or None. Zeros widen the rest: they add nothing to q·k (the scale stays ``d``'s), and
+    V's zero columns give output columns that are cut off (multi-head latent attention's ``dv < d``, head dims of
+    80 or 96)."""
+    need = max(query.shape[-1], value.shape[-1])
+    return next((d for d in sorted(HEAD_DIMS) if d >= need), None)
+
+
+def _widened(t: torch.Tensor, width: int) -> torch.Tensor:
+    return t if t.shape[-1] == width else torch.nn.functional.pad(t, (0, width - t.shape[-1]))
+
+
+def _scale(scaling: float | None, query: torch.Tensor) -> float:
+    return query.shape[-1] ** -0.5 if scaling is None else scaling
 
 
 # ---------------------------------------------------------------------------------------------------- attention
@@ -253,7 +279,7 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     ``position_ids``), and refuses with a ``ValueError`` what the ring does not compute (masks, caches,
     dropout, attention sinks).
     """
-    from ..kernels.attention import HEAD_DIMS, flash_attention
+    from ..kernels.attention import flash_attention
 
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     cp_group = getattr(module, CP_GROUP_ATTR, None)
@@ -266,7 +292,7 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         and not (dropout and module.training)
         and kwargs.get("position_bias") is None
         and _softcap_fits(kwargs.get("softcap"))
-        and query.shape[-1] in HEAD_DIMS
+        and _kernel_head_dim(query, value) is not None
         and query.dtype in (torch.float32, torch.float16, torch.bfloat16)
         and query.shape[1] % key.shape[1] == 0
         and _sinks_fit(kwargs.get(SINKS_KWARG), query)
@@ -301,13 +327,15 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     sinks = kwargs.get(SINKS_KWARG)
     if sinks is not None:
         extra["return_lse"] = True
-    out_BHSD = flash_attention(query, key, value, causal=causal and query.shape[2] > 1, scale=scaling, **extra)
+    width = _kernel_head_dim(query, value)
+    q, k, v = (_widened(t, width) for t in (query, key, value))
+    out_BHSD = flash_attention(q, k, v, causal=causal and query.shape[2] > 1, scale=_scale(scaling, query), **extra)
     if sinks is not None:
         # the sink's exp joins each row's softmax denominator: out · Σ/(Σ + e^sink) = out · sigmoid(lse - sink)
         # (differentiable through lse, so the sinks and q, k get their gradients)
         out_BHSD, lse = out_BHSD
         out_BHSD = (out_BHSD * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]).to(out_BHSD.dtype)
-    return out_BHSD.transpose(1, 2).contiguous(), None
+    return out_BHSD[..., : value.shape[-1]].transpose(1, 2).contiguous(), None
 
 
 def _softcap_fits(softcap) -> bool:

@@ -450,6 +450,34 @@ def test_attention_sinks_in_generation_and_in_the_eager_fallback(monkeypatch):
 
 
 @needs_hf
+@pytest.mark.parametrize("family, padding", [("llama-head24", None), ("llama-head80", "left"), ("deepseek_v3", None),
+                                             ("deepseek_v3", "left")])  # fmt: skip
+def test_head_dims_the_kernel_lacks_are_widened_with_zeros(monkeypatch, family, padding):
+    """Head dims of 24 and 80 (queries, keys and values), and multi-head latent attention's values of 8 dims beside
+    queries and keys of 16 (DeepSeek-V3), run the kernel at the next head dim it takes (32, 128, 16): zeros add
+    nothing to q·k, the values' zero columns give output columns that are cut off, and the scale stays the
+    model's. Logits and gradients are eager attention's."""
+    from tessel.layers.hf import register_hf_attention
+    from tests.layers.test_hf_experts import _moe
+
+    register_hf_attention()
+    calls = []
+    import tessel.kernels.attention as attention
+
+    kernel = attention.flash_attention
+    monkeypatch.setattr(attention, "flash_attention", lambda q, k, v, **kw: calls.append((q.shape[-1], v.shape[-1],
+                        kw["scale"])) or kernel(q, k, v, **kw))  # fmt: skip
+    head_dim = {"llama-head24": 24, "llama-head80": 80}.get(family)
+    model = _moe("deepseek_v3") if family == "deepseek_v3" else _model("llama", num_hidden_layers=1, head_dim=head_dim)
+    results = _eager_and_tessel(model, padding)
+    width, scale = {"llama-head24": (32, 24**-0.5), "llama-head80": (128, 80**-0.5)}.get(family, (16, 16**-0.5))
+    assert calls and all(c[:2] == (width, width) and c[2] == pytest.approx(scale) for c in calls), calls
+    _close(results["tessel"][0], results["eager"][0])
+    for name, grad in results["tessel"][1].items():
+        _close(grad, results["eager"][1][name], msg=lambda m, n=name: f"{n}: {m}")
+
+
+@needs_hf
 @pytest.mark.parametrize("padding, head_dim", [(None, 16), ("left", 16), (None, 256)],
                          ids=["unpadded", "padded", "head-dim-256"])  # fmt: skip
 def test_soft_capped_logits_run_the_kernel(monkeypatch, padding, head_dim):

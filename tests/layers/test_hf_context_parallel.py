@@ -61,6 +61,12 @@ def _family_model(family: str):
         return _model("mistral", sliding_window=int(family.removeprefix("mistral-window")))
     if family == "gemma2":
         return _gemma2()
+    if family == "deepseek_v3":  # multi-head latent attention: values of 8 dims beside queries and keys of 16
+        from tests.layers.test_hf_experts import _moe
+
+        return _moe("deepseek_v3")
+    if family == "llama-head24":  # a head dim the kernel lacks: widened to 32 with zeros
+        return _model("llama", kv_heads=2, head_dim=24)
     return _model(family, kv_heads=2)
 
 
@@ -106,8 +112,8 @@ def _grid_vs_dense(rank, world_size, cp, families, sp_options, kv_heads):
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
-    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "mistral-window3", "gemma2"), (False,), 2,
-              timeout=300, env=REFERENCE_KERNELS)  # fmt: skip
+    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "mistral-window3", "gemma2", "deepseek_v3",
+                                     "llama-head24"), (False,), 2, timeout=300, env=REFERENCE_KERNELS)  # fmt: skip
 
 
 @pytest.mark.multiprocess
