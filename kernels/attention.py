@@ -14,7 +14,7 @@ Query head ``h`` reads key/value head ``h // G`` by indexing: repeated keys and 
 
 Legend: ``B`` batch, ``Hq`` query heads, ``Hkv`` key/value heads, ``G = Hq / Hkv`` query heads per
 key/value head (1: MHA, ``Hq``: MQA), ``Sq`` query length, ``Sk`` key/value length, ``D`` head dim in
-{16, 32, 64, 128}. ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]``, ``out [B, Hq, Sq, D]``,
+{16, 32, 64, 128, 256}. ``q [B, Hq, Sq, D]``, ``k, v [B, Hkv, Sk, D]``, ``out [B, Hq, Sq, D]``,
 ``lse [B, Hq, Sq]``.
 
 The log-sum-exp is what the backward recomputes the probabilities from, ``P = exp(scale·QKᵀ - lse)``,
@@ -494,7 +494,7 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
     Args:
         q: ``[B, Hq, Sq, D]``, float32/float16/bfloat16, any batch/head/sequence strides (a transposed
             ``[B, Sq, Hq, D]`` view or a slice of a fused QKV buffer is read in place; a head_dim
-            that is not contiguous is copied first). ``D`` in {16, 32, 64, 128}.
+            that is not contiguous is copied first). ``D`` in {16, 32, 64, 128, 256}.
         k, v: ``[B, Hkv, Sk, D]`` with ``Hq % Hkv == 0``; query head ``h`` attends with key/value head
             ``h // (Hq / Hkv)`` (GQA; ``Hkv = 1`` is MQA). q's dtype, device, batch and head dim; any
             length ``Sk`` (k and v the same), which may differ from ``Sq`` (decode, chunked prefill

@@ -21,7 +21,7 @@ from ._memo import kept_on, kept_with
 
 __all__ = ["HEAD_DIMS", "run_starts"]
 
-HEAD_DIMS = (16, 32, 64, 128)
+HEAD_DIMS = (16, 32, 64, 128, 256)
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 

@@ -35,12 +35,12 @@ returns, differentiably, so the sinks get their gradients; where the kernel does
 eager attention does (``sdpa`` has no sinks).
 
 Head dims the kernel lacks run at the next one it takes, widened with zeros (queries and keys of 80 dims at
-128: zeros add nothing to q·k), and so do values narrower than the queries (multi-head latent attention,
-DeepSeek-V2/V3: the values' zero columns give output columns that are cut off). Everything else goes to
-``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding hole in the middle of a row,
-say), attention dropout in training, position biases, and head dims above 128 or dtypes the kernel does not
-take (Gemma 2's head dim of 256, say); with sinks or soft-capping, which ``sdpa`` does not take, the model's
-own eager attention.
+128, DeepSeek-V3's 192 at 256: zeros add nothing to q·k), and so do values narrower than the queries
+(multi-head latent attention, DeepSeek-V2/V3: the values' zero columns give output columns that are cut off).
+Everything else goes to ``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding hole in
+the middle of a row, say), attention dropout in training, position biases, and head dims above 256 or dtypes
+the kernel does not take; with sinks or soft-capping, which ``sdpa`` does not take, the model's own eager
+attention.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
 :func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).

@@ -298,6 +298,29 @@ def attention_specialisation_cases():
     return cases
 
 
+def attention_wide_head_cases():
+    """The attention kernels at D=256 (Gemma 2/3; DeepSeek-V3's 192 widened), bf16, causal, in their two smallest
+    autotuning configurations: the larger tiles overflow shared memory at this width (the autotuner skips them),
+    and some tile of each kernel must fit and keep its main loop (nearly) free of local-memory traffic."""
+    att = importlib.import_module("tessel.kernels.attention_kernels")
+    odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT", "WINDOW", "OFF")
+    kernels = (*_BACKWARD_AND_FORWARD(att), ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}))
+    cases = []
+    for label, tuned, extra in kernels:
+        fn = tuned.fn
+        for config in tuned.configs[-2:]:
+            blocks = {**config.kwargs, **extra}
+            tile = f"{blocks['BLOCK_M']}x{blocks['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 256, "coverage": True, "wide": True}
+            constants = dict(HEAD_DIM=256, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SOFTCAPPED=False,
+                             **blocks)  # fmt: skip
+            if "SEGMENTS" in fn.arg_names:
+                constants["SEGMENTS"] = constants["WINDOWED"] = False
+            cases.append((f"attention {label} bf16 D=256 causal {tile}", fn, _attention_ptrs(fn, "bf16"), constants,
+                          _floats(fn), odd, config.num_warps, config.num_stages, meta))  # fmt: skip
+    return cases
+
+
 def spread(configs: list) -> list:
     """Every other autotuning configuration, from the first to the last (the lists run from the largest tile to
     the smallest): the variants below compile these. Their code is the main loops' (compiled in every
@@ -463,9 +486,9 @@ def grouped_matmul_cases():
 
 
 def all_cases():
-    return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_segment_cases()
-            + attention_window_cases() + attention_softcap_cases() + adam_cases() + norm_cases()
-            + grouped_matmul_cases())  # fmt: skip
+    return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_wide_head_cases()
+            + attention_segment_cases() + attention_window_cases() + attention_softcap_cases() + adam_cases()
+            + norm_cases() + grouped_matmul_cases())  # fmt: skip
 
 
 _CASES = None

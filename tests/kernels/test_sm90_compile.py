@@ -70,7 +70,7 @@ def test_every_attention_specialisation_has_a_configuration_that_fits_without_sp
     autotuner has a configuration within the shared memory of one block that keeps its registers."""
     groups = {}
     for r in compiled.values():
-        if r.get("coverage") and not r.get("segments") and not r.get("window") and not r.get("softcap"):
+        if r.get("coverage") and not any(r.get(f) for f in ("segments", "window", "softcap", "wide")):
             groups.setdefault((r["kernel"], r["dtype"], r["head_dim"]), []).append(r)
     kernels = ("attention fwd", "attention split-kv", "attention dkdv", "attention dkdv atomic-dq", "attention dq")
     assert set(groups) == {(k, d, h) for k in kernels for d, h in (("fp32", 128), ("fp16", 64), ("bf16", 16))}
@@ -78,6 +78,21 @@ def test_every_attention_specialisation_has_a_configuration_that_fits_without_sp
         fitting = [r for r in records if r["shared"] <= H200_SHARED_BYTES and r["spill_bytes"] == 0]
         assert fitting, (key, [(r["name"], r["shared"], r["spill_bytes"]) for r in records])
         assert all(r["wgmma"] + r["mma"] > 0 for r in records), key  # tensor cores in every dtype
+
+
+@pytest.mark.parametrize("kernel", ATTENTION_MAIN_LOOPS)
+def test_head_dim_256_has_a_tile_that_fits_and_keeps_its_registers(compiled, kernel):
+    """At D=256 (bf16, causal) the two smallest tiles of each kernel use tensor cores, and one of them fits in the
+    shared memory of a block with its main loop free of local-memory traffic; the one-kernel backward, which holds
+    dS·K beside the dK and dV accumulators, refills a few registers per step at best (7 at 16×32)."""
+    configs = [r for r in compiled.values() if r["kernel"] == kernel and r.get("wide")]
+    assert len(configs) == 2, kernel
+    report = [(r["name"], r["shared"], r["spill_bytes"], r["loop_local_ops"]) for r in configs]
+    assert all(r["wgmma"] + r["mma"] > 0 for r in configs), report
+    fitting = [r for r in configs if r["shared"] <= H200_SHARED_BYTES]
+    assert fitting, report
+    limit = 16 if kernel == "attention dkdv atomic-dq" else 0
+    assert min(r["loop_local_ops"] for r in fitting) <= limit, report
 
 
 def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):

@@ -482,14 +482,14 @@ def test_head_dims_the_kernel_lacks_are_widened_with_zeros(monkeypatch, family, 
                          ids=["unpadded", "padded", "head-dim-256"])  # fmt: skip
 def test_soft_capped_logits_run_the_kernel(monkeypatch, padding, head_dim):
     """Gemma 2 soft-caps its attention logits (c·tanh(s/c)), which sdpa refuses: the kernel runs them with
-    ``softcap``; logits and gradients are those of Gemma 2's eager attention. Gemma 2's real head dim, 256, is
-    not the kernel's: its eager attention runs, given the causal mask the mask builder left out (None)."""
+    ``softcap``, at Gemma 2's real head dim of 256 too; logits and gradients are those of Gemma 2's eager
+    attention."""
     from tessel.layers.hf import register_hf_attention
 
     register_hf_attention()
     calls = _spy_on_kernel(monkeypatch)
     results = _eager_and_tessel(_gemma2(head_dim), padding)
-    kernel_calls = [(0.5, 3), (0.5, None)] if head_dim == 16 else []
+    kernel_calls = [(0.5, 3), (0.5, None)]
     assert [(c[2].get("softcap"), c[2].get("window")) for c in calls] == kernel_calls
     _close(results["tessel"][0], results["eager"][0])
     for name, grad in results["tessel"][1].items():

@@ -59,8 +59,8 @@ def _family_model(family: str):
     is test_hf's (soft-capped logits, a window of 3 in every other layer)."""
     if family.startswith("mistral-window"):
         return _model("mistral", sliding_window=int(family.removeprefix("mistral-window")))
-    if family == "gemma2":
-        return _gemma2()
+    if family.startswith("gemma2"):  # "gemma2-head256": at Gemma 2's real head dim
+        return _gemma2(int(family.removeprefix("gemma2").removeprefix("-head") or 16))
     if family == "deepseek_v3":  # multi-head latent attention: values of 8 dims beside queries and keys of 16
         from tests.layers.test_hf_experts import _moe
 
@@ -74,7 +74,7 @@ def _layer_windows(family: str) -> tuple:
     """The sliding window of each of the 2 layers (None: full attention)."""
     if family.startswith("mistral-window"):
         return (int(family.removeprefix("mistral-window")),) * 2
-    return (3, None) if family == "gemma2" else (None, None)
+    return (3, None) if family.startswith("gemma2") else (None, None)
 
 
 def _ring_links(family: str, cp: int, seq_len: int) -> int:
@@ -112,8 +112,17 @@ def _grid_vs_dense(rank, world_size, cp, families, sp_options, kv_heads):
 @pytest.mark.multiprocess
 @needs_hf
 def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
-    run_ranks(_grid_vs_dense, 2, 2, ("llama", "mistral", "qwen2", "mistral-window3", "gemma2", "deepseek_v3",
-                                     "llama-head24"), (False,), 2, timeout=300, env=REFERENCE_KERNELS)  # fmt: skip
+    families = (
+        "llama",
+        "mistral",
+        "qwen2",
+        "mistral-window3",
+        "gemma2",
+        "deepseek_v3",
+        "llama-head24",
+        "gemma2-head256",
+    )
+    run_ranks(_grid_vs_dense, 2, 2, families, (False,), 2, timeout=300, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess
