@@ -87,12 +87,13 @@ def _prune_for_short_sequences(configs, named_args, **kwargs):
 
 
 # Hopper (sm_90) candidates, chosen from what ptxas makes of them at bf16, D=128, causal and not
-# (tests/kernels/sm90_compile.py reports registers, spills and local-memory traffic per loop step):
-# every tile keeps its main loop free of register spills except the FlashAttention-2 backward tile
-# (64×128, 8 warps), kept as a candidate for its wide MMAs although it refills a few dozen registers per
-# step. Tiles of 128 query rows over 4 warps are left out: their fp32 accumulators (128×128 over 128
-# threads) spill at every step. The 64×64 and 64×32 tiles serve short sequences and fp32 with D=128,
-# where the larger tiles overflow shared memory (the autotuner skips those).
+# (tests/kernels/sm90_compile.py reports registers, spills and local-memory traffic per loop step): every tile
+# keeps its main loop free of register spills except the FlashAttention-2 backward tile (64×128, 8 warps), kept
+# as a candidate for its wide MMAs although it refills a few dozen registers per step (16 to 43 with Triton 3.9;
+# 79 per causal step with Triton 3.6, whose other tiles compile alike). Tiles of 128 query rows over 4 warps are
+# left out: their fp32 accumulators (128×128 over 128 threads) spill at every step. The 64×64 and 64×32 tiles
+# serve short sequences and fp32 with D=128, where the larger tiles overflow shared memory (the autotuner skips
+# those).
 _FWD_CONFIGS = _configs([
     (128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (128, 128, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3),
     (64, 32, 4, 2),

@@ -40,6 +40,9 @@ PTX_COUNTS = {
     "cp_async": "cp.async.c",  # cp.async.ca / cp.async.cg
     "tma": "cp.async.bulk.tensor",
 }
+# Global atomics in the SASS: REDG (fire-and-forget reductions) and ATOMG (atomics that return the old value).
+# Triton 3.6 writes a relaxed atomic add whose result is unused as PTX ``atom``, which ptxas turns into REDG.
+SASS_ATOMICS = {"red": re.compile(r"\bREDG?\.E\."), "atom": re.compile(r"\bATOMG?\.E\.")}
 # Instructions at the start of a line, predicated or not ("red.global" alone would also match
 # "cp.async.cg.shared.global").
 PTX_INSTRUCTIONS = {
@@ -78,7 +81,8 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
     with contextlib.redirect_stdout(log):
         kernel = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
-    sass = meta.pop("sass", True)  # False: no test weighs this program's loop spills, skip the disassembly
+    # False: no test weighs this program's loop spills or atomics, skip the disassembly
+    sass = disassemble(kernel.asm["cubin"]) if meta.pop("sass", True) else None
     return {
         "name": name,
         "ok": True,
@@ -87,7 +91,8 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
         **{key: len(pattern.findall(ptx)) for key, pattern in PTX_INSTRUCTIONS.items()},
         **resource_usage(ptx, log.getvalue()),
-        "loop_local_ops": loop_local_ops(kernel.asm["cubin"]) if sass else None,
+        "loop_local_ops": None if sass is None else loop_local_ops(sass),
+        **{f"sass_{k}": None if sass is None else len(p.findall(sass)) for k, p in SASS_ATOMICS.items()},
         "num_warps": num_warps,
         "num_stages": num_stages,
         **meta,
@@ -134,17 +139,21 @@ _SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s*([^;]*);", re.M)
 _BACK_BRANCH = re.compile(r"\bBRA\s+0x([0-9a-f]+)")
 
 
-def loop_local_ops(cubin: bytes) -> int:
+def disassemble(cubin: bytes) -> str:
+    """The program's SASS (the machine code ptxas built), from the cuobjdump Triton ships."""
+    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as binary:
+        binary.write(cubin)
+        binary.flush()
+        return subprocess.run(
+            [knobs.nvidia.cuobjdump.path, "-sass", binary.name], capture_output=True, text=True, timeout=300, check=True
+        ).stdout
+
+
+def loop_local_ops(sass: str) -> int:
     """Local-memory loads and stores (LDL/STL: spilled registers going out and coming back) in the most
     crowded innermost loop of the program's SASS. Spills outside the loops cost once per program; these
     cost at every step of a main loop. Loops are read from backward branches; innermost ones contain
     no other."""
-    with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as binary:
-        binary.write(cubin)
-        binary.flush()
-        sass = subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "-sass", binary.name], capture_output=True, text=True, timeout=300, check=True
-        ).stdout
     code = [(int(addr, 16), op) for addr, op in _SASS_LINE.findall(sass)]
     branches = ((addr, _BACK_BRANCH.search(op)) for addr, op in code)
     loops = [(int(b.group(1), 16), addr) for addr, b in branches if b and int(b.group(1), 16) < addr]
@@ -290,7 +299,7 @@ def attention_specialisation_cases():
                 tile = f"{blocks['BLOCK_M']}x{blocks['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
                 name = f"attention {label} {dtype} D={head_dim} {'causal' if causal else 'full'} {tile}"
                 meta = {"kernel": f"attention {label}", "dtype": dtype, "head_dim": head_dim, "coverage": True,
-                        "sass": False}  # fmt: skip
+                        "sass": extra.get("ATOMIC_DQ", False)}  # fmt: skip
                 constants = {**common, **blocks}
                 if "SEGMENTS" in fn.arg_names:
                     constants["SEGMENTS"] = constants["WINDOWED"] = False
