@@ -139,6 +139,20 @@ def test_fully_sharded_experts_train_like_the_replicated_ones(replicated, tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_fully_sharded_experts_under_pipeline_stages(tmp_path):
+    """pp=2 × dp=2 with ep=2: each rank's stage is one FSDP (its blocks' experts sharded over the expert-dp group
+    of one rank, the rest over dp) and trains as the same layout under ZeRO-1 does."""
+    layout = ["--pp", "2", "--dp", "2", "--ep", "2", "--microbatches", "2"]
+    zero1, zero3 = tmp_path / "zero1", tmp_path / "zero3"
+    _ok(_train(zero1, *layout, "--zero", "1", *MOE, nproc=4))
+    proc = _ok(_train(zero3, *layout, "--zero", "3", *MOE, nproc=4))
+    assert "pp=2" in proc.stdout and "zero=3" in proc.stdout
+    assert _losses(zero3) == pytest.approx(_losses(zero1), rel=1e-5)
+    assert _losses(zero3)[-1] < _losses(zero3)[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_experts_over_data_parallel_ranks_beside_context_parallelism(replicated, tmp_path):
     """cp=2 × dp=2 with ep=2: each sequence split over two ranks (ring attention, the load-balancing loss summed
     over both halves), the experts over the two data-parallel ranks of each cp index."""
