@@ -177,7 +177,8 @@ def update_expert_biases(module: nn.Module, rate: float, group=None) -> torch.Te
         raise ValueError(f"update_expert_biases: the layers route to different numbers of experts "
                          f"{sorted({c.numel() for c in counts})}; update each model on its own")  # fmt: skip
     loads = torch.stack([c.to(torch.float32) for c in counts])
-    for groups in {g for g in extra if g}:  # the tokens of other ranks inside these layers (sequence, context)
+    # the tokens of other ranks inside these layers (sequence, context): in layer order, the same on every rank
+    for groups in dict.fromkeys(g for g in extra if g):
         rows = [i for i, g in enumerate(extra) if g == groups]
         part = loads[rows]
         for g in groups:
