@@ -30,6 +30,7 @@ import torch
 from torch import nn
 
 from ..parallel.comm import group_size
+from .hf_experts import _routing_names
 
 __all__ = ["ExpertLoad", "balanced_blocks", "expert_loads", "track_expert_loads", "track_split_loads"]
 
@@ -61,9 +62,12 @@ def _bias_owner(block: nn.Module, experts: nn.Module) -> nn.Module | None:
 
 
 def _ids_argument(experts: nn.Module) -> tuple[inspect.Signature, str] | None:
-    sig = inspect.signature(type(experts).forward)
-    names = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    return (sig, names[2]) if len(names) == 4 else None
+    """The experts' forward signature and the name of its expert-ids argument, or None when it takes none."""
+    try:
+        sig, names = _routing_names(experts)
+    except ValueError:  # not Hugging Face's experts interface (a ModuleList of experts, say)
+        return None
+    return (sig, names[1]) if len(names) == 3 else None
 
 
 def balanced_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, inspect.Signature, str]]:

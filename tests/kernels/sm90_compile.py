@@ -311,22 +311,28 @@ def attention_wide_head_cases():
     """The attention kernels at D=256 (Gemma 2/3; DeepSeek-V3's 192 widened), bf16, causal, in their two smallest
     autotuning configurations: the larger tiles overflow shared memory at this width (the autotuner skips them),
     and some tile of each kernel must fit and keep its main loop (nearly) free of local-memory traffic."""
+    return _causal_bf16_cases("", 256, lambda configs: configs[-2:], softcapped=False, meta={"wide": True})
+
+
+def _causal_bf16_cases(what: str, head_dim: int, pick, softcapped: bool, meta: dict) -> list:
+    """The one-pass forward, the backward and the split-KV forward, bf16 and causal at ``head_dim``, in the
+    autotuning configurations ``pick(configs)`` chooses; ``what`` joins their names, ``meta`` their records."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
-    odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT", "WINDOW", "OFF")
+    odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW", "OFF", "NSPLIT")
     kernels = (*_BACKWARD_AND_FORWARD(att), ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}))
     cases = []
     for label, tuned, extra in kernels:
         fn = tuned.fn
-        for config in tuned.configs[-2:]:
+        for config in pick(tuned.configs):
             blocks = {**config.kwargs, **extra}
             tile = f"{blocks['BLOCK_M']}x{blocks['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
-            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 256, "coverage": True, "wide": True}
-            constants = dict(HEAD_DIM=256, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SOFTCAPPED=False,
-                             **blocks)  # fmt: skip
+            record = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": head_dim, "coverage": True, **meta}
+            constants = dict(HEAD_DIM=head_dim, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True,
+                             SOFTCAPPED=softcapped, **blocks)  # fmt: skip
             if "SEGMENTS" in fn.arg_names:
                 constants["SEGMENTS"] = constants["WINDOWED"] = False
-            cases.append((f"attention {label} bf16 D=256 causal {tile}", fn, _attention_ptrs(fn, "bf16"), constants,
-                          _floats(fn), odd, config.num_warps, config.num_stages, meta))  # fmt: skip
+            cases.append((f"attention {label}{what} bf16 D={head_dim} causal {tile}", fn, _attention_ptrs(fn, "bf16"),
+                          constants, _floats(fn), odd, config.num_warps, config.num_stages, record))  # fmt: skip
     return cases
 
 
@@ -376,24 +382,7 @@ def _floats(fn) -> tuple[str, ...]:
 def attention_softcap_cases():
     """The one-pass forward, the backward and the split-KV forward with soft-capped logits (Gemma 2), bf16 at
     D=128, causal, in every other autotuning configuration (:func:`spread`)."""
-    att = importlib.import_module("tessel.kernels.attention_kernels")
-    odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW", "OFF", "NSPLIT")
-    kernels = (*_BACKWARD_AND_FORWARD(att), ("split-kv", att.split_kv_kernel_tuned, {"BLOCK_M": 16, "FINAL": False}))
-    cases = []
-    for label, tuned, extra in kernels:
-        fn = tuned.fn
-        for config in spread(tuned.configs):
-            blocks = {**config.kwargs, **extra}
-            tile = f"{blocks['BLOCK_M']}x{blocks['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
-            meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": True,
-                    "softcap": True, "coverage": True}  # fmt: skip
-            constants = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SOFTCAPPED=True,
-                             **blocks)  # fmt: skip
-            if "SEGMENTS" in fn.arg_names:
-                constants["SEGMENTS"] = constants["WINDOWED"] = False
-            cases.append((f"attention {label} softcap bf16 D=128 causal {tile}", fn, _attention_ptrs(fn, "bf16"),
-                          constants, _floats(fn), odd, config.num_warps, config.num_stages, meta))  # fmt: skip
-    return cases
+    return _causal_bf16_cases(" softcap", 128, spread, softcapped=True, meta={"causal": True, "softcap": True})
 
 
 def attention_window_cases():
