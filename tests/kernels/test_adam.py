@@ -3,7 +3,8 @@
 Tolerances: the kernel, the reference and torch.optim.AdamW all compute in fp32 and differ only in
 how they group the same operations (torch's lerp for the first moment, addcmul for the second, the
 order of the divisions), a few units in the last place per step. Over five steps on O(1) parameters
-that stays below 1e-6 relative to the largest value (measured: ~1.2e-7), which is what the brief asks.
+that stays below 1e-6 relative to the largest value (measured: ~1.2e-7), which is what the brief asks;
+the moments' scale is at least that of the terms they sum (see _check_against_torch).
 bf16/fp16 gradients upcast exactly to fp32, so they are held to the same bound against torch fed the
 upcast gradient. The bf16 parameter copy is compared bit for bit with the fp32 result cast to bf16.
 grad_stats accumulates squares in fp32 per block and sums the block partials in fp64: against a
@@ -24,10 +25,11 @@ LRS = [1e-2, 3e-3, 2e-2, 5e-3, 1e-2]  # a different lr each step, as a schedule 
 RTOL = 1e-6
 
 
-def _close(got, want, what, rtol=RTOL):
-    """``|got - want| <= rtol·max|want|`` elementwise (moments pass through zero, so not per element)."""
+def _close(got, want, what, rtol=RTOL, floor=0.0):
+    """``|got - want| <= rtol·max(max|want|, floor)`` elementwise (moments pass through zero, so not per
+    element; ``floor`` is the size of the terms a moment sums, for where they cancel)."""
     got, want = got.double(), want.double()
-    atol = rtol * want.abs().max().item()
+    atol = rtol * max(want.abs().max().item(), floor)
     torch.testing.assert_close(got, want, rtol=0, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
@@ -68,9 +70,15 @@ def _run(impl, param, exp_avg, exp_avg_sq, grads, weight_decay, start_step=0, **
              **HYPER, **extra)  # fmt: skip
 
 
-def _check_against_torch(got, want, tag):
-    for name, g, w in zip(("param", "exp_avg", "exp_avg_sq"), got, want):
-        _close(g, w, f"{tag} {name}")
+def _check_against_torch(got, want, tag, grads=()):
+    """The state after the steps against torch's. Each step's moment is the sum of ``β·m`` and
+    ``(1−β)·g`` (``g²``): where the two nearly cancel (an element of a one-element shard, measured
+    on an H200: 5.7e-6 of the result, 48 units in its last place), the rounding is that of the terms,
+    so the moments' scale is at least theirs."""
+    g_max = max((g.double().abs().max().item() for g in grads), default=0.0)
+    floors = (0.0, (1 - HYPER["beta1"]) * g_max, (1 - HYPER["beta2"]) * g_max**2)
+    for name, g, w, floor in zip(("param", "exp_avg", "exp_avg_sq"), got, want, floors):
+        _close(g, w, f"{tag} {name}", floor=floor)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -81,7 +89,7 @@ def test_matches_torch_adamw_with_fp32_grads(device, impl, weight_decay, n):
     state, grads = _state(n, device), _grads(n, torch.float32, device)
     want = _torch_adamw(*state, grads, weight_decay, start_step=3)
     _run(IMPLS[impl], *state, grads, weight_decay, start_step=3)
-    _check_against_torch(state, want, f"{impl} n={n} wd={weight_decay}")
+    _check_against_torch(state, want, f"{impl} n={n} wd={weight_decay}", grads)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -94,7 +102,7 @@ def test_low_precision_grads_and_bf16_copy_into_a_poisoned_buffer(device, impl, 
     buffer = torch.full((n + 2 * pad,), float("nan"), device=device, dtype=torch.bfloat16)
     param_copy = buffer[pad : pad + n]
     _run(IMPLS[impl], *state, grads, 0.1, param_copy=param_copy)
-    _check_against_torch(state, want, f"{impl} {grad_dtype} grads")
+    _check_against_torch(state, want, f"{impl} {grad_dtype} grads", grads)
     assert torch.equal(param_copy, state[0].to(torch.bfloat16)), "param_copy is not the updated param in bf16"
     assert buffer[:pad].isnan().all() and buffer[pad + n :].isnan().all(), "neighbours of param_copy were written"
 
@@ -134,7 +142,7 @@ def test_param_copy_may_be_param_itself(device):
     state, grads = _state(n, device), _grads(n, torch.float32, device, steps=2)
     want = _torch_adamw(*state, grads, 0.1)
     _run(adam_step, *state, grads, 0.1, param_copy=state[0])
-    _check_against_torch(state, want, "param_copy=param")
+    _check_against_torch(state, want, "param_copy=param", grads)
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -188,7 +196,7 @@ def test_found_inf_zero_updates(device, impl, dtype):
     want = _torch_adamw(*state, grads, 0.1)
     found_inf = torch.zeros(1, device=device, dtype=dtype)
     _run(IMPLS[impl], *state, grads, 0.1, found_inf=found_inf)
-    _check_against_torch(state, want, f"{impl} found_inf=0 {dtype}")
+    _check_against_torch(state, want, f"{impl} found_inf=0 {dtype}", grads)
 
 
 @pytest.mark.parametrize("device", DEVICES)
