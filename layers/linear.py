@@ -22,14 +22,23 @@ from torch import nn
 
 from ..parallel.collectives import gather_from_tp, split_to_tp
 from ..parallel.comm import group_rank, group_size
-from ..parallel.overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
+from ..parallel.overlap import (
+    ALL_REDUCE_CHUNKS,
+    all_gather_matmul,
+    matmul_all_reduce,
+    matmul_grad_all_reduce,
+    matmul_reduce_scatter,
+)
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
-# "auto" overlaps when each rank's GEMM has at least this many multiply-adds. Provisional: below it a
-# chunk's GEMM is too short to hide a transfer's latency; to be replaced by the threshold measured with
-# ``python -m tessel.bench overlap`` on GPUs.
-AUTO_OVERLAP_MIN_MACS = 2**28
+# "auto" overlaps when each step's GEMM (one ring step: the tokens of one rank; one all-reduce chunk: a
+# quarter of them) has at least this many multiply-adds. Measured with ``python -m tessel.bench overlap``
+# on an H200 (bench/results/2026-11-23-h200-overlap.md): a ring step costs ~0.1 ms on top of its GEMM
+# (launches and stream switches on the host), so steps below ~2^35 multiply-adds (~0.1 ms of bf16 GEMM
+# there) made the chunked schedule 1.4-15x one GEMM, more than a transfer could hide; at or above it
+# the schedule stayed within 1.2x. tests/layers/test_linear.py checks the rule against that record.
+AUTO_OVERLAP_MIN_STEP_MACS = 2**35
 
 
 def _check_overlap(name: str, overlap) -> None:
@@ -37,9 +46,11 @@ def _check_overlap(name: str, overlap) -> None:
         raise ValueError(f"{name}: overlap must be 'auto', True or False, received {overlap!r}")
 
 
-def _use_overlap(overlap, t: int, tokens: int, k: int, n: int) -> bool:
+def _use_overlap(overlap, t: int, tokens: int, k: int, n: int, steps: int | None = None) -> bool:
+    """Whether to chunk: ``tokens × k × n`` multiply-adds cut into ``steps`` GEMMs (the ring's ``t`` by
+    default; the all-reduce ops' ``ALL_REDUCE_CHUNKS``)."""
     if overlap == "auto":
-        return t > 1 and tokens * k * n >= AUTO_OVERLAP_MIN_MACS
+        return t > 1 and tokens // (steps or t) * k * n >= AUTO_OVERLAP_MIN_STEP_MACS
     return bool(overlap)
 
 
@@ -190,7 +201,7 @@ class ColumnParallelLinear(nn.Module):
             y = _sequence_from_token_major(y, x)
         else:
             x2 = x.reshape(-1, self.in_features)
-            ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local)
+            ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local, ALL_REDUCE_CHUNKS)
             y = matmul_grad_all_reduce(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov)
             y = y.view(*x.shape[:-1], n_local)
         outs = y.split(self.local_parts, dim=-1) if len(self.local_parts) > 1 else (y,)
@@ -291,7 +302,7 @@ class RowParallelLinear(nn.Module):
             y = matmul_reduce_scatter(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
             return _sequence_from_token_major(y, x)
         x2 = x.reshape(-1, k_local)
-        ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features)
+        ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features, ALL_REDUCE_CHUNKS)
         y = matmul_all_reduce(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
         return y.view(*x.shape[:-1], self.out_features)
 
