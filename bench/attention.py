@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from ..kernels.attention import flash_attention
+from ..kernels.attention_kernels import tuned_programs
 from .matmul import BenchmarkError, max_rel_error
 from .runner import geomean_rows, suite_device, time_fn
 from .shapes import select_shapes
@@ -54,8 +55,10 @@ __all__ = [
 PASSES = ("fwd", "fwd+bwd", "fwd+bwd-atomic")
 COLUMNS = (
     "case", "pass", "causal", "B", "H", "S", "D", "dtype", "torch_backend", "max_rel_err", "tessel_ms", "torch_ms",
-    "tessel_tflops", "torch_tflops", "tessel/torch", "tessel_of_peak",
+    "tessel_tflops", "torch_tflops", "tessel/torch", "tessel_of_peak", "programs",
 )  # fmt: skip
+# The kernels each pass launches, whose autotuned tiles a row records.
+PROGRAMS = {"fwd": ("fwd",), "fwd+bwd": ("fwd", "dkdv", "dq"), "fwd+bwd-atomic": ("fwd", "dkdv+dq")}
 
 # Error is max|tessel - torch| / max|torch| over out (and dq, dk, dv). Both round P (and dS) to the
 # input dtype before their GEMMs and every output once, but in different block orders: a few ulps of
@@ -179,13 +182,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _row(shape, pass_, causal, dtype, backend, err, tessel_ms, torch_ms, peak) -> dict:
+def _row(shape, pass_, causal, dtype, backend, err, tessel_ms, torch_ms, peak, programs) -> dict:
     flops = attention_flops(shape, causal, pass_)
     tessel_tflops, torch_tflops = flops / tessel_ms / 1e9, flops / torch_ms / 1e9  # flop / (ms·1e-3) / 1e12
     values = (
         shape.label, pass_, causal, shape.b, shape.h, shape.s, shape.d, _dtype_name(dtype), backend, err,
         tessel_ms, torch_ms, tessel_tflops, torch_tflops, tessel_tflops / torch_tflops,
-        tessel_tflops / peak if peak else None,
+        tessel_tflops / peak if peak else None, programs,
     )  # fmt: skip
     return dict(zip(COLUMNS, values, strict=True))
 
@@ -205,7 +208,9 @@ def run_attention_suite(dtype: torch.dtype | None = None, quick: bool = False) -
             for pass_, fns in attention_cases(q, k, v, grad_out, causal, backend).items():
                 name = f"{shape.label} {pass_} causal={causal}"
                 err = check_case(name, fns, dtype, cuda)
-                tessel_ms, torch_ms = (time_fn(fn, cuda=cuda, reps=1 if quick else 3) for fn in fns)
-                rows.append(_row(shape, pass_, causal, dtype, backend, err, tessel_ms, torch_ms, peak))
+                tessel_ms = time_fn(fns[0], cuda=cuda, reps=1 if quick else 3)
+                programs = tuned_programs(*PROGRAMS[pass_]) if cuda else "interpreter"
+                torch_ms = time_fn(fns[1], cuda=cuda, reps=1 if quick else 3)
+                rows.append(_row(shape, pass_, causal, dtype, backend, err, tessel_ms, torch_ms, peak, programs))
         del q, k, v, grad_out
     return rows + geomean_rows(rows, COLUMNS, "pass", PASSES, dtype=_dtype_name(dtype))

@@ -52,6 +52,7 @@ __all__ = [
     "fwd_kernel_tuned",
     "sk_bucket",
     "split_kv_kernel_tuned",
+    "tuned_programs",
 ]
 
 
@@ -147,3 +148,25 @@ INTERPRETER_DKDV_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 32}
 INTERPRETER_DQ_BLOCKS = {"BLOCK_M": 32, "BLOCK_N": 16}
 INTERPRETER_SPLIT_KV_BLOCK_N = 16
 PREPROCESS_BLOCK_M = 64
+
+
+_TUNED = {
+    "fwd": fwd_kernel_tuned,
+    "dkdv": dkdv_kernel_tuned,
+    "dq": dq_kernel_tuned,
+    "dkdv+dq": dkdv_atomic_dq_kernel_tuned,
+}
+
+
+def tuned_programs(*kernels: str) -> str | None:
+    """``"fwd 64x64 w4 s3, dkdv 32x128 w8 s3"``: the tiles the autotuners of ``kernels`` (``"fwd"``,
+    ``"dkdv"``, ``"dq"``, ``"dkdv+dq"`` for the one-kernel backward) picked at their latest launch; None
+    before any tuned launch (the interpreter runs fixed blocks)."""
+    picks = []
+    for name in kernels:
+        config = getattr(_TUNED[name], "best_config", None)
+        if config is None:
+            return None
+        meta = config.kwargs
+        picks.append(f"{name} {meta['BLOCK_M']}x{meta['BLOCK_N']} w{config.num_warps} s{config.num_stages}")
+    return ", ".join(picks)

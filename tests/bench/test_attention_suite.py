@@ -1,10 +1,12 @@
 """The attention benchmark suite on a CPU in quick mode: its rows, its figures and its correctness check."""
 
+import importlib
 import math
 import re
 
 import pytest
 import torch
+import triton
 
 import tessel.bench.attention as attention_bench
 from tessel.bench.attention import COLUMNS, PASSES, attention_flops, attention_shapes, run_attention_suite
@@ -22,6 +24,7 @@ def test_quick_cpu_rows():
         assert tuple(row) == COLUMNS
         assert (row["B"], row["H"], row["S"], row["D"]) == (shape.b, shape.h, shape.s, shape.d)
         assert row["dtype"] == "float32" and row["torch_backend"] == "default" and row["tessel_of_peak"] is None
+        assert row["programs"] == "interpreter"
         # The check ran and passed: the error against SDPA is recorded and within fp32's tolerance.
         assert 0 <= row["max_rel_err"] <= 1e-4
         assert min(row["tessel_ms"], row["torch_ms"]) > 0
@@ -59,3 +62,21 @@ def test_a_wrong_kernel_stops_the_suite(monkeypatch, wrong_pass):
     monkeypatch.setattr(attention_bench, "flash_attention", off_by_a_bit)
     with pytest.raises(BenchmarkError, match=re.escape(f"attention suite: tiny {wrong_pass} causal=False")):
         run_attention_suite(torch.float32, quick=True)
+
+
+def test_rows_name_the_tuned_tiles(monkeypatch):
+    """On CUDA a row records the tiles each kernel of its pass ran (the autotuners' latest picks)."""
+    kernels = importlib.import_module("tessel.kernels.attention_kernels")
+    for name in ("fwd", "dkdv", "dq", "dkdv+dq"):
+        monkeypatch.delattr(kernels._TUNED[name], "best_config", raising=False)
+    assert kernels.tuned_programs("fwd") is None  # nothing tuned yet
+    picks = {"fwd": (64, 64, 4, 3), "dkdv": (32, 128, 8, 3), "dq": (128, 64, 8, 2), "dkdv+dq": (64, 128, 8, 3)}
+    for name, (bm, bn, w, s) in picks.items():
+        config = triton.Config({"BLOCK_M": bm, "BLOCK_N": bn}, num_warps=w, num_stages=s)
+        monkeypatch.setattr(kernels._TUNED[name], "best_config", config, raising=False)
+    programs = {p: kernels.tuned_programs(*attention_bench.PROGRAMS[p]) for p in PASSES}
+    assert programs == {
+        "fwd": "fwd 64x64 w4 s3",
+        "fwd+bwd": "fwd 64x64 w4 s3, dkdv 32x128 w8 s3, dq 128x64 w8 s2",
+        "fwd+bwd-atomic": "fwd 64x64 w4 s3, dkdv+dq 64x128 w8 s3",
+    }
