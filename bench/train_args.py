@@ -17,11 +17,12 @@ import torch
 from ..layers.moe import ROUTER_SCORES
 from .dataset import DEFAULT_DATASET
 
-__all__ = ["DTYPES", "PRESETS", "SCHEDULES", "ArgumentError", "Preset", "parse_args"]
+__all__ = ["DTYPES", "LR_SCHEDULES", "PRESETS", "SCHEDULES", "ArgumentError", "Preset", "learning_rate", "parse_args"]
 
 PROG = "python -m tessel.bench.train"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+LR_SCHEDULES = ("cosine", "constant")
 INTERLEAVED_CHUNKS = 2  # stages per pipeline rank under --schedule interleaved
 
 
@@ -200,6 +201,19 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     add("--seq-len", type=int, default=None, help="tokens per sequence (default: the preset's)")
     add("--batch-size", type=int, default=None, help="sequences per step over all data-parallel ranks")
     add("--lr", type=float, default=None, help="AdamW learning rate (default: the preset's)")
+    add(
+        "--warmup-steps",
+        type=int,
+        default=None,
+        help="steps over which the learning rate rises linearly to --lr (default: a tenth of --steps)",
+    )
+    add(
+        "--lr-schedule",
+        choices=LR_SCHEDULES,
+        default="cosine",
+        help="after the warm-up: cosine decay to --min-lr at the last step, or constant (default: %(default)s)",
+    )
+    add("--min-lr", type=float, default=None, help="where the cosine decay ends (default: a tenth of --lr)")
     add("--weight-decay", type=float, default=0.1, help="AdamW decoupled weight decay (default: %(default)s)")
     add(
         "--grad-clip",
@@ -256,12 +270,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for name in ("seq_len", "batch_size", "lr", "steps"):
         if getattr(args, name) is None:
             setattr(args, name, getattr(preset, name))
+    if args.warmup_steps is None:
+        args.warmup_steps = args.steps // 10 if args.steps > 0 else 0
+    if args.min_lr is None:
+        args.min_lr = args.lr / 10
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_layout(args)
     _check_model(args, preset)
     _check_run(args)
     _check_kill(args)
     return args
+
+
+def learning_rate(args, step: int) -> float:
+    """The learning rate of step ``step`` (0-based): a linear warm-up over ``--warmup-steps`` steps to
+    ``--lr``, then ``--lr`` or a cosine decay that reaches ``--min-lr`` at the last step. A function of
+    the step alone, so a resumed run follows the uninterrupted run's schedule."""
+    if step < args.warmup_steps:
+        return args.lr * (step + 1) / args.warmup_steps
+    if args.lr_schedule == "constant":
+        return args.lr
+    decay = args.steps - 1 - args.warmup_steps
+    progress = (step - args.warmup_steps) / decay if decay > 0 else 0.0  # one step after the warm-up: --lr
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
 def _positive(args, *names: str) -> None:
@@ -365,6 +396,10 @@ def _check_run(args) -> None:
         )
     if args.lr <= 0:
         raise ArgumentError(f"--lr must be positive, received {args.lr}")
+    if not 0 <= args.min_lr <= args.lr:
+        raise ArgumentError(f"--min-lr must be in [0, --lr {args.lr:g}], received {args.min_lr:g}")
+    if not 0 <= args.warmup_steps < args.steps:
+        raise ArgumentError(f"--warmup-steps must be in [0, --steps {args.steps}), received {args.warmup_steps}")
     for name in ("weight_decay", "grad_clip"):
         if getattr(args, name) < 0:
             raise ArgumentError(f"--{name.replace('_', '-')} must be non-negative, received {getattr(args, name)}")

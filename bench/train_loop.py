@@ -32,7 +32,7 @@ from .checkpoint import (
 )
 from .dataset import ByteDataset
 from .runner import environment, peak_tflops
-from .train_args import DTYPES
+from .train_args import DTYPES, learning_rate
 from .train_engine import Engine, build_engine
 from .train_report import (
     Progress,
@@ -280,6 +280,8 @@ def run(args) -> None:
             segments = segments.to(engine.device)
         if dims.cp > 1:  # this rank's zigzag share of every sequence
             x, y = split_sequence(x, dims.cp_group), split_sequence(y, dims.cp_group)
+        for group in engine.optimizer.param_groups:
+            group["lr"] = learning_rate(args, step)
         profiler.before(step)
         begin = time.perf_counter()
         loss = float(engine.train_step(x.to(engine.device), y.to(engine.device), segments))

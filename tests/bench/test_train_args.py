@@ -1,13 +1,17 @@
 """``python -m tessel.bench.train``: every bad argument ends the run with one line and a non-zero status."""
 
+import itertools
+import math
 import os
 import subprocess
 import sys
 
 import pytest
 
+import tessel.bench.train_engine as train_engine
+import tessel.kernels._dispatch as dispatch
 from tessel.bench.train import main
-from tessel.bench.train_args import PRESETS, ArgumentError, parse_args
+from tessel.bench.train_args import PRESETS, ArgumentError, learning_rate, parse_args
 
 # Hidden GPUs make the command take its CPU defaults on any machine.
 CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
@@ -25,6 +29,10 @@ CPU_ENV = {**os.environ, "TRITON_INTERPRET": "1", "CUDA_VISIBLE_DEVICES": ""}
         (["--router-score", "tanh"], "argument --router-score: invalid choice: 'tanh'"),
         (["--doc-sep", ""], "argument --doc-sep: the document separator must not be empty"),
         (["--doc-sep", "\\x4"], "argument --doc-sep: cannot read the escapes of '\\\\x4'"),
+        (["--warmup-steps", "400"], "--warmup-steps must be in [0, --steps 400), received 400"),
+        (["--warmup-steps", "-1"], "--warmup-steps must be in [0, --steps 400), received -1"),
+        (["--min-lr", "0.01"], "--min-lr must be in [0, --lr 0.003], received 0.01"),
+        (["--lr-schedule", "linear"], "argument --lr-schedule: invalid choice: 'linear'"),
     ],
 )
 def test_bad_argument_ends_the_run_with_one_line(tmp_path, capsys, args, expected):
@@ -137,3 +145,35 @@ def test_document_separators_read_backslash_escapes():
     assert parse_args(["--doc-sep", "\\n\\n\\n"]).doc_sep == b"\n\n\n"
     assert parse_args(["--doc-sep", "é\\x1e"]).doc_sep == "é".encode() + b"\x1e"
     assert parse_args([]).doc_sep is None
+
+
+def test_learning_rate_warms_up_then_follows_its_schedule():
+    args = parse_args(["--steps", "110", "--lr", "1e-3", "--warmup-steps", "10"])
+    assert args.min_lr == 1e-4 and args.lr_schedule == "cosine"
+    lrs = [learning_rate(args, step) for step in range(110)]
+    assert lrs[:10] == pytest.approx([1e-4 * (i + 1) for i in range(10)])  # linear, reaching --lr at step 9
+    assert lrs[10] == pytest.approx(1e-3) and lrs[-1] == pytest.approx(1e-4)  # cosine from --lr to --min-lr
+    assert lrs[60] == pytest.approx(1e-4 + 0.5 * 9e-4 * (1 + math.cos(math.pi * 50 / 99)))
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))  # never rises after the warm-up
+    constant = parse_args(["--steps", "20", "--lr", "1e-3", "--lr-schedule", "constant"])
+    assert constant.warmup_steps == 2  # a tenth of the steps by default
+    assert [learning_rate(constant, s) for s in (0, 1, 2, 19)] == pytest.approx([5e-4, 1e-3, 1e-3, 1e-3])
+    no_warmup = parse_args(["--steps", "1", "--lr", "1e-3"])
+    assert no_warmup.warmup_steps == 0 and learning_rate(no_warmup, 0) == pytest.approx(1e-3)
+
+
+def test_each_step_runs_at_its_scheduled_learning_rate(tmp_path, monkeypatch):
+    seen = []
+    step = train_engine.Engine.train_step
+
+    def recording(self, *a, **k):
+        seen.append([group["lr"] for group in self.optimizer.param_groups])
+        return step(self, *a, **k)
+
+    monkeypatch.setattr(train_engine.Engine, "train_step", recording)
+    monkeypatch.setattr(dispatch, "INTERPRET", False)  # the kernels' references: a step in seconds, not minutes
+    argv = ["--steps", "4", "--warmup-steps", "2", "--lr", "1e-3", "--min-lr", "0", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    args = parse_args(argv)
+    assert seen == [[pytest.approx(learning_rate(args, s))] * len(seen[s]) for s in range(4)]
+    assert [group[0] for group in seen] == pytest.approx([5e-4, 1e-3, 1e-3, 0.0])
