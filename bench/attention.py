@@ -6,6 +6,8 @@ For every shape, with and without the causal mask, and for two passes:
 - ``fwd+bwd``: the same plus ``torch.autograd.grad`` of ``out`` for ``q, k, v``
 - ``fwd+bwd-atomic``: the same with ``flash_attention(..., deterministic=False)``, whose backward adds
   dQ up with atomics in the dK/dV kernel instead of running a dQ kernel (torch's side is unchanged)
+- ``bwd``, ``bwd-atomic``: the backward alone: the forward runs once, untimed, and each timed call is
+  ``torch.autograd.grad`` of its output (the graph kept for the next call)
 
 torch runs its FlashAttention-2 backend on CUDA (``sdpa_kernel(SDPBackend.FLASH_ATTENTION)``, or the older
 ``torch.backends.cuda.sdp_kernel`` switch) where the dtype allows it, and its default choice otherwise
@@ -13,7 +15,7 @@ torch runs its FlashAttention-2 backend on CUDA (``sdpa_kernel(SDPBackend.FLASH_
 (out, and dq, dk, dv for ``fwd+bwd``; the run stops with :class:`BenchmarkError` past the dtype's
 tolerance), then both are timed. FLOPs: ``4·B·H·S²·D`` for the forward (two GEMMs of ``2·S²·D`` per
 head), half of it with the causal mask, and 2.5× the forward for the backward (five GEMMs instead of
-two), so ``fwd+bwd`` counts 3.5× the forward. A row reports TFLOP/s for both, the throughput ratio
+two), so ``fwd+bwd`` counts 3.5× the forward and ``bwd`` 2.5×. A row reports TFLOP/s for both, the throughput ratio
 tessel/torch (above 1: tessel is faster) and tessel's fraction of the GPU's dense peak; the last rows
 are geometric means of the ratios per pass.
 
@@ -52,13 +54,19 @@ __all__ = [
     "tolerance",
 ]
 
-PASSES = ("fwd", "fwd+bwd", "fwd+bwd-atomic")
+PASSES = ("fwd", "fwd+bwd", "fwd+bwd-atomic", "bwd", "bwd-atomic")
 COLUMNS = (
     "case", "pass", "causal", "B", "H", "S", "D", "dtype", "torch_backend", "max_rel_err", "tessel_ms", "torch_ms",
     "tessel_tflops", "torch_tflops", "tessel/torch", "tessel_of_peak", "programs",
 )  # fmt: skip
 # The kernels each pass launches, whose autotuned tiles a row records.
-PROGRAMS = {"fwd": ("fwd",), "fwd+bwd": ("fwd", "dkdv", "dq"), "fwd+bwd-atomic": ("fwd", "dkdv+dq")}
+PROGRAMS = {
+    "fwd": ("fwd",),
+    "fwd+bwd": ("fwd", "dkdv", "dq"),
+    "fwd+bwd-atomic": ("fwd", "dkdv+dq"),
+    "bwd": ("dkdv", "dq"),
+    "bwd-atomic": ("dkdv+dq",),
+}
 
 # Error is max|tessel - torch| / max|torch| over out (and dq, dk, dv). Both round P (and dS) to the
 # input dtype before their GEMMs and every output once, but in different block orders: a few ulps of
@@ -100,7 +108,7 @@ def attention_shapes(cuda: bool, quick: bool = False) -> tuple[AttentionShape, .
 def attention_flops(shape: AttentionShape, causal: bool, pass_: str) -> float:
     """``4·B·H·S²·D`` forward (half when causal); the backward is 2.5× the forward (either variant)."""
     fwd = 4 * shape.b * shape.h * shape.s**2 * shape.d * (0.5 if causal else 1.0)
-    return fwd if pass_ == "fwd" else 3.5 * fwd
+    return fwd if pass_ == "fwd" else (2.5 if pass_.startswith("bwd") else 3.5) * fwd
 
 
 def tolerance(dtype: torch.dtype, cuda: bool) -> float:
@@ -158,10 +166,20 @@ def attention_cases(q, k, v, grad_out, causal: bool, backend: str) -> dict[str, 
 
         return run
 
+    def backward(fn, **options):
+        out = fn(q, k, v, causal, **options)  # once, outside the timing
+
+        def run():
+            return list(torch.autograd.grad(out, (q, k, v), grad_out, retain_graph=True))
+
+        return run
+
     return {
         "fwd": (forward(flash_attention), forward(sdpa)),
         "fwd+bwd": (forward_backward(flash_attention), forward_backward(sdpa)),
         "fwd+bwd-atomic": (forward_backward(flash_attention, deterministic=False), forward_backward(sdpa)),
+        "bwd": (backward(flash_attention), backward(sdpa)),
+        "bwd-atomic": (backward(flash_attention, deterministic=False), backward(sdpa)),
     }
 
 
