@@ -230,9 +230,9 @@ def _attention_ptrs(fn, dtype: str) -> dict:
 
 
 def attention_cases():
-    """Every autotuning configuration of the attention kernels at D=128, causal and not (the shapes the
-    benchmark measures): forward, split-KV forward (at 16 and 64 rows), dK/dV, dK/dV with the atomic dQ, and dQ;
-    the split-KV merge and the backward's preprocessing."""
+    """Every autotuning configuration of the attention kernels at D=128 with the causal mask (how models train),
+    the first and the last without it (the shapes the benchmark measures): forward, split-KV forward (at 16 and 64
+    rows), dK/dV, dK/dV with the atomic dQ, and dQ; the split-KV merge and the backward's preprocessing."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     common = dict(HEAD_DIM=128, DOT_FP32=False, INPUT_PRECISION="tf32", CAUSAL=True, SEGMENTS=False, WINDOWED=False,
                   SOFTCAPPED=False)  # fmt: skip
@@ -242,7 +242,7 @@ def attention_cases():
         fn = tuned.fn
         ptrs = _attention_ptrs(fn, "bf16")
         floats = _floats(fn)
-        for causal, config in itertools.product((True, False), tuned.configs):
+        for causal, config in [(True, c) for c in tuned.configs] + [(False, c) for c in ends(tuned.configs)]:
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
             mask = "causal" if causal else "full"
             name = f"attention {label} bf16 D=128 {mask} {bm}x{bn} w{config.num_warps} s{config.num_stages}"
@@ -278,10 +278,10 @@ def attention_cases():
 
 
 def attention_specialisation_cases():
-    """The attention kernels for the other dtypes and head dims a launch can specialise to: every
-    other autotuning configuration (:func:`spread`) in fp32 at D=128 (TF32 dots, twice the bytes per tile: the
-    case most likely to overflow shared memory or spill), the first and last configuration in fp16 at D=64
-    without the mask and in bf16 at D=16. The autotuner skips a configuration that does not fit, so each (kernel,
+    """The attention kernels for the other dtypes and head dims a launch can specialise to, in the first and
+    the last autotuning configuration (:func:`ends`): fp32 at D=128 (TF32 dots, twice the bytes per tile: the
+    case most likely to overflow shared memory or spill), fp16 at D=64 without the mask and bf16 at D=16.
+    The autotuner skips a configuration that does not fit, so each (kernel,
     dtype, head dim) needs at least one that does (the test checks)."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     odd = ("HQ", "HKV", "GROUP", "SQ", "SK", "SK_BUCKET", "NSPLIT")
@@ -293,7 +293,7 @@ def attention_specialisation_cases():
             fn = tuned.fn
             ptrs = _attention_ptrs(fn, dtype)
             floats = _floats(fn)
-            configs = spread(tuned.configs) if dtype == "fp32" else [tuned.configs[0], tuned.configs[-1]]
+            configs = ends(tuned.configs)
             for config in configs:
                 blocks = {**config.kwargs, **extra}
                 tile = f"{blocks['BLOCK_M']}x{blocks['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
@@ -336,12 +336,13 @@ def _causal_bf16_cases(what: str, head_dim: int, pick, softcapped: bool, meta: d
     return cases
 
 
-def spread(configs: list) -> list:
-    """Every other autotuning configuration, from the first to the last (the lists run from the largest tile to
-    the smallest): the variants below compile these. Their code is the main loops' (compiled in every
-    configuration above) plus a feature, and whether some tile of the range keeps its registers and fits is what
-    the tests ask of them; compiling each in every configuration would double the test's minutes."""
-    return [c for i, c in enumerate(configs) if i % 2 == 0 or i == len(configs) - 1]
+def ends(configs: list) -> list:
+    """The first and the last autotuning configuration (the lists run from the largest tile to the smallest):
+    the variants below compile these. Their code is the main loops' (compiled in every causal configuration
+    above) plus a feature or another dtype, and whether a tile at either end of the range keeps its registers
+    and fits is what the tests ask of them; compiling each in every configuration would double the test's
+    minutes."""
+    return [configs[0], configs[-1]]
 
 
 def _no_segments(constants: dict) -> dict:
@@ -351,8 +352,8 @@ def _no_segments(constants: dict) -> dict:
 
 def attention_segment_cases():
     """The one-pass forward and the backward with segment_ids (packed documents), bf16 at D=128: causal (how
-    packed documents train) in every other autotuning configuration (:func:`spread`), without the mask in the
-    first and the last (the largest and the smallest tile): they compile, use tensor cores, and some tile of
+    packed documents train) and without the mask, in the first and the last autotuning configuration (the
+    largest and the smallest tile, :func:`ends`): they compile, use tensor cores, and some tile of
     each keeps its registers."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "OFF")
@@ -360,8 +361,7 @@ def attention_segment_cases():
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
         floats = _floats(fn)
-        ends = [tuned.configs[0], tuned.configs[-1]]
-        for causal, config in [(True, c) for c in spread(tuned.configs)] + [(False, c) for c in ends]:
+        for causal, config in itertools.product((True, False), ends(tuned.configs)):
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
             mask = "causal" if causal else "full"
             name = f"attention {label} segments bf16 D=128 {mask} {bm}x{bn} w{config.num_warps} s{config.num_stages}"
@@ -381,20 +381,20 @@ def _floats(fn) -> tuple[str, ...]:
 
 def attention_softcap_cases():
     """The one-pass forward, the backward and the split-KV forward with soft-capped logits (Gemma 2), bf16 at
-    D=128, causal, in every other autotuning configuration (:func:`spread`)."""
-    return _causal_bf16_cases(" softcap", 128, spread, softcapped=True, meta={"causal": True, "softcap": True})
+    D=128, causal, in the first and the last autotuning configuration (:func:`ends`)."""
+    return _causal_bf16_cases(" softcap", 128, ends, softcapped=True, meta={"causal": True, "softcap": True})
 
 
 def attention_window_cases():
     """The one-pass forward and the backward with a causal window (sliding-window attention), bf16 at D=128,
-    in every other autotuning configuration (:func:`spread`)."""
+    in the first and the last autotuning configuration (:func:`ends`)."""
     att = importlib.import_module("tessel.kernels.attention_kernels")
     odd = ("HQ", "GROUP", "SQ", "SK", "SK_BUCKET", "WINDOW", "OFF")
     cases = []
     for label, tuned, extra in _BACKWARD_AND_FORWARD(att):
         fn = tuned.fn
         floats = _floats(fn)
-        for config in spread(tuned.configs):
+        for config in ends(tuned.configs):
             bm, bn = config.kwargs["BLOCK_M"], config.kwargs["BLOCK_N"]
             name = f"attention {label} window bf16 D=128 causal {bm}x{bn} w{config.num_warps} s{config.num_stages}"
             meta = {"kernel": f"attention {label}", "dtype": "bf16", "head_dim": 128, "causal": True,
