@@ -292,7 +292,7 @@ def learning_rate(args, step: int) -> float:
         return args.lr
     decay = args.steps - 1 - args.warmup_steps
     progress = (step - args.warmup_steps) / decay if decay > 0 else 0.0  # one step after the warm-up: --lr
-    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * min(progress, 1.0)))
+    return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
 
 
 def _positive(args, *names: str) -> None:

@@ -18,6 +18,13 @@ MOE = ["--experts", "4", "--top-k", "2", "--steps", "4", "--seq-len", "32", "--b
        "--z-loss-coef", "0.01"]  # fmt: skip
 
 
+def _check_resumes(saved, out, reference, *args, nproc=1):
+    """``saved``'s step-2 checkpoint, resumed in ``out`` with ``args``, follows ``reference`` from there on."""
+    _copy_checkpoint(_checkpoint(saved, 2), out)
+    _ok(_train(out, *args, "--resume", nproc=nproc))
+    assert _losses(out)[2:] == pytest.approx(_losses(reference)[2:], rel=1e-5)
+
+
 @pytest.fixture(scope="module")
 def replicated(tmp_path_factory):
     """The reference: dp=2, every rank holding every expert (torch's AdamW)."""
@@ -55,9 +62,7 @@ def test_expert_parallel_checkpoint_holds_every_expert_and_resumes_in_a_world_of
     for key in ours:  # Adam's update of an element whose gradient nearly cancels magnifies rounding: 1e-4 of the max
         if ours[key].is_floating_point():
             assert ours[key].double().sub(theirs[key].double()).abs().max() <= 1e-4 * theirs[key].abs().max(), key
-    _copy_checkpoint(_checkpoint(saved, 2), resumed)
-    _ok(_train(resumed, *MOE, "--resume"))
-    assert _losses(resumed)[2:] == pytest.approx(_losses(replicated)[2:], rel=1e-5)
+    _check_resumes(saved, resumed, replicated, *MOE)
 
 
 @pytest.mark.slow
@@ -69,9 +74,7 @@ def test_experts_split_by_features_and_by_ranks_on_four_ranks(replicated, tmp_pa
     layout = ["--tp", "2", "--sequence-parallel", "--dp", "2", "--ep", "2", "--zero", "2"]
     _ok(_train(split, *layout, *MOE, nproc=4))
     assert _losses(split) == pytest.approx(_losses(replicated), rel=1e-5)
-    _copy_checkpoint(_checkpoint(split, 2), resumed)
-    _ok(_train(resumed, "--dp", "2", *MOE, "--resume", nproc=2))
-    assert _losses(resumed)[2:] == pytest.approx(_losses(replicated)[2:], rel=1e-5)
+    _check_resumes(split, resumed, replicated, "--dp", "2", *MOE, nproc=2)
 
 
 @pytest.mark.slow
@@ -132,9 +135,7 @@ def test_fully_sharded_experts_train_like_the_replicated_ones(replicated, tmp_pa
     proc = _ok(_train(split, "--dp", "4", "--ep", "2", "--zero", "3", *MOE, nproc=4))
     assert "zero=3 experts=4 top-k=2 ep=2" in proc.stdout
     assert _losses(split) == pytest.approx(_losses(dp4), rel=1e-5)
-    _copy_checkpoint(_checkpoint(split, 2), resumed)
-    _ok(_train(resumed, "--dp", "4", *MOE, "--resume", nproc=4))
-    assert _losses(resumed)[2:] == pytest.approx(_losses(dp4)[2:], rel=1e-5)
+    _check_resumes(split, resumed, dp4, "--dp", "4", *MOE, nproc=4)
 
 
 @pytest.mark.slow
