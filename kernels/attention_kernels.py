@@ -162,6 +162,9 @@ def tuned_programs(*kernels: str) -> str | None:
     """``"fwd 64x64 w4 s3, dkdv 32x128 w8 s3"``: the tiles the autotuners of ``kernels`` (``"fwd"``,
     ``"dkdv"``, ``"dq"``, ``"dkdv+dq"`` for the one-kernel backward) picked at their latest launch; None
     before any tuned launch (the interpreter runs fixed blocks)."""
+    unknown = [name for name in kernels if name not in _TUNED]
+    if unknown:
+        raise ValueError(f"kernels: expected names among {sorted(_TUNED)}, got {unknown}")
     picks = []
     for name in kernels:
         config = getattr(_TUNED[name], "best_config", None)

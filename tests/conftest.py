@@ -11,6 +11,11 @@ if not torch.cuda.is_available():
 
 import pytest
 
+from tests._interpreter import install as _install_interpreter_patch
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _install_interpreter_patch()  # a third of the interpreter's time, spent re-patching triton.language
+
 HAS_CUDA = torch.cuda.is_available()
 
 # Under pytest-xdist the workers share the cores: each keeps its share of intra-op threads, since OpenMP threads

@@ -51,6 +51,8 @@ from multiprocessing.connection import Connection, wait
 import torch
 import torch.distributed as dist
 
+from tests import _interpreter
+
 __all__ = ["IMPORT_TIME_VARIABLES", "REFERENCE_KERNELS", "run_ranks"]
 
 _HOST = "127.0.0.1"
@@ -59,7 +61,7 @@ _KILL_GRACE_S = 3.0  # between SIGTERM and SIGKILL
 # What the fork server imports, so that every rank finds them imported (modules that fail to import are skipped).
 _PRELOAD = ["torch", "torch.distributed", "numpy", "tessel.kernels", "tessel.layers", "tessel.parallel"] + [
     # the main job's loop (with torch.distributed.checkpoint), its progress bar and its plot's backend
-    "tessel.bench.train_loop", "tqdm", "matplotlib.figure", "matplotlib.backends.backend_agg",
+    "tessel.bench.train_loop", "tests._interpreter", "tqdm", "matplotlib.figure", "matplotlib.backends.backend_agg",
 ] + [
     f"transformers.models.{family}.modeling_{family}"  # the Hugging Face families tests/layers parallelizes
     for family in ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "mixtral", "qwen2_moe", "qwen3_moe",
@@ -201,6 +203,8 @@ def _rank_main(fn, rank, world_size, args, backend, store_port, child_env, conn:
     dispatch = sys.modules.get("tessel.kernels._dispatch")  # imported already: forked from the server
     if dispatch is not None and child_env.get("TRITON_INTERPRET") == "0":
         dispatch.INTERPRET = False
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        _interpreter.install()  # as in the test process (tests/conftest.py)
     try:
         message, status = ("ok", _run_fn(fn, rank, world_size, args, backend, store_port)), 0
     except BaseException:

@@ -87,3 +87,5 @@ def test_rows_name_the_tuned_tiles(monkeypatch):
         "bwd": "dkdv 32x128 w8 s3, dq 128x64 w8 s2",
         "bwd-atomic": "dkdv+dq 64x128 w8 s3",
     }
+    with pytest.raises(ValueError, match=r"kernels: expected names among .*got \['bwd'\]"):
+        kernels.tuned_programs("fwd", "bwd")
