@@ -77,8 +77,12 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-@pytest.mark.parametrize("layout", ["mha", "gqa", "mqa"])
+# Each case in one layout (they take turns), and the long case, which spans every kind of block, in all three.
+_TURNS = [(case, ("mha", "gqa", "mqa")[i % 3]) for i, case in enumerate(CASES)]
+WINDOW_LAYOUTS = _TURNS + [("long", layout) for layout in ("mha", "gqa", "mqa") if ("long", layout) not in _TURNS]
+
+
+@pytest.mark.parametrize(("case", "layout"), WINDOW_LAYOUTS, ids=[f"{lay}-{case}" for case, lay in WINDOW_LAYOUTS])
 def test_each_query_attends_to_its_window(seed, case, layout):
     sq, sk, window = CASES[case]
     q, k, v = make_qkv(layout, sq, 32, torch.float32, sk=sk)

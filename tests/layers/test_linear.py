@@ -207,6 +207,8 @@ def _errors_worker(rank, t):
          "needs a .batch, seq, features. or .tokens, features. input, received shape (1, 2, 3, 8)"),
         (lambda: ColumnParallelLinear(8, 8)(torch.randn(2, 8, dtype=torch.float64)), TypeError, "input dtype"),
         (lambda: ColumnParallelLinear(8, 8)(torch.randn(2, 8, device="meta")), ValueError, "device"),
+        (lambda: RowParallelLinear(8, 8, device="meta")(torch.randn(2, 2, device="meta")), ValueError,
+         "the gloo tensor-parallel group needs cpu tensors, received one on meta"),
         (lambda: ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1)), TypeError, "expected an nn.Linear"),
     ]  # fmt: skip
     for make, error, words in cases:
@@ -245,3 +247,24 @@ def test_auto_overlap_threshold_follows_the_h200_measurement():
     assert not linear_module._use_overlap("auto", 8, chunks * step - 1, 1, 1, chunks)
     assert not linear_module._use_overlap("auto", 1, 2**50, 1, 1)  # nothing to overlap with one rank
     assert linear_module._use_overlap(True, 2, 1, 1, 1) and not linear_module._use_overlap(False, 2, 2**50, 1, 1)
+
+
+def _wrong_backend_worker(rank, t, backend):
+    from tessel.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    torch.cuda.set_device(rank)
+    device, other = ("cpu", "cuda") if backend == "nccl" else ("cuda", "cpu")
+    words = f"the {backend} tensor-parallel group needs {other} tensors, received one on {device}"
+    for layer in (ColumnParallelLinear(8, 8, device=device), RowParallelLinear(8, 8, device=device)):
+        with pytest.raises(ValueError, match=words):
+            layer(torch.randn(2, 8, device=device))
+    return "ok"
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("backend", ["nccl", "gloo"])
+def test_a_tensor_on_the_wrong_device_for_the_groups_backend(backend):
+    """NCCL moves CUDA tensors and tessel's gloo groups CPU tensors: a layer refuses the other kind before any
+    collective runs (one GPU: a group of one rank)."""
+    assert run_ranks(_wrong_backend_worker, 1, backend, backend=backend, timeout=120) == ["ok"]
