@@ -36,9 +36,7 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _INT32_MAX = 2**31 - 1
 
 
-# ----------------------------------------------------------------------------------------------------
-# Triton kernel
-# ----------------------------------------------------------------------------------------------------
+# ---- Triton kernel -----------------------------------------------------------------------------------
 
 
 @triton.jit
@@ -191,18 +189,10 @@ def _matmul_kernel(
 # Tile shapes for sm_90 (H100/H200): 128-256 wide tiles, deep software pipelines.
 # BLOCK_M, BLOCK_N, BLOCK_K, stages, warps
 _TILE_SHAPES = [
-    (128, 256, 64, 3, 8),
-    (256, 128, 64, 3, 8),
-    (128, 256, 64, 4, 8),
-    (128, 128, 64, 4, 8),
-    (128, 128, 64, 3, 4),
-    (128, 64, 64, 4, 4),
-    (64, 128, 64, 4, 4),
-    (64, 256, 32, 4, 4),
-    (128, 128, 32, 4, 4),
-    (64, 64, 64, 5, 4),
+    (128, 256, 64, 3, 8), (256, 128, 64, 3, 8), (128, 256, 64, 4, 8), (128, 128, 64, 4, 8), (128, 128, 64, 3, 4),
+    (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 256, 32, 4, 4), (128, 128, 32, 4, 4), (64, 64, 64, 5, 4),
     (32, 64, 64, 5, 2),
-]
+]  # fmt: skip
 # The large tiles again as persistent and TMA programs: where they win is the autotuner's measurement.
 _VARIANT_SHAPES = _TILE_SHAPES[:5]
 _VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (PERSISTENT, TMA)
@@ -289,9 +279,7 @@ _INTERPRETER_PROGRAMS = 3
 _interpreter_program: dict = {}
 
 
-# ----------------------------------------------------------------------------------------------------
-# Host side: validation, dispatch, launch
-# ----------------------------------------------------------------------------------------------------
+# ---- Host side: validation, dispatch, launch ---------------------------------------------------------
 
 
 def _check_tensor(name: str, t, ndim: int) -> None:
@@ -468,9 +456,7 @@ def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
             _matmul_kernel_tuned[grid](*args, **flags)
 
 
-# ----------------------------------------------------------------------------------------------------
-# Reference
-# ----------------------------------------------------------------------------------------------------
+# ---- Reference ---------------------------------------------------------------------------------------
 
 
 def _activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tensor:
@@ -529,9 +515,7 @@ def matmul_reference(a, b, bias=None, activation=None, out=None, accumulate=Fals
     return out
 
 
-# ----------------------------------------------------------------------------------------------------
-# Autograd
-# ----------------------------------------------------------------------------------------------------
+# ---- Autograd ----------------------------------------------------------------------------------------
 
 
 class _MatmulFunction(torch.autograd.Function):
@@ -571,6 +555,13 @@ class _MatmulFunction(torch.autograd.Function):
         if need_out:  # overwritten values get zero gradient (None would cut the rest of out's base off)
             grad_prev = grad_out if ctx.accumulate else torch.zeros_like(grad_out)
         return grad_prev, grad_a, grad_b, grad_bias, None, None
+
+
+def matmul_unchecked(a, b, bias=None, *, out, accumulate=False) -> None:
+    """``out (+)= a @ b + bias`` as :func:`matmul`, without its argument checks and outside autograd: for the steps
+    of tessel's rings, whose operands are views of tensors the overlapped op checked once, and whose GEMMs can be
+    short enough on a GPU that the checks (tens of microseconds of Python per call) show."""
+    _launch(a, b, bias, None, out, accumulate)
 
 
 def matmul(a, b, bias=None, activation=None, out=None, accumulate=False) -> torch.Tensor:

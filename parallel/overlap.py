@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.matmul import matmul
+from ..kernels.matmul import matmul, matmul_unchecked
 from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
 from .ddp import OWNER_ATTR
 from .pipeline.weight_grad import is_deferring, submit
@@ -45,7 +45,7 @@ def _grad_buffer(w: torch.Tensor) -> torch.Tensor:
 def _sum_dgrad(grads, weights, rows: slice, out: torch.Tensor, accumulate: bool) -> None:
     """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input."""
     for i, (g, w) in enumerate(zip(grads, weights)):
-        matmul(g[rows], w, out=out, accumulate=accumulate or i > 0)
+        matmul_unchecked(g[rows], w, out=out, accumulate=accumulate or i > 0)
 
 
 def _defer(params, compute) -> bool:
@@ -80,6 +80,8 @@ def _check_operands(op: str, x_name: str, x, weights, biases) -> None:
         raise TypeError(f"{op}: {x_name} must be a torch.Tensor, received {type(x).__name__}")
     if x.dim() != 2:
         raise ValueError(f"{op}: {x_name} must be a 2-D [tokens, features] matrix, received shape {tuple(x.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):  # the ring steps run matmul unchecked
+        raise TypeError(f"{op}: {x_name} must be float32, float16 or bfloat16, received {x.dtype}")
     if biases is not None and len(biases) != len(weights):
         raise ValueError(f"{op}: expected one bias (or None) per weight, received {len(biases)} for {len(weights)}")
     for i, w in enumerate(weights):
@@ -100,6 +102,11 @@ def _check_operands(op: str, x_name: str, x, weights, biases) -> None:
         if b is not None and (not isinstance(b, torch.Tensor) or tuple(b.shape) != (w.shape[0],)):
             got = tuple(b.shape) if isinstance(b, torch.Tensor) else type(b).__name__
             raise ValueError(f"{op}: the bias of {name} must have shape ({w.shape[0]},), received {got}")
+        if b is not None and (b.dtype != x.dtype or b.device != x.device):
+            raise ValueError(
+                f"{op}: the bias of {name} must share {x_name}'s dtype and device ({x.dtype}, {x.device}), "
+                f"received {b.dtype} on {b.device}"
+            )
 
 
 def _bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -119,7 +126,7 @@ class _AllGatherMatmul(torch.autograd.Function):
 
         def gemm(c, rows):
             for w, b, y in zip(weights, biases, outs):
-                matmul(rows, w.t(), b, out=y[c * m : (c + 1) * m])
+                matmul_unchecked(rows, w.t(), b, out=y[c * m : (c + 1) * m])
 
         if overlap:
             x_full = ring_all_gather(x_shard.contiguous(), group, "all_gather_matmul", gemm)
@@ -166,7 +173,7 @@ class _AllGatherMatmul(torch.autograd.Function):
                 record_event("wgrad", "all_gather_matmul.backward", c)
                 rows = slice(c * m + lo, c * m + hi)
                 for g, dw in zip(grads, dws):
-                    matmul(g[rows].t(), gathered()[rows], out=dw, accumulate=True)
+                    matmul_unchecked(g[rows].t(), gathered()[rows], out=dw, accumulate=True)
 
             dx = ring_reduce_scatter(m, x_full.shape[1], x_full, group, "all_gather_matmul.backward", gemm, wgrad)
             dws = [dw.to(w.dtype) for dw, w in zip(dws, weights)]
@@ -217,7 +224,8 @@ class _MatmulReduceScatter(torch.autograd.Function):
         if overlap:
 
             def gemm(c, lo, hi, out, accumulate, last):
-                matmul(x[c * m + lo : c * m + hi], weight.t(), bias if last else None, out=out, accumulate=accumulate)
+                rows = x[c * m + lo : c * m + hi]
+                matmul_unchecked(rows, weight.t(), bias if last else None, out=out, accumulate=accumulate)
 
             y = ring_reduce_scatter(m, n, x, group, "matmul_reduce_scatter", gemm)
         else:
@@ -241,9 +249,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
 
             def gemm(c, rows_g):
                 rows = slice(c * m, (c + 1) * m)
-                matmul(rows_g, weight, out=dx[rows])
+                matmul_unchecked(rows_g, weight, out=dx[rows])
                 record_event("wgrad", "matmul_reduce_scatter.backward", c)
-                matmul(rows_g.t(), x[rows], out=dw, accumulate=True)
+                matmul_unchecked(rows_g.t(), x[rows], out=dw, accumulate=True)
 
             g_full = ring_all_gather(grad_y, group, "matmul_reduce_scatter.backward", gemm)
             dw = dw.to(weight.dtype)
@@ -275,7 +283,7 @@ class _MatmulAllReduce(torch.autograd.Function):
         if overlap:
             y = chunked_all_reduce(
                 x.shape[0], weight.shape[0], x, group, "matmul_all_reduce", ALL_REDUCE_CHUNKS,
-                lambda lo, hi, out: matmul(x[lo:hi], weight.t(), once, out=out),
+                lambda lo, hi, out: matmul_unchecked(x[lo:hi], weight.t(), once, out=out),
             )  # fmt: skip
         else:
             y, _ = all_reduce(matmul(x, weight.t(), once), group)

@@ -5,6 +5,8 @@ transfer. A transfer overlaps a GEMM when the GEMM starts after the transfer was
 waited for. Byte counts come from tessel's own collectives (parallel/comm.py).
 """
 
+import importlib
+
 import pytest
 import torch
 
@@ -40,14 +42,20 @@ def _run_ops(rank, t):
         "matmul_all_reduce": lambda: [matmul_all_reduce(x_full, w, overlap=True)],
         "matmul_grad_all_reduce": lambda: matmul_grad_all_reduce(x_full, [w, w2], overlap=True),
     }
+    matmul_module = importlib.import_module("tessel.kernels.matmul")
+    checks, validate = [], matmul_module._validate
+    matmul_module._validate = lambda *args: (checks.append(args), validate(*args))[1]  # matmul's argument checks
     result = {}
     for op, call in calls.items():
+        start = len(checks)
         with record_events() as fwd_log, count_bytes() as fwd_bytes:
             outs = call()
+        middle = len(checks)
         with record_events() as bwd_log, count_bytes() as bwd_bytes:
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
         result[op] = dict(fwd=fwd_log.events, bwd=bwd_log.events, fwd_bytes=(fwd_bytes.sent, fwd_bytes.received),
-                          bwd_bytes=(bwd_bytes.sent, bwd_bytes.received))  # fmt: skip
+                          bwd_bytes=(bwd_bytes.sent, bwd_bytes.received),
+                          checks=(middle - start, len(checks) - middle))  # fmt: skip
     return result
 
 
@@ -119,6 +127,22 @@ def test_weight_gradients_run_while_transfers_are_in_flight(traces):
 
 
 @pytest.mark.multiprocess
+def test_ring_steps_skip_the_checks_of_matmul(traces):
+    """An op checks its operands once (as matmul would) and its ring steps then run matmul unchecked: the host
+    time of the checks would show beside a short step's GEMM. Only GEMMs outside the rings check, the same
+    number at every group size."""
+    t, results = traces
+    expected = {  # (forward, backward)
+        "all_gather_matmul": (0, 0),
+        "matmul_reduce_scatter": (0, 0),
+        "matmul_all_reduce": (0, 2),  # backward: dX = dY·W and dW = dYᵀ·X, no communication
+        "matmul_grad_all_reduce": (2, 2),  # forward: one GEMM per weight; backward: their dW after the ring
+    }
+    for result in results:
+        assert {op: result[op]["checks"] for op in expected} == expected, t
+
+
+@pytest.mark.multiprocess
 def test_bytes_are_the_ring_formulas(traces):
     t, results = traces
     f = 4  # fp32
@@ -155,6 +179,16 @@ def test_bytes_are_the_ring_formulas(traces):
         (lambda o, x, w: o.matmul_reduce_scatter(x, w.double()), ValueError, "weight must share x's dtype"),
         (lambda o, x, w: o.matmul_all_reduce(x, w, bias=torch.zeros(4)), ValueError, r"must have shape \(7,\)"),
         (lambda o, x, w: o.matmul_grad_all_reduce(x, [w], biases=[None, None]), ValueError, "one bias .or None. per"),
+        (
+            lambda o, x, w: o.all_gather_matmul(x.double(), w.double()),
+            TypeError,
+            "x_shard must be float32, float16 or bfloat16, received torch.float64",
+        ),
+        (
+            lambda o, x, w: o.matmul_all_reduce(x, w, bias=torch.zeros(7, dtype=torch.float16)),
+            ValueError,
+            r"the bias of weight must share x's dtype and device \(torch.float32, cpu\), received torch.float16",
+        ),
     ],
 )
 def test_bad_operands_are_named(call, error, match):
