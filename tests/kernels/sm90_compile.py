@@ -81,8 +81,13 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
     with contextlib.redirect_stdout(log):
         kernel = triton.compile(source, target=TARGET, options={"num_warps": num_warps, "num_stages": num_stages})
     ptx = kernel.asm["ptx"]
+    usage = resource_usage(ptx, log.getvalue())
     # False: no test weighs this program's loop spills or atomics, skip the disassembly
-    sass = disassemble(kernel.asm["cubin"]) if meta.pop("sass", True) else None
+    wanted = meta.pop("sass", True)
+    # Local-memory loads and stores (LDL/STL) need a stack frame: without one the loops hold none to count. The
+    # atomic dQ's reductions are counted in the SASS whatever its frame.
+    local = usage["stack_bytes"] > 0
+    sass = disassemble(kernel.asm["cubin"]) if wanted and (local or constants.get("ATOMIC_DQ")) else None
     return {
         "name": name,
         "ok": True,
@@ -90,8 +95,8 @@ def compile_case(name, fn, ptrs, constants, floats=(), odd=(), num_warps=4, num_
         "shared": kernel.metadata.shared,
         **{key: ptx.count(pattern) for key, pattern in PTX_COUNTS.items()},
         **{key: len(pattern.findall(ptx)) for key, pattern in PTX_INSTRUCTIONS.items()},
-        **resource_usage(ptx, log.getvalue()),
-        "loop_local_ops": None if sass is None else loop_local_ops(sass),
+        **usage,
+        "loop_local_ops": loop_local_ops(sass) if sass is not None else (0 if wanted and not local else None),
         **{f"sass_{k}": None if sass is None else len(p.findall(sass)) for k, p in SASS_ATOMICS.items()},
         "num_warps": num_warps,
         "num_stages": num_stages,
@@ -107,11 +112,13 @@ def resource_usage(ptx: str, report: str = "") -> dict:
         report = _ptxas_report(ptx)
     registers = re.search(r"Used (\d+) registers", report)
     spills = re.search(r"(\d+) bytes spill stores", report)
-    if registers is None or spills is None:
+    stack = re.search(r"(\d+) bytes stack frame", report)
+    if registers is None or spills is None or stack is None:
         raise RuntimeError(f"unexpected ptxas report: {report[-500:]}")
     return {
         "registers": int(registers.group(1)),
         "spill_bytes": int(spills.group(1)),
+        "stack_bytes": int(stack.group(1)),  # local memory per thread: spilled registers and local arrays
         # ptxas' C7510-C7512 warnings: the warpgroup MMAs wait for one another (too few registers to keep
         # several in flight, or an operand it cannot pipeline), which costs Hopper most of its MMA rate.
         "wgmma_serialized": "wgmma.mma_async instructions are serialized" in report,
