@@ -1,9 +1,9 @@
 """``python -m tessel.bench [SUITE ...] [--out DIR] [--dtype {bf16,fp16,fp32}] [--quick]``
 
-Runs the named benchmark suites (all of them when none is named), prints each one's table and writes
-``<out>/<date>-<device>-<suite>.json`` and ``.md``; with several suites also ``<out>/<date>-<device>.json``,
-``.md`` and a PNG of tessel's ratios to the baselines (:mod:`.summary`). A suite is a function
-``(dtype, quick) -> rows`` registered in :data:`SUITES`.
+Runs the named benchmark suites (when none is named, all but the diagnostics in :data:`ON_REQUEST`), prints
+each one's table and writes ``<out>/<date>-<device>-<suite>.json`` and ``.md``; with several suites also
+``<out>/<date>-<device>.json``, ``.md`` and a PNG of tessel's ratios to the baselines (:mod:`.summary`). A suite
+is a function ``(dtype, quick) -> rows`` registered in :data:`SUITES`.
 """
 
 import argparse
@@ -19,6 +19,7 @@ if not torch.cuda.is_available():
 
 from .adam import run_adam_suite
 from .attention import run_attention_suite
+from .attention_tiles import run_attention_tiles_suite
 from .decode import run_decode_suite
 from .experts import run_experts_suite
 from .matmul import BenchmarkError, run_matmul_suite
@@ -28,7 +29,7 @@ from .runner import environment, report
 from .summary import write_summary
 from .window import run_window_suite
 
-__all__ = ["SUITES", "main"]
+__all__ = ["ON_REQUEST", "SUITES", "main"]
 
 SUITES = {
     "matmul": run_matmul_suite,
@@ -39,7 +40,10 @@ SUITES = {
     "adam": run_adam_suite,
     "overlap": run_overlap_suite,
     "pipeline": run_pipeline_suite,
+    "attention-tiles": run_attention_tiles_suite,
 }
+# Diagnostics that run only when named: the whole suite (no SUITE given) leaves them out.
+ON_REQUEST = {"attention-tiles"}
 # Suites whose figures are exact counts, the same on every machine (not timings); on a CPU the overlap
 # suite reports bytes and schedules only.
 HARDWARE_INDEPENDENT = {"pipeline"} | (set() if torch.cuda.is_available() else {"overlap"})
@@ -61,7 +65,10 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m tessel.bench",
         description="Run tessel's benchmark suites (all when none is named); print and write the results.",
     )
-    parser.add_argument("suites", nargs="*", metavar="SUITE", help=f"suites to run: {', '.join(SUITES)} (default: all)")
+    every = f"all but {', '.join(sorted(ON_REQUEST))}"
+    parser.add_argument(
+        "suites", nargs="*", metavar="SUITE", help=f"suites to run: {', '.join(SUITES)} (default: {every})"
+    )
     parser.add_argument("--out", default="bench/results", help="directory for the result files (default: %(default)s)")
     parser.add_argument(
         "--dtype", choices=DTYPES, default=None, help="input dtype (default: bf16 on a GPU, fp32 on a CPU)"
@@ -80,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     dtype = DTYPES[args.dtype] if args.dtype else None
     env = environment()
     results = {}
-    for name in args.suites or list(SUITES):
+    for name in args.suites or [name for name in SUITES if name not in ON_REQUEST]:
         kwargs = {"out_dir": args.out} if name in WRITES_FILES else {}
         try:
             rows = SUITES[name](dtype=dtype, quick=args.quick, **kwargs)

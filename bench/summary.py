@@ -22,7 +22,8 @@ RATIO_COLUMNS = ("tessel/torch", "ring/gemm", "speedup_vs_plain")
 
 
 def _label(row: Mapping) -> str:
-    parts = [str(row[k]) for k in ("case", "op", "pass", "shape", "numel") if row.get(k) not in (None, "")]
+    keys = ("case", "op", "pass", "shape", "numel", "kernel", "tile")
+    parts = [str(row[k]) for k in keys if row.get(k) not in (None, "")]
     if row.get("tp") is not None:
         parts.append(f"tp={row['tp']}")
     if isinstance(row.get("causal"), bool):
