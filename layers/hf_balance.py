@@ -9,8 +9,9 @@ update_expert_biases` then moves each bias by ``rate · sign(mean load − load)
 does for tessel's :class:`~tessel.layers.moe.ParallelMoE`.
 
 A block is a module with an ``experts`` child whose forward takes ``(hidden_states, top_k_index,
-top_k_weights)`` (Hugging Face 5.x's experts interface), and with an ``e_score_correction_bias`` buffer of one
-value per expert elsewhere in the block (on its router, or on the block itself). The routes are counted where
+top_k_weights)`` (Hugging Face 5.x's experts interface), and with an ``e_score_correction_bias`` of one value per
+expert elsewhere in the block (on its router, or on the block itself): a buffer, or a parameter that takes no
+gradient (ERNIE-4.5-MoE and Laguna hold it so, as ``[1, X]``: one group of experts). The routes are counted where
 they enter the experts, before anything tessel's parallel experts do to them (a pre-hook run first), so the ids
 are global expert ids whatever the layout. The biases are kept in fp32, as DeepSeek-V3 trains them: steps of
 ~1e-3 vanish in a bf16 bias.
@@ -43,18 +44,26 @@ class ExpertLoad:
     """One tracked block: routes per expert since the last update, and the bias they move."""
 
     counts: torch.Tensor  # [X] int64
-    owner: nn.Module  # the module whose buffer ``e_score_correction_bias`` is the bias
+    owner: nn.Module  # the module whose ``e_score_correction_bias`` is the bias
     groups: tuple  # process groups whose ranks routed other tokens of this layer's batch
 
     @property
     def bias(self) -> torch.Tensor:
-        return self.owner._buffers[BIAS_NAME]
+        return _bias_of(self.owner)
+
+
+def _bias_of(module: nn.Module) -> torch.Tensor | None:
+    """``module``'s own ``e_score_correction_bias``: a buffer, or a parameter that takes no gradient."""
+    bias = module._buffers.get(BIAS_NAME)
+    if bias is None and (param := module._parameters.get(BIAS_NAME)) is not None and not param.requires_grad:
+        bias = param
+    return bias
 
 
 def _bias_owner(block: nn.Module, experts: nn.Module) -> nn.Module | None:
-    """The module of ``block`` (not inside ``experts``) holding an ``e_score_correction_bias`` buffer."""
+    """The module of ``block`` (not inside ``experts``) holding an ``e_score_correction_bias``."""
     inside = {id(m) for m in experts.modules()}
-    owners = [m for m in block.modules() if id(m) not in inside and m._buffers.get(BIAS_NAME) is not None]
+    owners = [m for m in block.modules() if id(m) not in inside and _bias_of(m) is not None]
     if len(owners) > 1:
         raise ValueError(f"track_expert_loads: {type(block).__name__} holds {len(owners)} {BIAS_NAME} buffers; "
                          "expected one per block")  # fmt: skip
@@ -83,8 +92,8 @@ def balanced_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, inspec
         routed = _ids_argument(experts)
         if owner is None or routed is None:
             continue
-        bias = owner._buffers[BIAS_NAME]
-        if bias.dim() != 1:
+        bias = _bias_of(owner)
+        if bias.dim() == 0 or bias.numel() != bias.shape[-1]:  # [X], or [1, X]: one group of X experts
             raise ValueError(f"track_expert_loads: {name}'s {BIAS_NAME} must hold one value per expert, received "
                              f"shape {tuple(bias.shape)}")  # fmt: skip
         found.append((experts, owner, *routed))
@@ -108,8 +117,11 @@ def track_expert_loads(model: nn.Module, *, groups_of=None) -> int:
         if load is not None:
             load.groups = groups or load.groups
             continue
-        owner._buffers[BIAS_NAME] = owner._buffers[BIAS_NAME].float()
-        bias = owner._buffers[BIAS_NAME]
+        bias = _bias_of(owner)
+        if BIAS_NAME in owner._buffers:
+            owner._buffers[BIAS_NAME] = bias = bias.float()
+        else:  # the parameter object stays (optimizers and state dicts refer to it), its values turn fp32
+            bias.data = bias.data.float()
         load = ExpertLoad(torch.zeros(bias.numel(), dtype=torch.int64, device=bias.device), owner, groups)
         setattr(experts, _ATTR, load)
         experts.register_forward_pre_hook(_counter(sig, ids_name, load), with_kwargs=True, prepend=True)

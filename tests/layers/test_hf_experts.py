@@ -83,6 +83,9 @@ def _moe(family, seed=0, **kw):
                        use_mamba_kernels=False)),
         "gpt_oss": (transformers.GptOssConfig, transformers.GptOssForCausalLM,
                     dict(intermediate_size=64, num_local_experts=4, num_experts_per_tok=2)),
+        "ernie4_5_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM,
+                         dict(moe_intermediate_size=32, moe_num_experts=4, moe_k=2, intermediate_size=96,
+                              moe_layer_start_index=1, moe_num_shared_experts=1, use_bias=False)),
     }[family]  # fmt: skip
     torch.manual_seed(seed)
     return _sharpen_routers(model_cls(config_cls(**{**SMALL, **extra, **kw})))
@@ -141,7 +144,7 @@ def _two_ranks(rank, world_size):
 
     register_hf_attention()
 
-    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe"):
+    for family in ("mixtral", "qwen2_moe", "qwen3_moe", "glm4_moe", "ernie4_5_moe"):
         for sp in (False, True):
             dense = _moe(family)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
