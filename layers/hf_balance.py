@@ -11,10 +11,10 @@ does for tessel's :class:`~tessel.layers.moe.ParallelMoE`.
 A block is a module with an ``experts`` child whose forward takes ``(hidden_states, top_k_index,
 top_k_weights)`` (Hugging Face 5.x's experts interface), and with an ``e_score_correction_bias`` of one value per
 expert elsewhere in the block (on its router, or on the block itself): a buffer, or a parameter that takes no
-gradient (ERNIE-4.5-MoE and Laguna hold it so, as ``[1, X]``: one group of experts). The routes are counted where
-they enter the experts, before anything tessel's parallel experts do to them (a pre-hook run first), so the ids
-are global expert ids whatever the layout. The biases are kept in fp32, as DeepSeek-V3 trains them: steps of
-~1e-3 vanish in a bf16 bias.
+gradient (ERNIE-4.5-MoE holds it so as ``[1, X]``, one group of experts; Laguna as ``[X]``). The routes are
+counted where they enter the experts, before anything tessel's parallel experts do to them (a pre-hook run
+first), so the ids are global expert ids whatever the layout. The biases are kept in fp32, as DeepSeek-V3 trains
+them: steps of ~1e-3 vanish in a bf16 bias.
 
 Which ranks saw which tokens: :func:`~tessel.layers.parallelize.parallelize` tracks the blocks it splits and
 notes the groups whose ranks route other tokens of the same batch inside the layer (the tensor-parallel group
