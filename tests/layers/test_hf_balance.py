@@ -1,8 +1,9 @@
 """Auxiliary-loss-free balancing of Hugging Face mixtures of experts (layers/hf_balance.py): the routes counted
 at the experts of every block with an ``e_score_correction_bias``, and ``update_expert_biases`` moving the biases.
 
-One process: GLM-4-MoE and DeepSeek-V3 (tiny, random) against the routes their routers return (read by a hook
-on each router), training forwards only; the biases kept in fp32. On 4 gloo ranks: tensor × context parallelism
+One process: GLM-4-MoE, DeepSeek-V3, ERNIE-4.5-MoE and Laguna (tiny, random; the last two hold the bias as a
+parameter without gradient) against the routes their routers return (read by a hook on each router), training
+forwards only; the biases kept in fp32. On 4 gloo ranks: tensor × context parallelism
 (with and without sequence parallelism) and expert parallelism over data-parallel ranks, every rank's biases
 after one update against the dense model's update on the whole batch (the exact same routes: integer counts,
 routers sharpened so that fp32 reordering cannot flip a route).
@@ -58,7 +59,8 @@ def _step(model, ids, weights=None):
 
 
 @needs_hf
-@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "ernie4_5_moe"])  # ERNIE: a [1, X] parameter
+# ERNIE-4.5-MoE and Laguna hold the bias as a parameter without gradient ([1, X] and [X]), the others as a buffer
+@pytest.mark.parametrize("family", ["glm4_moe", "deepseek_v3", "ernie4_5_moe", "laguna"])
 def test_training_routes_are_counted_and_move_the_biases(family):
     model = _moe(family)
     assert track_expert_loads(model) == len(_routers(model)) == 1  # the first layer is dense

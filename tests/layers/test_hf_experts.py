@@ -86,6 +86,9 @@ def _moe(family, seed=0, **kw):
         "ernie4_5_moe": (transformers.Ernie4_5_MoeConfig, transformers.Ernie4_5_MoeForCausalLM,
                          dict(moe_intermediate_size=32, moe_num_experts=4, moe_k=2, intermediate_size=96,
                               moe_layer_start_index=1, moe_num_shared_experts=1, use_bias=False)),
+        "laguna": (transformers.LagunaConfig, transformers.LagunaForCausalLM,
+                   dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                        num_experts_per_tok=2, intermediate_size=96)),
     }[family]  # fmt: skip
     torch.manual_seed(seed)
     return _sharpen_routers(model_cls(config_cls(**{**SMALL, **extra, **kw})))
