@@ -20,11 +20,12 @@ import torch
 from triton.runtime.errors import OutOfResources
 
 from ..kernels import attention_kernels
+from ..kernels.attention_kernels import tile_name
 from .attention import ATTENTION_SHAPES_CPU, AttentionShape, attention_cases, check_case, make_inputs, sdpa_backend
 from .runner import suite_device, time_fn
 from .shapes import select_shapes
 
-__all__ = ["COLUMNS", "SHAPES_GPU", "SWEPT", "pinned", "run_attention_tiles_suite", "tile_name"]
+__all__ = ["COLUMNS", "SHAPES_GPU", "SWEPT", "pinned", "run_attention_tiles_suite"]
 
 COLUMNS = ("case", "S", "causal", "kernel", "tile", "picked", "tessel_ms", "torch_ms", "tessel/torch")
 # kernel -> (the attention suite's pass that runs it, its autotuner's name in attention_kernels._TUNED)
@@ -32,15 +33,14 @@ SWEPT = {"dkdv": ("bwd", "dkdv"), "dq": ("bwd", "dq"), "dkdv+dq": ("bwd-atomic",
 SHAPES_GPU = (AttentionShape("seq-1k", 4, 32, 1024, 128), AttentionShape("seq-4k", 4, 32, 4096, 128, extra=True))
 
 
-def tile_name(config) -> str:
-    """``"64x128 w8 s3"``: a candidate's query rows × key columns, warps and pipeline stages."""
-    return f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
-
-
 @contextlib.contextmanager
 def pinned(tuned, config):
     """Inside the block the autotuner ``tuned`` launches ``config`` alone, without timing anything (an autotuner
     of one configuration); its candidates and its cache of picks come back afterwards."""
+    if not (hasattr(tuned, "configs") and hasattr(tuned, "cache")):
+        raise TypeError(f"pinned: tuned must be a triton.autotune autotuner, received {type(tuned).__name__}")
+    if config not in tuned.configs:
+        raise ValueError(f"pinned: config must be one of the autotuner's candidates, received {config}")
     configs, cache = tuned.configs, tuned.cache
     tuned.configs, tuned.cache = [config], {}
     try:
@@ -58,16 +58,16 @@ def run_attention_tiles_suite(dtype: torch.dtype | None = None, quick: bool = Fa
         q, k, v, grad_out = make_inputs(shape, dtype, device)
         cases = attention_cases(q, k, v, grad_out, True, backend)
         base = {"case": shape.label, "S": shape.s, "causal": True}
-        torch_ms = {}
+        torch_ms, tuned_ms = {}, {}  # per pass: the deterministic backward's two kernels share one
         for kernel, (pass_, tuned_name) in SWEPT.items():
             tessel_fn, torch_fn = cases[pass_]
-            check_case(f"{shape.label} {pass_} causal=True", cases[pass_], dtype, cuda)  # tunes, when on CUDA
-            if pass_ not in torch_ms:
+            if pass_ not in tuned_ms:
+                check_case(f"{shape.label} {pass_} causal=True", cases[pass_], dtype, cuda)  # tunes, on CUDA
                 torch_ms[pass_] = time_fn(torch_fn, cuda=cuda, reps=1 if quick else 3)
+                tuned_ms[pass_] = time_fn(tessel_fn, cuda=cuda, reps=1 if quick else 3)
             tuned = attention_kernels._TUNED[tuned_name]
             pick = tile_name(tuned.best_config) if cuda else "interpreter"
-            timed = time_fn(tessel_fn, cuda=cuda, reps=1 if quick else 3)
-            rows.append(_row(base, kernel, "autotuned: " + pick, True, timed, torch_ms[pass_]))
+            rows.append(_row(base, kernel, "autotuned: " + pick, True, tuned_ms[pass_], torch_ms[pass_]))
             if not cuda:
                 continue
             for config in tuned.configs:

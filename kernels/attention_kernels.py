@@ -52,6 +52,7 @@ __all__ = [
     "fwd_kernel_tuned",
     "sk_bucket",
     "split_kv_kernel_tuned",
+    "tile_name",
     "tuned_programs",
 ]
 
@@ -158,6 +159,11 @@ _TUNED = {
 }
 
 
+def tile_name(config: triton.Config) -> str:
+    """``"64x128 w8 s3"``: an attention configuration's query rows × key columns, warps and pipeline stages."""
+    return f"{config.kwargs['BLOCK_M']}x{config.kwargs['BLOCK_N']} w{config.num_warps} s{config.num_stages}"
+
+
 def tuned_programs(*kernels: str) -> str | None:
     """``"fwd 64x64 w4 s3, dkdv 32x128 w8 s3"``: the tiles the autotuners of ``kernels`` (``"fwd"``,
     ``"dkdv"``, ``"dq"``, ``"dkdv+dq"`` for the one-kernel backward) picked at their latest launch; None
@@ -170,6 +176,5 @@ def tuned_programs(*kernels: str) -> str | None:
         config = getattr(_TUNED[name], "best_config", None)
         if config is None:
             return None
-        meta = config.kwargs
-        picks.append(f"{name} {meta['BLOCK_M']}x{meta['BLOCK_N']} w{config.num_warps} s{config.num_stages}")
+        picks.append(f"{name} {tile_name(config)}")
     return ", ".join(picks)

@@ -65,7 +65,7 @@ def _bias_owner(block: nn.Module, experts: nn.Module) -> nn.Module | None:
     inside = {id(m) for m in experts.modules()}
     owners = [m for m in block.modules() if id(m) not in inside and _bias_of(m) is not None]
     if len(owners) > 1:
-        raise ValueError(f"track_expert_loads: {type(block).__name__} holds {len(owners)} {BIAS_NAME} buffers; "
+        raise ValueError(f"track_expert_loads: {type(block).__name__} holds {len(owners)} {BIAS_NAME} tensors; "
                          "expected one per block")  # fmt: skip
     return owners[0] if owners else None
 

@@ -5,8 +5,9 @@ import torch
 import triton
 
 from tessel.bench.__main__ import ON_REQUEST, SUITES
-from tessel.bench.attention_tiles import COLUMNS, SWEPT, pinned, run_attention_tiles_suite, tile_name
+from tessel.bench.attention_tiles import COLUMNS, SWEPT, pinned, run_attention_tiles_suite
 from tessel.kernels import attention_kernels
+from tessel.kernels.attention_kernels import tile_name
 
 
 def test_a_pinned_autotuner_runs_its_one_candidate_and_gets_its_candidates_back():
@@ -20,6 +21,12 @@ def test_a_pinned_autotuner_runs_its_one_candidate_and_gets_its_candidates_back(
         with pytest.raises(RuntimeError), pinned(tuned, configs[1]):
             raise RuntimeError("a launch failed")
         assert tuned.configs is configs and tuned.cache is cache
+        with pytest.raises(TypeError, match=r"pinned: tuned must be a triton\.autotune autotuner, received dict"):
+            pinned({}, configs[0]).__enter__()
+        stranger = triton.Config({"BLOCK_M": 8, "BLOCK_N": 8}, num_warps=1, num_stages=1)
+        with pytest.raises(ValueError, match="pinned: config must be one of the autotuner's candidates"):
+            pinned(tuned, stranger).__enter__()
+        assert tuned.configs is configs and tuned.cache is cache  # nothing changed
     finally:
         tuned.cache = original
 
