@@ -36,7 +36,7 @@ from ..kernels._dispatch import backend_for
 from ..kernels.attention import _split_kv_plan, flash_attention
 from .attention import tolerance
 from .matmul import BenchmarkError, max_rel_error
-from .runner import geomean, suite_device, time_fn
+from .runner import geomean, graph_time, host_time, suite_device, time_fn
 from .shapes import select_shapes
 
 __all__ = [
@@ -55,7 +55,8 @@ __all__ = [
 
 COLUMNS = (
     "case", "B", "Hq", "Hkv", "Sk", "D", "dtype", "splits", "max_rel_err", "tessel_us", "one_pass_us", "torch_us",
-    "tessel_GBps", "torch_GBps", "tessel/torch", "split/one_pass",
+    "tessel_GBps", "torch_GBps", "tessel/torch", "split/one_pass", "tessel_host_us", "tessel_graph_us",
+    "torch_graph_us", "graph tessel/torch",
 )  # fmt: skip
 CPU_SPLITS = 4
 
@@ -133,6 +134,10 @@ def _splits(q, k, cuda: bool) -> int:
     return 1 if plan is None else plan[2]
 
 
+def _us(ms: float | None) -> float | None:
+    return None if ms is None else ms * 1e3
+
+
 def run_decode_suite(dtype: torch.dtype | None = None, quick: bool = False) -> list[dict]:
     """Check and time every shape; returns one row per shape plus the geometric-mean row.
 
@@ -147,11 +152,14 @@ def run_decode_suite(dtype: torch.dtype | None = None, quick: bool = False) -> l
         err = check_case(shape.label, cases, dtype, cuda)
         ms = {impl: time_fn(fn, cuda=cuda, reps=1 if quick else 3) for impl, fn in cases.items()}
         moved = decode_bytes(shape, dtype)
+        host = host_time(cases["tessel"])
+        graphed = {impl: graph_time(cases[impl], label=f"{impl} {shape.label}") for impl in ("tessel", "torch")}
         values = (
             shape.label, shape.b, shape.hq, shape.hkv, shape.sk, shape.d, str(dtype).removeprefix("torch."),
             _splits(q, k, cuda), err, ms["tessel"] * 1e3, ms["one_pass"] * 1e3, ms["torch"] * 1e3,
             moved / ms["tessel"] / 1e6, moved / ms["torch"] / 1e6, ms["torch"] / ms["tessel"],
-            ms["one_pass"] / ms["tessel"],
+            ms["one_pass"] / ms["tessel"], _us(host), _us(graphed["tessel"]), _us(graphed["torch"]),
+            graphed["torch"] / graphed["tessel"] if None not in graphed.values() else None,
         )  # fmt: skip
         rows.append(dict(zip(COLUMNS, values, strict=True)))
         del q, k, v, cases
@@ -159,5 +167,6 @@ def run_decode_suite(dtype: torch.dtype | None = None, quick: bool = False) -> l
         **dict.fromkeys(COLUMNS), "case": "geomean", "dtype": str(dtype).removeprefix("torch."),
         "tessel/torch": geomean([r["tessel/torch"] for r in rows]),
         "split/one_pass": geomean([r["split/one_pass"] for r in rows]),
+        "graph tessel/torch": geomean([r["graph tessel/torch"] for r in rows]),
     }  # fmt: skip
     return [*rows, summary]

@@ -20,6 +20,7 @@ import re
 import shutil
 import statistics
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -32,6 +33,8 @@ __all__ = [
     "environment",
     "geomean",
     "geomean_rows",
+    "graph_time",
+    "host_time",
     "peak_tflops",
     "print_table",
     "report",
@@ -70,6 +73,51 @@ def time_fn(fn: Callable[[], object], *, cuda: bool | None = None, reps: int = 3
         fn()
         times.append((time.perf_counter() - start) * 1e3)
     return statistics.median(times)
+
+
+def host_time(fn: Callable[[], object], *, calls: int = 50) -> float | None:
+    """Milliseconds of host time per ``fn()`` on CUDA: ``calls`` calls issued back to back without waiting
+    for the GPU, after a warm-up call. When it is as long as the device time, the GPU waits for the host
+    (launch and Python overhead) and a faster kernel would not show. None on a CPU, where the work itself
+    runs on the host."""
+    if not torch.cuda.is_available():
+        return None
+    fn()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / calls * 1e3
+
+
+def graph_time(fn: Callable[[], object], *, label: str = "fn") -> float | None:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph (``do_bench``, as :func:`time_fn`):
+    the device time of its work without the host's launch overhead, as a training or decode loop captured
+    in a graph would run it. ``fn`` is warmed up on a side stream first (autotuners tune there, outside
+    the capture). None on a CPU; None, with the reason printed, when the capture fails."""
+    if not torch.cuda.is_available():
+        return None
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    try:
+        with torch.cuda.graph(graph):
+            fn()
+    except RuntimeError as exc:
+        print(f"graph_time: the capture of {label} failed: {exc}", file=sys.stderr)
+        return None
+    try:
+        return float(triton.testing.do_bench(graph.replay, warmup=25, rep=100, return_mode="median"))
+    finally:
+        graph.reset()
 
 
 def synced(fn: Callable[[], object]) -> Callable[[], object]:

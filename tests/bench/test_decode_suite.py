@@ -28,10 +28,26 @@ def test_quick_cpu_rows():
         assert row["tessel_GBps"] == pytest.approx(moved / (row["tessel_us"] * 1e-6) / 1e9)
         assert row["tessel/torch"] == pytest.approx(row["torch_us"] / row["tessel_us"])
         assert row["split/one_pass"] == pytest.approx(row["one_pass_us"] / row["tessel_us"])
-        assert all(math.isfinite(row[c]) and row[c] > 0 for c in COLUMNS[9:])
+        assert all(math.isfinite(row[c]) and row[c] > 0 for c in COLUMNS[9:16])
+        # host and graph times exist on CUDA only: on a CPU the host does the work itself
+        assert all(row[c] is None for c in COLUMNS[16:])
     assert summary["case"] == "geomean" and summary["B"] is None
     ratios = [r["tessel/torch"] for r in measured]
     assert summary["tessel/torch"] == pytest.approx(math.prod(ratios) ** (1 / len(ratios)))
+    assert summary["graph tessel/torch"] is None
+
+
+@pytest.mark.gpu
+def test_gpu_rows_separate_the_hosts_time_from_the_kernels(monkeypatch):
+    """On CUDA every row has the host time of a call and both graph replays: the decode step (split-KV
+    kernels and their allocations) is captured in a CUDA graph."""
+    shape = DecodeShape("small", 2, 8, 2, 1000, 64)
+    monkeypatch.setattr(decode_bench, "decode_shapes", lambda cuda, quick=False: (shape,))
+    (row, summary) = run_decode_suite(torch.bfloat16, quick=True)
+    for column in COLUMNS[16:]:
+        assert math.isfinite(row[column]) and row[column] > 0, (column, row)
+    assert summary["graph tessel/torch"] == pytest.approx(row["graph tessel/torch"])
+    assert row["graph tessel/torch"] == pytest.approx(row["torch_graph_us"] / row["tessel_graph_us"])
 
 
 def test_byte_count():

@@ -1,8 +1,11 @@
 """The overlap suite on a CPU: measured bytes equal the ring formulas and every communicating pass overlaps."""
 
 import pytest
+import torch
 
+import tessel.bench.overlap as overlap_bench
 from tessel.bench.overlap import OPS, gemms_in_flight, ring_bytes, run_overlap_suite
+from tessel.bench.shapes import MatmulShape
 
 
 def test_gemms_in_flight_counts_gemms_between_a_send_and_its_wait():
@@ -29,3 +32,34 @@ def test_cpu_suite_reports_ring_bytes_and_overlapped_schedules():
         if row["ring_bytes"]:  # every pass that communicates runs a GEMM while a transfer is in flight
             assert hidden >= 1, row
             assert gemms >= 2, row
+
+
+@pytest.mark.gpu
+def test_emulated_ring_rows_on_a_gpu(monkeypatch):
+    """On one GPU each row holds the eager and graph-replayed times of the GEMM and of the ring, and the host
+    time of one ring; the ring captured in a CUDA graph (side-stream copies, events) writes the full GEMM."""
+    shape = MatmulShape("small", 1000, 384, 256)
+    monkeypatch.setattr(overlap_bench, "matmul_shapes", lambda cuda, quick=False: (shape,))
+    rows = run_overlap_suite(torch.bfloat16, quick=True)
+    assert [r["tp"] for r in rows] == [2, 4, 8]
+    for row in rows:
+        for column in ("gemm_ms", "emulated_ring_ms", "ring_host_ms", "graph_gemm_ms", "graph_ring_ms"):
+            assert row[column] > 0, (column, row)
+        assert row["graph ring/gemm"] == pytest.approx(row["graph_ring_ms"] / row["graph_gemm_ms"])
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(1000, 256, generator=gen, device="cuda").to(torch.bfloat16)
+    w = torch.randn(384, 256, generator=gen, device="cuda").to(torch.bfloat16)
+    out = torch.full((1000, 384), float("nan"), device="cuda", dtype=torch.bfloat16)
+    ring = overlap_bench._emulated_ring(x, w, out, 8)
+    ring()  # tunes the step's GEMM outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        ring()
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    want = x.double() @ w.double().t()
+    assert torch.isfinite(out).all()
+    assert (out.double() - want).abs().max() / want.abs().max() < 2e-2
