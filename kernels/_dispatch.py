@@ -20,9 +20,18 @@ import numpy
 import torch
 import triton
 
-__all__ = ["INTERPRET", "Backend", "backend_for", "check_interpreter", "upcast_dot_operands"]
+__all__ = ["INTERPRET", "Backend", "backend_for", "check_interpreter", "opaque_to_compile", "upcast_dot_operands"]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def opaque_to_compile(fn):
+    """``fn`` (a function that launches Triton kernels or talks to ``torch.distributed``), hidden from
+    ``torch.compile``: Dynamo never traces into it, so a compiled model breaks its graph around the call and
+    runs it as it runs without compile, and compiles the rest. Tracing into a launcher would walk through
+    Triton's host code (under the interpreter, its NumPy emulation of every program) and through the
+    launchers' pointer and stride checks, which fake tensors cannot answer."""
+    return torch.compiler.disable(fn)
 
 
 class Backend:

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for
+from ._dispatch import Backend, backend_for, opaque_to_compile
 
 __all__ = ["adam_step", "adam_step_reference", "grad_stats", "grad_stats_reference"]
 
@@ -297,6 +297,7 @@ def _device_context(t: torch.Tensor):
     return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
+@opaque_to_compile
 def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight_decay, step,
               grad_scale=None, found_inf=None, param_copy=None) -> None:  # fmt: skip
     """One fused AdamW step over a shard, in place; see the module docstring for the arithmetic.
@@ -343,6 +344,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight
         )  # fmt: skip
 
 
+@opaque_to_compile
 def grad_stats(grad, out=None) -> torch.Tensor:
     """``[sum of squares, count of non-finite elements]`` of a gradient shard, fp32, one read-only pass.
 

@@ -75,7 +75,7 @@ import math
 import torch
 import triton
 
-from ._dispatch import Backend, backend_for, upcast_dot_operands
+from ._dispatch import Backend, backend_for, opaque_to_compile, upcast_dot_operands
 from .attention_inputs import (
     _DTYPES,
     HEAD_DIMS,
@@ -195,6 +195,7 @@ def _flags(q: torch.Tensor, causal: bool, backend: str, segments=None, window=No
     }
 
 
+@opaque_to_compile
 def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: int, bh: int, args, flags) -> None:
     """Launch on a (row blocks, batch·heads) grid: fixed blocks under the interpreter, autotuned on CUDA.
 
@@ -237,6 +238,7 @@ def _split_kv_plan(q, k, num_splits: int | None, backend: str) -> tuple[int, int
     return block_m, keys, triton.cdiv(sk, keys)
 
 
+@opaque_to_compile
 def _forward_split_kv(
     q, k, v, out, lse, causal: bool, scale: float, backend: str, block_m: int, keys: int, splits: int, softcap=None
 ) -> None:
@@ -306,6 +308,7 @@ def _forward(q, k, v, causal: bool, scale: float, backend: str, num_splits: int 
     return out, lse
 
 
+@opaque_to_compile
 def _backward(
     q, k, v, out, lse, dout, dlse, causal: bool, scale: float, backend: str, need_dq: bool, need_dkv: bool,
     deterministic: bool = True, segments=None, window=None, offset=None, softcap=None,

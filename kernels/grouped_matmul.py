@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for, upcast_dot_operands
+from ._dispatch import Backend, backend_for, opaque_to_compile, upcast_dot_operands
 from .matmul import _input_precision  # TF32 for fp32 exactly when torch.matmul would use it
 
 __all__ = ["grouped_matmul", "grouped_matmul_reference", "grouped_weight_grad", "grouped_weight_grad_reference"]
@@ -123,6 +123,7 @@ def _flags(dtype: torch.dtype, backend: str) -> dict:
     return {"DOT_FP32": upcast_dot_operands(backend), "INPUT_PRECISION": _input_precision(dtype, backend)}
 
 
+@opaque_to_compile
 def _launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
     (rows, k), (experts, _, n) = a.shape, b.shape
     if rows == 0 or n == 0:
@@ -141,6 +142,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.
             _grouped_tuned[grid](*args, **meta)
 
 
+@opaque_to_compile
 def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
     experts, k, n = out.shape
     if experts == 0 or k == 0 or n == 0:

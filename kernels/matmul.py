@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import INTERPRET, Backend, backend_for, upcast_dot_operands
+from ._dispatch import INTERPRET, Backend, backend_for, opaque_to_compile, upcast_dot_operands
 
 __all__ = ["ACTIVATIONS", "matmul", "matmul_reference"]
 
@@ -420,6 +420,7 @@ def _ensure_scratch_allocator() -> None:
         triton.set_allocator(_scratch)
 
 
+@opaque_to_compile
 def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
     """Run ``out (+)= activation(a @ b + bias)`` on the right backend; optionally store the pre-activation."""
     (m, k), n = a.shape, b.shape[1]

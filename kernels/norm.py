@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for
+from ._dispatch import Backend, backend_for, opaque_to_compile
 
 __all__ = ["MAX_HIDDEN", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference"]
 
@@ -228,6 +228,7 @@ def _strides(t3: torch.Tensor) -> tuple[int, int]:
     return t3.stride(0), t3.stride(1)
 
 
+@opaque_to_compile
 def _forward(x, weight, bias, eps, is_rms):
     """Launch the forward on the right backend; returns ``(y, x, mean, rstd)`` (x as read, maybe a copy)."""
     x, shape3 = _rows_input(x)
@@ -254,6 +255,7 @@ def _forward(x, weight, bias, eps, is_rms):
     return y, x, mean, rstd
 
 
+@opaque_to_compile
 def _backward(dy, x, weight, has_bias, mean, rstd, is_rms):
     """Launch the backward; returns ``(dx, dw, db)`` with dw/db in the weight's dtype (db None without bias)."""
     _, shape3 = _rows_input(x)  # x was saved as read by the forward: it views as shape3 without a copy

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from ..kernels._dispatch import opaque_to_compile
+
 __all__ = [
     "ByteCounter",
     "EventLog",
@@ -160,6 +162,7 @@ class _Handles:
         return True
 
 
+@opaque_to_compile
 def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, shift: int = 1):
     """Send ``send`` to the rank ``shift`` places ahead in the ring and receive ``recv`` from the one behind.
 
@@ -178,6 +181,7 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGro
     return _Handles(dist.batch_isend_irecv(ops))
 
 
+@opaque_to_compile
 def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
     """Sum ``x`` in place over ``group``; returns ``(x, work)``. Ring bytes: 2(t-1)/t·|x| each way."""
     size = group_size(group)
@@ -193,6 +197,7 @@ _all_gather_base = getattr(dist, "all_gather_single", None) or dist.all_gather_i
 _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
+@opaque_to_compile
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
     """Concatenate every rank's ``x`` along dim 0 (into ``out`` if given); returns ``(out, work)``."""
     size = group_size(group)
@@ -206,6 +211,7 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tens
     return out, work if async_op else _Done()
 
 
+@opaque_to_compile
 def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: list[int], recv_counts: list[int]):
     """Rows of ``x`` to every rank: the first ``send_counts[0]`` rows to rank 0, the next ``send_counts[1]`` to
     rank 1…; returns ``(out, work)``, ``out`` the ``sum(recv_counts)`` rows received, rank after rank. The
@@ -225,6 +231,7 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: li
     return out, _Done()
 
 
+@opaque_to_compile
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
     """Sum ``x`` over ranks and keep this rank's 1/t block of dim 0; returns ``(out, work)``."""
     size = group_size(group)
