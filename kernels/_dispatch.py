@@ -20,9 +20,31 @@ import numpy
 import torch
 import triton
 
-__all__ = ["INTERPRET", "Backend", "backend_for", "check_interpreter", "opaque_to_compile", "upcast_dot_operands"]
+__all__ = [
+    "INTERPRET",
+    "Backend",
+    "backend_for",
+    "cdiv",
+    "check_interpreter",
+    "next_power_of_2",
+    "opaque_to_compile",
+    "upcast_dot_operands",
+]
 
 INTERPRET: bool = os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for the launchers' host arithmetic (grids, tile counts). ``triton.cdiv`` computes the
+    same but is a ``constexpr_function`` since Triton 3.5: a few microseconds per host call, several of which
+    every launch makes."""
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    """The smallest power of two at least ``n`` (0 for ``n <= 0``), as ``triton.next_power_of_2`` without its
+    per-call cost on the host (see :func:`cdiv`)."""
+    return 0 if n <= 0 else 1 << (n - 1).bit_length()
 
 
 def opaque_to_compile(fn):

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for, opaque_to_compile
+from ._dispatch import Backend, backend_for, cdiv, opaque_to_compile
 
 __all__ = ["adam_step", "adam_step_reference", "grad_stats", "grad_stats_reference"]
 
@@ -332,7 +332,7 @@ def adam_step(param, grad, exp_avg, exp_avg_sq, *, lr, beta1, beta2, eps, weight
     block, warps = _blocks(backend, "adam")
     bf16_by_bits = backend == Backend.INTERPRETER and param_copy is not None and param_copy.dtype == torch.bfloat16
     with _device_context(param):
-        _adam_step_kernel[(triton.cdiv(n, block),)](
+        _adam_step_kernel[(cdiv(n, block),)](
             param, grad, exp_avg, exp_avg_sq,
             param_copy if param_copy is not None else param,
             grad_scale if grad_scale is not None else param,
@@ -359,7 +359,7 @@ def grad_stats(grad, out=None) -> torch.Tensor:
             return _grad_stats_reference_into(grad, out)
     n = grad.numel()
     block, warps = _blocks(backend, "stats")
-    programs = triton.cdiv(n, block)
+    programs = cdiv(n, block)
     partials = torch.zeros((max(programs, 1), 2), device=grad.device, dtype=torch.float32)
     if programs:
         with _device_context(grad):

@@ -73,9 +73,8 @@ import functools
 import math
 
 import torch
-import triton
 
-from ._dispatch import Backend, backend_for, opaque_to_compile, upcast_dot_operands
+from ._dispatch import Backend, backend_for, cdiv, next_power_of_2, opaque_to_compile, upcast_dot_operands
 from .attention_inputs import (
     _DTYPES,
     HEAD_DIMS,
@@ -202,9 +201,9 @@ def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: 
     Row blocks of one head are neighbours in launch order, so they share that head's keys in L2.
     """
     if backend == Backend.INTERPRETER:
-        kernel[(triton.cdiv(rows, blocks[program_rows]), bh)](*args, **flags, **blocks)
+        kernel[(cdiv(rows, blocks[program_rows]), bh)](*args, **flags, **blocks)
     else:
-        tuned[lambda meta: (triton.cdiv(rows, meta[program_rows]), bh)](*args, **flags)
+        tuned[lambda meta: (cdiv(rows, meta[program_rows]), bh)](*args, **flags)
 
 
 @functools.cache
@@ -227,15 +226,15 @@ def _split_kv_plan(q, k, num_splits: int | None, backend: str) -> tuple[int, int
     rows = hq // hkv * sq
     if num_splits == 1:
         return None
-    block_m = min(AUTO_SPLIT_KV_MAX_ROWS, max(16, triton.next_power_of_2(rows)))
+    block_m = min(AUTO_SPLIT_KV_MAX_ROWS, max(16, next_power_of_2(rows)))
     if num_splits is None:
         if backend != Backend.TRITON or rows > AUTO_SPLIT_KV_MAX_ROWS:
             return None
-        programs = b * hkv * triton.cdiv(rows, block_m)
-        num_splits = max(1, min(triton.cdiv(2 * _sm_count(q.device), programs), sk // _MIN_KEYS_PER_SPLIT))
+        programs = b * hkv * cdiv(rows, block_m)
+        num_splits = max(1, min(cdiv(2 * _sm_count(q.device), programs), sk // _MIN_KEYS_PER_SPLIT))
     align = INTERPRETER_SPLIT_KV_BLOCK_N if backend == Backend.INTERPRETER else SPLIT_KV_KEY_ALIGN
-    keys = triton.cdiv(triton.cdiv(sk, min(num_splits, MAX_SPLITS)), align) * align
-    return block_m, keys, triton.cdiv(sk, keys)
+    keys = cdiv(cdiv(sk, min(num_splits, MAX_SPLITS)), align) * align
+    return block_m, keys, cdiv(sk, keys)
 
 
 @opaque_to_compile
@@ -259,7 +258,7 @@ def _forward_split_kv(
     )  # fmt: skip
     flags = {**_flags(q, causal, backend, softcap=softcap), "FINAL": final, "BLOCK_M": block_m}
     del flags["SEGMENTS"], flags["WINDOWED"]  # the split kernel takes neither
-    grid = (triton.cdiv(hq // hkv * sq, block_m), b * hkv, splits)
+    grid = (cdiv(hq // hkv * sq, block_m), b * hkv, splits)
     with _device(q):
         if backend == Backend.INTERPRETER:
             _flash_attention_split_kv_kernel[grid](*args, **flags, BLOCK_N=INTERPRETER_SPLIT_KV_BLOCK_N)
@@ -268,7 +267,7 @@ def _forward_split_kv(
         if not final:
             _flash_attention_split_kv_combine_kernel[(b * hq * sq,)](
                 part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), hq, sq, splits,
-                HEAD_DIM=d, SPLITS=triton.next_power_of_2(splits),
+                HEAD_DIM=d, SPLITS=next_power_of_2(splits),
             )  # fmt: skip
 
 
@@ -332,7 +331,7 @@ def _backward(
     flags = _flags(q, causal, backend, segments, window, softcap)
     seg_q, seg_k = segments if segments is not None else (delta, delta)  # never read without segments
     with _device(q):
-        _flash_attention_bwd_preprocess_kernel[(triton.cdiv(sq, PREPROCESS_BLOCK_M), b * hq)](
+        _flash_attention_bwd_preprocess_kernel[(cdiv(sq, PREPROCESS_BLOCK_M), b * hq)](
             out, dout, dlse if dlse is not None else delta, delta,
             out.stride(0), out.stride(1), out.stride(2), dout.stride(0), dout.stride(1), dout.stride(2), hq, sq,
             HAS_DLSE=dlse is not None, HEAD_DIM=d, BLOCK_M=PREPROCESS_BLOCK_M,

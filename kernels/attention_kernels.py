@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import triton
 
+from ._dispatch import next_power_of_2
 from .attention_backward import (
     _flash_attention_bwd_dkdv_kernel,
     _flash_attention_bwd_dq_kernel,
@@ -73,7 +74,7 @@ def sk_bucket(sk: int) -> int:
     autotuner (tens of timed launches) at every token. The query length stays exact, so with SQ == SK
     the key (SQ, bucket) is as fine as the former S and the square case tunes exactly as before.
     """
-    return max(16, triton.next_power_of_2(sk))
+    return max(16, next_power_of_2(sk))
 
 
 def _prune_for_short_sequences(configs, named_args, **kwargs):
@@ -81,7 +82,7 @@ def _prune_for_short_sequences(configs, named_args, **kwargs):
     SK): mostly past the end, and costly to tune."""
 
     def fits(block: int, length: int) -> bool:
-        return block <= max(64, triton.next_power_of_2(length))
+        return block <= max(64, next_power_of_2(length))
 
     sq, sk = named_args["SQ"], named_args["SK"]
     kept = [c for c in configs if fits(c.kwargs["BLOCK_M"], sq) and fits(c.kwargs["BLOCK_N"], sk)]

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for, opaque_to_compile, upcast_dot_operands
+from ._dispatch import Backend, backend_for, cdiv, next_power_of_2, opaque_to_compile, upcast_dot_operands
 from .matmul import _input_precision  # TF32 for fp32 exactly when torch.matmul would use it
 
 __all__ = ["grouped_matmul", "grouped_matmul_reference", "grouped_weight_grad", "grouped_weight_grad_reference"]
@@ -133,8 +133,8 @@ def _launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.
         out.copy_(grouped_matmul_reference(a, b, offsets))
         return
     args = (a, b, out, offsets, n, k, experts, *a.stride(), *b.stride(), *out.stride())
-    meta = {**_flags(a.dtype, backend), "BLOCK_X": triton.next_power_of_2(experts)}
-    grid = lambda m: (triton.cdiv(rows, m["BLOCK_M"]) + experts, triton.cdiv(n, m["BLOCK_N"]))
+    meta = {**_flags(a.dtype, backend), "BLOCK_X": next_power_of_2(experts)}
+    grid = lambda m: (cdiv(rows, m["BLOCK_M"]) + experts, cdiv(n, m["BLOCK_N"]))
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if backend == Backend.INTERPRETER:
             _grouped_kernel[grid(_INTERPRETER_BLOCKS)](*args, **meta, **_INTERPRETER_BLOCKS)
@@ -152,7 +152,7 @@ def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, out: 
         out.copy_(_wgrad_reference(a, g, offsets, out.shape))
         return
     args = (a, g, out, offsets, k, n, *a.stride(), *g.stride(), *out.stride())
-    grid = lambda m: (experts, triton.cdiv(k, m["BLOCK_K"]) * triton.cdiv(n, m["BLOCK_N"]))
+    grid = lambda m: (experts, cdiv(k, m["BLOCK_K"]) * cdiv(n, m["BLOCK_N"]))
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if backend == Backend.INTERPRETER:
             _grouped_wgrad_kernel[grid(_INTERPRETER_BLOCKS)](*args, **_flags(a.dtype, backend), **_INTERPRETER_BLOCKS)

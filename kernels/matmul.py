@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import INTERPRET, Backend, backend_for, opaque_to_compile, upcast_dot_operands
+from ._dispatch import INTERPRET, Backend, backend_for, cdiv, opaque_to_compile, upcast_dot_operands
 
 __all__ = ["ACTIVATIONS", "matmul", "matmul_reference"]
 
@@ -231,7 +231,7 @@ def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
         meta = config.kwargs
         if meta["TMA"] and not args["TMA_OK"]:
             continue
-        tiles = triton.cdiv(args["M"], meta["BLOCK_M"]) * triton.cdiv(args["N"], meta["BLOCK_N"])
+        tiles = cdiv(args["M"], meta["BLOCK_M"]) * cdiv(args["N"], meta["BLOCK_N"])
         if meta["PERSISTENT"] and tiles <= sms:
             continue
         if _shared_bytes(meta, config.num_stages, a.element_size()) + _SHARED_SLACK > limit:
@@ -445,7 +445,7 @@ def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
             "INDEX_64": _needs_int64(a, b, out, *(() if preact is None else (preact,))),
             **_tma_flags(a, b, backend),
         }
-        tiles = lambda meta: triton.cdiv(m, meta["BLOCK_M"]) * triton.cdiv(n, meta["BLOCK_N"])
+        tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])
         grid = lambda meta: (min(tiles(meta), _num_sms(a.device)) if meta["PERSISTENT"] else tiles(meta),)
         if backend == Backend.INTERPRETER:
             variant = {**_INTERPRETER_VARIANT, "TMA": _INTERPRETER_VARIANT["TMA"] and flags["TMA_OK"]}

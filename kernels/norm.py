@@ -40,7 +40,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for, opaque_to_compile
+from ._dispatch import Backend, backend_for, cdiv, next_power_of_2, opaque_to_compile
 
 __all__ = ["MAX_HIDDEN", "layer_norm", "layer_norm_reference", "rms_norm", "rms_norm_reference"]
 
@@ -244,10 +244,10 @@ def _forward(x, weight, bias, eps, is_rms):
     if backend == Backend.REFERENCE:
         _forward_reference_into(x3, weight, bias, eps, is_rms, y3, mean, rstd)
         return y, x, mean, rstd
-    block_h = triton.next_power_of_2(h)
+    block_h = next_power_of_2(h)
     block_rows, num_warps = _launch_config(backend, block_h)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _norm_fwd_kernel[(triton.cdiv(m, block_rows),)](
+        _norm_fwd_kernel[(cdiv(m, block_rows),)](
             x3, weight, bias if bias is not None else weight, y3, mean if not is_rms else rstd, rstd,
             m, h, inner, *_strides(x3), *_strides(y3), eps,
             IS_RMS=is_rms, HAS_BIAS=bias is not None, BLOCK_ROWS=block_rows, BLOCK_H=block_h, num_warps=num_warps,
@@ -270,15 +270,15 @@ def _backward(dy, x, weight, has_bias, mean, rstd, is_rms):
     if backend == Backend.REFERENCE:
         dw, db = _backward_reference_into(dy3, x3, weight, mean, rstd, is_rms, dx3)
         return dx, dw.to(weight.dtype), db.to(weight.dtype) if has_bias else None
-    block_h = triton.next_power_of_2(h)
+    block_h = next_power_of_2(h)
     block_rows, num_warps = _launch_config(backend, block_h)
     if backend == Backend.INTERPRETER:
-        programs = min(triton.cdiv(m, block_rows), _INTERPRETER_BWD_PROGRAMS)
+        programs = min(cdiv(m, block_rows), _INTERPRETER_BWD_PROGRAMS)
     else:
         # Two programs per SM keep every SM busy while the [G, H] partials stay a small fraction of the
         # traffic (G·H·4 bytes against M·H·(2 reads + 1 write) of activations).
         sm_count = torch.cuda.get_device_properties(x.device).multi_processor_count
-        programs = min(triton.cdiv(m, block_rows), 2 * sm_count)
+        programs = min(cdiv(m, block_rows), 2 * sm_count)
     dw_partial = torch.empty((programs, h), device=x.device, dtype=torch.float32)
     db_partial = torch.empty((programs, h), device=x.device, dtype=torch.float32) if has_bias else dw_partial
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():

@@ -42,3 +42,17 @@ def test_an_incompatible_interpreter_fails_before_any_kernel_runs(monkeypatch):
     monkeypatch.setattr(_dispatch.numpy, "__version__", "2.4.0")
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         backend_for(torch.zeros(2))
+
+
+def test_host_arithmetic_matches_triton():
+    """The launchers' cdiv and next_power_of_2 (plain Python: Triton's are constexpr functions, microseconds
+    per host call) agree with Triton's everywhere a launcher can call them."""
+    import triton
+
+    from tessel.kernels._dispatch import cdiv, next_power_of_2
+
+    values = [*range(0, 4100), 2**31 - 1, 2**31, 2**31 + 1, 2**40 + 3]
+    for n in values:
+        assert next_power_of_2(n) == triton.next_power_of_2(n), n
+        for d in (1, 2, 3, 16, 64, 128, 1000):
+            assert cdiv(n, d) == triton.cdiv(n, d), (n, d)
