@@ -1,5 +1,6 @@
 """Triton kernels with host launchers and a plain-PyTorch reference for each."""
 
+from . import library  # noqa: F401  registers the custom operators torch.compile traces
 from .adam import adam_step, adam_step_reference, grad_stats, grad_stats_reference
 from .attention import HEAD_DIMS, flash_attention, flash_attention_backward, flash_attention_reference
 from .grouped_matmul import grouped_matmul, grouped_matmul_reference, grouped_weight_grad, grouped_weight_grad_reference

@@ -7,7 +7,9 @@ rotary tables, ring-step tables, a few small kernels per layer, again under acti
 tensor's version counter: an in-place change of the tensor drops what was kept.
 
 Nothing is kept for inference tensors (they have no version counter) or while inference mode is on
-(its tensors cannot be saved for a later backward), and nothing outlives the tensor.
+(its tensors cannot be saved for a later backward), and nothing outlives the tensor. Under ``torch.compile``
+the value is computed where it is asked for: a graph holds no Python attributes of tensors, and computing
+the value again costs a compiled graph little.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ _ATTR = "_tessel_kept"
 def kept_on(tensor: torch.Tensor, key: Hashable, make: Callable[[], T]) -> T:
     """``make()``, computed on the first call for ``(tensor, key)`` and returned again while ``tensor`` is not
     modified in place. ``key`` must name everything besides ``tensor``'s contents that the value depends on."""
-    if tensor.is_inference() or torch.is_inference_mode_enabled():
+    if torch.compiler.is_compiling() or tensor.is_inference() or torch.is_inference_mode_enabled():
         return make()
     version = tensor._version
     kept = tensor.__dict__.get(_ATTR)
@@ -45,7 +47,12 @@ def kept_with(tensor: torch.Tensor, other: torch.Tensor, key: Hashable, make: Ca
     ``tensor`` is unchanged and ``other`` is the same tensor object, unchanged (held weakly: keeping the
     value does not keep ``other`` alive, and a new tensor at the same address is not mistaken for it). One
     value per key: another ``other`` replaces it."""
-    if tensor.is_inference() or other.is_inference() or torch.is_inference_mode_enabled():
+    if (
+        torch.compiler.is_compiling()
+        or tensor.is_inference()
+        or other.is_inference()
+        or torch.is_inference_mode_enabled()
+    ):
         return make()
     slot = kept_on(tensor, key, lambda: [None, None, None])  # [weak ref, version, value]: the latest other's
     ref, version, value = slot

@@ -9,6 +9,10 @@ generating code, so the CPU runs stay short; the GPU test uses inductor itself.
 
 Without the opaque launchers Dynamo traces into Triton's host code: on a CPU it walks the interpreter's
 NumPy emulation of each program and fails.
+
+Flash attention and the norms go further: under compile they call custom operators
+(``kernels/library.py``), so a model made of them and of torch operations compiles whole
+(``fullgraph=True``), a Hugging Face model with tessel's attention among them.
 """
 
 import importlib.util
@@ -19,6 +23,7 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tessel.kernels import flash_attention, grouped_matmul, layer_norm, matmul, rms_norm
+from tessel.kernels.library import flash_attention_op, norm_op
 from tessel.layers.gpt import GPT, GPTConfig
 from tests.multiprocess import run_ranks
 
@@ -105,6 +110,112 @@ def test_compiled_kernel_ops_match_eager(seed, op):
     torch.testing.assert_close(got_out, want_out, **TOL)
     for got, want in zip(got_grads, want_grads):
         torch.testing.assert_close(got, want, **TOL)
+
+
+def _grads_of(fn, inputs):
+    for t in inputs:
+        t.grad = None
+    loss = fn(*inputs)
+    loss.backward()
+    return [loss.detach(), *(t.grad.clone() for t in inputs)]
+
+
+def _leaves(*shapes, seed=11):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(*shape, generator=gen).requires_grad_() for shape in shapes]
+
+
+ATTENTION_CASES = {
+    "gqa-causal": (dict(causal=True), (2, 4, 19, 16), (2, 2, 19, 16)),
+    "mha-full-lse": (dict(return_lse=True), (1, 2, 13, 32), (1, 2, 21, 32)),
+    "window-softcap": (dict(causal=True, window=5, softcap=3.0), (2, 4, 19, 16), (2, 1, 19, 16)),
+    "decode-split": (dict(causal=True, num_splits=4), (2, 4, 1, 16), (2, 2, 70, 16)),
+    "atomic-dq": (dict(causal=True, deterministic=False, scale=0.3), (1, 2, 37, 16), (1, 2, 37, 16)),
+}
+
+
+@pytest.mark.parametrize("case", list(ATTENTION_CASES))
+def test_flash_attention_compiles_whole(seed, case):
+    """No graph break (fullgraph): the forward and the backward are one graph node each."""
+    kw, q_shape, kv_shape = ATTENTION_CASES[case]
+    inputs = _leaves(q_shape, kv_shape, kv_shape)
+
+    def fn(q, k, v):
+        res = flash_attention(q.sin(), k, v * 0.5, **kw)
+        out, lse = res if kw.get("return_lse") else (res, None)
+        return out.square().sum() + (0 if lse is None else 0.1 * lse.sum())
+
+    want = _grads_of(fn, inputs)
+    _reset()
+    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+
+
+def test_norms_compile_whole(seed):
+    x, w, b = _leaves((3, 7, 40), (40,), (40,))
+
+    def fn(x, w, b):
+        rows = x.transpose(0, 1) + 1  # rows that are not contiguous
+        return rms_norm(rows, w).exp().sum() + layer_norm(x.cos(), w, b).square().sum() + layer_norm(x[:, ::2], w).sum()
+
+    want = _grads_of(fn, (x, w, b))
+    _reset()
+    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), (x, w, b))
+    for g, w_ in zip(got, want):
+        torch.testing.assert_close(g, w_, **TOL)
+
+
+def test_custom_operators_pass_torchs_checks(seed):
+    """torch.library.opcheck: schema, fake implementations against real outputs (shapes, strides, dtypes),
+    the autograd registration, and AOTAutograd's dispatch, static and dynamic."""
+    q, k, v = _leaves((2, 4, 19, 16), (2, 2, 19, 16), (2, 2, 19, 16))
+    torch.library.opcheck(flash_attention_op, (q, k, v, True, 0.25, None, None, None, True))
+    t = q.detach().transpose(1, 2).requires_grad_()  # a [B, S, H, D] layout: out follows it
+    torch.library.opcheck(flash_attention_op, (t, k.transpose(1, 2), v.transpose(1, 2), False, 0.3, 2, None, 2.0, True))
+    x, w, b = _leaves((3, 7, 40), (40,), (40,))
+    torch.library.opcheck(norm_op, (x, w, None, 1e-6, True))
+    torch.library.opcheck(norm_op, (x.transpose(0, 1), w, b, 1e-5, False))
+
+
+def test_packed_documents_break_the_graph_but_match(seed):
+    """segment_ids are checked on the host: the compiled function breaks its graph there and still agrees."""
+    q, k, v = _leaves((2, 4, 17, 16), (2, 2, 17, 16), (2, 2, 17, 16))
+    ids = torch.tensor([[0] * 6 + [1] * 11, [0] * 17])
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=ids).square().sum()
+    want = _grads_of(fn, (q, k, v))
+    _reset()
+    got = _grads_of(torch.compile(fn, backend="aot_eager"), (q, k, v))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_hf_llama_with_tessels_attention_compiles_whole(seed):
+    import transformers
+
+    from tessel.layers.hf import register_hf_attention
+
+    register_hf_attention()
+    config = transformers.LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, attn_implementation="tessel",
+    )  # fmt: skip
+    model = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(128, (2, 9), generator=torch.Generator().manual_seed(2))
+
+    def run(f):
+        model.zero_grad(set_to_none=True)
+        logits = f(ids).logits
+        logits.square().sum().backward()
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    want = run(model)
+    _reset()
+    got = run(torch.compile(model, backend="aot_eager", fullgraph=True))
+    torch.testing.assert_close(got[0], want[0], **TOL)
+    for name, grad in want[1].items():
+        torch.testing.assert_close(got[1][name], grad, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
 def _compiled_tp(rank, world_size, sequence_parallel):

@@ -1,0 +1,133 @@
+"""tessel's kernels as ``torch.library`` custom operators: what :func:`~.attention.flash_attention`,
+:func:`~.norm.rms_norm` and :func:`~.norm.layer_norm` call while ``torch.compile`` traces them.
+
+Dynamo does not trace into tessel's launchers (:func:`~._dispatch.opaque_to_compile`), so without these a
+compiled model would break its graph at every attention and norm. As custom operators with fake
+implementations (shapes, dtypes and memory layouts, computed without running anything) and a registered
+backward, each forward and each backward enters the graph as one node: a model compiles whole
+(``fullgraph=True``), AOTAutograd puts the backward nodes in the backward graph, and inductor fuses what
+surrounds them.
+
+Eager calls never come here: the dispatcher would add its own overhead to every call for nothing.
+Packed documents (``segment_ids``) neither: their bounds are checked on the host, which a graph cannot do,
+so a compiled model breaks its graph there.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import norm
+from .attention import _backward, _empty_in_layout_of, _forward, check_grid
+
+__all__ = ["flash_attention_backward_op", "flash_attention_op", "norm_backward_op", "norm_op"]
+
+# ---------------------------------------------------------------------------------------------------- attention
+
+
+@torch.library.custom_op("tessel::flash_attention", mutates_args=())
+def flash_attention_op(
+    q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, num_splits: int | None, window: int | None,
+    softcap: float | None, deterministic: bool,
+) -> tuple[Tensor, Tensor]:  # fmt: skip
+    """``(out, lse)`` of arguments :func:`~.attention.flash_attention` has validated (``deterministic`` is
+    kept for the backward)."""
+    backend = check_grid("flash_attention", q)
+    return _forward(q, k, v, causal, scale, backend, num_splits, None, window, softcap=softcap)
+
+
+@flash_attention_op.register_fake
+def _(q, k, v, causal, scale, num_splits, window, softcap, deterministic):
+    b, hq, sq, _ = q.shape
+    return _empty_in_layout_of(q), q.new_empty((b, hq, sq), dtype=torch.float32)
+
+
+@torch.library.custom_op("tessel::flash_attention_backward", mutates_args=())
+def flash_attention_backward_op(
+    q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, causal: bool,
+    scale: float, window: int | None, softcap: float | None, deterministic: bool,
+) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """``(dq, dk, dv)``; ``dlse`` None when nothing used the log-sum-exp."""
+    backend = check_grid("flash_attention", q)
+    deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
+    return _backward(
+        q, k, v, out, lse, dout, dlse, causal, scale, backend, True, True, deterministic, None, window,
+        softcap=softcap,
+    )  # fmt: skip
+
+
+@flash_attention_backward_op.register_fake
+def _(q, k, v, out, lse, dout, dlse, causal, scale, window, softcap, deterministic):
+    return _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
+
+
+def _attention_setup_context(ctx, inputs, output):
+    q, k, v, causal, scale, _, window, softcap, deterministic = inputs
+    ctx.save_for_backward(q, k, v, *output)
+    ctx.options = (causal, scale, window, softcap, deterministic)
+
+
+def _attention_backward_of_forward(ctx, dout, dlse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if dout is None:  # only lse was used: Δ = -dlse and dO = 0
+        dout = torch.zeros_like(out)
+    dq, dk, dv = flash_attention_backward_op(q, k, v, out, lse, dout, dlse, *ctx.options)
+    return dq, dk, dv, None, None, None, None, None, None
+
+
+flash_attention_op.register_autograd(_attention_backward_of_forward, setup_context=_attention_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------- norms
+
+
+@torch.library.custom_op("tessel::norm", mutates_args=())
+def norm_op(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
+    """``(y, mean, rstd)`` of RMSNorm (``is_rms``; mean is empty) or LayerNorm over the last dimension."""
+    y, _, mean, rstd = norm._forward(x, weight, bias, eps, is_rms)
+    return y, mean, rstd
+
+
+@norm_op.register_fake
+def _(x, weight, bias, eps, is_rms):
+    x, (outer, inner, _) = norm._rows_input(x)
+    rows = outer * inner
+    return (
+        torch.empty_like(x),
+        x.new_empty(0 if is_rms else rows, dtype=torch.float32),
+        x.new_empty(rows, dtype=torch.float32),
+    )
+
+
+@torch.library.custom_op("tessel::norm_backward", mutates_args=())
+def norm_backward_op(
+    dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, has_bias: bool, is_rms: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dx, dweight, dbias)``; dbias is empty without a bias."""
+    dx, dw, db = norm._backward(dy, norm._rows_input(x)[0], weight, has_bias, mean, rstd, is_rms)
+    return dx, dw, db if has_bias else weight.new_empty(0)
+
+
+@norm_backward_op.register_fake
+def _(dy, x, weight, mean, rstd, has_bias, is_rms):
+    return (
+        torch.empty_like(norm._rows_input(x)[0]),
+        torch.empty_like(weight),
+        weight.new_empty(weight.shape if has_bias else 0),
+    )
+
+
+def _norm_setup_context(ctx, inputs, output):
+    x, weight, bias, _, is_rms = inputs
+    ctx.save_for_backward(x, weight, *output[1:])
+    ctx.has_bias, ctx.is_rms = bias is not None, is_rms
+
+
+def _norm_backward_of_forward(ctx, dy, dmean, drstd):
+    x, weight, mean, rstd = ctx.saved_tensors
+    dx, dw, db = norm_backward_op(dy, x, weight, mean, rstd, ctx.has_bias, ctx.is_rms)
+    return dx, dw, db if ctx.has_bias else None, None, None
+
+
+norm_op.register_autograd(_norm_backward_of_forward, setup_context=_norm_setup_context)
