@@ -1,5 +1,6 @@
 """tessel's kernels as ``torch.library`` custom operators: what :func:`~.attention.flash_attention`,
-:func:`~.norm.rms_norm` and :func:`~.norm.layer_norm` call while ``torch.compile`` traces them.
+:func:`~.norm.rms_norm`, :func:`~.norm.layer_norm` and :func:`~.matmul.matmul` (without ``out``) call while
+``torch.compile`` traces them.
 
 Dynamo does not trace into tessel's launchers (:func:`~._dispatch.opaque_to_compile`), so without these a
 compiled model would break its graph at every attention and norm. As custom operators with fake
@@ -18,10 +19,21 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import norm
 from .attention import _backward, _empty_in_layout_of, _forward, check_grid
+from .matmul import _activation_grad
+from .matmul import _launch as _matmul_launch
+from .norm import _backward as _norm_backward
+from .norm import _forward as _norm_forward
+from .norm import _rows_input
 
-__all__ = ["flash_attention_backward_op", "flash_attention_op", "norm_backward_op", "norm_op"]
+__all__ = [
+    "flash_attention_backward_op",
+    "flash_attention_op",
+    "matmul_backward_op",
+    "matmul_op",
+    "norm_backward_op",
+    "norm_op",
+]
 
 # ---------------------------------------------------------------------------------------------------- attention
 
@@ -85,13 +97,13 @@ flash_attention_op.register_autograd(_attention_backward_of_forward, setup_conte
 @torch.library.custom_op("tessel::norm", mutates_args=())
 def norm_op(x: Tensor, weight: Tensor, bias: Tensor | None, eps: float, is_rms: bool) -> tuple[Tensor, Tensor, Tensor]:
     """``(y, mean, rstd)`` of RMSNorm (``is_rms``; mean is empty) or LayerNorm over the last dimension."""
-    y, _, mean, rstd = norm._forward(x, weight, bias, eps, is_rms)
+    y, _, mean, rstd = _norm_forward(x, weight, bias, eps, is_rms)
     return y, mean, rstd
 
 
 @norm_op.register_fake
 def _(x, weight, bias, eps, is_rms):
-    x, (outer, inner, _) = norm._rows_input(x)
+    x, (outer, inner, _) = _rows_input(x)
     rows = outer * inner
     return (
         torch.empty_like(x),
@@ -105,14 +117,14 @@ def norm_backward_op(
     dy: Tensor, x: Tensor, weight: Tensor, mean: Tensor, rstd: Tensor, has_bias: bool, is_rms: bool
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(dx, dweight, dbias)``; dbias is empty without a bias."""
-    dx, dw, db = norm._backward(dy, norm._rows_input(x)[0], weight, has_bias, mean, rstd, is_rms)
+    dx, dw, db = _norm_backward(dy, _rows_input(x)[0], weight, has_bias, mean, rstd, is_rms)
     return dx, dw, db if has_bias else weight.new_empty(0)
 
 
 @norm_backward_op.register_fake
 def _(dy, x, weight, mean, rstd, has_bias, is_rms):
     return (
-        torch.empty_like(norm._rows_input(x)[0]),
+        torch.empty_like(_rows_input(x)[0]),
         torch.empty_like(weight),
         weight.new_empty(weight.shape if has_bias else 0),
     )
@@ -131,3 +143,70 @@ def _norm_backward_of_forward(ctx, dy, dmean, drstd):
 
 
 norm_op.register_autograd(_norm_backward_of_forward, setup_context=_norm_setup_context)
+
+
+# ---------------------------------------------------------------------------------------------------- matmul
+
+
+@torch.library.custom_op("tessel::matmul", mutates_args=())
+def matmul_op(a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, save_preact: bool) -> tuple[
+    Tensor, Tensor
+]:  # fmt: skip
+    """``(activation(a @ b + bias), a @ b + bias)``; the second (the backward's input to the activation's
+    derivative) is empty unless ``save_preact``."""
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    preact = torch.empty_like(out) if save_preact else out.new_empty(0)
+    _matmul_launch(a, b, bias, activation, out, False, preact if save_preact else None)
+    return out, preact
+
+
+@matmul_op.register_fake
+def _(a, b, bias, activation, save_preact):
+    out = a.new_empty((a.shape[0], b.shape[1]))
+    return out, torch.empty_like(out) if save_preact else out.new_empty(0)
+
+
+@torch.library.custom_op("tessel::matmul_backward", mutates_args=())
+def matmul_backward_op(
+    grad_out: Tensor, a: Tensor, b: Tensor, preact: Tensor, activation: str | None, need_a: bool, need_b: bool
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(grad_a, grad_b, grad_bias)`` (grad_bias in a's dtype, summed in fp32), as :func:`~.matmul.matmul`'s
+    backward computes them; grad_a (grad_b) is empty unless ``need_a`` (``need_b``): a frozen weight costs
+    no GEMM."""
+    if activation is None:
+        grad_z = grad_out.to(a.dtype)
+    else:
+        grad_z = (grad_out.float() * _activation_grad(preact.float(), activation)).to(a.dtype)
+    grad_a, grad_b = _matmul_grads_like(a, b, need_a, need_b)
+    if need_a:  # dA = dZ · Bᵀ
+        _matmul_launch(grad_z, b.t(), None, None, grad_a, False)
+    if need_b:  # dB = Aᵀ · dZ
+        _matmul_launch(a.t(), grad_z, None, None, grad_b, False)
+    return grad_a, grad_b, grad_z.sum(dim=0, dtype=torch.float32).to(a.dtype)
+
+
+def _matmul_grads_like(a, b, need_a, need_b):
+    dense = dict(memory_format=torch.contiguous_format)
+    return (torch.empty_like(a, **dense) if need_a else a.new_empty(0), torch.empty_like(b, **dense) if need_b
+            else b.new_empty(0))  # fmt: skip
+
+
+@matmul_backward_op.register_fake
+def _(grad_out, a, b, preact, activation, need_a, need_b):
+    return *_matmul_grads_like(a, b, need_a, need_b), a.new_empty(b.shape[1])
+
+
+def _matmul_setup_context(ctx, inputs, output):
+    a, b, bias, activation, _ = inputs
+    ctx.save_for_backward(a, b, output[1])
+    ctx.activation, ctx.has_bias = activation, bias is not None
+
+
+def _matmul_backward_of_forward(ctx, grad_out, grad_preact):
+    a, b, preact = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a, grad_b, grad_bias = matmul_backward_op(grad_out, a, b, preact, ctx.activation, need_a, need_b)
+    return grad_a if need_a else None, grad_b if need_b else None, grad_bias if ctx.has_bias else None, None, None
+
+
+matmul_op.register_autograd(_matmul_backward_of_forward, setup_context=_matmul_setup_context)

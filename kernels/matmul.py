@@ -586,7 +586,10 @@ def matmul(a, b, bias=None, activation=None, out=None, accumulate=False) -> torc
     """
     _validate(a, b, bias, activation, out, accumulate)
     tracked = (a, b, bias, out)
-    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked):
+    grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked)
+    if out is None and torch.compiler.is_compiling():  # one graph node each way (see .library)
+        return torch.ops.tessel.matmul(a, b, bias, activation, grad and activation is not None)[0]
+    if grad:
         return _MatmulFunction.apply(out, a, b, bias, activation, accumulate)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)

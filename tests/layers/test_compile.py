@@ -23,7 +23,7 @@ import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
 from tessel.kernels import flash_attention, grouped_matmul, layer_norm, matmul, rms_norm
-from tessel.kernels.library import flash_attention_op, norm_op
+from tessel.kernels.library import flash_attention_op, matmul_op, norm_op
 from tessel.layers.gpt import GPT, GPTConfig
 from tests.multiprocess import run_ranks
 
@@ -166,6 +166,22 @@ def test_norms_compile_whole(seed):
         torch.testing.assert_close(g, w_, **TOL)
 
 
+def test_matmul_compiles_whole(seed):
+    """Without ``out``: the bias and activation epilogue, a transposed operand, and a frozen weight (no grad)."""
+    a, b, bias = _leaves((13, 24), (24, 10), (10,))
+    frozen = torch.randn(10, 7)
+
+    def fn(a, b, bias):
+        h = matmul(a * 2, b.t().contiguous().t(), bias, "gelu")
+        return matmul(h, frozen).tanh().sum() + matmul(h, b.t()[:, :5], activation="silu").sum()
+
+    want = _grads_of(fn, (a, b, bias))
+    _reset()
+    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), (a, b, bias))
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **TOL)
+
+
 def test_custom_operators_pass_torchs_checks(seed):
     """torch.library.opcheck: schema, fake implementations against real outputs (shapes, strides, dtypes),
     the autograd registration, and AOTAutograd's dispatch, static and dynamic."""
@@ -176,6 +192,9 @@ def test_custom_operators_pass_torchs_checks(seed):
     x, w, b = _leaves((3, 7, 40), (40,), (40,))
     torch.library.opcheck(norm_op, (x, w, None, 1e-6, True))
     torch.library.opcheck(norm_op, (x.transpose(0, 1), w, b, 1e-5, False))
+    a, m = _leaves((13, 24), (24, 10))
+    torch.library.opcheck(matmul_op, (a, m, b[:10], "silu", True))
+    torch.library.opcheck(matmul_op, (a, m.t().contiguous().t(), None, None, False))
 
 
 def test_packed_documents_break_the_graph_but_match(seed):
