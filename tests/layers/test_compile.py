@@ -16,6 +16,7 @@ Flash attention and the norms go further: under compile they call custom operato
 """
 
 import importlib.util
+import shutil
 
 import pytest
 import torch
@@ -235,6 +236,28 @@ def test_hf_llama_with_tessels_attention_compiles_whole(seed):
     torch.testing.assert_close(got[0], want[0], **TOL)
     for name, grad in want[1].items():
         torch.testing.assert_close(got[1][name], grad, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU code needs a C++ compiler")
+def test_inductor_compiles_a_block_whole(seed):
+    """Inductor itself (C++ on the CPU), not just the graph capture: it lays buffers out from the fake
+    implementations and calls the operators as external kernels between its own fused code."""
+    x, w_qkv, g = _leaves((2, 19, 64), (64, 192), (64,))
+    with torch.no_grad():
+        w_qkv.mul_(0.1)
+
+    def block(x, w_qkv, g):
+        h = rms_norm(x, g)
+        qkv = matmul(h.reshape(-1, 64), w_qkv).view(2, 19, 3, 4, 16)
+        q, k, v = (qkv[:, :, i].transpose(1, 2) for i in range(3))  # [B, H, S, D] views of [B, S, 3, H, D]
+        o = flash_attention(q, k, v, causal=True).transpose(1, 2).reshape(2, 19, 64)
+        return (x + o).square().mean()
+
+    want = _grads_of(block, (x, w_qkv, g))
+    _reset()
+    got = _grads_of(torch.compile(block, fullgraph=True), (x, w_qkv, g))
+    for g_, w in zip(got, want):
+        torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-6)
 
 
 def _compiled_tp(rank, world_size, sequence_parallel):
