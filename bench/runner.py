@@ -29,6 +29,7 @@ import torch
 
 __all__ = [
     "PEAK_TFLOPS",
+    "capture_graph",
     "caveat",
     "environment",
     "geomean",
@@ -92,15 +93,11 @@ def host_time(fn: Callable[[], object], *, calls: int = 50) -> float | None:
     return elapsed / calls * 1e3
 
 
-def graph_time(fn: Callable[[], object], *, label: str = "fn") -> float | None:
-    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph (``do_bench``, as :func:`time_fn`):
-    the device time of its work without the host's launch overhead, as a training or decode loop captured
-    in a graph would run it. ``fn`` is warmed up on a side stream first (autotuners tune there, outside
-    the capture). None on a CPU; None, with the reason printed, when the capture fails."""
-    if not torch.cuda.is_available():
-        return None
-    import triton.testing
+def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+    """``fn`` captured in a CUDA graph, and what the captured call returned (the tensors each replay rewrites).
 
+    ``fn`` runs a few times on a side stream first, as torch's graph capture asks: autotuners time their
+    candidates there, outside the capture, and lazy initialisations happen before it."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -108,9 +105,22 @@ def graph_time(fn: Callable[[], object], *, label: str = "fn") -> float | None:
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn()
+    return graph, outputs
+
+
+def graph_time(fn: Callable[[], object], *, label: str = "fn") -> float | None:
+    """Median milliseconds of one replay of ``fn`` captured in a CUDA graph (:func:`capture_graph`; ``do_bench``
+    as :func:`time_fn`): the device time of its work without the host's launch overhead, as a training or
+    decode loop captured in a graph would run it. None on a CPU; None, with the reason printed, when the
+    capture fails."""
+    if not torch.cuda.is_available():
+        return None
+    import triton.testing
+
     try:
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture_graph(fn)
     except RuntimeError as exc:
         print(f"graph_time: the capture of {label} failed: {exc}", file=sys.stderr)
         return None

@@ -5,6 +5,7 @@ import torch
 
 import tessel.bench.overlap as overlap_bench
 from tessel.bench.overlap import OPS, gemms_in_flight, ring_bytes, run_overlap_suite
+from tessel.bench.runner import capture_graph
 from tessel.bench.shapes import MatmulShape
 
 
@@ -51,12 +52,7 @@ def test_emulated_ring_rows_on_a_gpu(monkeypatch):
     x = torch.randn(1000, 256, generator=gen, device="cuda").to(torch.bfloat16)
     w = torch.randn(384, 256, generator=gen, device="cuda").to(torch.bfloat16)
     out = torch.full((1000, 384), float("nan"), device="cuda", dtype=torch.bfloat16)
-    ring = overlap_bench._emulated_ring(x, w, out, 8)
-    ring()  # tunes the step's GEMM outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        ring()
+    graph, _ = capture_graph(overlap_bench._emulated_ring(x, w, out, 8))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()

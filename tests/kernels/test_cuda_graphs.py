@@ -10,24 +10,11 @@ a replay that kept the capture's results, or read a buffer freed since, would fa
 import pytest
 import torch
 
+from tessel.bench.runner import capture_graph
 from tessel.kernels.attention import flash_attention, flash_attention_backward, flash_attention_reference
 from tessel.kernels.matmul import matmul
 
 pytestmark = pytest.mark.gpu
-
-
-def _captured(fn):
-    """``fn`` warmed up on a side stream, then captured; returns the graph and the capture's outputs."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outputs = fn()
-    return graph, outputs
 
 
 def _refill(*tensors, seed):
@@ -47,7 +34,7 @@ def test_matmul_into_a_slice(accumulate):
     bias = torch.empty(120, device="cuda", dtype=torch.bfloat16)
     buf = torch.empty(300, 512, device="cuda", dtype=torch.float32)
     _refill(a, b, bias, buf, seed=0)
-    graph, _ = _captured(lambda: matmul(a, b[:, 7:127], bias, "gelu", out=buf[:, 3:123], accumulate=accumulate))
+    graph, _ = capture_graph(lambda: matmul(a, b[:, 7:127], bias, "gelu", out=buf[:, 3:123], accumulate=accumulate))
     _refill(a, b, bias, buf, seed=1)
     before = buf.double().clone()
     graph.replay()
@@ -65,7 +52,7 @@ def test_flash_attention_forward(sq, num_splits):
     q = torch.empty(2, 8, sq, 64, device="cuda", dtype=torch.bfloat16)
     k, v = (torch.empty(2, 2, 700, 64, device="cuda", dtype=torch.bfloat16) for _ in "kv")
     _refill(q, k, v, seed=0)
-    graph, (out, lse) = _captured(lambda: flash_attention(q, k, v, True, return_lse=True, num_splits=num_splits))
+    graph, (out, lse) = capture_graph(lambda: flash_attention(q, k, v, True, return_lse=True, num_splits=num_splits))
     _refill(q, k, v, seed=1)
     graph.replay()
     torch.cuda.synchronize()
@@ -85,7 +72,7 @@ def test_flash_attention_backward(deterministic):
         return flash_attention_backward(q, k, v, out, lse, dout, True, deterministic=deterministic)
 
     _refill(q, k, v, dout, seed=0)
-    graph, grads = _captured(step)
+    graph, grads = capture_graph(step)
     _refill(q, k, v, dout, seed=1)
     graph.replay()
     torch.cuda.synchronize()
