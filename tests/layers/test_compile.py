@@ -17,16 +17,20 @@ Flash attention and the norms go further: under compile they call custom operato
 
 import importlib.util
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch._dynamo.testing import CompileCounterWithBackend
 
+import tessel.kernels
 from tessel.kernels import flash_attention, grouped_matmul, layer_norm, matmul, rms_norm
 from tessel.kernels.library import flash_attention_op, matmul_op, norm_op
 from tessel.layers.gpt import GPT, GPTConfig
-from tests.multiprocess import run_ranks
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 TOL = dict(rtol=1e-5, atol=1e-6)
 
@@ -238,6 +242,22 @@ def test_hf_llama_with_tessels_attention_compiles_whole(seed):
         torch.testing.assert_close(got[1][name], grad, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+def test_a_top_level_kernels_import_stays_empty():
+    """With the repository's root on sys.path, transformers imports this folder as "kernels" while it looks for the
+    Hugging Face package of that name; that copy must stay empty, or its custom operators would replace
+    tessel.kernels' (and its kernels, its interpreter switch, would be a second set)."""
+    code = (
+        "import sys, tessel.kernels, transformers.models.llama.modeling_llama, kernels\n"
+        "assert kernels.__all__ == [], kernels.__all__\n"
+        "print(sorted(m for m in sys.modules if m.startswith('kernels')))"
+    )
+    root = Path(tessel.kernels.__file__).resolve().parents[1]  # the folder that holds kernels/
+    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("\n")[-2] == "['kernels']", done.stdout
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="inductor's CPU code needs a C++ compiler")
 def test_inductor_compiles_a_block_whole(seed):
     """Inductor itself (C++ on the CPU), not just the graph capture: it lays buffers out from the fake
@@ -277,8 +297,10 @@ def _compiled_tp(rank, world_size, sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_compiled_tensor_parallel_gpt_matches_eager(sequence_parallel):
     """Two ranks: the overlapped rings and the collectives run between the compiled pieces, in the same
-    order on every rank."""
-    losses = run_ranks(_compiled_tp, 2, sequence_parallel, timeout=300)
+    order on every rank. The ranks run the kernels' references (they import transformers first, which once
+    imported a second copy of tessel's kernels whose custom operators replaced the first's: see
+    test_a_top_level_kernels_import_stays_empty)."""
+    losses = run_ranks(_compiled_tp, 2, sequence_parallel, timeout=300, env=REFERENCE_KERNELS)
     assert len(set(losses)) == 1
 
 
