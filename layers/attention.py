@@ -148,6 +148,8 @@ class ParallelAttention(nn.Module):
         c = self.cp_size
         r = group_rank(self.cp_group) if c > 1 else 0
         if segment_ids is None:
+            if torch.compiler.is_compiling():  # computed in the graph, not kept across calls
+                return _plain_rotary_tables.__wrapped__(length, self.head_dim, self.rope_theta, c, r, device, False)
             return _plain_rotary_tables(length, self.head_dim, self.rope_theta, c, r, device,
                                         torch.is_inference_mode_enabled())  # fmt: skip
 

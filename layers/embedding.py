@@ -38,13 +38,13 @@ def check_ids(owner: str, name: str, ids, high: int, ignore: int | None = None) 
         raise TypeError(f"{owner}: {name} must be a torch.Tensor, received {type(ids).__name__}")
     if ids.dtype not in _INT_DTYPES:
         raise TypeError(f"{owner}: {name} must be an integer tensor (e.g. torch.long), received {ids.dtype}")
-    if ids.device.type == "cpu":
+    if ids.device.type == "cpu" and not torch.compiler.is_compiling():
         bad = (ids < 0) | (ids >= high)
         if ignore is not None:
             bad &= ids != ignore
         if bad.any():
             raise ValueError(f"{owner}: {name} must lie in [0, {high}), received {ids[bad][0].item()}")
-    elif ids.device.type == "cuda" and ids.numel():
+    elif ids.device.type in ("cuda", "cpu") and ids.numel():  # checked on the device (and in compiled graphs)
         ok = (ids >= 0) & (ids < high)
         if ignore is not None:
             ok |= ids == ignore

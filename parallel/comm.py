@@ -163,13 +163,8 @@ class _Handles:
 
 
 @opaque_to_compile
-def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, shift: int = 1):
-    """Send ``send`` to the rank ``shift`` places ahead in the ring and receive ``recv`` from the one behind.
-
-    One batched isend/irecv pair; returns a handle whose ``wait()`` completes both. Both tensors must
-    be contiguous. When ``shift`` is a multiple of the group size (always, in a world of one) the rank
-    exchanges with itself: ``recv`` is a copy of ``send`` and nothing is moved.
-    """
+def _ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, shift: int = 1):
+    """The transport behind :func:`ring_exchange`, for groups of more than one rank."""
     size, rank = group_size(group), group_rank(group)
     if shift % size == 0:
         recv.copy_(send)
@@ -182,11 +177,9 @@ def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGro
 
 
 @opaque_to_compile
-def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
-    """Sum ``x`` in place over ``group``; returns ``(x, work)``. Ring bytes: 2(t-1)/t·|x| each way."""
+def _all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """The transport behind :func:`all_reduce`, for groups of more than one rank."""
     size = group_size(group)
-    if size == 1:
-        return x, _Done()
     moved = 2 * (size - 1) * _nbytes(x) // size
     _account(moved, moved)
     work = dist.all_reduce(x, group=group, async_op=async_op)
@@ -198,14 +191,11 @@ _reduce_scatter_base = getattr(dist, "reduce_scatter_single", None) or dist.redu
 
 
 @opaque_to_compile
-def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
-    """Concatenate every rank's ``x`` along dim 0 (into ``out`` if given); returns ``(out, work)``."""
+def _all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
+    """The transport behind :func:`all_gather`, for groups of more than one rank."""
     size = group_size(group)
     if out is None:
         out = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    if size == 1:
-        out.copy_(x)
-        return out, _Done()
     _account((size - 1) * _nbytes(x), (size - 1) * _nbytes(x))
     work = _all_gather_base(out, x.contiguous(), group=group, async_op=async_op)
     return out, work if async_op else _Done()
@@ -232,16 +222,52 @@ def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: li
 
 
 @opaque_to_compile
-def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
-    """Sum ``x`` over ranks and keep this rank's 1/t block of dim 0; returns ``(out, work)``."""
+def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
+    """The transport behind :func:`reduce_scatter`, for groups of more than one rank."""
     size = group_size(group)
     if x.shape[0] % size:
         raise ValueError(f"reduce_scatter: dim 0 of x ({x.shape[0]}) is not divisible by the group size {size}")
     if out is None:
         out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
-    if size == 1:
-        out.copy_(x)
-        return out, _Done()
     _account((size - 1) * _nbytes(out), (size - 1) * _nbytes(out))
     work = _reduce_scatter_base(out, x.contiguous(), group=group, async_op=async_op)
     return out, work if async_op else _Done()
+
+
+# ---------------------------------------------------------------------------------------------------- entry points
+# A world of one moves nothing: those calls return before the opaque transports above, so that a compiled model
+# of one rank (tensor-parallel layers at t = 1) keeps one graph.
+
+
+def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, shift: int = 1):
+    """Send ``send`` to the rank ``shift`` places ahead in the ring and receive ``recv`` from the one behind.
+
+    One batched isend/irecv pair; returns a handle whose ``wait()`` completes both. Both tensors must
+    be contiguous. When ``shift`` is a multiple of the group size (always, in a world of one) the rank
+    exchanges with itself: ``recv`` is a copy of ``send`` and nothing is moved.
+    """
+    if shift % group_size(group) == 0:
+        recv.copy_(send)
+        return _Done()
+    return _ring_exchange(send, recv, group, shift)
+
+
+def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool = False):
+    """Sum ``x`` in place over ``group``; returns ``(x, work)``. Ring bytes: 2(t-1)/t·|x| each way."""
+    if group_size(group) == 1:
+        return x, _Done()
+    return _all_reduce(x, group, async_op)
+
+
+def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
+    """Concatenate every rank's ``x`` along dim 0 (into ``out`` if given); returns ``(out, work)``."""
+    if group_size(group) == 1:
+        return (x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)), _Done()
+    return _all_gather(x, group, out, async_op)
+
+
+def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
+    """Sum ``x`` over ranks and keep this rank's 1/t block of dim 0; returns ``(out, work)``."""
+    if group_size(group) == 1:
+        return (x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)), _Done()
+    return _reduce_scatter(x, group, out, async_op)

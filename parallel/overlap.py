@@ -43,7 +43,14 @@ def _grad_buffer(w: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_dgrad(grads, weights, rows: slice, out: torch.Tensor, accumulate: bool) -> None:
-    """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input."""
+    """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input.
+
+    Under torch.compile the products are matmul's graph operators, summed after their rounding to out's dtype
+    (eagerly each is added in fp32 in the GEMM's epilogue): a graph cannot hold the in-place launches."""
+    if torch.compiler.is_compiling():
+        total = sum(matmul(g[rows], w) for g, w in zip(grads, weights))
+        out.add_(total) if accumulate else out.copy_(total)
+        return
     for i, (g, w) in enumerate(zip(grads, weights)):
         matmul_unchecked(g[rows], w, out=out, accumulate=accumulate or i > 0)
 

@@ -280,6 +280,37 @@ def test_inductor_compiles_a_block_whole(seed):
         torch.testing.assert_close(g_, w, rtol=1e-5, atol=1e-6)
 
 
+def test_gpt_training_step_compiles_whole_on_one_rank(seed):
+    """A world of one moves nothing: the collectives return before their opaque transports and the layers'
+    input gradients use matmul's operators, so the forward, the loss and the backward form one graph."""
+    cfg = _config(n_layer=2)
+    model = GPT(cfg)
+    idx, targets = _batch(cfg)
+    step = lambda idx, targets: model.loss_from_logits(model(idx), targets)
+    eager = _loss_and_grads(model, lambda idx: model(idx), idx, targets)
+    _reset()
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    loss = compiled(idx, targets)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), eager[1], **TOL)
+    for name, want in eager[2].items():
+        got = dict(model.named_parameters())[name].grad
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+
+
+def test_compiled_embedding_still_refuses_an_id_out_of_range():
+    """Under compile the ids are checked on the device (the eager check reads them on the host)."""
+    from tessel.layers.embedding import VocabParallelEmbedding
+
+    emb = VocabParallelEmbedding(10, 8)
+    _reset()
+    compiled = torch.compile(lambda ids: emb(ids), backend="aot_eager", fullgraph=True)
+    assert compiled(torch.tensor([[1, 9]])).shape == (1, 2, 8)
+    with pytest.raises(RuntimeError, match=r"must lie in \[0, 10\)"):
+        compiled(torch.tensor([[1, 10]]))
+
+
 def _compiled_tp(rank, world_size, sequence_parallel):
     cfg = _config()
     torch.manual_seed(0)
