@@ -337,17 +337,21 @@ def test_compiled_tensor_parallel_gpt_matches_eager(sequence_parallel):
 
 @pytest.mark.gpu
 def test_inductor_compiled_gpt_matches_eager():
+    """Inductor on CUDA: the GPT's whole training step in one graph (Triton kernels of inductor's own between
+    tessel's operators), bf16 as models train."""
     cfg = _config(n_layer=2, n_embd=128, block_size=64)
     torch.manual_seed(0)
-    model = GPT(cfg).cuda()
+    model = GPT(cfg).cuda().to(torch.bfloat16)
     idx, targets = (t.cuda() for t in _batch(cfg, s=50))
     eager = _loss_and_grads(model, model, idx, targets)
     _reset()
-    compiled = _loss_and_grads(model, torch.compile(model), idx, targets)
-    for want, got in zip(eager[:2], compiled[:2]):
-        torch.testing.assert_close(got, want, rtol=2e-3, atol=2e-4)
+    step = torch.compile(lambda idx, targets: model.loss_from_logits(model(idx), targets), fullgraph=True)
+    model.zero_grad(set_to_none=True)
+    step(idx, targets).backward()
     for name, want in eager[2].items():
-        torch.testing.assert_close(compiled[2][name], want, rtol=2e-3, atol=2e-4, msg=lambda m, n=name: f"{n}: {m}")
+        got = dict(model.named_parameters())[name].grad
+        err = ((got.float() - want.float()).abs().max() / want.float().abs().max().clamp_min(1e-6)).item()
+        assert err < 5e-2, (name, err)  # bf16 rounding in other places: a few ulps of the largest gradient
 
 
 def _compiled_hf(rank, world_size):
