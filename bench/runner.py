@@ -57,19 +57,35 @@ PEAK_TFLOPS: dict[str, dict[str, float]] = {
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32"}
 
 
+def _check_fn(name: str, fn) -> None:
+    if not callable(fn):
+        raise TypeError(f"{name}: fn must be a callable taking no arguments, received {type(fn).__name__}")
+
+
+def _check_count(name: str, arg: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name}: {arg} must be a positive int, received {type(value).__name__}")
+    if value < 1:
+        raise ValueError(f"{name}: {arg} must be a positive int, received {value}")
+
+
 def time_fn(fn: Callable[[], object], *, cuda: bool | None = None, reps: int = 3) -> float:
     """Median wall time of ``fn()`` in milliseconds.
 
     CUDA: ``triton.testing.do_bench`` (25 ms warm-up, 100 ms of runs, L2 flushed before each run).
     CPU: one warm-up call, then ``reps`` timed calls with ``time.perf_counter``.
     """
+    _check_fn("time_fn", fn)
+    _check_count("time_fn", "reps", reps)
+    if cuda is not None and not isinstance(cuda, bool):
+        raise TypeError(f"time_fn: cuda must be a bool or None, received {type(cuda).__name__}")
     if torch.cuda.is_available() if cuda is None else cuda:
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     fn()
     times = []
-    for _ in range(max(1, reps)):
+    for _ in range(reps):
         start = time.perf_counter()
         fn()
         times.append((time.perf_counter() - start) * 1e3)
@@ -81,6 +97,8 @@ def host_time(fn: Callable[[], object], *, calls: int = 50) -> float | None:
     for the GPU, after a warm-up call. When it is as long as the device time, the GPU waits for the host
     (launch and Python overhead) and a faster kernel would not show. None on a CPU, where the work itself
     runs on the host."""
+    _check_fn("host_time", fn)
+    _check_count("host_time", "calls", calls)
     if not torch.cuda.is_available():
         return None
     fn()
@@ -98,6 +116,7 @@ def capture_graph(fn: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, objec
 
     ``fn`` runs a few times on a side stream first, as torch's graph capture asks: autotuners time their
     candidates there, outside the capture, and lazy initialisations happen before it."""
+    _check_fn("capture_graph", fn)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -115,6 +134,9 @@ def graph_time(fn: Callable[[], object], *, label: str = "fn") -> float | None:
     as :func:`time_fn`): the device time of its work without the host's launch overhead, as a training or
     decode loop captured in a graph would run it. None on a CPU; None, with the reason printed, when the
     capture fails."""
+    _check_fn("graph_time", fn)
+    if not isinstance(label, str):
+        raise TypeError(f"graph_time: label must be a str, received {type(label).__name__}")
     if not torch.cuda.is_available():
         return None
     import triton.testing
