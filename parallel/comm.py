@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
 
 from ..kernels._dispatch import opaque_to_compile
 
@@ -202,18 +203,9 @@ def _all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Ten
 
 
 @opaque_to_compile
-def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: list[int], recv_counts: list[int]):
-    """Rows of ``x`` to every rank: the first ``send_counts[0]`` rows to rank 0, the next ``send_counts[1]`` to
-    rank 1…; returns ``(out, work)``, ``out`` the ``sum(recv_counts)`` rows received, rank after rank. The
-    rows a rank keeps for itself are not counted as traffic."""
-    size = group_size(group)
-    if len(send_counts) != size or len(recv_counts) != size or sum(send_counts) != x.shape[0]:
-        raise ValueError(f"all_to_all: send_counts and recv_counts need {size} entries and send_counts must sum to "
-                         f"the {x.shape[0]} rows of x, received {send_counts} and {recv_counts}")  # fmt: skip
+def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: list[int], recv_counts: list[int]):
+    """The transport behind :func:`all_to_all`, for groups of more than one rank."""
     out = x.new_empty((sum(recv_counts), *x.shape[1:]))
-    if size == 1:
-        out.copy_(x)
-        return out, _Done()
     row = x[:1].numel() * x.element_size() if x.dim() > 1 else x.element_size()
     me = group_rank(group)
     _account((sum(send_counts) - send_counts[me]) * row, (sum(recv_counts) - recv_counts[me]) * row)
@@ -234,9 +226,38 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch
     return out, work if async_op else _Done()
 
 
+# ---------------------------------------------------------------------------------------------------- traced transport
+# Under torch.compile the collectives of several ranks are torch's functional collectives, which a graph holds
+# (the transports above are opaque to it): the compiled model keeps one graph across its collectives, and the
+# compiler may move their waits. Their bytes are not counted (count_bytes sees eager calls only), and
+# ring_exchange (point to point) has no traced form: the overlapped ops take their plain path under compile.
+
+
+def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
+    return dist.group.WORLD if group is None else group
+
+
+def _traced_all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None):
+    return x.copy_(funcol.all_reduce(x, "sum", _traced_group(group))), _Done()
+
+
+def _traced_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None):
+    gathered = funcol.all_gather_tensor(x.contiguous(), 0, _traced_group(group))
+    return (gathered if out is None else out.copy_(gathered)), _Done()
+
+
+def _traced_reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None):
+    size = group_size(group)
+    if x.shape[0] % size:
+        raise ValueError(f"reduce_scatter: dim 0 of x ({x.shape[0]}) is not divisible by the group size {size}")
+    scattered = funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, _traced_group(group))
+    return (scattered if out is None else out.copy_(scattered)), _Done()
+
+
 # ---------------------------------------------------------------------------------------------------- entry points
 # A world of one moves nothing: those calls return before the opaque transports above, so that a compiled model
-# of one rank (tensor-parallel layers at t = 1) keeps one graph.
+# of one rank (tensor-parallel layers at t = 1) keeps one graph. Several ranks under compile take the traced
+# transport.
 
 
 def ring_exchange(send: torch.Tensor, recv: torch.Tensor, group: dist.ProcessGroup | None, shift: int = 1):
@@ -256,6 +277,8 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool 
     """Sum ``x`` in place over ``group``; returns ``(x, work)``. Ring bytes: 2(t-1)/t·|x| each way."""
     if group_size(group) == 1:
         return x, _Done()
+    if torch.compiler.is_compiling():
+        return _traced_all_reduce(x, group)
     return _all_reduce(x, group, async_op)
 
 
@@ -263,6 +286,8 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tens
     """Concatenate every rank's ``x`` along dim 0 (into ``out`` if given); returns ``(out, work)``."""
     if group_size(group) == 1:
         return (x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)), _Done()
+    if torch.compiler.is_compiling():
+        return _traced_all_gather(x, group, out)
     return _all_gather(x, group, out, async_op)
 
 
@@ -270,4 +295,25 @@ def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.
     """Sum ``x`` over ranks and keep this rank's 1/t block of dim 0; returns ``(out, work)``."""
     if group_size(group) == 1:
         return (x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)), _Done()
+    if torch.compiler.is_compiling():
+        return _traced_reduce_scatter(x, group, out)
     return _reduce_scatter(x, group, out, async_op)
+
+
+def all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: list[int], recv_counts: list[int]):
+    """Rows of ``x`` to every rank: the first ``send_counts[0]`` rows to rank 0, the next ``send_counts[1]`` to
+    rank 1…; returns ``(out, work)``, ``out`` the ``sum(recv_counts)`` rows received, rank after rank. The
+    rows a rank keeps for itself are not counted as traffic."""
+    size = group_size(group)
+    if len(send_counts) != size or len(recv_counts) != size or sum(send_counts) != x.shape[0]:
+        raise ValueError(f"all_to_all: send_counts and recv_counts need {size} entries and send_counts must sum to "
+                         f"the {x.shape[0]} rows of x, received {send_counts} and {recv_counts}")  # fmt: skip
+    if size == 1:
+        if list(recv_counts) != list(send_counts):
+            raise ValueError(f"all_to_all: in a world of one the rank receives what it sends: recv_counts must equal "
+                             f"send_counts {send_counts}, received {recv_counts}")  # fmt: skip
+        return x.clone(memory_format=torch.contiguous_format), _Done()
+    if torch.compiler.is_compiling():
+        received = funcol.all_to_all_single(x.contiguous(), list(recv_counts), list(send_counts), _traced_group(group))
+        return received, _Done()
+    return _all_to_all(x, group, send_counts, recv_counts)

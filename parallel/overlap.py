@@ -20,6 +20,12 @@ matmul_grad_all_reduce   Y_i = X·W_iᵀ (+b_i)                 dX = AR(Σ_i dY_
 Several weights sharing one input (fused Q/K/V, gate/up) share one ring. ``overlap=False`` takes the
 plain path: one collective, then one GEMM (or the reverse). Biases that must be added once after a
 reduction are added in the epilogue of exactly one GEMM, so no extra pass touches the output.
+
+Under ``torch.compile`` each op is the plain composition of a differentiable collective
+(:mod:`.collectives`, traced as torch's functional collectives) and matmul's graph operator, so a compiled
+tensor-parallel model keeps one graph: the rings' point-to-point transfers have no traced form, and the
+compiler schedules the collectives itself. ``regather`` and a zero-bubble schedule's deferred weight
+gradients are eager features: under compile X is saved whole and the weight gradients are computed at once.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import torch
 
 from ..kernels.matmul import matmul, matmul_unchecked
+from .collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
 from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
 from .ddp import OWNER_ATTR
 from .pipeline.weight_grad import is_deferring, submit
@@ -214,6 +221,10 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     _check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
+    if torch.compiler.is_compiling():
+        x_full = gather_from_sequence(x_shard, group, dim=0)
+        outs = [matmul(x_full, w.t(), b) for w, b in zip(weights, biases)]
+        return outs[0] if single else outs
     outs = _AllGatherMatmul.apply(group, bool(overlap), bool(regather), len(weights), x_shard, *weights, *biases)
     return outs[0] if single else list(outs)
 
@@ -225,8 +236,6 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, overlap, x, weight, bias):
         t, r = group_size(group), group_rank(group)
-        if x.shape[0] % t:
-            raise ValueError(f"matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
         m, n = x.shape[0] // t, weight.shape[0]
         if overlap:
 
@@ -277,6 +286,12 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     all-gather ring with ``dW = dYᵀ·X`` slices inside its steps; ``db = Σ dY`` over all tokens.
     """
     _check_operands("matmul_reduce_scatter", "x", x, [weight], [bias])
+    t = group_size(group)
+    if x.shape[0] % t:
+        raise ValueError(f"matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
+    if torch.compiler.is_compiling():  # the whole bias, added once; its gradient summed over every rank's tokens
+        y = reduce_scatter_to_sequence(matmul(x, weight.t()), group, dim=0)
+        return y if bias is None else y + copy_to_tp(bias, group)
     return _MatmulReduceScatter.apply(group, bool(overlap), x, weight, bias)
 
 
@@ -314,6 +329,9 @@ def matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
     the same on every rank. Backward: ``dX = dY·W``, ``dW = dYᵀ·X`` (dY is replicated: no communication).
     """
     _check_operands("matmul_all_reduce", "x", x, [weight], [bias])
+    if torch.compiler.is_compiling():
+        y = reduce_from_tp(matmul(x, weight.t()), group)
+        return y if bias is None else y + bias
     return _MatmulAllReduce.apply(group, bool(overlap), x, weight, bias)
 
 
@@ -362,5 +380,9 @@ def matmul_grad_all_reduce(x, weights, group=None, *, biases=None, overlap=True)
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     _check_operands("matmul_grad_all_reduce", "x", x, weights, biases)
+    if torch.compiler.is_compiling():
+        x = copy_to_tp(x, group)
+        outs = [matmul(x, w.t(), b) for w, b in zip(weights, biases)]
+        return outs[0] if single else outs
     outs = _MatmulGradAllReduce.apply(group, bool(overlap), len(weights), x, *weights, *biases)
     return outs[0] if single else list(outs)

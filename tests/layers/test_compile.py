@@ -1,18 +1,21 @@
 """``torch.compile`` over tessel: kernels, the reference GPT, and the tensor-parallel GPT on gloo ranks.
 
-tessel's launchers and collectives are opaque to Dynamo (``kernels._dispatch.opaque_to_compile``): a compiled
-model breaks its graph around each kernel and collective, runs them as it does without compile, and
-compiles what lies between (embeddings, rotary tables, residual additions, the loss). Each test runs a
-model or an op eagerly and compiled from the same weights and inputs and checks that outputs and every
-gradient agree. ``aot_eager`` traces forward and backward through AOTAutograd, as inductor does, without
-generating code, so the CPU runs stay short; the GPU test uses inductor itself.
+Flash attention, the norms and matmul (without ``out=``) are custom operators under compile
+(``kernels/library.py``), the collectives of a world of one return before any transport, and those of several
+ranks are traced as torch's functional collectives, with each overlapped op as its plain composition
+(``parallel/overlap.py``). So a model made of them and of torch operations compiles whole (``fullgraph=True``):
+the GPT's training step on one rank and on two tensor-parallel ranks, with sequence parallelism or without,
+and a Hugging Face Llama with tessel's attention, parallelized over two ranks.
+
+What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers and the eager
+transports, which break the graph around them (packed documents check their segment bounds on the host, the
+ring attention of context parallelism exchanges blocks point to point). Each test runs a model or an op
+eagerly and compiled from the same weights and inputs and checks that outputs and every gradient agree.
+``aot_eager`` traces forward and backward through AOTAutograd, as inductor does, without generating code, so
+the CPU runs stay short; two tests use inductor itself (one on the CPU, one on a GPU).
 
 Without the opaque launchers Dynamo traces into Triton's host code: on a CPU it walks the interpreter's
 NumPy emulation of each program and fails.
-
-Flash attention and the norms go further: under compile they call custom operators
-(``kernels/library.py``), so a model made of them and of torch operations compiles whole
-(``fullgraph=True``), a Hugging Face model with tessel's attention among them.
 """
 
 import importlib.util
@@ -62,6 +65,22 @@ def _compare(eager, compiled):
 
 def _reset():
     torch._dynamo.reset()
+
+
+def _step_compiles_whole(model, idx, targets):
+    """The training step (forward, loss, backward) compiled with fullgraph=True: its loss and every gradient equal
+    the eager step's. Returns the loss."""
+    eager = _loss_and_grads(model, model, idx, targets)
+    _reset()
+    step = torch.compile(lambda idx, targets: model.loss_from_logits(model(idx), targets), backend="aot_eager",
+                         fullgraph=True)  # fmt: skip
+    model.zero_grad(set_to_none=True)
+    loss = step(idx, targets)
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), eager[1], **TOL)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, eager[2][name], **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+    return loss.detach()
 
 
 def test_compiled_gpt_matches_eager(seed):
@@ -285,18 +304,7 @@ def test_gpt_training_step_compiles_whole_on_one_rank(seed):
     input gradients use matmul's operators, so the forward, the loss and the backward form one graph."""
     cfg = _config(n_layer=2)
     model = GPT(cfg)
-    idx, targets = _batch(cfg)
-    step = lambda idx, targets: model.loss_from_logits(model(idx), targets)
-    eager = _loss_and_grads(model, lambda idx: model(idx), idx, targets)
-    _reset()
-    compiled = torch.compile(step, backend="aot_eager", fullgraph=True)
-    model.zero_grad(set_to_none=True)
-    loss = compiled(idx, targets)
-    loss.backward()
-    torch.testing.assert_close(loss.detach(), eager[1], **TOL)
-    for name, want in eager[2].items():
-        got = dict(model.named_parameters())[name].grad
-        torch.testing.assert_close(got, want, **TOL, msg=lambda m, name=name: f"grad of {name}: {m}")
+    _step_compiles_whole(model, *_batch(cfg))
 
 
 def test_compiled_embedding_still_refuses_an_id_out_of_range():
@@ -312,27 +320,32 @@ def test_compiled_embedding_still_refuses_an_id_out_of_range():
 
 
 def _compiled_tp(rank, world_size, sequence_parallel):
-    cfg = _config()
+    cfg = _config(n_layer=2, bias=True)
     torch.manual_seed(0)
     model = GPT(cfg, sequence_parallel=sequence_parallel, overlap=True)
-    idx, targets = _batch(cfg, s=8)
-    eager = _loss_and_grads(model, model, idx, targets)
-    torch._dynamo.reset()
-    compiled = _loss_and_grads(model, torch.compile(model, backend="aot_eager"), idx, targets)
-    _compare(eager, compiled)
+    loss = _step_compiles_whole(model, *_batch(cfg, s=8))
     dist.barrier()
-    return compiled[1].item()
+    return loss.item()
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_compiled_tensor_parallel_gpt_matches_eager(sequence_parallel):
-    """Two ranks: the overlapped rings and the collectives run between the compiled pieces, in the same
-    order on every rank. The ranks run the kernels' references (they import transformers first, which once
-    imported a second copy of tessel's kernels whose custom operators replaced the first's: see
-    test_a_top_level_kernels_import_stays_empty)."""
+def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parallel):
+    """Two ranks: the forward, the loss and the backward in one graph (fullgraph), the collectives traced as
+    torch's functional collectives and the overlapped ops as their plain compositions; loss and every gradient
+    shard equal the eager step's, whose rings run tessel's own transports. The ranks run the kernels'
+    references (they import transformers first, which once imported a second copy of tessel's kernels whose
+    custom operators replaced the first's: see test_a_top_level_kernels_import_stays_empty)."""
     losses = run_ranks(_compiled_tp, 2, sequence_parallel, timeout=300, env=REFERENCE_KERNELS)
     assert len(set(losses)) == 1
+
+
+def test_sequence_parallel_gpt_compiles_whole_on_one_rank(seed):
+    """At t = 1 the sequence-parallel layers' overlapped ops take their plain composition under compile (the ring
+    of a world of one has nothing to exchange, but its in-place launches cannot be in a graph)."""
+    cfg = _config(n_layer=2, bias=True)
+    model = GPT(cfg, sequence_parallel=True, overlap=True)
+    _step_compiles_whole(model, *_batch(cfg))
 
 
 @pytest.mark.gpu
@@ -378,7 +391,7 @@ def _compiled_hf(rank, world_size):
 
     want_logits, want_grads = run(model)
     torch._dynamo.reset()
-    got_logits, got_grads = run(torch.compile(model, backend="aot_eager"))
+    got_logits, got_grads = run(torch.compile(model, backend="aot_eager", fullgraph=True))
 
     # AOTAutograd decomposes Hugging Face's own operations (its RMSNorm, softmax, rotary): fp32 reordering, ~1e-6
     # of the largest entry
@@ -394,5 +407,6 @@ def _compiled_hf(rank, world_size):
 @pytest.mark.multiprocess
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 def test_compiled_parallelized_hf_llama_matches_eager():
-    """A Hugging Face Llama, parallelized over two ranks with sequence parallelism and tessel's attention."""
+    """A Hugging Face Llama, parallelized over two ranks with sequence parallelism and tessel's attention, compiles
+    whole."""
     run_ranks(_compiled_hf, 2, timeout=300)

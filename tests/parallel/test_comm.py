@@ -13,6 +13,7 @@ import torch.distributed as dist
 from tessel.parallel.comm import (
     all_gather,
     all_reduce,
+    all_to_all,
     count_bytes,
     record_event,
     record_events,
@@ -191,10 +192,20 @@ def test_world_of_one_copies_and_moves_nothing():
         gathered, _ = all_gather(x, None, out=torch.full_like(x, float("nan")))
         scattered, _ = reduce_scatter(x, None, async_op=True)
         assert ring_exchange(send, recv, None, shift=1).wait()
-    for out in (reduced, gathered, scattered):
+        exchanged, work = all_to_all(x, None, [x.shape[0]], [x.shape[0]])
+        assert work.wait()
+    for out in (reduced, gathered, scattered, exchanged):
         _exact(out, x)
     _exact(recv, send)
     assert _counted(counter) == (0, 0)
+
+
+def test_all_to_all_refuses_counts_that_do_not_fit():
+    x = _data(0, AR_SHAPE)
+    with pytest.raises(ValueError, match=r"all_to_all: send_counts and recv_counts need 1 entries .* received \[4\]"):
+        all_to_all(x, None, [4], [4])
+    with pytest.raises(ValueError, match=r"recv_counts must equal send_counts \[5\], received \[3\]"):
+        all_to_all(x, None, [5], [3])
 
 
 def test_record_events_keeps_order_and_nests():

@@ -1,0 +1,148 @@
+"""``torch.compile`` over tessel's collectives and overlapped ops on several gloo ranks.
+
+Under compile the raw collectives of a group of several ranks are torch's functional collectives, which a
+graph holds, and each overlapped op is its plain composition (a differentiable collective, then matmul's
+graph operator). So a compiled function made of them compiles whole (``fullgraph=True``: any graph break
+fails the test), forward and backward, and its outputs and gradients must equal the eager ones, computed by
+tessel's own transports and rings on the same ranks. Without the traced transport every collective is opaque
+to Dynamo and ``fullgraph=True`` refuses the function.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessel.parallel.collectives import (
+    copy_to_tp,
+    exchange_rows,
+    gather_from_sequence,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_to_sequence,
+    scatter_to_sequence,
+    split_to_tp,
+    sum_over_ranks,
+)
+from tessel.parallel.overlap import (
+    all_gather_matmul,
+    matmul_all_reduce,
+    matmul_grad_all_reduce,
+    matmul_reduce_scatter,
+)
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+TOL = dict(rtol=1e-5, atol=1e-5)
+
+
+def _eager_and_compiled(fn, inputs, weights):
+    """Outputs and input gradients of ``fn(*inputs)`` eagerly and compiled whole; the loss weights every output
+    element by a fixed random ``weights`` tensor, so each gradient element differs."""
+
+    def run(f):
+        leaves = [x.detach().clone().requires_grad_() for x in inputs]
+        outs = f(*leaves)
+        outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+        sum((o * w[: o.numel()].view_as(o)).sum() for o, w in zip(outs, weights)).backward()
+        return [o.detach() for o in outs], [x.grad for x in leaves]
+
+    want = run(fn)
+    torch._dynamo.reset()
+    got = run(torch.compile(fn, backend="aot_eager", fullgraph=True))
+    return want, got
+
+
+def _assert_same(want, got, what):
+    for i, (w, g) in enumerate(zip(want[0], got[0])):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, i=i: f"{what}: output {i}: {m}")
+    for i, (w, g) in enumerate(zip(want[1], got[1])):
+        torch.testing.assert_close(g, w, **TOL, msg=lambda m, i=i: f"{what}: gradient of input {i}: {m}")
+
+
+def _weights(n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(4096, generator=gen) for _ in range(n)]
+
+
+def _collectives(rank, world_size):
+    t, group = world_size, dist.group.WORLD
+    gen = torch.Generator().manual_seed(10 + rank)  # every rank holds other values
+    x = torch.randn(2, 3 * t, 5, generator=gen)
+    cases = {
+        "copy_to_tp": lambda x: copy_to_tp(x, group) * 2,
+        "reduce_from_tp": lambda x: reduce_from_tp(x, group),
+        "sum_over_ranks": lambda x: sum_over_ranks(x, group),
+        "gather_from_sequence": lambda x: gather_from_sequence(x, group, dim=1),
+        "reduce_scatter_to_sequence": lambda x: reduce_scatter_to_sequence(x, group, dim=1),
+        "scatter_to_sequence": lambda x: scatter_to_sequence(x, group, dim=1),
+        "gather_from_tp": lambda x: gather_from_tp(x, group, dim=-1),
+        "split_to_tp": lambda x: split_to_tp(x, group, dim=1),
+        "chain": lambda x: reduce_scatter_to_sequence(gather_from_sequence(x, group, dim=1).sin(), group, dim=1),
+    }
+    for i, (name, fn) in enumerate(cases.items()):
+        want, got = _eager_and_compiled(fn, [x], _weights(1, 100 + i))  # the same loss weights on every rank
+        _assert_same(want, got, name)
+    # expert dispatch: rank r sends r+1 rows to each peer and keeps 2; counts fixed, as the graph specialises them
+    send = [2 if q == rank else rank + 1 for q in range(t)]
+    recv = [2 if q == rank else q + 1 for q in range(t)]
+    rows = torch.randn(sum(send), 3, generator=gen)
+    want, got = _eager_and_compiled(lambda r: exchange_rows(r, group, send, recv) * 3, [rows], _weights(1, 7))
+    _assert_same(want, got, "exchange_rows")
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_differentiable_collectives_compile_whole_and_match_eager(world_size):
+    run_ranks(_collectives, world_size, timeout=240)
+
+
+def _overlapped_ops(rank, world_size):
+    t, group = world_size, dist.group.WORLD
+    torch.manual_seed(0)  # weights replicated
+    k, n0, n1, n = 7, 5, 3, 6
+    w0, w1, b0, b1 = torch.randn(n0, k), torch.randn(n1, k), torch.randn(n0), torch.randn(n1)
+    w_row, b_row = torch.randn(n, k), torch.randn(n)
+    gen = torch.Generator().manual_seed(20 + rank)
+    m = 3  # rows per rank: odd, and t·m is not a multiple of any block
+    x_shard, x_full = torch.randn(m, k, generator=gen), torch.randn(t * m, k, generator=gen)
+    cases = {
+        "all_gather_matmul": (
+            lambda x, a, b, c, d: all_gather_matmul(x, [a, b], group, biases=[c, d], overlap=True),
+            [x_shard, w0, w1, b0, b1],
+        ),
+        "matmul_reduce_scatter": (
+            lambda x, w, b: matmul_reduce_scatter(x, w, group, bias=b, overlap=True),
+            [x_full, w_row, b_row],
+        ),
+        "matmul_all_reduce": (
+            lambda x, w, b: matmul_all_reduce(x, w, group, bias=b, overlap=True),
+            [x_full, w_row, b_row],
+        ),
+        "matmul_grad_all_reduce": (
+            lambda x, a, b, c, d: matmul_grad_all_reduce(x, [a, b], group, biases=[c, d], overlap=True),
+            [x_full, w0, w1, b0, b1],
+        ),
+    }
+    for i, (name, (fn, inputs)) in enumerate(cases.items()):
+        want, got = _eager_and_compiled(fn, inputs, _weights(2, 200 + i))
+        _assert_same(want, got, name)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_overlapped_ops_compile_whole_and_match_their_rings(world_size):
+    """The eager side runs the rings (overlap=True); the compiled side the plain composition. Weight and bias
+    gradients included: the row-parallel bias under sequence parallelism gets every rank's tokens' sum."""
+    run_ranks(_overlapped_ops, world_size, timeout=240, env=REFERENCE_KERNELS)
+
+
+def _uneven_rows(rank, world_size):
+    w = torch.randn(4, 6)
+    compiled = torch.compile(lambda x: matmul_reduce_scatter(x, w, dist.group.WORLD))
+    with pytest.raises(ValueError, match="matmul_reduce_scatter: 5 rows of x are not divisible by the group size 2"):
+        compiled(torch.randn(5, 6))
+    dist.barrier()
+
+
+def test_compiled_reduce_scatter_refuses_rows_that_do_not_split():
+    run_ranks(_uneven_rows, 2, timeout=120, env=REFERENCE_KERNELS)
