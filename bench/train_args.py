@@ -17,12 +17,23 @@ import torch
 from ..layers.moe import ROUTER_SCORES
 from .dataset import DEFAULT_DATASET
 
-__all__ = ["DTYPES", "LR_SCHEDULES", "PRESETS", "SCHEDULES", "ArgumentError", "Preset", "learning_rate", "parse_args"]
+__all__ = [
+    "COMPILE_BACKENDS",
+    "DTYPES",
+    "LR_SCHEDULES",
+    "PRESETS",
+    "SCHEDULES",
+    "ArgumentError",
+    "Preset",
+    "learning_rate",
+    "parse_args",
+]
 
 PROG = "python -m tessel.bench.train"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 LR_SCHEDULES = ("cosine", "constant")
+COMPILE_BACKENDS = ("inductor", "aot_eager")
 INTERLEAVED_CHUNKS = 2  # stages per pipeline rank under --schedule interleaved
 
 
@@ -183,6 +194,16 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         action="store_true",
         help="activation checkpointing: keep each block's input only and recompute its activations in backward "
         "(far less activation memory for one more forward pass)",
+    )
+    add(
+        "--compile",
+        nargs="?",
+        const="inductor",
+        default=None,
+        choices=COMPILE_BACKENDS,
+        help="torch.compile every transformer block (one graph per block, its collectives and tessel's kernels "
+        "inside; shared by all blocks) with this backend (default without a value: inductor; aot_eager traces "
+        "without generating code)",
     )
     add(
         "--sliding-window",

@@ -38,7 +38,7 @@ from ..parallel.sharding import is_tp_sharded
 from .train_args import DTYPES, PRESETS, ArgumentError
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
-__all__ = ["Engine", "build_engine"]
+__all__ = ["Engine", "build_engine", "compile_blocks"]
 
 BETAS = (0.9, 0.95)
 EPS = 1e-8
@@ -277,6 +277,16 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
     return opt, ZeroAdamState(opt, named, dims.tp_group)
 
 
+def compile_blocks(gpt: GPT, backend: str) -> None:
+    """``torch.compile`` each transformer block's forward in place, with ``backend``.
+
+    The blocks share one compiled graph (same code; their parameters are the graph's inputs). Each block's
+    module hooks stay outside it, so FSDP gathers and frees parameters around the compiled forward as it does
+    eagerly, and activation checkpointing recomputes the compiled forward."""
+    for block in gpt.blocks:
+        block.forward = torch.compile(block.forward, backend=backend)
+
+
 def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:
     if args.dp * args.cp == 1 and args.zero == 0:  # nothing to reduce: torch's AdamW on the module's own parameters
         return module
@@ -353,6 +363,8 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         device=dims.device,
         dtype=DTYPES[args.dtype],
     )
+    if args.compile:
+        compile_blocks(gpt, args.compile)
     if args.pp == 1:
         stages = [gpt]
     else:

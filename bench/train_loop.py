@@ -68,6 +68,7 @@ def _layout(args) -> str:
         text += f" groups={args.expert_groups} top-groups={args.top_groups}" if args.expert_groups > 1 else ""
     text += " sequence-parallel" if args.sequence_parallel else ""
     text += " recompute" if args.recompute else ""
+    text += f" compile={args.compile}" if args.compile else ""
     return text + (" attention-backward=atomic" if args.attention_backward == "atomic" else "")
 
 
