@@ -586,8 +586,9 @@ def flash_attention(q, k, v, causal=False, scale=None, *, return_lse=False, num_
     segments = _segment_bounds("flash_attention", segment_ids, q, k)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
-    if segments is None and torch.compiler.is_compiling():  # one graph node each way (see .library)
-        out, lse = torch.ops.tessel.flash_attention(q, k, v, causal, scale, num_splits, window, softcap, deterministic)
+    if torch.compiler.is_compiling():  # one graph node each way (see .library)
+        out, lse = torch.ops.tessel.flash_attention(q, k, v, causal, scale, num_splits, window, softcap, deterministic,
+                                                    *(segments or (None, None)))  # fmt: skip
     elif torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         out, lse = _FlashAttentionFunction.apply(q, k, v, causal, scale, backend, num_splits, deterministic, segments,
                                                  window, softcap)  # fmt: skip

@@ -144,12 +144,25 @@ def _check_ids(name: str, arg: str, ids, q, length: int, dim: str) -> torch.Tens
 
 
 def _check_ordered(name: str, arg: str, ids: torch.Tensor) -> None:
-    """Raise unless ``ids`` are non-decreasing along each row, in ``[0, 2**31)`` (checked once per tensor: kept)."""
+    """Raise unless ``ids`` are non-decreasing along each row, in ``[0, 2**31)`` (checked once per tensor: kept).
 
-    def first_fault() -> tuple[int, int, int] | None:
+    Under torch.compile the check runs on the device (a graph cannot read the ids on the host): a fault stops
+    the run with this message, without its place."""
+    rule = (f"{name}: {arg} must be non-negative ids below 2**31, non-decreasing along each row (the segments "
+            f"numbered in order)")  # fmt: skip
+
+    def faults() -> torch.Tensor:
         wide = ids.long()  # 2**31 compared with int32 ids would wrap round
         bad = (wide < 0) | (wide >= 2**31)
         bad[:, 1:] |= wide[:, 1:] < wide[:, :-1]
+        return bad
+
+    if torch.compiler.is_compiling():
+        torch._assert_async(faults().any().logical_not(), rule)
+        return
+
+    def first_fault() -> tuple[int, int, int] | None:
+        bad = faults()
         if not bool(bad.any()):
             return None
         row, col = (int(i) for i in bad.nonzero()[0])
@@ -158,8 +171,7 @@ def _check_ordered(name: str, arg: str, ids: torch.Tensor) -> None:
     fault = kept_on(ids, "ordered_segment_ids", first_fault)
     if fault is not None:
         row, col, value = fault
-        raise ValueError(f"{name}: {arg} must be non-negative ids below 2**31, non-decreasing along each row (the "
-                         f"segments numbered in order), received {value} at [{row}, {col}]")  # fmt: skip
+        raise ValueError(f"{rule}, received {value} at [{row}, {col}]")
 
 
 def run_starts(segment_ids: torch.Tensor) -> torch.Tensor:

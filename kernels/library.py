@@ -10,8 +10,8 @@ backward, each forward and each backward enters the graph as one node: a model c
 surrounds them.
 
 Eager calls never come here: the dispatcher would add its own overhead to every call for nothing.
-Packed documents (``segment_ids``) neither: their bounds are checked on the host, which a graph cannot do,
-so a compiled model breaks its graph there.
+Packed documents enter as their segment tables (``seg_q``, ``seg_k``: see :mod:`.attention_inputs`), which the
+graph computes from the ids; the ids' order is then checked on the device.
 """
 
 from __future__ import annotations
@@ -41,16 +41,20 @@ __all__ = [
 @torch.library.custom_op("tessel::flash_attention", mutates_args=())
 def flash_attention_op(
     q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float, num_splits: int | None, window: int | None,
-    softcap: float | None, deterministic: bool,
+    softcap: float | None, deterministic: bool, seg_q: Tensor | None = None, seg_k: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:  # fmt: skip
     """``(out, lse)`` of arguments :func:`~.attention.flash_attention` has validated (``deterministic`` is
-    kept for the backward)."""
+    kept for the backward; ``seg_q``, ``seg_k``: the segment tables of packed documents, or None)."""
     backend = check_grid("flash_attention", q)
-    return _forward(q, k, v, causal, scale, backend, num_splits, None, window, softcap=softcap)
+    return _forward(q, k, v, causal, scale, backend, num_splits, _segments(seg_q, seg_k), window, softcap=softcap)
+
+
+def _segments(seg_q: Tensor | None, seg_k: Tensor | None) -> tuple[Tensor, Tensor] | None:
+    return None if seg_q is None else (seg_q, seg_k)
 
 
 @flash_attention_op.register_fake
-def _(q, k, v, causal, scale, num_splits, window, softcap, deterministic):
+def _(q, k, v, causal, scale, num_splits, window, softcap, deterministic, seg_q=None, seg_k=None):
     b, hq, sq, _ = q.shape
     return _empty_in_layout_of(q), q.new_empty((b, hq, sq), dtype=torch.float32)
 
@@ -58,34 +62,35 @@ def _(q, k, v, causal, scale, num_splits, window, softcap, deterministic):
 @torch.library.custom_op("tessel::flash_attention_backward", mutates_args=())
 def flash_attention_backward_op(
     q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, dout: Tensor, dlse: Tensor | None, causal: bool,
-    scale: float, window: int | None, softcap: float | None, deterministic: bool,
+    scale: float, window: int | None, softcap: float | None, deterministic: bool, seg_q: Tensor | None = None,
+    seg_k: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
     """``(dq, dk, dv)``; ``dlse`` None when nothing used the log-sum-exp."""
     backend = check_grid("flash_attention", q)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()
     return _backward(
-        q, k, v, out, lse, dout, dlse, causal, scale, backend, True, True, deterministic, None, window,
-        softcap=softcap,
+        q, k, v, out, lse, dout, dlse, causal, scale, backend, True, True, deterministic, _segments(seg_q, seg_k),
+        window, softcap=softcap,
     )  # fmt: skip
 
 
 @flash_attention_backward_op.register_fake
-def _(q, k, v, out, lse, dout, dlse, causal, scale, window, softcap, deterministic):
+def _(q, k, v, out, lse, dout, dlse, causal, scale, window, softcap, deterministic, seg_q=None, seg_k=None):
     return _empty_in_layout_of(q), _empty_in_layout_of(k), _empty_in_layout_of(v)
 
 
 def _attention_setup_context(ctx, inputs, output):
-    q, k, v, causal, scale, _, window, softcap, deterministic = inputs
-    ctx.save_for_backward(q, k, v, *output)
+    q, k, v, causal, scale, _, window, softcap, deterministic, *tables = inputs
+    ctx.save_for_backward(q, k, v, *output, *tables)
     ctx.options = (causal, scale, window, softcap, deterministic)
 
 
 def _attention_backward_of_forward(ctx, dout, dlse):
-    q, k, v, out, lse = ctx.saved_tensors
+    q, k, v, out, lse, *tables = ctx.saved_tensors
     if dout is None:  # only lse was used: Δ = -dlse and dO = 0
         dout = torch.zeros_like(out)
-    dq, dk, dv = flash_attention_backward_op(q, k, v, out, lse, dout, dlse, *ctx.options)
-    return dq, dk, dv, None, None, None, None, None, None
+    dq, dk, dv = flash_attention_backward_op(q, k, v, out, lse, dout, dlse, *ctx.options, *tables)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
 
 
 flash_attention_op.register_autograd(_attention_backward_of_forward, setup_context=_attention_setup_context)

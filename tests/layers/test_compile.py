@@ -8,9 +8,11 @@ the GPT's training step on one rank and on two tensor-parallel ranks, with seque
 and a Hugging Face Llama with tessel's attention, parallelized over two ranks.
 
 What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers and the eager
-transports, which break the graph around them (packed documents check their segment bounds on the host, the
-ring attention of context parallelism exchanges blocks point to point). Each test runs a model or an op
-eagerly and compiled from the same weights and inputs and checks that outputs and every gradient agree.
+transports, which break the graph around them (the ring attention of context parallelism exchanges blocks
+point to point). Packed documents compile whole: their segment tables are computed in the graph.
+
+Each test runs a model or an op eagerly and compiled from the same weights and inputs and checks that outputs
+and every gradient agree.
 ``aot_eager`` traces forward and backward through AOTAutograd, as inductor does, without generating code, so
 the CPU runs stay short; two tests use inductor itself (one on the CPU, one on a GPU).
 
@@ -31,6 +33,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 
 import tessel.kernels
 from tessel.kernels import flash_attention, grouped_matmul, layer_norm, matmul, rms_norm
+from tessel.kernels.attention_inputs import _self_segment_bounds
 from tessel.kernels.library import flash_attention_op, matmul_op, norm_op
 from tessel.layers.gpt import GPT, GPTConfig
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
@@ -67,12 +70,12 @@ def _reset():
     torch._dynamo.reset()
 
 
-def _step_compiles_whole(model, idx, targets):
-    """The training step (forward, loss, backward) compiled with fullgraph=True: its loss and every gradient equal
-    the eager step's. Returns the loss."""
-    eager = _loss_and_grads(model, model, idx, targets)
+def _step_compiles_whole(model, idx, targets, **kw):
+    """The training step (forward, loss, backward; ``kw`` to the model) compiled with fullgraph=True: its loss and
+    every gradient equal the eager step's. Returns the loss."""
+    eager = _loss_and_grads(model, lambda idx: model(idx, **kw), idx, targets)
     _reset()
-    step = torch.compile(lambda idx, targets: model.loss_from_logits(model(idx), targets), backend="aot_eager",
+    step = torch.compile(lambda idx, targets: model.loss_from_logits(model(idx, **kw), targets), backend="aot_eager",
                          fullgraph=True)  # fmt: skip
     model.zero_grad(set_to_none=True)
     loss = step(idx, targets)
@@ -213,6 +216,8 @@ def test_custom_operators_pass_torchs_checks(seed):
     torch.library.opcheck(flash_attention_op, (q, k, v, True, 0.25, None, None, None, True))
     t = q.detach().transpose(1, 2).requires_grad_()  # a [B, S, H, D] layout: out follows it
     torch.library.opcheck(flash_attention_op, (t, k.transpose(1, 2), v.transpose(1, 2), False, 0.3, 2, None, 2.0, True))
+    tables = _self_segment_bounds(torch.tensor([[0] * 7 + [1] * 12, [2] * 19]))  # packed documents
+    torch.library.opcheck(flash_attention_op, (q, k, v, True, 0.25, None, 5, None, True, *tables))
     x, w, b = _leaves((3, 7, 40), (40,), (40,))
     torch.library.opcheck(norm_op, (x, w, None, 1e-6, True))
     torch.library.opcheck(norm_op, (x.transpose(0, 1), w, b, 1e-5, False))
@@ -221,16 +226,32 @@ def test_custom_operators_pass_torchs_checks(seed):
     torch.library.opcheck(matmul_op, (a, m.t().contiguous().t(), None, None, False))
 
 
-def test_packed_documents_break_the_graph_but_match(seed):
-    """segment_ids are checked on the host: the compiled function breaks its graph there and still agrees."""
+@pytest.mark.parametrize("form", ["one sequence", "pair"])
+def test_packed_documents_compile_whole(seed, form):
+    """segment_ids enter the graph: their tables are computed in it and passed to the operators, forward and
+    backward. One [B, S] tensor (documents packed into each row), or a (q_ids, kv_ids) pair of ids in order."""
     q, k, v = _leaves((2, 4, 17, 16), (2, 2, 17, 16), (2, 2, 17, 16))
-    ids = torch.tensor([[0] * 6 + [1] * 11, [0] * 17])
-    fn = lambda q, k, v: flash_attention(q, k, v, causal=True, segment_ids=ids).square().sum()
+    if form == "pair":
+        ids = (torch.tensor([[0] * 6 + [2] * 11, [1] * 17]), torch.tensor([[0] * 9 + [2] * 8, [0] * 4 + [1] * 13]))
+    else:
+        ids = torch.tensor([[0] * 6 + [1] * 11, [3] * 5 + [0] * 7 + [3] * 5])
+    fn = lambda q, k, v: flash_attention(q, k, v, causal=form != "pair", segment_ids=ids).square().sum()
     want = _grads_of(fn, (q, k, v))
     _reset()
-    got = _grads_of(torch.compile(fn, backend="aot_eager"), (q, k, v))
+    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), (q, k, v))
     for g, w in zip(got, want):
         torch.testing.assert_close(g, w, **TOL)
+
+
+def test_compiled_attention_still_refuses_segment_ids_out_of_order():
+    """Under compile the order of a pair's ids is checked on the device (eagerly, on the host)."""
+    q, k, v = (torch.randn(1, 2, 8, 16) for _ in range(3))
+    fn = torch.compile(lambda q, k, v, ids: flash_attention(q, k, v, segment_ids=ids), backend="aot_eager",
+                       fullgraph=True)  # fmt: skip
+    ordered = torch.tensor([[0] * 4 + [1] * 4])
+    fn(q, k, v, (ordered, ordered))
+    with pytest.raises(RuntimeError, match=r"segment_ids\[1\] must be non-negative ids below 2\*\*31, non-decreasing"):
+        fn(q, k, v, (ordered, ordered.flip(1)))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -305,6 +326,15 @@ def test_gpt_training_step_compiles_whole_on_one_rank(seed):
     cfg = _config(n_layer=2)
     model = GPT(cfg)
     _step_compiles_whole(model, *_batch(cfg))
+
+
+def test_gpt_training_step_on_packed_documents_compiles_whole(seed):
+    """Documents packed into rows: the segment tables, the rotary positions restarting at each document and the
+    attention's masks all in the one graph."""
+    cfg = _config(n_layer=2)
+    model = GPT(cfg)
+    idx, targets = _batch(cfg)
+    _step_compiles_whole(model, idx, targets, segment_ids=torch.tensor([[0] * 4 + [1] * 7, [5] * 3 + [2] * 8]))
 
 
 def test_compiled_embedding_still_refuses_an_id_out_of_range():
