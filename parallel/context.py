@@ -46,6 +46,12 @@ attention step it hides behind and waited for after it; the steps are logged wit
 :func:`~.comm.record_event` (``"ring_attention"`` for keys and values, ``"ring_attention.dkv"`` for
 the accumulators), which is how tests check the overlap without timing.
 
+Under ``torch.compile`` the ring (point to point, which a graph cannot hold) gives way to its all-gather form,
+as Llama 3 trains with context parallelism: every rank gathers the whole sequence's keys and values (a
+functional all-gather; their gradients reduce-scattered back) and runs flash attention for each of its two
+query chunks over the keys up to the chunk's end, so the compiled model keeps one graph. It holds the whole
+sequence's keys and values at once, ``c`` times the ring's, and moves ``(c-1)·|kv|`` each way, as the ring does.
+
 Parameters are replicated over the context-parallel ranks and each rank's gradients come from its own
 tokens only: reduce them over the context-parallel group as over a data-parallel one (a data-parallel
 wrapper whose group spans both, as Megatron-LM folds ``cp`` into ``dp`` for its gradient reduction).
@@ -64,6 +70,7 @@ from ..kernels._memo import kept_on
 from ..kernels.attention import _block_backward, _block_forward, check_grid, flash_attention
 from ..kernels.attention_inputs import _check_softcap, _check_window, _cross_segment_bounds, run_starts
 from ..kernels.attention_inputs import _validate as _validate_attention
+from .collectives import gather_from_sequence
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
 __all__ = ["gather_sequence", "ring_attention", "split_sequence", "zigzag_order", "zigzag_positions"]
@@ -422,6 +429,30 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None
 
 
+def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministic: bool, segment_ids, window,
+                        softcap):  # fmt: skip
+    """The ring's result by its all-gather form (see the module's notes): what a compiled model runs."""
+    c, r, length = group_size(group), group_rank(group), q.shape[2]
+    keys, values = (gather_from_sequence(t, group, dim=2) for t in (k, v))  # [B, H, c·L, D], rank after rank
+    zigzag = causal or segment_ids is not None
+    if zigzag:  # into sequence order
+        order = torch.argsort(zigzag_order(c * length, c, device=q.device))
+        keys, values = keys.index_select(2, order), values.index_select(2, order)
+    # the segments' numbers (non-decreasing along each row), to pair queries and keys by equal numbers
+    number = None if segment_ids is None else run_starts(segment_ids).cumsum(1)
+    attend = functools.partial(flash_attention, scale=scale, deterministic=deterministic, softcap=softcap)
+    if not causal:
+        ids = None if number is None else (number[:, zigzag_positions(c * length, c, r, device=q.device)], number)
+        return attend(q, keys, values, segment_ids=ids)
+    h, outs = length // 2, []
+    for chunk, rows in ((r, slice(0, h)), (2 * c - 1 - r, slice(h, length))):
+        end = (chunk + 1) * h  # the chunk sees the keys before its end (bottom-right aligned causal mask)
+        ids = None if number is None else (number[:, chunk * h : end], number[:, :end])
+        outs.append(attend(q[:, :, rows], keys[:, :, :end], values[:, :, :end], causal=True, window=window,
+                           segment_ids=ids))  # fmt: skip
+    return torch.cat(outs, dim=2)
+
+
 def _check_segment_ids(segment_ids, q, seq_len: int) -> None:
     if segment_ids is None:
         return
@@ -492,6 +523,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
         return flash_attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic,
                                segment_ids=segment_ids, window=window, softcap=softcap)  # fmt: skip
     check_grid("ring_attention", q)
+    if torch.compiler.is_compiling():
+        return _gathered_attention(q, k, v, group, causal, scale, deterministic, segment_ids, window, softcap)
     plan_key = (causal, q.shape[2] // 2, window)
     plan = _ring_plan(c, group_rank(group), *plan_key)
     tables = _segment_tables(segment_ids, group, plan_key)

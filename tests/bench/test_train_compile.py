@@ -27,13 +27,15 @@ SMALL = ["--steps", "3", "--seq-len", "32"]
         (["--tp", "2", "--sequence-parallel"], 2),
         (["--zero", "3", "--recompute"], 2),
         (["--pp", "2", "--schedule", "zb"], 2),
+        (["--cp", "2"], 2),
     ],
-    ids=["one-rank", "tp2-sp", "fsdp-recompute", "pp2-zb"],
+    ids=["one-rank", "tp2-sp", "fsdp-recompute", "pp2-zb", "cp2"],
 )
 def test_compiled_blocks_train_like_eager_blocks(tmp_path, layout, nproc):
     """Tensor and sequence parallelism (collectives inside the compiled blocks), FSDP (parameters gathered by hooks
     around them, again for the recomputation) and a zero-bubble pipeline (weight gradients computed in the
-    input-gradient pass instead of deferred): the same losses as the eager run."""
+    input-gradient pass instead of deferred), context parallelism (the ring attention in its all-gather form): the
+    same losses as the eager run."""
     _ok(_train(tmp_path / "eager", *layout, *SMALL, nproc=nproc))
     proc = _ok(_train(tmp_path / "compiled", *layout, *SMALL, "--compile", "aot_eager", nproc=nproc))
     assert "compile=aot_eager" in proc.stdout

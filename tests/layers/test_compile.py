@@ -4,12 +4,14 @@ Flash attention, the norms and matmul (without ``out=``) are custom operators un
 (``kernels/library.py``), the collectives of a world of one return before any transport, and those of several
 ranks are traced as torch's functional collectives, with each overlapped op as its plain composition
 (``parallel/overlap.py``). So a model made of them and of torch operations compiles whole (``fullgraph=True``):
-the GPT's training step on one rank and on two tensor-parallel ranks, with sequence parallelism or without,
-and a Hugging Face Llama with tessel's attention, parallelized over two ranks.
+the GPT's training step on one rank, on two tensor-parallel ranks (with sequence parallelism or without) and
+on two context-parallel ranks, and a Hugging Face Llama with tessel's attention, parallelized over two ranks.
 
-What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers and the eager
-transports, which break the graph around them (the ring attention of context parallelism exchanges blocks
-point to point). Packed documents compile whole: their segment tables are computed in the graph.
+What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers (``matmul(out=...)``,
+the eager rings' steps) and the eager transports, which the layers do not call under compile; a compiled model
+still breaks its graph where data decide shapes (a mixture of experts' dispatch counts). Packed documents
+compile whole (their segment tables are computed in the graph), and so does context parallelism, whose ring
+attention takes its all-gather form there.
 
 Each test runs a model or an op eagerly and compiled from the same weights and inputs and checks that outputs
 and every gradient agree.
@@ -368,6 +370,29 @@ def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parall
     custom operators replaced the first's: see test_a_top_level_kernels_import_stays_empty)."""
     losses = run_ranks(_compiled_tp, 2, sequence_parallel, timeout=300, env=REFERENCE_KERNELS)
     assert len(set(losses)) == 1
+
+
+def _compiled_cp(rank, world_size, documents):
+    from tessel.parallel.context import split_sequence
+
+    cfg = _config(n_layer=2, block_size=24)
+    torch.manual_seed(0)
+    tp_group = dist.new_group([rank])  # every rank its own tensor-parallel group: the two ranks split the sequence
+    model = GPT(cfg, tp_group=tp_group, cp_group=dist.group.WORLD)
+    idx, targets = _batch(cfg, s=12)
+    ids = torch.tensor([[0] * 5 + [1] * 7, [4] * 12]) if documents else None
+    local = [split_sequence(t, dist.group.WORLD) for t in (idx, targets)]
+    loss = _step_compiles_whole(model, *local, **({"segment_ids": ids} if documents else {}))
+    dist.barrier()
+    return loss.item()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("documents", [False, True], ids=["causal", "documents"])
+def test_compiled_context_parallel_gpt_training_step_is_one_graph(documents):
+    """Two ranks splitting each sequence (zigzag): under compile the ring attention takes its all-gather form, so
+    the training step is one graph, and its loss and gradients equal the eager ring's."""
+    run_ranks(_compiled_cp, 2, documents, timeout=300, env=REFERENCE_KERNELS)
 
 
 def test_sequence_parallel_gpt_compiles_whole_on_one_rank(seed):

@@ -146,3 +146,36 @@ def _uneven_rows(rank, world_size):
 
 def test_compiled_reduce_scatter_refuses_rows_that_do_not_split():
     run_ranks(_uneven_rows, 2, timeout=120, env=REFERENCE_KERNELS)
+
+
+def _ring_attention(rank, world_size):
+    from tessel.parallel.context import ring_attention
+
+    group, length, s = dist.group.WORLD, 6, 6 * world_size
+    gen = torch.Generator().manual_seed(30 + rank)
+    q, k, v = (
+        torch.randn(2, 4, length, 16, generator=gen),
+        *(torch.randn(2, 2, length, 16, generator=gen) for _ in "kv"),
+    )
+    docs = torch.tensor([[0] * 5 + [1] * (s - 9) + [0] * 4, [2] * s])  # runs of equal ids; one id used twice
+    cases = {
+        "full": {},
+        "causal": {"causal": True},
+        "window": {"causal": True, "window": 4},
+        "causal documents": {"causal": True, "segment_ids": docs},
+        "documents": {"segment_ids": docs},
+        "softcap": {"causal": True, "softcap": 3.0},
+    }
+    for i, (name, kw) in enumerate(cases.items()):
+        fn = lambda q, k, v, kw=kw: ring_attention(q, k, v, group, **kw)
+        want, got = _eager_and_compiled(fn, [q, k, v], _weights(1, 300 + i))
+        _assert_same(want, got, name)
+    dist.barrier()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ring_attention_compiles_whole_in_its_all_gather_form(world_size):
+    """Context parallelism under compile: the keys and values gathered whole instead of passed round the ring,
+    for every mask the ring takes (causal over the zigzag layout, a window, packed documents, soft-capping); the
+    same outputs and gradients as the eager ring."""
+    run_ranks(_ring_attention, world_size, timeout=240, env=REFERENCE_KERNELS)
