@@ -217,8 +217,6 @@ def _all_to_all(x: torch.Tensor, group: dist.ProcessGroup | None, send_counts: l
 def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
     """The transport behind :func:`reduce_scatter`, for groups of more than one rank."""
     size = group_size(group)
-    if x.shape[0] % size:
-        raise ValueError(f"reduce_scatter: dim 0 of x ({x.shape[0]}) is not divisible by the group size {size}")
     if out is None:
         out = x.new_empty((x.shape[0] // size, *x.shape[1:]))
     _account((size - 1) * _nbytes(out), (size - 1) * _nbytes(out))
@@ -247,9 +245,6 @@ def _traced_all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: to
 
 
 def _traced_reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None):
-    size = group_size(group)
-    if x.shape[0] % size:
-        raise ValueError(f"reduce_scatter: dim 0 of x ({x.shape[0]}) is not divisible by the group size {size}")
     scattered = funcol.reduce_scatter_tensor(x.contiguous(), "sum", 0, _traced_group(group))
     return (scattered if out is None else out.copy_(scattered)), _Done()
 
@@ -282,10 +277,15 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool 
     return _all_reduce(x, group, async_op)
 
 
+def _own_copy(x: torch.Tensor, out: torch.Tensor | None):
+    """What a world of one gathers or reduce-scatters: ``x`` itself, in a new tensor or in ``out``."""
+    return (x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)), _Done()
+
+
 def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
     """Concatenate every rank's ``x`` along dim 0 (into ``out`` if given); returns ``(out, work)``."""
     if group_size(group) == 1:
-        return (x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)), _Done()
+        return _own_copy(x, out)
     if torch.compiler.is_compiling():
         return _traced_all_gather(x, group, out)
     return _all_gather(x, group, out, async_op)
@@ -293,8 +293,11 @@ def all_gather(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tens
 
 def reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch.Tensor | None = None, async_op=False):
     """Sum ``x`` over ranks and keep this rank's 1/t block of dim 0; returns ``(out, work)``."""
-    if group_size(group) == 1:
-        return (x.clone(memory_format=torch.contiguous_format) if out is None else out.copy_(x)), _Done()
+    size = group_size(group)
+    if size == 1:
+        return _own_copy(x, out)
+    if x.shape[0] % size:
+        raise ValueError(f"reduce_scatter: dim 0 of x ({x.shape[0]}) is not divisible by the group size {size}")
     if torch.compiler.is_compiling():
         return _traced_reduce_scatter(x, group, out)
     return _reduce_scatter(x, group, out, async_op)

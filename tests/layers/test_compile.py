@@ -149,6 +149,16 @@ def _grads_of(fn, inputs):
     return [loss.detach(), *(t.grad.clone() for t in inputs)]
 
 
+def _compiles_whole_like_eager(fn, inputs, **tol):
+    """``fn(*inputs)``'s loss and input gradients compiled with fullgraph=True (aot_eager) equal the eager ones
+    (``tol``: assert_close's tolerances, TOL by default)."""
+    want = _grads_of(fn, inputs)
+    _reset()
+    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), inputs)
+    for g, w in zip(got, want):
+        torch.testing.assert_close(g, w, **(tol or TOL))
+
+
 def _leaves(*shapes, seed=11):
     gen = torch.Generator().manual_seed(seed)
     return [torch.randn(*shape, generator=gen).requires_grad_() for shape in shapes]
@@ -174,11 +184,7 @@ def test_flash_attention_compiles_whole(seed, case):
         out, lse = res if kw.get("return_lse") else (res, None)
         return out.square().sum() + (0 if lse is None else 0.1 * lse.sum())
 
-    want = _grads_of(fn, inputs)
-    _reset()
-    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), inputs)
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5)
+    _compiles_whole_like_eager(fn, inputs, rtol=1e-5, atol=1e-5)
 
 
 def test_norms_compile_whole(seed):
@@ -188,11 +194,7 @@ def test_norms_compile_whole(seed):
         rows = x.transpose(0, 1) + 1  # rows that are not contiguous
         return rms_norm(rows, w).exp().sum() + layer_norm(x.cos(), w, b).square().sum() + layer_norm(x[:, ::2], w).sum()
 
-    want = _grads_of(fn, (x, w, b))
-    _reset()
-    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), (x, w, b))
-    for g, w_ in zip(got, want):
-        torch.testing.assert_close(g, w_, **TOL)
+    _compiles_whole_like_eager(fn, (x, w, b))
 
 
 def test_matmul_compiles_whole(seed):
@@ -204,11 +206,7 @@ def test_matmul_compiles_whole(seed):
         h = matmul(a * 2, b.t().contiguous().t(), bias, "gelu")
         return matmul(h, frozen).tanh().sum() + matmul(h, b.t()[:, :5], activation="silu").sum()
 
-    want = _grads_of(fn, (a, b, bias))
-    _reset()
-    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), (a, b, bias))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **TOL)
+    _compiles_whole_like_eager(fn, (a, b, bias))
 
 
 def test_custom_operators_pass_torchs_checks(seed):
@@ -238,11 +236,7 @@ def test_packed_documents_compile_whole(seed, form):
     else:
         ids = torch.tensor([[0] * 6 + [1] * 11, [3] * 5 + [0] * 7 + [3] * 5])
     fn = lambda q, k, v: flash_attention(q, k, v, causal=form != "pair", segment_ids=ids).square().sum()
-    want = _grads_of(fn, (q, k, v))
-    _reset()
-    got = _grads_of(torch.compile(fn, backend="aot_eager", fullgraph=True), (q, k, v))
-    for g, w in zip(got, want):
-        torch.testing.assert_close(g, w, **TOL)
+    _compiles_whole_like_eager(fn, (q, k, v))
 
 
 def test_compiled_attention_still_refuses_segment_ids_out_of_order():
