@@ -21,71 +21,41 @@ Several weights sharing one input (fused Q/K/V, gate/up) share one ring. ``overl
 plain path: one collective, then one GEMM (or the reverse). Biases that must be added once after a
 reduction are added in the epilogue of exactly one GEMM, so no extra pass touches the output.
 
-Under ``torch.compile`` each op is the plain composition of a differentiable collective
-(:mod:`.collectives`, traced as torch's functional collectives) and matmul's graph operator, so a compiled
-tensor-parallel model keeps one graph: the rings' point-to-point transfers have no traced form, and the
-compiler schedules the collectives itself. ``regather`` and a zero-bubble schedule's deferred weight
-gradients are eager features: under compile X is saved whole and the weight gradients are computed at once.
+Under ``torch.compile`` with overlap on several ranks each op is its custom operator (:mod:`.overlap_ops`), one
+graph node forward and one backward whose implementation runs the same ring, so a compiled tensor-parallel model
+keeps its overlap. Without overlap it is its plain composition: a differentiable collective (:mod:`.collectives`,
+traced as torch's functional collectives, which the compiler schedules) and matmul's graph operator. A
+zero-bubble schedule's deferred weight gradients are an eager feature: a compiled backward returns them at once.
+The bodies of both flavours are :mod:`.overlap_steps`.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..kernels.matmul import matmul, matmul_unchecked
+from ..kernels.matmul import matmul
+from . import overlap_ops
 from .collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
-from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
-from .ddp import OWNER_ATTR
-from .pipeline.weight_grad import is_deferring, submit
-from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
+from .comm import group_size
+from .overlap_steps import (
+    ALL_REDUCE_CHUNKS,
+    all_gather_matmul_backward,
+    all_gather_matmul_forward,
+    bias_grad,
+    defer_weight_grads,
+    matmul_all_reduce_forward,
+    matmul_grad_all_reduce_backward,
+    matmul_reduce_scatter_backward,
+    matmul_reduce_scatter_forward,
+)
 
-__all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_grad_all_reduce", "matmul_reduce_scatter"]
-
-ALL_REDUCE_CHUNKS = 4
-
-
-def _grad_buffer(w: torch.Tensor) -> torch.Tensor:
-    """Weight gradients summed over ring steps accumulate in fp32, rounded once at the end."""
-    return torch.zeros(w.shape, dtype=torch.float32, device=w.device)
-
-
-def _sum_dgrad(grads, weights, rows: slice, out: torch.Tensor, accumulate: bool) -> None:
-    """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input.
-
-    Under torch.compile the products are matmul's graph operators, summed after their rounding to out's dtype
-    (eagerly each is added in fp32 in the GEMM's epilogue): a graph cannot hold the in-place launches."""
-    if torch.compiler.is_compiling():
-        total = sum(matmul(g[rows], w) for g, w in zip(grads, weights))
-        out.add_(total) if accumulate else out.copy_(total)
-        return
-    for i, (g, w) in enumerate(zip(grads, weights)):
-        matmul_unchecked(g[rows], w, out=out, accumulate=accumulate or i > 0)
-
-
-def _defer(params, compute) -> bool:
-    """Under a zero-bubble schedule's backward-input pass, postpone the weight-gradient GEMMs.
-
-    ``compute()`` returns one gradient per parameter of ``params``; it is submitted to the active
-    :class:`~tessel.parallel.pipeline.weight_grad.WeightGradStore` and, when the schedule's ``W``
-    action runs it, accumulated into ``.grad`` (autograd does not: the Function returns ``None`` for
-    those parameters). Returns whether it deferred. Parameters managed by a data-parallel wrapper are
-    never deferred: their gradients must reach the wrapper's reduction hooks inside the backward that
-    produced them.
-    """
-    if not is_deferring() or any(getattr(p, OWNER_ATTR, None) is not None for p in params):
-        return False
-
-    @torch.no_grad()
-    def accumulate():
-        for p, g in zip(params, compute()):
-            g = g.to(p.dtype)
-            if p.grad is None:
-                p.grad = g
-            else:
-                p.grad += g
-
-    submit(accumulate)
-    return True
+__all__ = [
+    "ALL_REDUCE_CHUNKS",
+    "all_gather_matmul",
+    "matmul_all_reduce",
+    "matmul_grad_all_reduce",
+    "matmul_reduce_scatter",
+]
 
 
 def _check_operands(op: str, x_name: str, x, weights, biases) -> None:
@@ -123,9 +93,10 @@ def _check_operands(op: str, x_name: str, x, weights, biases) -> None:
             )
 
 
-def _bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """Σ over tokens in fp32, in the parameters' dtype."""
-    return g.sum(0, dtype=torch.float32).to(like.dtype)
+def _ring_in_graph(overlap, group) -> bool:
+    """Under compile: whether the op enters the graph as its custom operator (:mod:`.overlap_ops`), whose node runs
+    the ring, rather than as its plain composition."""
+    return bool(overlap) and group_size(group) > 1
 
 
 # ---------------------------------------------------------------------------------------------------- AG + GEMM
@@ -135,68 +106,21 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, overlap, regather, n_w, x_shard, *params):
         weights, biases = params[:n_w], params[n_w:]
-        t, m = group_size(group), x_shard.shape[0]
-        outs = [x_shard.new_empty((t * m, w.shape[0])) for w in weights]
-
-        def gemm(c, rows):
-            for w, b, y in zip(weights, biases, outs):
-                matmul_unchecked(rows, w.t(), b, out=y[c * m : (c + 1) * m])
-
-        if overlap:
-            x_full = ring_all_gather(x_shard.contiguous(), group, "all_gather_matmul", gemm)
-        else:
-            x_full, _ = all_gather(x_shard, group)
-            for w, b, y in zip(weights, biases, outs):
-                matmul(x_full, w.t(), b, out=y)
-        ctx.regather = regather and t > 1
+        outs, x_full = all_gather_matmul_forward(group, overlap, x_shard, weights, biases)
+        ctx.regather = regather and group_size(group) > 1
         ctx.save_for_backward(x_shard if ctx.regather else x_full, *weights)
-        ctx.group, ctx.overlap, ctx.m, ctx.has_bias = group, overlap, m, [b is not None for b in biases]
+        ctx.group, ctx.overlap, ctx.has_bias = group, overlap, [b is not None for b in biases]
         ctx.weight_params = weights
         return tuple(outs)
 
     @staticmethod
     def backward(ctx, *grads):
         saved_x, *weights = ctx.saved_tensors
-        group, m = ctx.group, ctx.m
         grads = [g.contiguous() for g in grads]
-        if ctx.regather:  # gather X again, in flight during the first dgrad GEMM; waited for at its first use
-            x_full, work = all_gather(saved_x, group, async_op=True)
-            record_event("send", "all_gather_matmul.backward.regather", -1)
-            pending = [work]
-
-            def gathered():
-                if pending:
-                    pending.pop().wait()
-                    record_event("wait", "all_gather_matmul.backward.regather", -1)
-                return x_full
-        else:
-            x_full, gathered = saved_x, lambda: saved_x
-        deferred = _defer(ctx.weight_params, lambda: [matmul(g.t(), gathered()) for g in grads])
-        if deferred:
-            dx_full = torch.empty_like(x_full)
-            _sum_dgrad(grads, weights, slice(None), dx_full, False)
-            dx, _ = reduce_scatter(dx_full, group)
-            dws = [None] * len(weights)
-        elif ctx.overlap:
-            dws = [_grad_buffer(w) for w in weights]
-
-            def gemm(c, lo, hi, out, accumulate, last):
-                _sum_dgrad(grads, weights, slice(c * m + lo, c * m + hi), out, accumulate)
-
-            def wgrad(c, lo, hi):  # dW_i += dY_i[rows]ᵀ · X[rows] while those rows' accumulator travels
-                record_event("wgrad", "all_gather_matmul.backward", c)
-                rows = slice(c * m + lo, c * m + hi)
-                for g, dw in zip(grads, dws):
-                    matmul_unchecked(g[rows].t(), gathered()[rows], out=dw, accumulate=True)
-
-            dx = ring_reduce_scatter(m, x_full.shape[1], x_full, group, "all_gather_matmul.backward", gemm, wgrad)
-            dws = [dw.to(w.dtype) for dw, w in zip(dws, weights)]
-        else:
-            dx_full = torch.empty_like(x_full)
-            _sum_dgrad(grads, weights, slice(None), dx_full, False)
-            dx, _ = reduce_scatter(dx_full, group)
-            dws = [matmul(g.t(), gathered()) for g in grads]
-        dbs = [_bias_grad(g, w) if hb else None for g, w, hb in zip(grads, weights, ctx.has_bias)]
+        dx, dws = all_gather_matmul_backward(
+            ctx.group, ctx.overlap, saved_x, ctx.regather, weights, grads, defer=ctx.weight_params
+        )
+        dbs = [bias_grad(g, w) if hb else None for g, w, hb in zip(grads, weights, ctx.has_bias)]
         return (None, None, None, None, dx, *dws, *dbs)
 
 
@@ -222,8 +146,11 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     _check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
     if torch.compiler.is_compiling():
-        x_full = gather_from_sequence(x_shard, group, dim=0)
-        outs = [matmul(x_full, w.t(), b) for w, b in zip(weights, biases)]
+        if _ring_in_graph(overlap, group):
+            outs = overlap_ops.all_gather_matmul(x_shard, weights, biases, group, bool(regather))
+        else:
+            x_full = gather_from_sequence(x_shard, group, dim=0)
+            outs = [matmul(x_full, w.t(), b) for w, b in zip(weights, biases)]
         return outs[0] if single else outs
     outs = _AllGatherMatmul.apply(group, bool(overlap), bool(regather), len(weights), x_shard, *weights, *biases)
     return outs[0] if single else list(outs)
@@ -235,46 +162,17 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
 class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, overlap, x, weight, bias):
-        t, r = group_size(group), group_rank(group)
-        m, n = x.shape[0] // t, weight.shape[0]
-        if overlap:
-
-            def gemm(c, lo, hi, out, accumulate, last):
-                rows = x[c * m + lo : c * m + hi]
-                matmul_unchecked(rows, weight.t(), bias if last else None, out=out, accumulate=accumulate)
-
-            y = ring_reduce_scatter(m, n, x, group, "matmul_reduce_scatter", gemm)
-        else:
-            y, _ = reduce_scatter(matmul(x, weight.t(), bias if r == 0 else None), group)
         ctx.save_for_backward(x, weight)
         ctx.group, ctx.overlap, ctx.has_bias, ctx.weight_param = group, overlap, bias is not None, weight
-        return y
+        return matmul_reduce_scatter_forward(group, overlap, x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
-        group, grad_y = ctx.group, grad_y.contiguous()
-        m = grad_y.shape[0]
-        if is_deferring():
-            g_full, _ = all_gather(grad_y, group)
-            dx, dw = matmul(g_full, weight), None
-            _defer([ctx.weight_param], lambda: [matmul(g_full.t(), x)])
-        elif ctx.overlap:
-            dx = torch.empty_like(x)
-            dw = _grad_buffer(weight)
-
-            def gemm(c, rows_g):
-                rows = slice(c * m, (c + 1) * m)
-                matmul_unchecked(rows_g, weight, out=dx[rows])
-                record_event("wgrad", "matmul_reduce_scatter.backward", c)
-                matmul_unchecked(rows_g.t(), x[rows], out=dw, accumulate=True)
-
-            g_full = ring_all_gather(grad_y, group, "matmul_reduce_scatter.backward", gemm)
-            dw = dw.to(weight.dtype)
-        else:
-            g_full, _ = all_gather(grad_y, group)
-            dx, dw = matmul(g_full, weight), matmul(g_full.t(), x)
-        db = _bias_grad(g_full, weight) if ctx.has_bias else None  # the bias is whole: Σ over every token
+        dx, dw, g_full = matmul_reduce_scatter_backward(
+            ctx.group, ctx.overlap, x, weight, grad_y.contiguous(), defer=[ctx.weight_param]
+        )
+        db = bias_grad(g_full, weight) if ctx.has_bias else None  # the bias is whole: Σ over every token
         return None, None, dx, dw, db
 
 
@@ -289,6 +187,8 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     t = group_size(group)
     if x.shape[0] % t:
         raise ValueError(f"matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
+    if torch.compiler.is_compiling() and _ring_in_graph(overlap, group):
+        return overlap_ops.matmul_reduce_scatter(x, weight, bias, group)
     if torch.compiler.is_compiling():  # the whole bias, added once; its gradient summed over every rank's tokens
         y = reduce_scatter_to_sequence(matmul(x, weight.t()), group, dim=0)
         return y if bias is None else y + copy_to_tp(bias, group)
@@ -301,25 +201,17 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
 class _MatmulAllReduce(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, overlap, x, weight, bias):
-        once = bias if group_rank(group) == 0 else None  # the bias is summed t times otherwise
-        if overlap:
-            y = chunked_all_reduce(
-                x.shape[0], weight.shape[0], x, group, "matmul_all_reduce", ALL_REDUCE_CHUNKS,
-                lambda lo, hi, out: matmul_unchecked(x[lo:hi], weight.t(), once, out=out),
-            )  # fmt: skip
-        else:
-            y, _ = all_reduce(matmul(x, weight.t(), once), group)
         ctx.save_for_backward(x, weight)
         ctx.has_bias, ctx.weight_param = bias is not None, weight
-        return y
+        return matmul_all_reduce_forward(group, overlap, x, weight, bias)
 
     @staticmethod
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
-        deferred = _defer([ctx.weight_param], lambda: [matmul(grad_y.t(), x)])
+        deferred = defer_weight_grads([ctx.weight_param], lambda: [matmul(grad_y.t(), x)])
         dx, dw = matmul(grad_y, weight), None if deferred else matmul(grad_y.t(), x)
-        return None, None, dx, dw, _bias_grad(grad_y, weight) if ctx.has_bias else None
+        return None, None, dx, dw, bias_grad(grad_y, weight) if ctx.has_bias else None
 
 
 def matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
@@ -329,6 +221,8 @@ def matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
     the same on every rank. Backward: ``dX = dY·W``, ``dW = dYᵀ·X`` (dY is replicated: no communication).
     """
     _check_operands("matmul_all_reduce", "x", x, [weight], [bias])
+    if torch.compiler.is_compiling() and _ring_in_graph(overlap, group):
+        return overlap_ops.matmul_all_reduce(x, weight, bias, group)
     if torch.compiler.is_compiling():
         y = reduce_from_tp(matmul(x, weight.t()), group)
         return y if bias is None else y + bias
@@ -348,24 +242,8 @@ class _MatmulGradAllReduce(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         grads = [g.contiguous() for g in grads]
-        dws = []
-        if _defer(ctx.weight_params, lambda: [matmul(g.t(), x) for g in grads]):
-            dws = [None] * len(weights)
-            compute_wgrad = lambda: None
-        else:
-            compute_wgrad = lambda: dws.extend(matmul(g.t(), x) for g in grads)
-        if ctx.overlap:
-            dx = chunked_all_reduce(
-                x.shape[0], x.shape[1], x, ctx.group, "matmul_grad_all_reduce.backward", ALL_REDUCE_CHUNKS,
-                lambda lo, hi, out: _sum_dgrad(grads, weights, slice(lo, hi), out, False),
-                after_issue=lambda: (record_event("wgrad", "matmul_grad_all_reduce.backward", 0), compute_wgrad()),
-            )  # fmt: skip
-        else:
-            dx = torch.empty_like(x)
-            _sum_dgrad(grads, weights, slice(None), dx, False)
-            all_reduce(dx, ctx.group)
-            compute_wgrad()
-        dbs = [_bias_grad(g, w) if hb else None for g, w, hb in zip(grads, weights, ctx.has_bias)]
+        dx, dws = matmul_grad_all_reduce_backward(ctx.group, ctx.overlap, x, weights, grads, defer=ctx.weight_params)
+        dbs = [bias_grad(g, w) if hb else None for g, w, hb in zip(grads, weights, ctx.has_bias)]
         return (None, None, None, dx, *dws, *dbs)
 
 
@@ -381,8 +259,11 @@ def matmul_grad_all_reduce(x, weights, group=None, *, biases=None, overlap=True)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     _check_operands("matmul_grad_all_reduce", "x", x, weights, biases)
     if torch.compiler.is_compiling():
-        x = copy_to_tp(x, group)
-        outs = [matmul(x, w.t(), b) for w, b in zip(weights, biases)]
+        if _ring_in_graph(overlap, group):
+            outs = overlap_ops.matmul_grad_all_reduce(x, weights, biases, group)
+        else:
+            x = copy_to_tp(x, group)
+            outs = [matmul(x, w.t(), b) for w, b in zip(weights, biases)]
         return outs[0] if single else outs
     outs = _MatmulGradAllReduce.apply(group, bool(overlap), len(weights), x, *weights, *biases)
     return outs[0] if single else list(outs)

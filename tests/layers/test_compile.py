@@ -2,13 +2,15 @@
 
 Flash attention, the norms and matmul (without ``out=``) are custom operators under compile
 (``kernels/library.py``), the collectives of a world of one return before any transport, and those of several
-ranks are traced as torch's functional collectives, with each overlapped op as its plain composition
+ranks are traced as torch's functional collectives; each overlapped op is, with overlap, its custom operator
+(``parallel/overlap_ops.py``), whose nodes run the eager rings, and otherwise its plain composition
 (``parallel/overlap.py``). So a model made of them and of torch operations compiles whole (``fullgraph=True``):
 the GPT's training step on one rank, on two tensor-parallel ranks (with sequence parallelism or without) and
 on two context-parallel ranks, and a Hugging Face Llama with tessel's attention, parallelized over two ranks.
 
 What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers (``matmul(out=...)``,
-the eager rings' steps) and the eager transports, which the layers do not call under compile; a compiled model
+the eager rings' steps) and the eager transports, which the layers call under compile only from inside the
+overlapped ops' nodes; a compiled model
 still breaks its graph where data decide shapes (a mixture of experts' dispatch counts). Packed documents
 compile whole (their segment tables are computed in the graph), and so does context parallelism, whose ring
 attention takes its all-gather form there.
@@ -345,25 +347,46 @@ def test_compiled_embedding_still_refuses_an_id_out_of_range():
         compiled(torch.tensor([[1, 10]]))
 
 
-def _compiled_tp(rank, world_size, sequence_parallel):
+def _compiled_tp(rank, world_size, sequence_parallel, overlap):
+    from tessel.parallel import record_events
+
     cfg = _config(n_layer=2, bias=True)
     torch.manual_seed(0)
-    model = GPT(cfg, sequence_parallel=sequence_parallel, overlap=True)
-    loss = _step_compiles_whole(model, *_batch(cfg, s=8))
+    model = GPT(cfg, sequence_parallel=sequence_parallel, overlap=overlap)
+    with record_events() as log:
+        loss = _step_compiles_whole(model, *_batch(cfg, s=8))
     dist.barrier()
-    return loss.item()
+    return loss.item(), log.events
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parallel):
-    """Two ranks: the forward, the loss and the backward in one graph (fullgraph), the collectives traced as
-    torch's functional collectives and the overlapped ops as their plain compositions; loss and every gradient
-    shard equal the eager step's, whose rings run tessel's own transports. The ranks run the kernels'
-    references (they import transformers first, which once imported a second copy of tessel's kernels whose
-    custom operators replaced the first's: see test_a_top_level_kernels_import_stays_empty)."""
-    losses = run_ranks(_compiled_tp, 2, sequence_parallel, timeout=300, env=REFERENCE_KERNELS)
-    assert len(set(losses)) == 1
+@pytest.mark.parametrize(
+    "sequence_parallel, overlap", [(False, True), (True, True), (True, False)], ids=["tp", "tp+sp", "tp+sp-plain"]
+)
+def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parallel, overlap):
+    """Two ranks: the forward, the loss and the backward in one graph (fullgraph); loss and every gradient shard
+    equal the eager step's, whose rings run tessel's own transports. With overlap the overlapped ops are custom
+    operators whose nodes run those rings: the compiled step logs the same ring steps as the eager one (the log
+    holds the eager step's events, then the same again). Without overlap they are their plain compositions
+    (torch's functional collectives, scheduled by the compiler), and no ring runs in either. The ranks run the
+    kernels' references (they import transformers first, which once imported a second copy of tessel's kernels
+    whose custom operators replaced the first's: see test_a_top_level_kernels_import_stays_empty)."""
+    results = run_ranks(_compiled_tp, 2, sequence_parallel, overlap, timeout=300, env=REFERENCE_KERNELS)
+    assert len({loss for loss, _ in results}) == 1
+    for rank, (_, events) in enumerate(results):
+        ops = {op for _, op, _ in events}
+        if not overlap:
+            assert events == [], f"rank {rank}: a ring ran without overlap: {sorted(ops)}"
+            continue
+        rings = (
+            {"all_gather_matmul", "all_gather_matmul.backward", "matmul_reduce_scatter",
+             "matmul_reduce_scatter.backward"}
+            if sequence_parallel
+            else {"matmul_all_reduce", "matmul_grad_all_reduce.backward"}
+        )  # fmt: skip
+        assert rings <= ops, f"rank {rank}: rings run {sorted(ops)}, expected {sorted(rings)}"
+        half = len(events) // 2
+        assert events[:half] == events[half:], f"rank {rank}: the compiled step's ring steps differ from the eager's"
 
 
 def _compiled_cp(rank, world_size, documents):

@@ -54,3 +54,30 @@ def _check(rank, world_size, kind, sp, overlap):
 @pytest.mark.parametrize("kind", ["column", "row"])
 def test_deferred_weight_grads_equal_the_combined_backward(kind, sp, overlap):
     run_ranks(_check, 2, kind, sp, overlap)
+
+
+def _check_owned(rank, world_size, kind, sp, overlap):
+    """Weights a data-parallel wrapper manages are never deferred: their gradients must reach its hooks in the
+    backward that produced them."""
+    from tessel.parallel.ddp import OWNER_ATTR
+
+    width = 6 if kind == "column" else 8 // world_size
+    x = torch.randn(2, 4 // world_size if sp else 4, width, generator=torch.Generator().manual_seed(rank))
+    ref = _layer(kind, sp, overlap)
+    dx_ref, _ = _backward(ref, x, defer=False)
+    layer = _layer(kind, sp, overlap)
+    for p in layer.parameters():
+        setattr(p, OWNER_ATTR, object())  # as DDP and FSDP mark the parameters they manage
+    dx, store = _backward(layer, x, defer=True)
+    assert len(store) == 0, "a managed weight's gradient was deferred"
+    torch.testing.assert_close(dx, dx_ref)
+    assert layer.weight.grad is not None, "the managed weight lost its gradient"
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("kind", ["column", "row"])
+def test_managed_weights_get_their_gradients_in_the_backward(kind, sp, overlap):
+    run_ranks(_check_owned, 2, kind, sp, overlap)

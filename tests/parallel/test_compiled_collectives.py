@@ -1,11 +1,13 @@
 """``torch.compile`` over tessel's collectives and overlapped ops on several gloo ranks.
 
 Under compile the raw collectives of a group of several ranks are torch's functional collectives, which a
-graph holds, and each overlapped op is its plain composition (a differentiable collective, then matmul's
-graph operator). So a compiled function made of them compiles whole (``fullgraph=True``: any graph break
-fails the test), forward and backward, and its outputs and gradients must equal the eager ones, computed by
-tessel's own transports and rings on the same ranks. Without the traced transport every collective is opaque
-to Dynamo and ``fullgraph=True`` refuses the function.
+graph holds; each overlapped op is, with overlap, its custom operator (``parallel/overlap_ops.py``), whose node
+runs the eager ring, and without, its plain composition (a differentiable collective, then matmul's graph
+operator). So a compiled function made of them compiles whole (``fullgraph=True``: any graph break fails the
+test), forward and backward, and its outputs and gradients must equal the eager ones, computed by tessel's own
+transports and rings on the same ranks. Without the traced transport every collective is opaque to Dynamo and
+``fullgraph=True`` refuses the function. That the compiled rings overlap, and move the ring's bytes, is
+tests/parallel/test_overlap.py's.
 """
 
 import pytest
@@ -35,7 +37,7 @@ pytestmark = pytest.mark.multiprocess
 TOL = dict(rtol=1e-5, atol=1e-5)
 
 
-def _eager_and_compiled(fn, inputs, weights):
+def _eager_and_compiled(fn, inputs, weights, backend="aot_eager"):
     """Outputs and input gradients of ``fn(*inputs)`` eagerly and compiled whole; the loss weights every output
     element by a fixed random ``weights`` tensor, so each gradient element differs."""
 
@@ -48,7 +50,7 @@ def _eager_and_compiled(fn, inputs, weights):
 
     want = run(fn)
     torch._dynamo.reset()
-    got = run(torch.compile(fn, backend="aot_eager", fullgraph=True))
+    got = run(torch.compile(fn, backend=backend, fullgraph=True))
     return want, got
 
 
@@ -122,6 +124,24 @@ def _overlapped_ops(rank, world_size):
             lambda x, a, b, c, d: matmul_grad_all_reduce(x, [a, b], group, biases=[c, d], overlap=True),
             [x_full, w0, w1, b0, b1],
         ),
+        # one bias of two, X gathered again in backward
+        "all_gather_matmul regather": (
+            lambda x, a, b, c: all_gather_matmul(x, [a, b], group, biases=[None, c], overlap=True, regather=True),
+            [x_shard, w0, w1, b1],
+        ),
+        "matmul_grad_all_reduce one bias": (
+            lambda x, a, b, c: matmul_grad_all_reduce(x, [a, b], group, biases=[c, None], overlap=True),
+            [x_full, w0, w1, b0],
+        ),
+        "matmul_reduce_scatter no bias": (
+            lambda x, w: matmul_reduce_scatter(x, w, group, overlap=True),
+            [x_full, w_row],
+        ),
+        "matmul_all_reduce no bias": (lambda x, w: matmul_all_reduce(x, w, group, overlap=True), [x_full, w_row]),
+        "all_gather_matmul plain": (
+            lambda x, a, c: all_gather_matmul(x, a, group, biases=c, overlap=False),
+            [x_shard, w0, b0],
+        ),
     }
     for i, (name, (fn, inputs)) in enumerate(cases.items()):
         want, got = _eager_and_compiled(fn, inputs, _weights(2, 200 + i))
@@ -129,11 +149,42 @@ def _overlapped_ops(rank, world_size):
     dist.barrier()
 
 
-@pytest.mark.parametrize("world_size", [2, 4])
+@pytest.mark.parametrize("world_size", [2, 3, 4])
 def test_overlapped_ops_compile_whole_and_match_their_rings(world_size):
-    """The eager side runs the rings (overlap=True); the compiled side the plain composition. Weight and bias
-    gradients included: the row-parallel bias under sequence parallelism gets every rank's tokens' sum."""
+    """Both sides run the rings (overlap=True), the compiled one from its operators' nodes; biases on every
+    weight, on some and on none, and X gathered again in backward (regather). Weight and bias gradients
+    included: the row-parallel bias under sequence parallelism gets every rank's tokens' sum. One case without
+    overlap: the plain composition against the eager plain path."""
     run_ranks(_overlapped_ops, world_size, timeout=240, env=REFERENCE_KERNELS)
+
+
+def _mlp_under_inductor(rank, world_size):
+    from torch.nn.functional import gelu
+
+    group = dist.group.WORLD
+    torch.manual_seed(0)
+    k, h = 8, 12
+    w_up, b_up, w_down, b_down = (
+        torch.randn(h // world_size, k),
+        torch.randn(h // world_size),
+        torch.randn(k, h // world_size),
+        torch.randn(k),
+    )
+    x_shard = torch.randn(5, k, generator=torch.Generator().manual_seed(30 + rank))
+
+    def mlp(x, w1, b1, w2, b2):  # a sequence-parallel MLP: column (AG + GEMM), GELU, row (GEMM + RS)
+        hidden = gelu(all_gather_matmul(x, w1, group, biases=b1, overlap=True))
+        return matmul_reduce_scatter(hidden, w2, group, bias=b2, overlap=True)
+
+    want, got = _eager_and_compiled(mlp, [x_shard, w_up, b_up, w_down, b_down], _weights(1, 300), backend="inductor")
+    _assert_same(want, got, "mlp")
+    dist.barrier()
+
+
+def test_overlapped_ops_compile_under_inductor():
+    """Inductor generates the code around the ops' nodes (GELU, its backward, the loss) and calls the nodes, which
+    run their rings."""
+    run_ranks(_mlp_under_inductor, 2, timeout=400, env=REFERENCE_KERNELS)
 
 
 def _uneven_rows(rank, world_size):

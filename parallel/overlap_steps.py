@@ -1,0 +1,222 @@
+"""The eager bodies of the overlapped ops' forward and backward passes, outside autograd.
+
+:mod:`.overlap` wraps them in autograd Functions for eager calls, :mod:`.overlap_ops` in ``torch.library``
+custom operators for compiled ones, so a compiled model runs the same rings. Legend and schedules as in
+:mod:`.overlap` and :mod:`.rings`. ``defer`` (the parameters a zero-bubble schedule may postpone the weight
+gradients of, or None) is only ever given by the eager Functions: a graph's backward returns its gradients.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.matmul import matmul, matmul_unchecked
+from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
+from .ddp import OWNER_ATTR
+from .pipeline.weight_grad import is_deferring, submit
+from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
+
+__all__ = [
+    "ALL_REDUCE_CHUNKS",
+    "all_gather_matmul_backward",
+    "all_gather_matmul_forward",
+    "bias_grad",
+    "defer_weight_grads",
+    "matmul_all_reduce_forward",
+    "matmul_grad_all_reduce_backward",
+    "matmul_reduce_scatter_backward",
+    "matmul_reduce_scatter_forward",
+]
+
+ALL_REDUCE_CHUNKS = 4
+
+
+def _grad_buffer(w: torch.Tensor) -> torch.Tensor:
+    """Weight gradients summed over ring steps accumulate in fp32, rounded once at the end."""
+    return torch.zeros(w.shape, dtype=torch.float32, device=w.device)
+
+
+def _sum_dgrad(grads, weights, rows: slice, out: torch.Tensor, accumulate: bool) -> None:
+    """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input.
+
+    Under torch.compile the products are matmul's graph operators, summed after their rounding to out's dtype
+    (eagerly each is added in fp32 in the GEMM's epilogue): a graph cannot hold the in-place launches."""
+    if torch.compiler.is_compiling():
+        total = sum(matmul(g[rows], w) for g, w in zip(grads, weights))
+        out.add_(total) if accumulate else out.copy_(total)
+        return
+    for i, (g, w) in enumerate(zip(grads, weights)):
+        matmul_unchecked(g[rows], w, out=out, accumulate=accumulate or i > 0)
+
+
+def defer_weight_grads(params, compute) -> bool:
+    """Under a zero-bubble schedule's backward-input pass, postpone the weight-gradient GEMMs.
+
+    ``compute()`` returns one gradient per parameter of ``params``; it is submitted to the active
+    :class:`~tessel.parallel.pipeline.weight_grad.WeightGradStore` and, when the schedule's ``W``
+    action runs it, accumulated into ``.grad`` (autograd does not: the Function returns ``None`` for
+    those parameters). Returns whether it deferred. Parameters managed by a data-parallel wrapper are
+    never deferred: their gradients must reach the wrapper's reduction hooks inside the backward that
+    produced them. ``params`` None: never deferred.
+    """
+    if params is None or not is_deferring() or any(getattr(p, OWNER_ATTR, None) is not None for p in params):
+        return False
+
+    @torch.no_grad()
+    def accumulate():
+        for p, g in zip(params, compute()):
+            g = g.to(p.dtype)
+            if p.grad is None:
+                p.grad = g
+            else:
+                p.grad += g
+
+    submit(accumulate)
+    return True
+
+
+def bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """Σ over tokens in fp32, in the parameters' dtype."""
+    return g.sum(0, dtype=torch.float32).to(like.dtype)
+
+
+# ---------------------------------------------------------------------------------------------------- AG + GEMM
+
+
+def all_gather_matmul_forward(group, overlap: bool, x_shard, weights, biases):
+    """``(outs, x_full)``: ``outs[i] = AG(x_shard)·W_iᵀ + b_i``, and the gathered input."""
+    t, m = group_size(group), x_shard.shape[0]
+    outs = [x_shard.new_empty((t * m, w.shape[0])) for w in weights]
+
+    def gemm(c, rows):
+        for w, b, y in zip(weights, biases, outs):
+            matmul_unchecked(rows, w.t(), b, out=y[c * m : (c + 1) * m])
+
+    if overlap:
+        x_full = ring_all_gather(x_shard.contiguous(), group, "all_gather_matmul", gemm)
+    else:
+        x_full, _ = all_gather(x_shard, group)
+        for w, b, y in zip(weights, biases, outs):
+            matmul_unchecked(x_full, w.t(), b, out=y)
+    return outs, x_full
+
+
+def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, weights, grads, defer=None):
+    """``(dx_shard, dws)`` from the output gradients ``grads`` (contiguous). ``saved_x`` is the gathered input,
+    or with ``regather`` this rank's shard, gathered again here (in flight during the first dgrad GEMM). ``dws``
+    holds None for each weight whose gradient was deferred."""
+    m = saved_x.shape[0] if regather else saved_x.shape[0] // group_size(group)
+    if regather:
+        x_full, work = all_gather(saved_x, group, async_op=True)
+        record_event("send", "all_gather_matmul.backward.regather", -1)
+        pending = [work]
+
+        def gathered():
+            if pending:
+                pending.pop().wait()
+                record_event("wait", "all_gather_matmul.backward.regather", -1)
+            return x_full
+    else:
+        x_full, gathered = saved_x, lambda: saved_x
+    if defer_weight_grads(defer, lambda: [matmul(g.t(), gathered()) for g in grads]):
+        dx_full = torch.empty_like(x_full)
+        _sum_dgrad(grads, weights, slice(None), dx_full, False)
+        dx, _ = reduce_scatter(dx_full, group)
+        return dx, [None] * len(weights)
+    if not overlap:
+        dx_full = torch.empty_like(x_full)
+        _sum_dgrad(grads, weights, slice(None), dx_full, False)
+        dx, _ = reduce_scatter(dx_full, group)
+        return dx, [matmul(g.t(), gathered()) for g in grads]
+    dws = [_grad_buffer(w) for w in weights]
+
+    def gemm(c, lo, hi, out, accumulate, last):
+        _sum_dgrad(grads, weights, slice(c * m + lo, c * m + hi), out, accumulate)
+
+    def wgrad(c, lo, hi):  # dW_i += dY_i[rows]ᵀ · X[rows] while those rows' accumulator travels
+        record_event("wgrad", "all_gather_matmul.backward", c)
+        rows = slice(c * m + lo, c * m + hi)
+        for g, dw in zip(grads, dws):
+            matmul_unchecked(g[rows].t(), gathered()[rows], out=dw, accumulate=True)
+
+    dx = ring_reduce_scatter(m, x_full.shape[1], x_full, group, "all_gather_matmul.backward", gemm, wgrad)
+    return dx, [dw.to(w.dtype) for dw, w in zip(dws, weights)]
+
+
+# ---------------------------------------------------------------------------------------------------- GEMM + RS
+
+
+def matmul_reduce_scatter_forward(group, overlap: bool, x, weight, bias):
+    """``RS(x·Wᵀ) + bias`` (the whole bias, added once): this rank's rows."""
+    t, r = group_size(group), group_rank(group)
+    m, n = x.shape[0] // t, weight.shape[0]
+    if not overlap:
+        return reduce_scatter(matmul(x, weight.t(), bias if r == 0 else None), group)[0]
+
+    def gemm(c, lo, hi, out, accumulate, last):
+        rows = x[c * m + lo : c * m + hi]
+        matmul_unchecked(rows, weight.t(), bias if last else None, out=out, accumulate=accumulate)
+
+    return ring_reduce_scatter(m, n, x, group, "matmul_reduce_scatter", gemm)
+
+
+def matmul_reduce_scatter_backward(group, overlap: bool, x, weight, grad_y, defer=None):
+    """``(dx, dw, g_full)``: ``g_full = AG(grad_y)`` (whose column sums are the bias gradient); ``dw`` is None
+    when deferred."""
+    m = grad_y.shape[0]
+    if defer is not None and is_deferring():
+        g_full, _ = all_gather(grad_y, group)
+        if defer_weight_grads(defer, lambda: [matmul(g_full.t(), x)]):
+            return matmul(g_full, weight), None, g_full
+        return matmul(g_full, weight), matmul(g_full.t(), x), g_full
+    if not overlap:
+        g_full, _ = all_gather(grad_y, group)
+        return matmul(g_full, weight), matmul(g_full.t(), x), g_full
+    dx = torch.empty_like(x)
+    dw = _grad_buffer(weight)
+
+    def gemm(c, rows_g):
+        rows = slice(c * m, (c + 1) * m)
+        matmul_unchecked(rows_g, weight, out=dx[rows])
+        record_event("wgrad", "matmul_reduce_scatter.backward", c)
+        matmul_unchecked(rows_g.t(), x[rows], out=dw, accumulate=True)
+
+    g_full = ring_all_gather(grad_y, group, "matmul_reduce_scatter.backward", gemm)
+    return dx, dw.to(weight.dtype), g_full
+
+
+# ---------------------------------------------------------------------------------------------------- GEMM + AR
+
+
+def matmul_all_reduce_forward(group, overlap: bool, x, weight, bias):
+    """``AR(x·Wᵀ) + bias`` (the whole bias, added once, by rank 0's GEMM)."""
+    once = bias if group_rank(group) == 0 else None  # the bias is summed t times otherwise
+    if not overlap:
+        return all_reduce(matmul(x, weight.t(), once), group)[0]
+    return chunked_all_reduce(
+        x.shape[0], weight.shape[0], x, group, "matmul_all_reduce", ALL_REDUCE_CHUNKS,
+        lambda lo, hi, out: matmul_unchecked(x[lo:hi], weight.t(), once, out=out),
+    )  # fmt: skip
+
+
+def matmul_grad_all_reduce_backward(group, overlap: bool, x, weights, grads, defer=None):
+    """``(dx, dws)``: ``dx = AR(Σ_i dY_i·W_i)`` chunked, the weight gradients computed while the chunks travel;
+    ``dws`` holds None for each deferred weight."""
+    dws = []
+    if defer_weight_grads(defer, lambda: [matmul(g.t(), x) for g in grads]):
+        dws = [None] * len(weights)
+        compute_wgrad = lambda: None
+    else:
+        compute_wgrad = lambda: dws.extend(matmul(g.t(), x) for g in grads)
+    if overlap:
+        dx = chunked_all_reduce(
+            x.shape[0], x.shape[1], x, group, "matmul_grad_all_reduce.backward", ALL_REDUCE_CHUNKS,
+            lambda lo, hi, out: _sum_dgrad(grads, weights, slice(lo, hi), out, False),
+            after_issue=lambda: (record_event("wgrad", "matmul_grad_all_reduce.backward", 0), compute_wgrad()),
+        )  # fmt: skip
+    else:
+        dx = torch.empty_like(x)
+        _sum_dgrad(grads, weights, slice(None), dx, False)
+        all_reduce(dx, group)
+        compute_wgrad()
+    return dx, dws
