@@ -228,7 +228,8 @@ def _reduce_scatter(x: torch.Tensor, group: dist.ProcessGroup | None, out: torch
 # Under torch.compile the collectives of several ranks are torch's functional collectives, which a graph holds
 # (the transports above are opaque to it): the compiled model keeps one graph across its collectives, and the
 # compiler may move their waits. Their bytes are not counted (count_bytes sees eager calls only), and
-# ring_exchange (point to point) has no traced form: the overlapped ops take their plain path under compile.
+# ring_exchange (point to point) has no traced form: under compile the overlapped ops run their rings inside
+# custom operators' nodes (overlap_ops.py), where these eager transports run and are counted.
 
 
 def _traced_group(group: dist.ProcessGroup | None) -> dist.ProcessGroup:
