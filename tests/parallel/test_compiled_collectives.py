@@ -230,3 +230,69 @@ def test_ring_attention_compiles_whole_in_its_all_gather_form(world_size):
     for every mask the ring takes (causal over the zigzag layout, a window, packed documents, soft-capping); the
     same outputs and gradients as the eager ring."""
     run_ranks(_ring_attention, world_size, timeout=240, env=REFERENCE_KERNELS)
+
+
+def _operators_pass_torchs_checks(rank, world_size):
+    from tessel.parallel import overlap_ops as ops
+
+    name, t = dist.group.WORLD.group_name, world_size
+    gen = torch.Generator().manual_seed(40 + rank)
+    rand = lambda *shape, grad=True: torch.randn(*shape, generator=gen).requires_grad_(grad)
+    torch.manual_seed(0)  # weights replicated
+    w0, w1, b1, w_row, b_row = (torch.randn(*s).requires_grad_() for s in [(5, 7), (3, 7), (3,), (6, 7), (6,)])
+    cases = {
+        "all_gather_matmul": (ops.all_gather_matmul_op, (rand(3, 7), [w0, w1], [b1], [1], name, t, True)),
+        "all_gather_matmul regather": (ops.all_gather_matmul_op, (rand(3, 7), [w0, w1], [], [], name, t, False)),
+        "matmul_reduce_scatter": (ops.matmul_reduce_scatter_op, (rand(3 * t, 7), w_row, b_row, name, t)),
+        "matmul_all_reduce": (ops.matmul_all_reduce_op, (rand(5, 7), w_row, None, name)),
+        "matmul_grad_all_reduce": (ops.matmul_grad_all_reduce_op, (rand(5, 7), [w0, w1], [b1], [1], name)),
+        "all_gather_matmul_backward": (
+            ops.all_gather_matmul_backward_op,
+            (
+                [rand(3 * t, 5, grad=False), rand(3 * t, 3, grad=False)],
+                rand(3 * t, 7, grad=False),
+                [w0.detach(), w1.detach()],
+                name,
+                t,
+                False,
+            ),
+        ),
+        "all_gather_matmul_backward regather": (
+            ops.all_gather_matmul_backward_op,
+            (
+                [rand(3 * t, 5, grad=False), rand(3 * t, 3, grad=False)],
+                rand(3, 7, grad=False),
+                [w0.detach(), w1.detach()],
+                name,
+                t,
+                True,
+            ),
+        ),
+        "matmul_reduce_scatter_backward": (
+            ops.matmul_reduce_scatter_backward_op,
+            (rand(3, 6, grad=False), rand(3 * t, 7, grad=False), w_row.detach(), name, True),
+        ),
+        "matmul_grad_all_reduce_backward": (
+            ops.matmul_grad_all_reduce_backward_op,
+            (
+                [rand(5, 5, grad=False), rand(5, 3, grad=False)],
+                rand(5, 7, grad=False),
+                [w0.detach(), w1.detach()],
+                name,
+            ),
+        ),
+    }
+    for what, (op, args) in cases.items():
+        try:
+            torch.library.opcheck(op, args)
+        except Exception as error:
+            raise AssertionError(f"{what}: {error}") from error
+    dist.barrier()
+
+
+def test_overlapped_operators_pass_torchs_checks():
+    """``torch.library.opcheck`` on two ranks (every rank runs the same checks, so the rings meet): the schema,
+    the fake implementations against the real outputs (shapes, dtypes, strides: inductor trusts them), the
+    registered backwards, and AOTAutograd with dynamic shapes. The backward operators take no gradient
+    themselves (as in a backward graph)."""
+    run_ranks(_operators_pass_torchs_checks, 2, timeout=300, env=REFERENCE_KERNELS)
