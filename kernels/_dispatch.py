@@ -24,8 +24,10 @@ __all__ = [
     "INTERPRET",
     "Backend",
     "backend_for",
+    "byte_span",
     "cdiv",
     "check_interpreter",
+    "memory_overlaps",
     "next_power_of_2",
     "opaque_to_compile",
     "upcast_dot_operands",
@@ -104,3 +106,18 @@ def upcast_dot_operands(backend: str) -> bool:
     values are exact in fp32, so this changes nothing but the accumulation order.
     """
     return backend == Backend.INTERPRETER
+
+
+def byte_span(t: torch.Tensor) -> tuple[int, int]:
+    """The byte range [lo, hi) that a tensor's elements can touch (any strides, negative ones included)."""
+    lo = t.data_ptr() + t.element_size() * sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0)
+    hi = t.data_ptr() + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st > 0))
+    return lo, hi
+
+
+def memory_overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether the byte ranges of two non-empty tensors intersect."""
+    if x.numel() == 0 or y.numel() == 0:
+        return False
+    (x_lo, x_hi), (y_lo, y_hi) = byte_span(x), byte_span(y)
+    return x_lo < y_hi and y_lo < x_hi

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for, cdiv, opaque_to_compile
+from ._dispatch import Backend, backend_for, byte_span, cdiv, memory_overlaps, opaque_to_compile
 
 __all__ = ["adam_step", "adam_step_reference", "grad_stats", "grad_stats_reference"]
 
@@ -164,17 +164,6 @@ def _check_number(op: str, name: str, value, ok, expected: str) -> None:
         raise ValueError(f"{op}: {name} must be {expected}, received {value}")
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    return t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()
-
-
-def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if x.numel() == 0 or y.numel() == 0:
-        return False
-    (x_lo, x_hi), (y_lo, y_hi) = _span(x), _span(y)
-    return x_lo < y_hi and y_lo < x_hi
-
-
 def _validate_adam(op, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, weight_decay, step,
                    grad_scale, found_inf, param_copy) -> None:  # fmt: skip
     fp32 = (torch.float32,)
@@ -202,13 +191,13 @@ def _validate_adam(op, param, grad, exp_avg, exp_avg_sq, lr, beta1, beta2, eps, 
     items = list(buffers.items())
     for i, (name_a, a) in enumerate(items):
         for name_b, b in items[i + 1 :]:
-            if _overlaps(a, b):
+            if memory_overlaps(a, b):
                 raise ValueError(f"{op}: {name_a} and {name_b} must not share memory")
     if param_copy is not None:
         for name, t in items:
             # The copy may be param itself (an fp32 master that is also the model's parameter).
-            same = name == "param" and _span(t) == _span(param_copy) and param_copy.dtype == t.dtype
-            if _overlaps(param_copy, t) and not same:
+            same = name == "param" and byte_span(t) == byte_span(param_copy) and param_copy.dtype == t.dtype
+            if memory_overlaps(param_copy, t) and not same:
                 raise ValueError(f"{op}: param_copy must not share memory with {name}")
 
 

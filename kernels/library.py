@@ -1,5 +1,5 @@
 """tessel's kernels as ``torch.library`` custom operators: what :func:`~.attention.flash_attention`,
-:func:`~.norm.rms_norm`, :func:`~.norm.layer_norm` and :func:`~.matmul.matmul` (without ``out``) call while
+:func:`~.norm.rms_norm`, :func:`~.norm.layer_norm` and :func:`~.matmul.matmul` call while
 ``torch.compile`` traces them.
 
 Dynamo does not trace into tessel's launchers (:func:`~._dispatch.opaque_to_compile`), so without these a
@@ -8,6 +8,9 @@ implementations (shapes, dtypes and memory layouts, computed without running any
 backward, each forward and each backward enters the graph as one node: a model compiles whole
 (``fullgraph=True``), AOTAutograd puts the backward nodes in the backward graph, and inductor fuses what
 surrounds them.
+
+``matmul(out=...)`` is ``tessel::matmul_into``, which writes into ``out`` in place, where no input needs a
+gradient (with one, the call stays opaque and breaks the graph).
 
 Eager calls never come here: the dispatcher would add its own overhead to every call for nothing.
 Packed documents enter as their segment tables (``seg_q``, ``seg_k``: see :mod:`.attention_inputs`), which the
@@ -20,7 +23,7 @@ import torch
 from torch import Tensor
 
 from .attention import _backward, _empty_in_layout_of, _forward, check_grid
-from .matmul import _activation_grad
+from .matmul import _activation_grad, check_out_apart
 from .matmul import _launch as _matmul_launch
 from .norm import _backward as _norm_backward
 from .norm import _forward as _norm_forward
@@ -215,3 +218,20 @@ def _matmul_backward_of_forward(ctx, grad_out, grad_preact):
 
 
 matmul_op.register_autograd(_matmul_backward_of_forward, setup_context=_matmul_setup_context)
+
+
+@torch.library.custom_op("tessel::matmul_into", mutates_args=("out",))
+def matmul_into_op(
+    a: Tensor, b: Tensor, bias: Tensor | None, activation: str | None, out: Tensor, accumulate: bool
+) -> None:
+    """``out (+)= activation(a @ b + bias)`` in place: :func:`~.matmul.matmul` with ``out`` under compile, where no
+    input needs a gradient (a graph cannot differentiate through a custom operator's in-place write). ``out`` may
+    be a view of a larger buffer. Its memory must not overlap a's or b's, checked here, when the graph runs: the
+    compiler may have turned the graph's functional write back into this one in place."""
+    check_out_apart(a, b, out)
+    _matmul_launch(a, b, bias, activation, out, accumulate)
+
+
+@matmul_into_op.register_fake
+def _(a, b, bias, activation, out, accumulate):
+    return None

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import INTERPRET, Backend, backend_for, cdiv, opaque_to_compile, upcast_dot_operands
+from ._dispatch import INTERPRET, Backend, backend_for, cdiv, memory_overlaps, opaque_to_compile, upcast_dot_operands
 
 __all__ = ["ACTIVATIONS", "matmul", "matmul_reference"]
 
@@ -291,20 +291,6 @@ def _check_tensor(name: str, t, ndim: int) -> None:
         raise TypeError(f"matmul: {name} must be float32, float16 or bfloat16, received {t.dtype}")
 
 
-def _span(t: torch.Tensor) -> tuple[int, int]:
-    """The byte range [lo, hi) that a tensor's elements can touch."""
-    lo = t.data_ptr() + t.element_size() * sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st < 0)
-    hi = t.data_ptr() + t.element_size() * (1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride()) if st > 0))
-    return lo, hi
-
-
-def _overlaps(x: torch.Tensor, y: torch.Tensor) -> bool:
-    if x.numel() == 0 or y.numel() == 0:
-        return False
-    (x_lo, x_hi), (y_lo, y_hi) = _span(x), _span(y)
-    return x_lo < y_hi and y_lo < x_hi
-
-
 def _validate(a, b, bias, activation, out, accumulate) -> None:
     _check_tensor("a", a, 2)
     _check_tensor("b", b, 2)
@@ -347,8 +333,13 @@ def _validate_out(a, b, out) -> None:
         raise ValueError(f"matmul: out must be on the inputs' device {a.device}, received {out.device}")
     if any(st == 0 and s > 1 for s, st in zip(out.shape, out.stride())):
         raise ValueError(f"matmul: out must not be a broadcast view (stride 0), received strides {out.stride()}")
+    if not torch.compiler.is_compiling():  # a graph has no addresses: its node checks when it runs
+        check_out_apart(a, b, out)
+
+
+def check_out_apart(a, b, out) -> None:
     for name, t in (("a", a), ("b", b)):
-        if _overlaps(out, t):
+        if memory_overlaps(out, t):
             raise ValueError(f"matmul: out must not share memory with {name}")
 
 
@@ -587,8 +578,10 @@ def matmul(a, b, bias=None, activation=None, out=None, accumulate=False) -> torc
     _validate(a, b, bias, activation, out, accumulate)
     tracked = (a, b, bias, out)
     grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tracked)
-    if out is None and torch.compiler.is_compiling():  # one graph node each way (see .library)
-        return torch.ops.tessel.matmul(a, b, bias, activation, grad and activation is not None)[0]
+    if torch.compiler.is_compiling() and (out is None or not grad):  # one graph node each way (see .library)
+        if out is None:
+            return torch.ops.tessel.matmul(a, b, bias, activation, grad and activation is not None)[0]
+        return torch.ops.tessel.matmul_into(a, b, bias, activation, out, accumulate) or out
     if grad:
         return _MatmulFunction.apply(out, a, b, bias, activation, accumulate)
     if out is None:

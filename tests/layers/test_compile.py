@@ -1,6 +1,6 @@
 """``torch.compile`` over tessel: kernels, the reference GPT, and the tensor-parallel GPT on gloo ranks.
 
-Flash attention, the norms and matmul (without ``out=``) are custom operators under compile
+Flash attention, the norms and matmul (``out=`` without gradients too) are custom operators under compile
 (``kernels/library.py``), the collectives of a world of one return before any transport, and those of several
 ranks are traced as torch's functional collectives; each overlapped op is, with overlap, its custom operator
 (``parallel/overlap_ops.py``), whose nodes run the eager rings, and otherwise its plain composition
@@ -8,12 +8,11 @@ ranks are traced as torch's functional collectives; each overlapped op is, with 
 the GPT's training step on one rank, on two tensor-parallel ranks (with sequence parallelism or without) and
 on two context-parallel ranks, and a Hugging Face Llama with tessel's attention, parallelized over two ranks.
 
-What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers (``matmul(out=...)``,
-the eager rings' steps) and the eager transports, which the layers call under compile only from inside the
-overlapped ops' nodes; a compiled model
-still breaks its graph where data decide shapes (a mixture of experts' dispatch counts). Packed documents
-compile whole (their segment tables are computed in the graph), and so does context parallelism, whose ring
-attention takes its all-gather form there.
+What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers (``matmul(out=...)`` where
+a gradient is needed, the eager rings' steps) and the eager transports, which the layers call under compile only
+from inside the overlapped ops' nodes; a compiled model still breaks its graph where data decide shapes (a
+mixture of experts' dispatch counts). Packed documents compile whole (their segment tables are computed in the
+graph), and so does context parallelism, whose ring attention takes its all-gather form there.
 
 Each test runs a model or an op eagerly and compiled from the same weights and inputs and checks that outputs
 and every gradient agree.
@@ -38,7 +37,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import tessel.kernels
 from tessel.kernels import flash_attention, grouped_matmul, layer_norm, matmul, rms_norm
 from tessel.kernels.attention_inputs import _self_segment_bounds
-from tessel.kernels.library import flash_attention_op, matmul_op, norm_op
+from tessel.kernels.library import flash_attention_op, matmul_into_op, matmul_op, norm_op
 from tessel.layers.gpt import GPT, GPTConfig
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
@@ -211,6 +210,57 @@ def test_matmul_compiles_whole(seed):
     _compiles_whole_like_eager(fn, (a, b, bias))
 
 
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+def test_matmul_into_a_buffer_compiles_whole_without_gradients(seed, backend):
+    """``out=`` (a row block of a larger buffer, written and accumulated onto, with and without the epilogue) in
+    code that needs no gradient: one in-place operator node per call, the buffer left as the eager calls leave
+    it, its other rows untouched."""
+    gen = torch.Generator().manual_seed(seed)
+    a, b, bias = torch.randn(5, 7, generator=gen), torch.randn(7, 9, generator=gen), torch.randn(9, generator=gen)
+    buf = torch.randn(16, 9, generator=gen)
+
+    def fn(a, b, bias, buf):
+        y = matmul(a, b, bias, activation="gelu", out=buf[2:7])
+        matmul(a * 2, b.t().contiguous().t(), out=buf[9:14], accumulate=True)
+        return y.sum() + buf[0].sum()
+
+    want_buf = buf.clone()
+    with torch.no_grad():
+        want = fn(a, b, bias, want_buf)
+        _reset()
+        got_buf = buf.clone()
+        got = torch.compile(fn, backend=backend, fullgraph=True)(a, b, bias, got_buf)
+    torch.testing.assert_close(got, want, **TOL)
+    torch.testing.assert_close(got_buf, want_buf, **TOL)
+
+
+def test_compiled_matmul_into_memory_of_its_input_is_never_wrong(seed):
+    """``out`` overlapping ``a`` is refused eagerly. A graph writes functionally (the product of the inputs as they
+    were), but inductor may turn the write back in place, where the kernel would read rows it already wrote: the
+    operator checks the memory when it runs and raises eager's error there. So a compiled call gives the
+    functional result or that error, never a wrong buffer."""
+    b = torch.randn(7, 9, generator=torch.Generator().manual_seed(seed))
+
+    def fn(buf, b):
+        matmul(buf[3:8, :7], b, out=buf[0:5])
+        return buf
+
+    buf = torch.randn(20, 9, generator=torch.Generator().manual_seed(seed + 1))
+    with torch.no_grad(), pytest.raises(ValueError, match="out must not share memory with a"):
+        fn(buf.clone(), b)
+    want = buf.clone()
+    want[0:5] = buf[3:8, :7] @ b
+    for backend in ("aot_eager", "inductor"):
+        _reset()
+        with torch.no_grad():
+            try:
+                got = torch.compile(fn, backend=backend, fullgraph=True)(buf.clone(), b)
+            except ValueError as error:
+                assert "out must not share memory with a" in str(error), (backend, error)
+                continue
+        torch.testing.assert_close(got, want, **TOL, msg=lambda m, backend=backend: f"{backend}: {m}")
+
+
 def test_custom_operators_pass_torchs_checks(seed):
     """torch.library.opcheck: schema, fake implementations against real outputs (shapes, strides, dtypes),
     the autograd registration, and AOTAutograd's dispatch, static and dynamic."""
@@ -226,6 +276,9 @@ def test_custom_operators_pass_torchs_checks(seed):
     a, m = _leaves((13, 24), (24, 10))
     torch.library.opcheck(matmul_op, (a, m, b[:10], "silu", True))
     torch.library.opcheck(matmul_op, (a, m.t().contiguous().t(), None, None, False))
+    buf = torch.randn(20, 10)  # matmul_into writes into (or adds onto) a row block of it
+    torch.library.opcheck(matmul_into_op, (a.detach(), m.detach(), b[:10].detach(), "gelu", buf[3:16], False))
+    torch.library.opcheck(matmul_into_op, (a.detach(), m.detach(), None, None, buf[5:18], True))
 
 
 @pytest.mark.parametrize("form", ["one sequence", "pair"])
