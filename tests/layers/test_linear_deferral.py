@@ -32,13 +32,25 @@ def _backward(layer, x, defer):
     return x.grad, store
 
 
-def _check(rank, world_size, kind, sp, overlap):
+def _deferred_against_combined(rank, world_size, kind, sp, overlap, managed=False):
+    """``(ref, dx_ref, layer, dx, store)``: the combined backward of one layer, and the backward inside
+    ``defer_weight_grads()`` of an identical one (its parameters marked as a data-parallel wrapper's with
+    ``managed``)."""
+    from tessel.parallel.ddp import OWNER_ATTR
+
     width = 6 if kind == "column" else 8 // world_size
     x = torch.randn(2, 4 // world_size if sp else 4, width, generator=torch.Generator().manual_seed(rank))
     ref = _layer(kind, sp, overlap)
     dx_ref, _ = _backward(ref, x, defer=False)
     layer = _layer(kind, sp, overlap)
+    for p in layer.parameters() if managed else ():
+        setattr(p, OWNER_ATTR, object())  # as DDP and FSDP mark the parameters they manage
     dx, store = _backward(layer, x, defer=True)
+    return ref, dx_ref, layer, dx, store
+
+
+def _check(rank, world_size, kind, sp, overlap):
+    ref, dx_ref, layer, dx, store = _deferred_against_combined(rank, world_size, kind, sp, overlap)
     assert layer.weight.grad is None, "the weight gradient must wait for W"
     assert len(store) == 1
     torch.testing.assert_close(dx, dx_ref)
@@ -59,16 +71,7 @@ def test_deferred_weight_grads_equal_the_combined_backward(kind, sp, overlap):
 def _check_owned(rank, world_size, kind, sp, overlap):
     """Weights a data-parallel wrapper manages are never deferred: their gradients must reach its hooks in the
     backward that produced them."""
-    from tessel.parallel.ddp import OWNER_ATTR
-
-    width = 6 if kind == "column" else 8 // world_size
-    x = torch.randn(2, 4 // world_size if sp else 4, width, generator=torch.Generator().manual_seed(rank))
-    ref = _layer(kind, sp, overlap)
-    dx_ref, _ = _backward(ref, x, defer=False)
-    layer = _layer(kind, sp, overlap)
-    for p in layer.parameters():
-        setattr(p, OWNER_ATTR, object())  # as DDP and FSDP mark the parameters they manage
-    dx, store = _backward(layer, x, defer=True)
+    ref, dx_ref, layer, dx, store = _deferred_against_combined(rank, world_size, kind, sp, overlap, managed=True)
     assert len(store) == 0, "a managed weight's gradient was deferred"
     torch.testing.assert_close(dx, dx_ref)
     assert layer.weight.grad is not None, "the managed weight lost its gradient"
