@@ -60,14 +60,6 @@ def _check(rank, world_size, kind, sp, overlap):
     torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
-@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
-@pytest.mark.parametrize("kind", ["column", "row"])
-def test_deferred_weight_grads_equal_the_combined_backward(kind, sp, overlap):
-    run_ranks(_check, 2, kind, sp, overlap)
-
-
 def _check_owned(rank, world_size, kind, sp, overlap):
     """Weights a data-parallel wrapper manages are never deferred: their gradients must reach its hooks in the
     backward that produced them."""
@@ -79,8 +71,10 @@ def _check_owned(rank, world_size, kind, sp, overlap):
 
 
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("managed", [False, True], ids=["deferred", "managed"])
 @pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
 @pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
 @pytest.mark.parametrize("kind", ["column", "row"])
-def test_managed_weights_get_their_gradients_in_the_backward(kind, sp, overlap):
-    run_ranks(_check_owned, 2, kind, sp, overlap)
+def test_weight_grads_under_deferral_equal_the_combined_backward(kind, sp, overlap, managed):
+    """Deferred: B leaves the weight gradient to W. Managed by a data-parallel wrapper: never deferred."""
+    run_ranks(_check_owned if managed else _check, 2, kind, sp, overlap)
