@@ -117,8 +117,9 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx, *grads):
         saved_x, *weights = ctx.saved_tensors
         grads = [g.contiguous() for g in grads]
+        need_dw = ctx.needs_input_grad[5 : 5 + len(weights)]
         dx, dws = all_gather_matmul_backward(
-            ctx.group, ctx.overlap, saved_x, ctx.regather, weights, grads, defer=ctx.weight_params
+            ctx.group, ctx.overlap, saved_x, ctx.regather, weights, grads, defer=ctx.weight_params, need_dw=need_dw
         )
         dbs = [bias_grad(g, w) if hb else None for g, w, hb in zip(grads, weights, ctx.has_bias)]
         return (None, None, None, None, dx, *dws, *dbs)
@@ -170,7 +171,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         dx, dw, g_full = matmul_reduce_scatter_backward(
-            ctx.group, ctx.overlap, x, weight, grad_y.contiguous(), defer=[ctx.weight_param]
+            ctx.group, ctx.overlap, x, weight, grad_y.contiguous(), [ctx.weight_param], ctx.needs_input_grad[3]
         )
         db = bias_grad(g_full, weight) if ctx.has_bias else None  # the bias is whole: Σ over every token
         return None, None, dx, dw, db
@@ -209,8 +210,9 @@ class _MatmulAllReduce(torch.autograd.Function):
     def backward(ctx, grad_y):
         x, weight = ctx.saved_tensors
         grad_y = grad_y.contiguous()
-        deferred = defer_weight_grads([ctx.weight_param], lambda: [matmul(grad_y.t(), x)])
-        dx, dw = matmul(grad_y, weight), None if deferred else matmul(grad_y.t(), x)
+        need_dw = ctx.needs_input_grad[3]
+        deferred = need_dw and defer_weight_grads([ctx.weight_param], lambda: [matmul(grad_y.t(), x)])
+        dx, dw = matmul(grad_y, weight), matmul(grad_y.t(), x) if need_dw and not deferred else None
         return None, None, dx, dw, bias_grad(grad_y, weight) if ctx.has_bias else None
 
 
@@ -242,7 +244,8 @@ class _MatmulGradAllReduce(torch.autograd.Function):
     def backward(ctx, *grads):
         x, *weights = ctx.saved_tensors
         grads = [g.contiguous() for g in grads]
-        dx, dws = matmul_grad_all_reduce_backward(ctx.group, ctx.overlap, x, weights, grads, defer=ctx.weight_params)
+        need_dw = ctx.needs_input_grad[4 : 4 + len(weights)]
+        dx, dws = matmul_grad_all_reduce_backward(ctx.group, ctx.overlap, x, weights, grads, ctx.weight_params, need_dw)
         dbs = [bias_grad(g, w) if hb else None for g, w, hb in zip(grads, weights, ctx.has_bias)]
         return (None, None, None, dx, *dws, *dbs)
 

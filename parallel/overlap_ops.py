@@ -62,6 +62,20 @@ def _dense_grads(grads, rows: int, weights) -> list[Tensor]:
     ]  # fmt: skip
 
 
+def _or_empty(dws, weights) -> list[Tensor]:
+    """Weight gradients as an operator returns them: an empty tensor for one not computed (None)."""
+    return [w.new_empty(0) if dw is None else dw for dw, w in zip(dws, weights)]
+
+
+def _weight_grads_like(weights, need_dw) -> list[Tensor]:
+    return [w.new_empty(w.shape) if need else w.new_empty(0) for w, need in zip(weights, need_dw)]
+
+
+def _or_none(dws, need_dw) -> list[Tensor | None]:
+    """The weight gradients for autograd: None for each weight that needs none."""
+    return [dw if need else None for dw, need in zip(dws, need_dw)]
+
+
 def _bias_grads(grads, weights, index) -> tuple[list[Tensor], list | None]:
     """The gradients of the biases present, and the "gradient" of ``index``: an operator's backward returns the
     structure of its inputs, where a list that holds a non-tensor is one leaf (None) and an empty list a list."""
@@ -93,19 +107,21 @@ def _(x_shard, weights, biases, bias_index, group_name, group_size, keep_input):
 
 @torch.library.custom_op("tessel::all_gather_matmul_backward", mutates_args=())
 def all_gather_matmul_backward_op(
-    grads: list[Tensor], saved_x: Tensor, weights: list[Tensor], group_name: str, group_size: int, regather: bool
-) -> list[Tensor]:
-    """``[dx_shard, dW_0, ...]`` by the reduce-scatter ring, the weight gradients inside its steps."""
+    grads: list[Tensor], saved_x: Tensor, weights: list[Tensor], group_name: str, group_size: int, regather: bool,
+    need_dw: list[bool],
+) -> list[Tensor]:  # fmt: skip
+    """``[dx_shard, dW_0, ...]`` by the reduce-scatter ring, the weight gradients inside its steps (empty for a
+    weight whose gradient is not needed)."""
     with torch.no_grad():
         group = _resolve_process_group(group_name)
-        dx, dws = all_gather_matmul_backward(group, True, saved_x, regather, weights, grads)
-    return [dx, *dws]
+        dx, dws = all_gather_matmul_backward(group, True, saved_x, regather, weights, grads, need_dw=need_dw)
+    return [dx, *_or_empty(dws, weights)]
 
 
 @all_gather_matmul_backward_op.register_fake
-def _(grads, saved_x, weights, group_name, group_size, regather):
+def _(grads, saved_x, weights, group_name, group_size, regather, need_dw):
     m = saved_x.shape[0] if regather else saved_x.shape[0] // group_size
-    return [saved_x.new_empty((m, saved_x.shape[1])), *(w.new_empty(w.shape) for w in weights)]
+    return [saved_x.new_empty((m, saved_x.shape[1])), *_weight_grads_like(weights, need_dw)]
 
 
 def _all_gather_matmul_setup(ctx, inputs, output):
@@ -119,8 +135,11 @@ def _all_gather_matmul_grad(ctx, grads):
     saved_x, *weights = ctx.saved_tensors
     rows = saved_x.shape[0] * (ctx.group_size if ctx.regather else 1)
     grads = _dense_grads(grads[: len(weights)], rows, weights)
-    dx, *dws = all_gather_matmul_backward_op(grads, saved_x, weights, ctx.group_name, ctx.group_size, ctx.regather)
-    return dx, dws, *_bias_grads(grads, weights, ctx.bias_index), None, None, None
+    need_dw = ctx.needs_input_grad[1]
+    dx, *dws = all_gather_matmul_backward_op(
+        grads, saved_x, weights, ctx.group_name, ctx.group_size, ctx.regather, need_dw
+    )
+    return dx, _or_none(dws, need_dw), *_bias_grads(grads, weights, ctx.bias_index), None, None, None
 
 
 all_gather_matmul_op.register_autograd(_all_gather_matmul_grad, setup_context=_all_gather_matmul_setup)
@@ -153,17 +172,20 @@ def _(x, weight, bias, group_name, group_size):
 
 @torch.library.custom_op("tessel::matmul_reduce_scatter_backward", mutates_args=())
 def matmul_reduce_scatter_backward_op(
-    grad_y: Tensor, x: Tensor, weight: Tensor, group_name: str, has_bias: bool
+    grad_y: Tensor, x: Tensor, weight: Tensor, group_name: str, has_bias: bool, need_dw: bool
 ) -> list[Tensor]:
-    """``[dx, dW]`` (and ``db``, Σ of the gathered gradient, with ``has_bias``) by the all-gather ring."""
+    """``[dx, dW]`` (dW empty unless ``need_dw``; and ``db``, Σ of the gathered gradient, with ``has_bias``) by the
+    all-gather ring."""
     with torch.no_grad():
-        dx, dw, g_full = matmul_reduce_scatter_backward(_resolve_process_group(group_name), True, x, weight, grad_y)
-        return [dx, dw, bias_grad(g_full, weight)] if has_bias else [dx, dw]
+        group = _resolve_process_group(group_name)
+        dx, dw, g_full = matmul_reduce_scatter_backward(group, True, x, weight, grad_y, need_dw=need_dw)
+        grads = [dx, *_or_empty([dw], [weight])]
+        return [*grads, bias_grad(g_full, weight)] if has_bias else grads
 
 
 @matmul_reduce_scatter_backward_op.register_fake
-def _(grad_y, x, weight, group_name, has_bias):
-    grads = [torch.empty_like(x), weight.new_empty(weight.shape)]
+def _(grad_y, x, weight, group_name, has_bias, need_dw):
+    grads = [torch.empty_like(x), *_weight_grads_like([weight], [need_dw])]
     return [*grads, weight.new_empty(weight.shape[0])] if has_bias else grads
 
 
@@ -175,8 +197,11 @@ def _matmul_reduce_scatter_setup(ctx, inputs, output):
 
 def _matmul_reduce_scatter_grad(ctx, grad_y):
     x, weight = ctx.saved_tensors
-    dx, dw, *db = matmul_reduce_scatter_backward_op(grad_y.contiguous(), x, weight, ctx.group_name, ctx.has_bias)
-    return dx, dw, db[0] if ctx.has_bias else None, None, None
+    need_dw = ctx.needs_input_grad[1]
+    dx, dw, *db = matmul_reduce_scatter_backward_op(
+        grad_y.contiguous(), x, weight, ctx.group_name, ctx.has_bias, need_dw
+    )
+    return dx, dw if need_dw else None, db[0] if ctx.has_bias else None, None, None
 
 
 matmul_reduce_scatter_op.register_autograd(_matmul_reduce_scatter_grad, setup_context=_matmul_reduce_scatter_setup)
@@ -211,7 +236,8 @@ def _matmul_all_reduce_setup(ctx, inputs, output):
 def _matmul_all_reduce_grad(ctx, grad_y):
     """No communication (dY is the same on every rank): matmul's graph operators."""
     x, weight = ctx.saved_tensors
-    dx, dw = matmul_op(grad_y, weight, None, None, False)[0], matmul_op(grad_y.t(), x, None, None, False)[0]
+    dx = matmul_op(grad_y, weight, None, None, False)[0] if ctx.needs_input_grad[0] else None
+    dw = matmul_op(grad_y.t(), x, None, None, False)[0] if ctx.needs_input_grad[1] else None
     return dx, dw, bias_grad(grad_y, weight) if ctx.has_bias else None, None
 
 
@@ -244,17 +270,19 @@ def _(x, weights, biases, bias_index, group_name):
 
 @torch.library.custom_op("tessel::matmul_grad_all_reduce_backward", mutates_args=())
 def matmul_grad_all_reduce_backward_op(
-    grads: list[Tensor], x: Tensor, weights: list[Tensor], group_name: str
+    grads: list[Tensor], x: Tensor, weights: list[Tensor], group_name: str, need_dw: list[bool]
 ) -> list[Tensor]:
-    """``[dx, dW_0, ...]``: dX all-reduced in chunks, the weight gradients computed while they travel."""
+    """``[dx, dW_0, ...]``: dX all-reduced in chunks, the weight gradients (empty where not needed) computed while
+    they travel."""
     with torch.no_grad():
-        dx, dws = matmul_grad_all_reduce_backward(_resolve_process_group(group_name), True, x, weights, grads)
-    return [dx, *dws]
+        group = _resolve_process_group(group_name)
+        dx, dws = matmul_grad_all_reduce_backward(group, True, x, weights, grads, need_dw=need_dw)
+    return [dx, *_or_empty(dws, weights)]
 
 
 @matmul_grad_all_reduce_backward_op.register_fake
-def _(grads, x, weights, group_name):
-    return [x.new_empty(x.shape), *(w.new_empty(w.shape) for w in weights)]
+def _(grads, x, weights, group_name, need_dw):
+    return [x.new_empty(x.shape), *_weight_grads_like(weights, need_dw)]
 
 
 def _matmul_grad_all_reduce_setup(ctx, inputs, output):
@@ -266,8 +294,9 @@ def _matmul_grad_all_reduce_setup(ctx, inputs, output):
 def _matmul_grad_all_reduce_grad(ctx, grads):
     x, *weights = ctx.saved_tensors
     grads = _dense_grads(grads, x.shape[0], weights)
-    dx, *dws = matmul_grad_all_reduce_backward_op(grads, x, weights, ctx.group_name)
-    return dx, dws, *_bias_grads(grads, weights, ctx.bias_index), None
+    need_dw = ctx.needs_input_grad[1]
+    dx, *dws = matmul_grad_all_reduce_backward_op(grads, x, weights, ctx.group_name, need_dw)
+    return dx, _or_none(dws, need_dw), *_bias_grads(grads, weights, ctx.bias_index), None
 
 
 matmul_grad_all_reduce_op.register_autograd(_matmul_grad_all_reduce_grad, setup_context=_matmul_grad_all_reduce_setup)

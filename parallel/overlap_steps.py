@@ -101,12 +101,16 @@ def all_gather_matmul_forward(group, overlap: bool, x_shard, weights, biases):
     return outs, x_full
 
 
-def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, weights, grads, defer=None):
+def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, weights, grads, defer=None, need_dw=None):
     """``(dx_shard, dws)`` from the output gradients ``grads`` (contiguous). ``saved_x`` is the gathered input,
     or with ``regather`` this rank's shard, gathered again here (in flight during the first dgrad GEMM). ``dws``
-    holds None for each weight whose gradient was deferred."""
+    holds None for each weight whose gradient was deferred or is not needed (``need_dw``, one bool per weight;
+    None: all): a frozen weight costs no GEMM, and with none needed X is not gathered again."""
+    need = [True] * len(weights) if need_dw is None else list(need_dw)
+    wanted = [i for i, n in enumerate(need) if n]
     m = saved_x.shape[0] if regather else saved_x.shape[0] // group_size(group)
-    if regather:
+    rows_x = saved_x.shape[0] * (group_size(group) if regather else 1), saved_x.shape[1]
+    if regather and wanted:
         x_full, work = all_gather(saved_x, group, async_op=True)
         record_event("send", "all_gather_matmul.backward.regather", -1)
         pending = [work]
@@ -118,17 +122,20 @@ def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, we
             return x_full
     else:
         x_full, gathered = saved_x, lambda: saved_x
-    if defer_weight_grads(defer, lambda: [matmul(g.t(), gathered()) for g in grads]):
-        dx_full = torch.empty_like(x_full)
+    dws = [None] * len(weights)
+    params = None if defer is None else [defer[i] for i in wanted]
+    if not wanted or defer_weight_grads(params, lambda: [matmul(grads[i].t(), gathered()) for i in wanted]):
+        dx_full = saved_x.new_empty(rows_x)
         _sum_dgrad(grads, weights, slice(None), dx_full, False)
-        dx, _ = reduce_scatter(dx_full, group)
-        return dx, [None] * len(weights)
+        return reduce_scatter(dx_full, group)[0], dws
     if not overlap:
         dx_full = torch.empty_like(x_full)
         _sum_dgrad(grads, weights, slice(None), dx_full, False)
         dx, _ = reduce_scatter(dx_full, group)
-        return dx, [matmul(g.t(), gathered()) for g in grads]
-    dws = [_grad_buffer(w) for w in weights]
+        for i in wanted:
+            dws[i] = matmul(grads[i].t(), gathered())
+        return dx, dws
+    buffers = {i: _grad_buffer(weights[i]) for i in wanted}
 
     def gemm(c, lo, hi, out, accumulate, last):
         _sum_dgrad(grads, weights, slice(c * m + lo, c * m + hi), out, accumulate)
@@ -136,11 +143,13 @@ def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, we
     def wgrad(c, lo, hi):  # dW_i += dY_i[rows]ᵀ · X[rows] while those rows' accumulator travels
         record_event("wgrad", "all_gather_matmul.backward", c)
         rows = slice(c * m + lo, c * m + hi)
-        for g, dw in zip(grads, dws):
-            matmul_unchecked(g[rows].t(), gathered()[rows], out=dw, accumulate=True)
+        for i, dw in buffers.items():
+            matmul_unchecked(grads[i][rows].t(), gathered()[rows], out=dw, accumulate=True)
 
-    dx = ring_reduce_scatter(m, x_full.shape[1], x_full, group, "all_gather_matmul.backward", gemm, wgrad)
-    return dx, [dw.to(w.dtype) for dw, w in zip(dws, weights)]
+    dx = ring_reduce_scatter(m, rows_x[1], x_full, group, "all_gather_matmul.backward", gemm, wgrad)
+    for i, dw in buffers.items():
+        dws[i] = dw.to(weights[i].dtype)
+    return dx, dws
 
 
 # ---------------------------------------------------------------------------------------------------- GEMM + RS
@@ -160,29 +169,29 @@ def matmul_reduce_scatter_forward(group, overlap: bool, x, weight, bias):
     return ring_reduce_scatter(m, n, x, group, "matmul_reduce_scatter", gemm)
 
 
-def matmul_reduce_scatter_backward(group, overlap: bool, x, weight, grad_y, defer=None):
+def matmul_reduce_scatter_backward(group, overlap: bool, x, weight, grad_y, defer=None, need_dw=True):
     """``(dx, dw, g_full)``: ``g_full = AG(grad_y)`` (whose column sums are the bias gradient); ``dw`` is None
-    when deferred."""
+    when deferred or not needed (``need_dw`` False: a frozen weight costs no GEMM)."""
     m = grad_y.shape[0]
-    if defer is not None and is_deferring():
+    if not overlap or (need_dw and defer is not None and is_deferring()):
         g_full, _ = all_gather(grad_y, group)
-        if defer_weight_grads(defer, lambda: [matmul(g_full.t(), x)]):
-            return matmul(g_full, weight), None, g_full
-        return matmul(g_full, weight), matmul(g_full.t(), x), g_full
-    if not overlap:
-        g_full, _ = all_gather(grad_y, group)
-        return matmul(g_full, weight), matmul(g_full.t(), x), g_full
+        dx = matmul(g_full, weight)
+        compute = lambda: [matmul(g_full.t(), x)]
+        if not need_dw or defer_weight_grads(defer, compute):
+            return dx, None, g_full
+        return dx, compute()[0], g_full
     dx = torch.empty_like(x)
-    dw = _grad_buffer(weight)
+    dw = _grad_buffer(weight) if need_dw else None
 
     def gemm(c, rows_g):
         rows = slice(c * m, (c + 1) * m)
         matmul_unchecked(rows_g, weight, out=dx[rows])
-        record_event("wgrad", "matmul_reduce_scatter.backward", c)
-        matmul_unchecked(rows_g.t(), x[rows], out=dw, accumulate=True)
+        if dw is not None:
+            record_event("wgrad", "matmul_reduce_scatter.backward", c)
+            matmul_unchecked(rows_g.t(), x[rows], out=dw, accumulate=True)
 
     g_full = ring_all_gather(grad_y, group, "matmul_reduce_scatter.backward", gemm)
-    return dx, dw.to(weight.dtype), g_full
+    return dx, None if dw is None else dw.to(weight.dtype), g_full
 
 
 # ---------------------------------------------------------------------------------------------------- GEMM + AR
@@ -199,20 +208,27 @@ def matmul_all_reduce_forward(group, overlap: bool, x, weight, bias):
     )  # fmt: skip
 
 
-def matmul_grad_all_reduce_backward(group, overlap: bool, x, weights, grads, defer=None):
+def matmul_grad_all_reduce_backward(group, overlap: bool, x, weights, grads, defer=None, need_dw=None):
     """``(dx, dws)``: ``dx = AR(Σ_i dY_i·W_i)`` chunked, the weight gradients computed while the chunks travel;
-    ``dws`` holds None for each deferred weight."""
-    dws = []
-    if defer_weight_grads(defer, lambda: [matmul(g.t(), x) for g in grads]):
-        dws = [None] * len(weights)
+    ``dws`` holds None for each weight deferred or not needed (``need_dw`` as for all_gather_matmul_backward)."""
+    need = [True] * len(weights) if need_dw is None else list(need_dw)
+    wanted = [i for i, n in enumerate(need) if n]
+    dws = [None] * len(weights)
+    params = None if defer is None else [defer[i] for i in wanted]
+    if not wanted or defer_weight_grads(params, lambda: [matmul(grads[i].t(), x) for i in wanted]):
         compute_wgrad = lambda: None
     else:
-        compute_wgrad = lambda: dws.extend(matmul(g.t(), x) for g in grads)
+
+        def compute_wgrad():
+            record_event("wgrad", "matmul_grad_all_reduce.backward", 0)
+            for i in wanted:
+                dws[i] = matmul(grads[i].t(), x)
+
     if overlap:
         dx = chunked_all_reduce(
             x.shape[0], x.shape[1], x, group, "matmul_grad_all_reduce.backward", ALL_REDUCE_CHUNKS,
             lambda lo, hi, out: _sum_dgrad(grads, weights, slice(lo, hi), out, False),
-            after_issue=lambda: (record_event("wgrad", "matmul_grad_all_reduce.backward", 0), compute_wgrad()),
+            after_issue=compute_wgrad,
         )  # fmt: skip
     else:
         dx = torch.empty_like(x)

@@ -255,6 +255,7 @@ def _operators_pass_torchs_checks(rank, world_size):
                 name,
                 t,
                 False,
+                [True, True],
             ),
         ),
         "all_gather_matmul_backward regather": (
@@ -266,11 +267,12 @@ def _operators_pass_torchs_checks(rank, world_size):
                 name,
                 t,
                 True,
+                [False, True],  # the first weight frozen: no gradient computed for it
             ),
         ),
         "matmul_reduce_scatter_backward": (
             ops.matmul_reduce_scatter_backward_op,
-            (rand(3, 6, grad=False), rand(3 * t, 7, grad=False), w_row.detach(), name, True),
+            (rand(3, 6, grad=False), rand(3 * t, 7, grad=False), w_row.detach(), name, True, True),
         ),
         "matmul_grad_all_reduce_backward": (
             ops.matmul_grad_all_reduce_backward_op,
@@ -279,7 +281,12 @@ def _operators_pass_torchs_checks(rank, world_size):
                 rand(5, 7, grad=False),
                 [w0.detach(), w1.detach()],
                 name,
+                [True, False],
             ),
+        ),
+        "matmul_reduce_scatter_backward frozen": (
+            ops.matmul_reduce_scatter_backward_op,
+            (rand(3, 6, grad=False), rand(3 * t, 7, grad=False), w_row.detach(), name, False, False),
         ),
     }
     for what, (op, args) in cases.items():
