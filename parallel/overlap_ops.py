@@ -36,6 +36,11 @@ from .overlap_steps import (
 
 __all__ = ["all_gather_matmul", "matmul_all_reduce", "matmul_grad_all_reduce", "matmul_reduce_scatter"]
 
+# The nodes that communicate run ring steps driven from the host (point-to-point batches, waits, side streams on
+# CUDA). Their capture in a CUDA graph is unproven, so inductor's CUDA graphs ("reduce-overhead") leave them out:
+# they run eagerly between the captured parts. Older torch has no such tag.
+_COMMUNICATES = (torch.Tag.cudagraph_unsafe,) if hasattr(torch.Tag, "cudagraph_unsafe") else ()
+
 
 def _name(group: dist.ProcessGroup | None) -> str:
     return (dist.group.WORLD if group is None else group).group_name
@@ -85,7 +90,7 @@ def _bias_grads(grads, weights, index) -> tuple[list[Tensor], list | None]:
 # ---------------------------------------------------------------------------------------------------- AG + GEMM
 
 
-@torch.library.custom_op("tessel::all_gather_matmul", mutates_args=())
+@torch.library.custom_op("tessel::all_gather_matmul", mutates_args=(), tags=_COMMUNICATES)
 def all_gather_matmul_op(
     x_shard: Tensor, weights: list[Tensor], biases: list[Tensor], bias_index: list[int], group_name: str,
     group_size: int, keep_input: bool,
@@ -105,7 +110,7 @@ def _(x_shard, weights, biases, bias_index, group_name, group_size, keep_input):
     return [*outs, x_shard.new_empty((rows, x_shard.shape[1]))] if keep_input else outs
 
 
-@torch.library.custom_op("tessel::all_gather_matmul_backward", mutates_args=())
+@torch.library.custom_op("tessel::all_gather_matmul_backward", mutates_args=(), tags=_COMMUNICATES)
 def all_gather_matmul_backward_op(
     grads: list[Tensor], saved_x: Tensor, weights: list[Tensor], group_name: str, group_size: int, regather: bool,
     need_dw: list[bool],
@@ -156,7 +161,7 @@ def all_gather_matmul(x_shard, weights, biases, group, regather: bool) -> list[T
 # ---------------------------------------------------------------------------------------------------- GEMM + RS
 
 
-@torch.library.custom_op("tessel::matmul_reduce_scatter", mutates_args=())
+@torch.library.custom_op("tessel::matmul_reduce_scatter", mutates_args=(), tags=_COMMUNICATES)
 def matmul_reduce_scatter_op(
     x: Tensor, weight: Tensor, bias: Tensor | None, group_name: str, group_size: int
 ) -> Tensor:
@@ -170,7 +175,7 @@ def _(x, weight, bias, group_name, group_size):
     return x.new_empty((x.shape[0] // group_size, weight.shape[0]))
 
 
-@torch.library.custom_op("tessel::matmul_reduce_scatter_backward", mutates_args=())
+@torch.library.custom_op("tessel::matmul_reduce_scatter_backward", mutates_args=(), tags=_COMMUNICATES)
 def matmul_reduce_scatter_backward_op(
     grad_y: Tensor, x: Tensor, weight: Tensor, group_name: str, has_bias: bool, need_dw: bool
 ) -> list[Tensor]:
@@ -215,7 +220,7 @@ def matmul_reduce_scatter(x, weight, bias, group) -> Tensor:
 # ---------------------------------------------------------------------------------------------------- GEMM + AR
 
 
-@torch.library.custom_op("tessel::matmul_all_reduce", mutates_args=())
+@torch.library.custom_op("tessel::matmul_all_reduce", mutates_args=(), tags=_COMMUNICATES)
 def matmul_all_reduce_op(x: Tensor, weight: Tensor, bias: Tensor | None, group_name: str) -> Tensor:
     """``AR(x·Wᵀ) + bias``, chunked along tokens, each chunk all-reduced during the next chunk's GEMM."""
     with torch.no_grad():
@@ -268,7 +273,7 @@ def _(x, weights, biases, bias_index, group_name):
     return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
 
 
-@torch.library.custom_op("tessel::matmul_grad_all_reduce_backward", mutates_args=())
+@torch.library.custom_op("tessel::matmul_grad_all_reduce_backward", mutates_args=(), tags=_COMMUNICATES)
 def matmul_grad_all_reduce_backward_op(
     grads: list[Tensor], x: Tensor, weights: list[Tensor], group_name: str, need_dw: list[bool]
 ) -> list[Tensor]:

@@ -290,6 +290,8 @@ def _operators_pass_torchs_checks(rank, world_size):
         ),
     }
     for what, (op, args) in cases.items():
+        if op is not ops.matmul_grad_all_reduce_op:  # the nodes that communicate stay out of CUDA graphs
+            assert torch.Tag.cudagraph_unsafe in op._opoverload.tags, what
         try:
             torch.library.opcheck(op, args)
         except Exception as error:
