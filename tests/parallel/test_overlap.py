@@ -212,3 +212,41 @@ def test_bad_operands_are_named(call, error, match):
     x, w = torch.randn(6, 5), torch.randn(7, 5)
     with pytest.raises(error, match=match):
         call(overlap, x, w)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_the_ops_never_synchronise_the_host_on_cuda():
+    """The overlapped paths order their work with streams and events only: forward and backward of every op (a
+    world of one, whose ring steps run as on several ranks, each exchange a copy) under
+    ``torch.cuda.set_sync_debug_mode("error")``, which raises at any call that waits for the device. The first
+    call autotunes the GEMMs (timing them does synchronise) and runs outside the check."""
+    from tessel.parallel import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+
+    def rand(*shape):
+        return torch.randn(*shape, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
+
+    x, w, w2, b = rand(256, 128), rand(192, 128), rand(64, 128), rand(192)
+    calls = {
+        "all_gather_matmul": lambda: all_gather_matmul(x, [w, w2], biases=[b, None], overlap=True, regather=True),
+        "matmul_reduce_scatter": lambda: [matmul_reduce_scatter(x, w, bias=b, overlap=True)],
+        "matmul_all_reduce": lambda: [matmul_all_reduce(x, w, bias=b, overlap=True)],
+        "matmul_grad_all_reduce": lambda: matmul_grad_all_reduce(x, [w, w2], biases=[b, None], overlap=True),
+    }
+
+    def step(call):
+        outs = call()
+        torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
+
+    for op, call in calls.items():
+        step(call)  # autotunes
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            step(call)
+        except RuntimeError as error:
+            raise AssertionError(f"{op} synchronised the host: {error}") from error
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
