@@ -1,6 +1,6 @@
 """tessel's kernels as ``torch.library`` custom operators: what :func:`~.attention.flash_attention`,
-:func:`~.norm.rms_norm`, :func:`~.norm.layer_norm` and :func:`~.matmul.matmul` call while
-``torch.compile`` traces them.
+:func:`~.norm.rms_norm`, :func:`~.norm.layer_norm`, :func:`~.matmul.matmul` and
+:func:`~.grouped_matmul.grouped_matmul` call while ``torch.compile`` traces them.
 
 Dynamo does not trace into tessel's launchers (:func:`~._dispatch.opaque_to_compile`), so without these a
 compiled model would break its graph at every attention and norm. As custom operators with fake
@@ -23,6 +23,8 @@ import torch
 from torch import Tensor
 
 from .attention import _backward, _empty_in_layout_of, _forward, check_grid
+from .grouped_matmul import _launch as _grouped_launch
+from .grouped_matmul import _launch_wgrad as _grouped_launch_wgrad
 from .matmul import _activation_grad, check_out_apart
 from .matmul import _launch as _matmul_launch
 from .norm import _backward as _norm_backward
@@ -32,6 +34,8 @@ from .norm import _rows_input
 __all__ = [
     "flash_attention_backward_op",
     "flash_attention_op",
+    "grouped_matmul_backward_op",
+    "grouped_matmul_op",
     "matmul_backward_op",
     "matmul_op",
     "norm_backward_op",
@@ -235,3 +239,53 @@ def matmul_into_op(
 @matmul_into_op.register_fake
 def _(a, b, bias, activation, out, accumulate):
     return None
+
+
+# ---------------------------------------------------------------------------------------------------- grouped matmul
+
+
+@torch.library.custom_op("tessel::grouped_matmul", mutates_args=())
+def grouped_matmul_op(a: Tensor, b: Tensor, offsets: Tensor) -> Tensor:
+    """``out [R, N]``: each expert's rows of ``a`` times that expert's matrix in ``b`` (see
+    :func:`~.grouped_matmul.grouped_matmul`)."""
+    out = a.new_empty((a.shape[0], b.shape[2]))
+    _grouped_launch(a, b, offsets, out)
+    return out
+
+
+@grouped_matmul_op.register_fake
+def _(a, b, offsets):
+    return a.new_empty((a.shape[0], b.shape[2]))
+
+
+@torch.library.custom_op("tessel::grouped_matmul_backward", mutates_args=())
+def grouped_matmul_backward_op(
+    grad: Tensor, a: Tensor, b: Tensor, offsets: Tensor, need_a: bool, need_b: bool
+) -> tuple[Tensor, Tensor]:
+    """``(grad_a, grad_b)``; each empty unless needed (a frozen expert costs no GEMM)."""
+    grad_a = a.new_empty(a.shape) if need_a else a.new_empty(0)
+    grad_b = b.new_empty(b.shape) if need_b else b.new_empty(0)
+    if need_a:
+        _grouped_launch(grad, b.transpose(1, 2), offsets, grad_a)
+    if need_b:
+        _grouped_launch_wgrad(a, grad, offsets, grad_b)
+    return grad_a, grad_b
+
+
+@grouped_matmul_backward_op.register_fake
+def _(grad, a, b, offsets, need_a, need_b):
+    return a.new_empty(a.shape) if need_a else a.new_empty(0), b.new_empty(b.shape) if need_b else b.new_empty(0)
+
+
+def _grouped_setup_context(ctx, inputs, output):
+    ctx.save_for_backward(*inputs)
+
+
+def _grouped_backward_of_forward(ctx, grad):
+    a, b, offsets = ctx.saved_tensors
+    need_a, need_b = ctx.needs_input_grad[:2]
+    grad_a, grad_b = grouped_matmul_backward_op(grad.contiguous(), a, b, offsets, need_a, need_b)
+    return grad_a if need_a else None, grad_b if need_b else None, None
+
+
+grouped_matmul_op.register_autograd(_grouped_backward_of_forward, setup_context=_grouped_setup_context)

@@ -11,8 +11,9 @@ on two context-parallel ranks, and a Hugging Face Llama with tessel's attention,
 What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers (``matmul(out=...)`` where
 a gradient is needed, the eager rings' steps) and the eager transports, which the layers call under compile only
 from inside the overlapped ops' nodes; a compiled model still breaks its graph where data decide shapes (a
-mixture of experts' dispatch counts). Packed documents compile whole (their segment tables are computed in the
-graph), and so does context parallelism, whose ring attention takes its all-gather form there.
+mixture of experts' dispatch over expert-parallel ranks, whose token counts are read on the host; without expert
+parallelism a mixture of experts compiles whole). Packed documents compile whole (their segment tables are computed
+in the graph), and so does context parallelism, whose ring attention takes its all-gather form there.
 
 Each test runs a model or an op eagerly and compiled from the same weights and inputs and checks that outputs
 and every gradient agree.
@@ -37,7 +38,7 @@ from torch._dynamo.testing import CompileCounterWithBackend
 import tessel.kernels
 from tessel.kernels import flash_attention, grouped_matmul, layer_norm, matmul, rms_norm
 from tessel.kernels.attention_inputs import _self_segment_bounds
-from tessel.kernels.library import flash_attention_op, matmul_into_op, matmul_op, norm_op
+from tessel.kernels.library import flash_attention_op, grouped_matmul_op, matmul_into_op, matmul_op, norm_op
 from tessel.layers.gpt import GPT, GPTConfig
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
@@ -276,6 +277,11 @@ def test_custom_operators_pass_torchs_checks(seed):
     a, m = _leaves((13, 24), (24, 10))
     torch.library.opcheck(matmul_op, (a, m, b[:10], "silu", True))
     torch.library.opcheck(matmul_op, (a, m.t().contiguous().t(), None, None, False))
+    rows, experts = _leaves((11, 24), (3, 24, 10))  # grouped: rows 0-3, none, 3-11 for the three experts
+    offsets = torch.tensor([0, 3, 3, 11])
+    torch.library.opcheck(grouped_matmul_op, (rows, experts, offsets))
+    torch.library.opcheck(grouped_matmul_op, (rows, experts.detach().transpose(1, 2).contiguous().transpose(1, 2),
+                                              offsets))  # fmt: skip
     buf = torch.randn(20, 10)  # matmul_into writes into (or adds onto) a row block of it
     torch.library.opcheck(matmul_into_op, (a.detach(), m.detach(), b[:10].detach(), "gelu", buf[3:16], False))
     torch.library.opcheck(matmul_into_op, (a.detach(), m.detach(), None, None, buf[5:18], True))
@@ -440,6 +446,34 @@ def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parall
         assert rings <= ops, f"rank {rank}: rings run {sorted(ops)}, expected {sorted(rings)}"
         half = len(events) // 2
         assert events[:half] == events[half:], f"rank {rank}: the compiled step's ring steps differ from the eager's"
+
+
+_EXPERTS = dict(n_expert=4, top_k=2, mlp_hidden=32, aux_loss_coef=0.05, z_loss_coef=0.01)
+
+
+def test_gpt_with_experts_training_step_compiles_whole_on_one_rank(seed):
+    """A mixture of experts without expert parallelism: routing, the grouped GEMMs (``tessel::grouped_matmul``
+    and its backward) and the routes' combination in one graph, the auxiliary losses' gradients included."""
+    cfg = _config(n_layer=2, **_EXPERTS)
+    _step_compiles_whole(GPT(cfg), *_batch(cfg))
+
+
+def _compiled_tp_experts(rank, world_size, sequence_parallel):
+    cfg = _config(n_layer=2, **_EXPERTS)
+    torch.manual_seed(0)
+    model = GPT(cfg, sequence_parallel=sequence_parallel, overlap=True)
+    loss = _step_compiles_whole(model, *_batch(cfg, s=8))
+    dist.barrier()
+    return loss.item()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_compiled_tensor_parallel_gpt_with_experts_is_one_graph(sequence_parallel):
+    """Experts split by features over two tensor-parallel ranks (no expert parallelism, whose token counts are
+    read on the host): the training step in one graph, equal to the eager step."""
+    losses = run_ranks(_compiled_tp_experts, 2, sequence_parallel, timeout=300, env=REFERENCE_KERNELS)
+    assert len(set(losses)) == 1
 
 
 def _compiled_cp(rank, world_size, documents):
