@@ -37,14 +37,8 @@ def _grad_buffer(w: torch.Tensor) -> torch.Tensor:
 
 
 def _sum_dgrad(grads, weights, rows: slice, out: torch.Tensor, accumulate: bool) -> None:
-    """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input.
-
-    Under torch.compile the products are matmul's graph operators, summed after their rounding to out's dtype
-    (eagerly each is added in fp32 in the GEMM's epilogue): a graph cannot hold the in-place launches."""
-    if torch.compiler.is_compiling():
-        total = sum(matmul(g[rows], w) for g, w in zip(grads, weights))
-        out.add_(total) if accumulate else out.copy_(total)
-        return
+    """out (+)= Σ_i grads_i[rows] · W_i  — the input gradient of several weights sharing one input (never traced:
+    under compile these bodies run inside the operators' nodes)."""
     for i, (g, w) in enumerate(zip(grads, weights)):
         matmul_unchecked(g[rows], w, out=out, accumulate=accumulate or i > 0)
 
@@ -124,15 +118,12 @@ def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, we
         x_full, gathered = saved_x, lambda: saved_x
     dws = [None] * len(weights)
     params = None if defer is None else [defer[i] for i in wanted]
-    if not wanted or defer_weight_grads(params, lambda: [matmul(grads[i].t(), gathered()) for i in wanted]):
+    deferred = bool(wanted) and defer_weight_grads(params, lambda: [matmul(grads[i].t(), gathered()) for i in wanted])
+    if deferred or not wanted or not overlap:  # the plain path: dX whole, then its reduce-scatter
         dx_full = saved_x.new_empty(rows_x)
         _sum_dgrad(grads, weights, slice(None), dx_full, False)
-        return reduce_scatter(dx_full, group)[0], dws
-    if not overlap:
-        dx_full = torch.empty_like(x_full)
-        _sum_dgrad(grads, weights, slice(None), dx_full, False)
         dx, _ = reduce_scatter(dx_full, group)
-        for i in wanted:
+        for i in () if deferred else wanted:
             dws[i] = matmul(grads[i].t(), gathered())
         return dx, dws
     buffers = {i: _grad_buffer(weights[i]) for i in wanted}
