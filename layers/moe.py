@@ -35,8 +35,9 @@ context-parallel peers, ``init_parallel(ep=)``). A forward:
    otherwise they pass through ``copy_to_tp`` (the gradients all-reduced);
 2. sorts the ``N·k`` (token, choice) routes by expert; with ``ep_group`` each route travels to the rank of its
    expert and back (:func:`~tessel.parallel.collectives.exchange_rows`, an all-to-all each way; the route counts
-   are read on the host once per layer to size them, the layer's only synchronisation with the device), every
-   tensor-parallel rank exchanging the same routes with its own ep peers;
+   are read on the host once per layer to size them, the layer's only synchronisation with the device; under
+   ``torch.compile`` the exchange is one graph node, ``tessel::exchange_rows``, which reads them when it runs),
+   every tensor-parallel rank exchanging the same routes with its own ep peers;
 3. runs the local experts' GEMMs on their rows, each projection one grouped launch for every expert
    (:func:`~tessel.kernels.grouped_matmul`, which reads the row counts on the device);
 4. weights each route's output in fp32 and adds the ``k`` routes of a token up, then leaves the region:
@@ -66,6 +67,7 @@ from ..parallel.collectives import (
     sum_over_ranks,
 )
 from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group, group_rank, group_size
+from ..parallel.exchange_op import traced_exchange_rows
 from ..parallel.sharding import shard_like
 from .hf_balance import expert_loads
 from .mlp import MLP_ACTIVATIONS
@@ -213,12 +215,16 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple
     if e == 1:
         return x[token], counts[0], _Routes(order, token, None, None, None, x.shape[0])
     received = all_to_all(counts, group, [1] * e, [1] * e)[0]  # [source rank, local expert]
-    sent, got = torch.stack((counts, received)).tolist()  # the one read on the host
-    send, recv = [sum(row) for row in sent], [sum(row) for row in got]
-    rows = exchange_rows(x[token], group, send, recv)  # source after source, by local expert within one
+    if torch.compiler.is_compiling():  # one graph node, which reads the counts when it runs
+        send, recv = counts.sum(1), received.sum(1)
+        rows = traced_exchange_rows(x[token], group, send, recv)  # as many rows as the data decide
+    else:
+        sent, got = torch.stack((counts, received)).tolist()  # the one read on the host
+        send, recv = [sum(row) for row in sent], [sum(row) for row in got]
+        rows = exchange_rows(x[token], group, send, recv)  # source after source, by local expert within one
     # the local expert of every received row, then a stable sort: grouped by expert, by source within one
     experts = torch.arange(per_rank, device=x.device).repeat(e)
-    of_row = torch.repeat_interleave(experts, received.reshape(-1), output_size=sum(recv))  # sized: no sync
+    of_row = torch.repeat_interleave(experts, received.reshape(-1), output_size=rows.shape[0])  # sized: no sync
     perm = torch.argsort(of_row, stable=True)
     return rows.index_select(0, perm), received.sum(0), _Routes(order, token, send, recv, perm, x.shape[0])
 
@@ -227,7 +233,10 @@ def _combine(out: torch.Tensor, weights: torch.Tensor, routes: _Routes, group) -
     """``[N, E]`` fp32: each token's routes' outputs, weighted, added up (the inverse of :func:`_dispatch`)."""
     if routes.perm is not None:
         out = out.index_select(0, torch.argsort(routes.perm))  # source after source again
-        out = exchange_rows(out, group, routes.recv, routes.send)  # this rank's routes, in `order`
+        if isinstance(routes.send, torch.Tensor):  # traced: the routes this rank sent come back
+            out = traced_exchange_rows(out, group, routes.recv, routes.send, rows=routes.order.shape[0])
+        else:
+            out = exchange_rows(out, group, routes.recv, routes.send)  # this rank's routes, in `order`
     weighted = out.float() * weights.reshape(-1)[routes.order, None]
     return weighted.new_zeros((routes.tokens, out.shape[-1])).index_add(0, routes.token, weighted)
 

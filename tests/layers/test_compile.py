@@ -10,9 +10,8 @@ on two context-parallel ranks, and a Hugging Face Llama with tessel's attention,
 
 What remains opaque (``kernels._dispatch.opaque_to_compile``): the in-place launchers (``matmul(out=...)`` where
 a gradient is needed, the eager rings' steps) and the eager transports, which the layers call under compile only
-from inside the overlapped ops' nodes; a compiled model still breaks its graph where data decide shapes (a
-mixture of experts' dispatch over expert-parallel ranks, whose token counts are read on the host; without expert
-parallelism a mixture of experts compiles whole). Packed documents compile whole (their segment tables are computed
+from inside the overlapped ops' nodes. A mixture of experts compiles whole, over expert-parallel ranks too
+(``tests/layers/test_compile_experts.py``). Packed documents compile whole (their segment tables are computed
 in the graph), and so does context parallelism, whose ring attention takes its all-gather form there.
 
 Each test runs a model or an op eagerly and compiled from the same weights and inputs and checks that outputs
@@ -74,12 +73,12 @@ def _reset():
     torch._dynamo.reset()
 
 
-def _step_compiles_whole(model, idx, targets, **kw):
-    """The training step (forward, loss, backward; ``kw`` to the model) compiled with fullgraph=True: its loss and
-    every gradient equal the eager step's. Returns the loss."""
+def _step_compiles_whole(model, idx, targets, backend="aot_eager", **kw):
+    """The training step (forward, loss, backward; ``kw`` to the model) compiled by ``backend`` with fullgraph=True:
+    its loss and every gradient equal the eager step's. Returns the loss."""
     eager = _loss_and_grads(model, lambda idx: model(idx, **kw), idx, targets)
     _reset()
-    step = torch.compile(lambda idx, targets: model.loss_from_logits(model(idx, **kw), targets), backend="aot_eager",
+    step = torch.compile(lambda idx, targets: model.loss_from_logits(model(idx, **kw), targets), backend=backend,
                          fullgraph=True)  # fmt: skip
     model.zero_grad(set_to_none=True)
     loss = step(idx, targets)

@@ -1,0 +1,107 @@
+"""``torch.compile`` over expert parallelism: a mixture of experts whose experts live on several ranks compiles whole.
+
+The dispatch sends each (token, choice) route to the rank of its expert; how many rows a rank receives depends
+on every rank's routing. Eagerly the counts are read on the host; under compile the exchange is the custom
+operator ``tessel::exchange_rows`` (``parallel/exchange_op.py``), whose output has a data-dependent length in
+the graph and whose node reads the counts when it runs. These tests compile the GPT's training step with
+``fullgraph=True`` (it broke the graph at the dispatch before) and check its loss and every gradient against
+the eager step's, including a step in which a rank's experts receive no route at all.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import tessel.layers.moe as moe
+from tessel.layers.gpt import GPT, GPTConfig
+from tessel.parallel.collectives import exchange_rows
+from tessel.parallel.comm import count_bytes
+from tessel.parallel.exchange_op import exchange_rows_op, traced_exchange_rows
+from tests.layers.test_compile import _batch, _step_compiles_whole
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+pytestmark = pytest.mark.multiprocess
+
+_EXPERTS = dict(n_expert=4, top_k=2, mlp_hidden=32, aux_loss_coef=0.05, z_loss_coef=0.01)
+
+
+def _config():
+    return GPTConfig(vocab_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=16, **_EXPERTS)
+
+
+def _expert_parallel_step(rank, world_size, tp, sequence_parallel, backend, starve):
+    from tessel.parallel.dims import init_parallel
+
+    ep = world_size // tp
+    dims = init_parallel(tp=tp, ep=ep)
+    cfg = _config()
+    if starve:  # every route to the first ep rank's experts: the others receive no row
+        route = moe.route_top_k
+
+        def to_first_rank(*args, **kw):
+            weights, ids, probs = route(*args, **kw)
+            return weights, ids % (cfg.n_expert // ep), probs
+
+        moe.route_top_k = to_first_rank
+    torch.manual_seed(0)
+    model = GPT(cfg, tp_group=dims.tp_group, sequence_parallel=sequence_parallel, ep_group=dims.ep_group)
+    idx, targets = _batch(cfg, s=8, seed=10 + dims.dp_rank)  # another batch per ep peer
+    loss = _step_compiles_whole(model, idx, targets, backend=backend)
+    dist.barrier()
+    return loss.item()
+
+
+@pytest.mark.parametrize(
+    "world_size, tp, sequence_parallel, backend, starve",
+    [
+        (2, 1, False, "aot_eager", False),
+        (2, 1, False, "aot_eager", True),
+        (2, 1, False, "inductor", False),
+        (4, 2, True, "aot_eager", False),
+    ],
+    ids=["ep2", "ep2-one-rank-idle", "ep2-inductor", "tp2-ep2-sp"],
+)
+def test_expert_parallel_training_step_compiles_whole(world_size, tp, sequence_parallel, backend, starve):
+    """The training step in one graph on every rank, equal to the eager step: the dispatch and combine exchanges,
+    their backwards, the grouped GEMMs over a data-dependent number of rows."""
+    losses = run_ranks(
+        _expert_parallel_step, world_size, tp, sequence_parallel, backend, starve, timeout=600, env=REFERENCE_KERNELS
+    )
+    assert len(set(losses)) > 1  # the ep peers trained on other batches
+
+
+def _exchange_checks(rank, world_size):
+    group = dist.group.WORLD
+    # rank 0 sends 1 row to itself and 3 to rank 1; rank 1 sends 2 rows to rank 0 and none to itself
+    send = torch.tensor([[1, 3], [2, 0]][rank])
+    recv = torch.tensor([[1, 2], [3, 0]][rank])
+    x = (torch.arange(4 if rank == 0 else 2, dtype=torch.float64)[:, None] + 10 * rank).expand(-1, 3).contiguous()
+    x.requires_grad_(True)
+    want = torch.tensor([[0.0, 10.0, 11.0], [1.0, 2.0, 3.0]][rank], dtype=torch.float64)
+
+    compiled = torch.compile(traced_exchange_rows, backend="aot_eager", fullgraph=True)
+    with count_bytes() as moved:
+        got = compiled(x, group, send, recv)
+    torch.testing.assert_close(got[:, 0], want)
+    # the rows for the other rank, 3 float64 each (a rank's own rows are no traffic)
+    assert (moved.sent, moved.received) == ([3, 2][rank] * 24, [2, 3][rank] * 24)
+    upstream = torch.arange(got.numel(), dtype=torch.float64).view_as(got)
+    got.backward(upstream)  # each row's gradient back to its rank
+    x_eager = x.detach().requires_grad_(True)
+    eager = exchange_rows(x_eager, group, send.tolist(), recv.tolist())
+    eager.backward(upstream)
+    assert torch.equal(got, eager) and torch.equal(x.grad, x_eager.grad)
+    for rows in (want.shape[0], None):  # known, or decided by the data
+        torch.library.opcheck(exchange_rows_op, (x.detach().requires_grad_(True), send, recv, group.group_name, rows))
+    assert torch.Tag.cudagraph_unsafe in exchange_rows_op._opoverload.tags  # it reads the counts on the host
+    dist.barrier()
+    return x.grad.tolist()
+
+
+def test_exchange_operator_moves_rows_and_gradients_like_the_eager_exchange():
+    """``tessel::exchange_rows`` compiled: the rows each rank receives (one rank keeps none of its own) and the
+    gradients sent back equal the eager ``exchange_rows``'s; ``torch.library.opcheck`` passes."""
+    grads = run_ranks(_exchange_checks, 2, timeout=300, env=REFERENCE_KERNELS)
+    # rank 0's rows went to rank 0 (row 0 of its output) and rank 1 (rows 0-2 of its output); rank 1's to rank 0
+    assert grads[0] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]
+    assert grads[1] == [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]
