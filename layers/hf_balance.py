@@ -24,7 +24,6 @@ their counts, and ``group``'s (the data-parallel ranks), so every rank moves its
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
@@ -70,17 +69,17 @@ def _bias_owner(block: nn.Module, experts: nn.Module) -> nn.Module | None:
     return owners[0] if owners else None
 
 
-def _ids_argument(experts: nn.Module) -> tuple[inspect.Signature, str] | None:
-    """The experts' forward signature and the name of its expert-ids argument, or None when it takes none."""
+def _ids_argument(experts: nn.Module) -> str | None:
+    """The name of the experts' expert-ids argument (their forward's second), or None when it takes none."""
     try:
-        sig, names = _routing_names(experts)
+        names = _routing_names(experts)
     except ValueError:  # not Hugging Face's experts interface (a ModuleList of experts, say)
         return None
-    return (sig, names[1]) if len(names) == 3 else None
+    return names[1] if len(names) == 3 else None
 
 
-def balanced_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, inspect.Signature, str]]:
-    """``(experts, bias owner, experts' forward signature, name of its ids argument)`` of every block of ``model``
+def balanced_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, str]]:
+    """``(experts, bias owner, name of the experts' ids argument)`` of every block of ``model``
     routing with an ``e_score_correction_bias``. Raises ``ValueError`` when a block holds several such biases, or
     a bias does not hold one value per expert."""
     found = []
@@ -96,7 +95,7 @@ def balanced_blocks(model: nn.Module) -> list[tuple[nn.Module, nn.Module, inspec
         if bias.dim() == 0 or bias.numel() != bias.shape[-1]:  # [X], or [1, X]: one group of X experts
             raise ValueError(f"track_expert_loads: {name}'s {BIAS_NAME} must hold one value per expert, received "
                              f"shape {tuple(bias.shape)}")  # fmt: skip
-        found.append((experts, owner, *routed))
+        found.append((experts, owner, routed))
     return found
 
 
@@ -111,7 +110,7 @@ def track_expert_loads(model: nn.Module, *, groups_of=None) -> int:
     if not isinstance(model, nn.Module):
         raise TypeError(f"track_expert_loads: model must be an nn.Module, received {type(model).__name__}")
     found = balanced_blocks(model)
-    for experts, owner, sig, ids_name in found:
+    for experts, owner, ids_name in found:
         groups = tuple(groups_of(experts)) if groups_of is not None else ()
         load = getattr(experts, _ATTR, None)
         if load is not None:
@@ -124,7 +123,7 @@ def track_expert_loads(model: nn.Module, *, groups_of=None) -> int:
             bias.data = bias.data.float()
         load = ExpertLoad(torch.zeros(bias.numel(), dtype=torch.int64, device=bias.device), owner, groups)
         setattr(experts, _ATTR, load)
-        experts.register_forward_pre_hook(_counter(sig, ids_name, load), with_kwargs=True, prepend=True)
+        experts.register_forward_pre_hook(_counter(ids_name, load), with_kwargs=True, prepend=True)
     return len(found)
 
 
@@ -137,15 +136,18 @@ def track_split_loads(model: nn.Module, sharded: list[nn.Module], tp_group, cp_g
     return track_expert_loads(model, groups_of=lambda m: ((tp_group,) if id(m) in split else ()) + cp)
 
 
-def _counter(sig: inspect.Signature, ids_name: str, load: ExpertLoad):
+def _counter(ids_name: str, load: ExpertLoad):
     def count(module, args, kwargs):
         if not (module.training and torch.is_grad_enabled()):
             return None
-        ids = sig.bind(module, *args, **kwargs).arguments[ids_name]
-        routes = torch.bincount(ids.reshape(-1).long(), minlength=load.counts.numel())
-        if routes.numel() != load.counts.numel():
+        ids = args[1] if len(args) > 1 else kwargs[ids_name]  # the forward's second argument
+        n = load.counts.numel()
+        routes = torch.bincount(ids.reshape(-1).long(), minlength=n)
+        if torch.compiler.is_compiling():  # the length is data's: a route beyond n fails when the graph runs
+            torch._check(routes.shape[0] == n)
+        elif routes.numel() != n:
             raise ValueError(f"{type(module).__name__}: a route chose expert {routes.numel() - 1}, beyond the "
-                             f"{load.counts.numel()} values of its {BIAS_NAME}")  # fmt: skip
+                             f"{n} values of its {BIAS_NAME}")  # fmt: skip
         load.counts += routes
         return None
 

@@ -75,6 +75,7 @@ from ..parallel.collectives import (
 )
 from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.context import zigzag_order
+from ..parallel.exchange_op import traced_exchange_rows
 from ..parallel.sharding import local_shard
 
 __all__ = [
@@ -177,7 +178,7 @@ def _whole_expert_splits(module: nn.Module, params: dict, t: int) -> list[Expert
     experts = params["down_proj"].shape[0]
     if experts % t:
         raise ValueError(f"the {experts} experts do not split over the {t} ranks of the group")
-    if len(_routing_names(module)[1]) != 3:
+    if len(_routing_names(module)) != 3:
         raise ValueError("experts fed every token once per expert are split by 'features' only")
     if not isinstance(getattr(module, "num_experts", None), int):
         raise ValueError("split by 'experts' needs the module's num_experts, which its forward reads")
@@ -226,15 +227,28 @@ def _tp_share(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, tp
     return scatter_to_sequence(hidden, tp_group, dim=0), own, scatter_to_sequence(weights, tp_group, dim=0)
 
 
-def _routing_names(module: nn.Module) -> tuple[inspect.Signature, tuple[str, ...]]:
-    """The signature of the experts' forward and the names of its (hidden states, expert ids, weights), or of
-    its hidden states alone (experts that receive every token once per expert, already weighted: Llama 4)."""
+def _with_values(args: tuple, kwargs: dict, names: tuple[str, ...], values: list) -> tuple[tuple, dict]:
+    """A call's arguments with its leading parameters ``names`` (positional or keyword) set to ``values``."""
+    args, kwargs = list(args), dict(kwargs)
+    for i, (name, value) in enumerate(zip(names, values)):
+        if i < len(args):
+            args[i] = value
+        else:
+            kwargs[name] = value
+    return tuple(args), kwargs
+
+
+def _routing_names(module: nn.Module) -> tuple[str, ...]:
+    """The names of the experts' forward's leading parameters (hidden states, expert ids, weights), or of
+    its hidden states alone (experts that receive every token once per expert, already weighted: Llama 4).
+    Their values come from the call's leading arguments, positional or keyword (no ``Signature.bind``, which
+    ``torch.compile`` cannot trace)."""
     sig = inspect.signature(type(module).forward)
     names = [p.name for p in sig.parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(names) not in (2, 4):
         raise ValueError(f"{type(module).__name__}.forward must take (hidden_states, top_k_index, top_k_weights) or "
                          f"(hidden_states) alone, received the parameters {names[1:]}")  # fmt: skip
-    return sig, tuple(names[1:])
+    return tuple(names[1:])
 
 
 def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, by: str = "features",
@@ -258,7 +272,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
     """
     group = tp_group if ep_group is None else ep_group
     by = "experts" if ep_group is not None else by
-    sig, names = _routing_names(module)
+    names = _routing_names(module)
     experts = next(p for n, p in module.named_parameters(recurse=False) if n in ("gate_up_proj", "up_proj")).shape[0]
     first_rank = group_rank(tp_group) == 0
     replicated = [n for n in ("down_proj_bias",) if by == "features" and module._parameters.get(n) is not None]
@@ -282,13 +296,18 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
     def send_routes(hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor):
         owner = (ids // local_experts).reshape(-1)
         order = torch.argsort(owner, stable=True)  # routes grouped by the rank of their expert, in token order
-        send = torch.bincount(owner, minlength=t)
-        send_counts = send.tolist()
-        recv_counts = all_to_all(send, group, [1] * t, [1] * t)[0].tolist()
+        send = torch.bincount(owner, minlength=t).view(t)  # sized (owner < t): static under compile
         token = torch.div(order, ids.shape[-1], rounding_mode="floor")
-        rows = exchange_rows(hidden[token], group, send_counts, recv_counts)
-        local_ids = all_to_all((ids.reshape(-1)[order] % local_experts)[:, None], group, send_counts,
-                               recv_counts)[0]  # fmt: skip
+        local = (ids.reshape(-1)[order] % local_experts)[:, None]
+        if torch.compiler.is_compiling():  # graph nodes that read the counts when they run (see exchange_op)
+            send_counts, recv_counts = send, all_to_all(send, group, [1] * t, [1] * t)[0]
+            rows = traced_exchange_rows(hidden[token], group, send_counts, recv_counts)
+            local_ids = traced_exchange_rows(local, group, send_counts, recv_counts, rows=rows.shape[0])
+        else:
+            send_counts = send.tolist()
+            recv_counts = all_to_all(send, group, [1] * t, [1] * t)[0].tolist()
+            rows = exchange_rows(hidden[token], group, send_counts, recv_counts)
+            local_ids = all_to_all(local, group, send_counts, recv_counts)[0]
         routes.append((order, token, weights, send_counts, recv_counts, hidden.shape[0], rows))
         return rows, local_ids, torch.ones_like(local_ids, dtype=weights.dtype)
 
@@ -298,7 +317,10 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
             # a rank whose experts received no route may return a constant: tie it to the rows, so that its
             # backward still joins both exchanges' all-to-alls, which every other rank's backward runs
             out = out + rows.sum() * 0
-        back = exchange_rows(out, group, recv_counts, send_counts)  # this rank's routes, grouped by rank
+        if isinstance(send_counts, torch.Tensor):  # traced
+            back = traced_exchange_rows(out, group, recv_counts, send_counts, rows=order.shape[0])
+        else:
+            back = exchange_rows(out, group, recv_counts, send_counts)  # this rank's routes, grouped by rank
         weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
         return back.new_zeros((tokens, back.shape[-1])).index_add(0, token, weighted)
 
@@ -316,22 +338,20 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         return op(x.view(experts, -1, x.shape[-1]), tp_group, dim=1).reshape(-1, x.shape[-1])
 
     def enter(m, args, kwargs):
-        bound = sig.bind(m, *args, **kwargs)
-        values = [bound.arguments.get(n) for n in names]
+        values = [args[i] if i < len(args) else kwargs.get(n) for i, n in enumerate(names)]
         if not all(isinstance(x, torch.Tensor) for x in values):
             raise ValueError(f"parallelize: {type(m).__name__} split over tensor-parallel ranks needs its arguments "
                              f"{list(names)} as tensors")  # fmt: skip
         if len(names) == 1:
             hidden = values[0]
-            bound.arguments[names[0]] = (per_expert(hidden, gather_from_sequence) if sequence_parallel
-                                         else copy_to_tp(hidden, tp_group))  # fmt: skip
+            values = [per_expert(hidden, gather_from_sequence) if sequence_parallel else copy_to_tp(hidden, tp_group)]
         elif dispatch:
             hidden, ids, weights = values
             if share:
                 shared_rows.append(hidden.shape[0])
                 hidden, ids, weights = _tp_share(hidden, ids, weights, tp_group)
             rows, local_ids, ones = send_routes(hidden, ids, weights)
-            bound.arguments.update({names[0]: rows, names[1]: local_ids, names[2]: ones})
+            values = [rows, local_ids, ones]
         else:
             hidden, ids, weights = values
             if sequence_parallel:
@@ -340,7 +360,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
             else:  # the expert ids carry no gradient
                 hidden, weights = copy_to_tp(hidden, tp_group), copy_to_tp(weights, tp_group)
             ids, weights = route(ids, weights)
-            bound.arguments.update({names[0]: hidden, names[1]: ids, names[2]: weights})
+            values = [hidden, ids, weights]
             inputs.append((hidden, weights))
         # a bias added after the experts' partial sums would be summed t times: rank 0 adds it, every rank
         # receives its complete gradient (copy_to_tp sums rank 0's with the others' zeros)
@@ -349,7 +369,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         for n, p in own.items():
             shared = copy_to_tp(p, tp_group)
             m._parameters[n] = shared if first_rank else shared * 0
-        return bound.args[1:], bound.kwargs
+        return _with_values(args, kwargs, names, values)
 
     def leave(m, args, kwargs, out):
         if saved:  # always called: an exception inside forward must not leave the stand-ins installed

@@ -6,7 +6,14 @@ operator ``tessel::exchange_rows`` (``parallel/exchange_op.py``), whose output h
 the graph and whose node reads the counts when it runs. These tests compile the GPT's training step with
 ``fullgraph=True`` (it broke the graph at the dispatch before) and check its loss and every gradient against
 the eager step's, including a step in which a rank's experts receive no route at all.
+
+Hugging Face mixtures of experts ``parallelize``d compile whole too (with Hugging Face's ``grouped_mm`` or
+``batched_mm`` experts; its ``eager`` loop over the experts hit does not compile whole even unsplit): the hooks
+around their experts take their arguments by position or keyword (``inspect.Signature.bind`` does not trace)
+and dispatch over ``ep_group`` through the same operator.
 """
+
+import importlib.util
 
 import pytest
 import torch
@@ -105,3 +112,66 @@ def test_exchange_operator_moves_rows_and_gradients_like_the_eager_exchange():
     # rank 0's rows went to rank 0 (row 0 of its output) and rank 1 (rows 0-2 of its output); rank 1's to rank 0
     assert grads[0] == [[0.0, 1.0, 2.0], [0.0, 1.0, 2.0], [3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]
     assert grads[1] == [[3.0, 4.0, 5.0], [6.0, 7.0, 8.0]]
+
+
+# ------------------------------------------------------------------------------------ Hugging Face mixtures of experts
+
+
+def _hf_step(rank, world_size, family, sequence_parallel, split):
+    import copy
+
+    from tessel.layers.hf_balance import expert_loads
+    from tessel.layers.parallelize import parallelize
+    from tests.layers.test_hf import _close
+    from tests.layers.test_hf_expert_parallel import _batch
+    from tests.layers.test_hf_experts import _moe
+
+    dense = _moe(family).train()
+    dense.set_experts_implementation("grouped_mm")  # Hugging Face's own "eager" loop does not compile whole
+    if split == "ep":  # each rank its own batch and half the experts, every route dispatched by all-to-all
+        solo = [dist.new_group([r]) for r in range(world_size)][rank]
+        model = parallelize(copy.deepcopy(dense), solo, ep_group=dist.group.WORLD)
+    else:  # by features, or by experts (under sequence parallelism each route goes to its expert's rank)
+        model = parallelize(copy.deepcopy(dense), dist.group.WORLD, sequence_parallel=sequence_parallel,
+                            expert_split=split)  # fmt: skip
+    ids, weights = _batch(rank if split == "ep" else 0)
+
+    def step(run):
+        model.zero_grad(set_to_none=True)
+        for load in expert_loads(model):
+            load.counts.zero_()
+        logits = run(ids)
+        (logits * weights).sum().backward()
+        counts = [load.counts.clone() for load in expert_loads(model)]
+        return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counts
+
+    eager = step(lambda ids: model(ids).logits)
+    torch._dynamo.reset()
+    compiled = step(torch.compile(lambda ids: model(ids).logits, backend="aot_eager", fullgraph=True))
+    _close(compiled[0], eager[0])  # the tolerance of tests/layers/test_hf.py (fp32 summed in another order)
+    for name, want in eager[1].items():
+        _close(compiled[1][name], want, msg=lambda m, n=name: f"{n}: {m}")
+    assert [c.tolist() for c in compiled[2]] == [c.tolist() for c in eager[2]]  # the routing biases' load counts
+    dist.barrier()
+    return sum(int(c.sum()) for c in eager[2])
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+@pytest.mark.parametrize(
+    "family, sequence_parallel, split",
+    [
+        ("mixtral", False, "features"),
+        ("mixtral", True, "features"),
+        ("deepseek_v3", False, "features"),
+        ("mixtral", False, "experts"),
+        ("mixtral", True, "experts"),
+        ("mixtral", False, "ep"),
+    ],
+    ids=["mixtral-tp2", "mixtral-tp2-sp", "deepseek_v3-tp2", "mixtral-experts", "mixtral-experts-sp", "mixtral-ep2"],
+)
+def test_parallelized_hugging_face_experts_compile_whole(family, sequence_parallel, split):
+    """A Hugging Face mixture of experts ``parallelize``d over two ranks (its experts split by features, or
+    dispatched to the rank of their expert over ``ep_group``) runs forward and backward in one graph, equal to
+    the eager run; with DeepSeek-V3's routing biases the routes counted for their update are the eager ones."""
+    counted = run_ranks(_hf_step, 2, family, sequence_parallel, split, timeout=600, env=REFERENCE_KERNELS)
+    assert all(counted) == (family == "deepseek_v3")
