@@ -83,24 +83,38 @@ def _all_reduced(x: torch.Tensor, group: Group) -> torch.Tensor:
     return out
 
 
+def _owned(y: torch.Tensor) -> torch.Tensor:
+    """``y`` if it owns its memory, else a contiguous copy. An autograd Function's output that is a view (of an
+    input, or of a tensor made inside) cannot be modified in place, which models do to these results (Llama 4
+    adds its routed experts onto the shared expert's output with ``add_``)."""
+    if torch.compiler.is_compiling():  # a graph has no views to ask about: a copy the compiler may elide
+        return y.clone(memory_format=torch.contiguous_format)
+    return y if not y._is_view() else y.clone(memory_format=torch.contiguous_format)
+
+
 def _gathered(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """``[..., n, ...]`` on each rank -> ``[..., t*n, ...]`` with rank q's block at ``q*n`` along ``dim``."""
+    if dim == 0:
+        return all_gather(x.contiguous(), group)[0]
     blocks, _ = all_gather(x.contiguous().unsqueeze(0), group)  # [t, ..., n, ...]
-    return blocks.movedim(0, dim).flatten(dim, dim + 1)
+    return _owned(blocks.movedim(0, dim).flatten(dim, dim + 1))  # a copy, but where dims of size 1 lead
 
 
 def _reduce_scattered(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
     """``[..., t*n, ...]`` -> ``[..., n, ...]``: block ``r`` along ``dim``, summed over ranks."""
+    if dim == 0:
+        return reduce_scatter(x.contiguous(), group)[0]
     size = group_size(group)
     blocks = x.unflatten(dim, (size, x.shape[dim] // size)).movedim(dim, 0)  # [t, ..., n, ...]
-    out, _ = reduce_scatter(blocks.contiguous(), group)  # [1, ..., n, ...]
-    return out.squeeze(0)
+    out = x.new_empty(blocks.shape[1:])
+    reduce_scatter(blocks.contiguous(), group, out=out.unsqueeze(0))  # [1, ..., n, ...]
+    return out
 
 
 def _own_chunk(x: torch.Tensor, group: Group, dim: int) -> torch.Tensor:
-    """Block ``r`` of ``t`` along ``dim``, contiguous; no communication."""
+    """Block ``r`` of ``t`` along ``dim``, in memory of its own (never a view of ``x``); no communication."""
     n = x.shape[dim] // group_size(group)
-    return x.narrow(dim, group_rank(group) * n, n).contiguous()
+    return _owned(x.narrow(dim, group_rank(group) * n, n).contiguous())
 
 
 # ---------------------------------------------------------------------------------------------------- functions

@@ -127,7 +127,8 @@ def _hf_step(rank, world_size, family, sequence_parallel, split):
     from tests.layers.test_hf_experts import _moe
 
     dense = _moe(family).train()
-    dense.set_experts_implementation("grouped_mm")  # Hugging Face's own "eager" loop does not compile whole
+    if family != "llama4":  # Llama 4's experts take every token once per expert, in batched GEMMs
+        dense.set_experts_implementation("grouped_mm")  # Hugging Face's "eager" loop does not compile whole
     if split == "ep":  # each rank its own batch and half the experts, every route dispatched by all-to-all
         solo = [dist.new_group([r]) for r in range(world_size)][rank]
         model = parallelize(copy.deepcopy(dense), solo, ep_group=dist.group.WORLD)
@@ -166,12 +167,24 @@ def _hf_step(rank, world_size, family, sequence_parallel, split):
         ("mixtral", False, "experts"),
         ("mixtral", True, "experts"),
         ("mixtral", False, "ep"),
+        ("qwen2_moe", True, "features"),
+        ("llama4", True, "features"),
     ],
-    ids=["mixtral-tp2", "mixtral-tp2-sp", "deepseek_v3-tp2", "mixtral-experts", "mixtral-experts-sp", "mixtral-ep2"],
+    ids=[
+        "mixtral-tp2",
+        "mixtral-tp2-sp",
+        "deepseek_v3-tp2",
+        "mixtral-experts",
+        "mixtral-experts-sp",
+        "mixtral-ep2",
+        "qwen2_moe-tp2-sp",
+        "llama4-tp2-sp",
+    ],
 )
 def test_parallelized_hugging_face_experts_compile_whole(family, sequence_parallel, split):
-    """A Hugging Face mixture of experts ``parallelize``d over two ranks (its experts split by features, or
-    dispatched to the rank of their expert over ``ep_group``) runs forward and backward in one graph, equal to
-    the eager run; with DeepSeek-V3's routing biases the routes counted for their update are the eager ones."""
+    """A Hugging Face mixture of experts ``parallelize``d over two ranks (its experts split by features or by
+    experts, or dispatched to the rank of their expert over ``ep_group``) runs forward and backward in one graph,
+    equal to the eager run: Mixtral, Qwen2-MoE (a shared expert beside the experts), Llama 4 (experts taking
+    every token), DeepSeek-V3, whose routing biases' load counts are the eager ones."""
     counted = run_ranks(_hf_step, 2, family, sequence_parallel, split, timeout=600, env=REFERENCE_KERNELS)
     assert all(counted) == (family == "deepseek_v3")

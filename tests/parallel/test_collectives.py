@@ -138,6 +138,11 @@ def _check_case(spec: _Spec, dim: int | None, rank: int, t: int, dtype) -> tuple
     for original, passed in ((xs[rank], x.detach()), (gs[rank], g)):  # inputs are never modified in place
         torch.testing.assert_close(passed, original, rtol=0, atol=0, msg=message)
     expected = _ring_bytes(spec.comm_forward, x, t) + _ring_bytes(spec.comm_backward, g, t)
+    if dim is not None:  # the split and gathered results own their memory: a model may add onto them in place
+        z = spec.op(x, None, dim)
+        z.add_(g)  # raises for the view of an input, or of a tensor made inside the op
+        (dx_inplace,) = torch.autograd.grad(z, x, g)
+        torch.testing.assert_close(dx_inplace, dx, rtol=0, atol=0, msg=message)
     return (counter.sent, counter.received), (expected, expected)
 
 
