@@ -117,7 +117,7 @@ def test_exchange_operator_moves_rows_and_gradients_like_the_eager_exchange():
 # ------------------------------------------------------------------------------------ Hugging Face mixtures of experts
 
 
-def _hf_step(rank, world_size, family, sequence_parallel, split):
+def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
     import copy
 
     from tessel.layers.hf_balance import expert_loads
@@ -127,8 +127,8 @@ def _hf_step(rank, world_size, family, sequence_parallel, split):
     from tests.layers.test_hf_experts import _moe
 
     dense = _moe(family).train()
-    if family != "llama4":  # Llama 4's experts take every token once per expert, in batched GEMMs
-        dense.set_experts_implementation("grouped_mm")  # Hugging Face's "eager" loop does not compile whole
+    if impl is not None:  # Hugging Face's "eager" loop over the experts hit does not compile whole
+        dense.set_experts_implementation(impl)
     if split == "ep":  # each rank its own batch and half the experts, every route dispatched by all-to-all
         solo = [dist.new_group([r]) for r in range(world_size)][rank]
         model = parallelize(copy.deepcopy(dense), solo, ep_group=dist.group.WORLD)
@@ -159,16 +159,16 @@ def _hf_step(rank, world_size, family, sequence_parallel, split):
 
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 @pytest.mark.parametrize(
-    "family, sequence_parallel, split",
+    "family, sequence_parallel, split, impl",
     [
-        ("mixtral", False, "features"),
-        ("mixtral", True, "features"),
-        ("deepseek_v3", False, "features"),
-        ("mixtral", False, "experts"),
-        ("mixtral", True, "experts"),
-        ("mixtral", False, "ep"),
-        ("qwen2_moe", True, "features"),
-        ("llama4", True, "features"),
+        ("mixtral", False, "features", "grouped_mm"),
+        ("mixtral", True, "features", "grouped_mm"),
+        ("deepseek_v3", False, "features", "grouped_mm"),
+        ("mixtral", False, "experts", "grouped_mm"),
+        ("mixtral", True, "experts", "batched_mm"),
+        ("mixtral", False, "ep", "grouped_mm"),
+        ("qwen2_moe", True, "features", "batched_mm"),
+        ("llama4", True, "features", None),  # its experts take every token once per expert, in batched GEMMs
     ],
     ids=[
         "mixtral-tp2",
@@ -181,10 +181,11 @@ def _hf_step(rank, world_size, family, sequence_parallel, split):
         "llama4-tp2-sp",
     ],
 )
-def test_parallelized_hugging_face_experts_compile_whole(family, sequence_parallel, split):
+def test_parallelized_hugging_face_experts_compile_whole(family, sequence_parallel, split, impl):
     """A Hugging Face mixture of experts ``parallelize``d over two ranks (its experts split by features or by
     experts, or dispatched to the rank of their expert over ``ep_group``) runs forward and backward in one graph,
     equal to the eager run: Mixtral, Qwen2-MoE (a shared expert beside the experts), Llama 4 (experts taking
-    every token), DeepSeek-V3, whose routing biases' load counts are the eager ones."""
-    counted = run_ranks(_hf_step, 2, family, sequence_parallel, split, timeout=600, env=REFERENCE_KERNELS)
+    every token), DeepSeek-V3, whose routing biases' load counts are the eager ones; Hugging Face's grouped_mm
+    and batched_mm experts."""
+    counted = run_ranks(_hf_step, 2, family, sequence_parallel, split, impl, timeout=600, env=REFERENCE_KERNELS)
     assert all(counted) == (family == "deepseek_v3")
