@@ -75,6 +75,7 @@ import math
 import torch
 
 from ._dispatch import Backend, backend_for, cdiv, next_power_of_2, opaque_to_compile, upcast_dot_operands
+from ._tuned import launch_tuned
 from .attention_inputs import (
     _DTYPES,
     HEAD_DIMS,
@@ -203,7 +204,7 @@ def _launch(kernel, tuned, blocks: dict, backend: str, program_rows: str, rows: 
     if backend == Backend.INTERPRETER:
         kernel[(cdiv(rows, blocks[program_rows]), bh)](*args, **flags, **blocks)
     else:
-        tuned[lambda meta: (cdiv(rows, meta[program_rows]), bh)](*args, **flags)
+        launch_tuned(tuned, lambda meta: (cdiv(rows, meta[program_rows]), bh), args, flags)
 
 
 @functools.cache
@@ -263,7 +264,7 @@ def _forward_split_kv(
         if backend == Backend.INTERPRETER:
             _flash_attention_split_kv_kernel[grid](*args, **flags, BLOCK_N=INTERPRETER_SPLIT_KV_BLOCK_N)
         else:
-            split_kv_kernel_tuned[grid](*args, **flags)
+            launch_tuned(split_kv_kernel_tuned, grid, args, flags)
         if not final:
             _flash_attention_split_kv_combine_kernel[(b * hq * sq,)](
                 part_out, part_lse, out, lse, out.stride(0), out.stride(1), out.stride(2), hq, sq, splits,

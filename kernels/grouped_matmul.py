@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import Backend, backend_for, cdiv, next_power_of_2, opaque_to_compile, upcast_dot_operands
+from ._tuned import launch_tuned
 from .matmul import _input_precision  # TF32 for fp32 exactly when torch.matmul would use it
 
 __all__ = ["grouped_matmul", "grouped_matmul_reference", "grouped_weight_grad", "grouped_weight_grad_reference"]
@@ -139,7 +140,7 @@ def _launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.
         if backend == Backend.INTERPRETER:
             _grouped_kernel[grid(_INTERPRETER_BLOCKS)](*args, **meta, **_INTERPRETER_BLOCKS)
         else:
-            _grouped_tuned[grid](*args, **meta)
+            launch_tuned(_grouped_tuned, grid, args, meta)
 
 
 @opaque_to_compile
@@ -157,7 +158,7 @@ def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, out: 
         if backend == Backend.INTERPRETER:
             _grouped_wgrad_kernel[grid(_INTERPRETER_BLOCKS)](*args, **_flags(a.dtype, backend), **_INTERPRETER_BLOCKS)
         else:
-            _wgrad_tuned[grid](*args, **_flags(a.dtype, backend))
+            launch_tuned(_wgrad_tuned, grid, args, _flags(a.dtype, backend))
 
 
 class _GroupedMatmul(torch.autograd.Function):

@@ -28,6 +28,7 @@ import triton
 import triton.language as tl
 
 from ._dispatch import INTERPRET, Backend, backend_for, cdiv, memory_overlaps, opaque_to_compile, upcast_dot_operands
+from ._tuned import launch_tuned
 
 __all__ = ["ACTIVATIONS", "matmul", "matmul_reference"]
 
@@ -445,7 +446,7 @@ def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
             _interpreter_program.update(meta)
         else:
             _ensure_scratch_allocator()
-            _matmul_kernel_tuned[grid](*args, **flags)
+            launch_tuned(_matmul_kernel_tuned, grid, args, flags)
 
 
 # ---- Reference ---------------------------------------------------------------------------------------
