@@ -300,7 +300,8 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         token = torch.div(order, ids.shape[-1], rounding_mode="floor")
         local = (ids.reshape(-1)[order] % local_experts)[:, None]
         if torch.compiler.is_compiling():  # graph nodes that read the counts when they run (see exchange_op)
-            send_counts, recv_counts = send, all_to_all(send, group, [1] * t, [1] * t)[0]
+            # on the host once, as below: the exchanges and their backwards read them there without a wait
+            send_counts, recv_counts = torch.stack((send, all_to_all(send, group, [1] * t, [1] * t)[0])).cpu()
             rows = traced_exchange_rows(hidden[token], group, send_counts, recv_counts)
             local_ids = traced_exchange_rows(local, group, send_counts, recv_counts, rows=rows.shape[0])
         else:

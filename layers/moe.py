@@ -216,7 +216,7 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple
         return x[token], counts[0], _Routes(order, token, None, None, None, x.shape[0])
     received = all_to_all(counts, group, [1] * e, [1] * e)[0]  # [source rank, local expert]
     if torch.compiler.is_compiling():  # one graph node, which reads the counts when it runs
-        send, recv = counts.sum(1), received.sum(1)
+        send, recv = torch.stack((counts.sum(1), received.sum(1))).cpu()  # on the host once, as below
         rows = traced_exchange_rows(x[token], group, send, recv)  # as many rows as the data decide
     else:
         sent, got = torch.stack((counts, received)).tolist()  # the one read on the host

@@ -9,8 +9,9 @@ unbacked size (a symbol whose value only the running graph knows) unless the cal
 back, whose row count is the number of routes the rank sent), and its registered backward is the exchange the
 other way. So a model whose experts live on several ranks compiles whole (``fullgraph=True``).
 
-The node reads the counts on the host, as the eager dispatch does, which waits for the device: inductor's CUDA
-graphs ("reduce-overhead") leave it out.
+The node reads the counts on the host, as the eager dispatch does, which waits for the device unless they are
+there already (tessel's callers copy them to the host once per dispatch, so the way back and both backwards
+read them without a wait): inductor's CUDA graphs ("reduce-overhead") leave it out.
 """
 
 from __future__ import annotations
