@@ -8,6 +8,7 @@ configuration lists still go through ``Autotuner.run``.
 
 import importlib
 
+import pytest
 import torch
 import triton
 import triton.language as tl
@@ -147,3 +148,31 @@ def test_matmul_launches_the_same_kernel_call_fast_and_through_the_autotuner(mon
     grid0, grid1 = kw0.pop("grid"), kw1.pop("grid")
     assert kw0 == kw1 and grid0(kw0) == grid1(kw1)
     assert kw0["BLOCK_M"] == tuned.configs[0].kwargs["BLOCK_M"]
+
+
+@pytest.mark.gpu
+def test_gpu_second_launches_skip_the_autotuner_and_compute_the_same(monkeypatch):
+    """On CUDA every tessel GEMM, attention and expert GEMM launch goes through ``launch_tuned``: after the first
+    launch of a shape the autotuner is not asked again, and the results are bit-identical to the first's."""
+    mm = importlib.import_module("tessel.kernels.matmul")
+    att = importlib.import_module("tessel.kernels.attention_kernels")
+    from tessel.kernels import flash_attention
+
+    runs = []
+    for tuned in (mm._matmul_kernel_tuned, att.fwd_kernel_tuned, att.dkdv_kernel_tuned, att.dq_kernel_tuned):
+        autotuner_run = type(tuned).run
+        counted = lambda *a, tuned=tuned, run=autotuner_run, **kw: (runs.append(tuned), run(tuned, *a, **kw))
+        monkeypatch.setattr(tuned, "run", counted)
+    a = torch.randn(1000 + 7, 512 + 3, device="cuda", dtype=torch.bfloat16)  # shapes no other test tunes for
+    b = torch.randn(512 + 3, 768 + 5, device="cuda", dtype=torch.bfloat16)
+    q, k, v = (torch.randn(2, 4, 333, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    results, tunings = [], []
+    for _ in range(2):
+        out = mm.matmul(a, b)
+        o = flash_attention(q, k, v, causal=True)
+        grads = torch.autograd.grad(o.float().square().sum(), (q, k, v))
+        results.append((out, o, *grads))
+        tunings.append(len(runs))
+    assert tunings[0] <= 4 and tunings[1] == tunings[0]  # at most one tuning launch each, none the second time
+    for first, second in zip(*results):
+        assert torch.equal(first, second)
