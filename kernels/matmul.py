@@ -352,8 +352,12 @@ def _input_precision(dtype: torch.dtype, backend: str) -> str:
 
 
 def _needs_int64(*tensors: torch.Tensor) -> bool:
-    """Whether an element offset within any operand can pass 2**31 - 1 (int32 would wrap)."""
-    return any(sum((s - 1) * abs(st) for s, st in zip(t.shape, t.stride())) > _INT32_MAX for t in tensors)
+    """Whether an element offset within any operand (2-D) can pass 2**31 - 1 (int32 would wrap)."""
+    for t in tensors:  # written out: every launch asks, and a generator per operand costs a microsecond
+        (rows, cols), (row_stride, col_stride) = t.shape, t.stride()
+        if (rows - 1) * abs(row_stride) + (cols - 1) * abs(col_stride) > _INT32_MAX:
+            return True
+    return False
 
 
 @functools.cache
@@ -375,12 +379,13 @@ def _tma_layout(t: torch.Tensor) -> bool | None:
     """How the copy engine can read a 2-D operand: False row by row (unit column stride), True
     through its transpose (unit row stride), None not at all. A descriptor needs a 16-byte aligned
     base and a 16-byte multiple leading stride."""
-    size = t.element_size()
     if t.data_ptr() % 16:
         return None
-    for transposed, (unit, lead) in ((False, (1, 0)), (True, (0, 1))):
-        if t.stride(unit) == 1 and (t.stride(lead) * size) % 16 == 0 and t.stride(lead) >= 1:
-            return transposed
+    (row_stride, col_stride), size = t.stride(), t.element_size()
+    if col_stride == 1 and row_stride >= 1 and (row_stride * size) % 16 == 0:
+        return False
+    if row_stride == 1 and col_stride >= 1 and (col_stride * size) % 16 == 0:
+        return True
     return None
 
 
