@@ -2,8 +2,8 @@
 
 ``tuned[grid](*args, **kwargs)`` on a ``triton.autotune`` kernel runs Triton's ``Autotuner.run`` on every call:
 it rebuilds dicts of every argument to find the call's key in its cache, even when the key was tuned long ago.
-That costs about 15 microseconds of host time per launch on a CPU core (Triton 3.6 and 3.9), more than the
-launch of the compiled kernel itself, and it is paid by every small GEMM: each step of the overlapped rings,
+That costs about 8 microseconds of host time per launch on a CPU core (Triton 3.6 and 3.9, against launching
+the picked configuration directly), and it is paid by every small GEMM: each step of the overlapped rings,
 decode attention at every generated token. :func:`launch_tuned` computes the same key from the known positions
 of the key's arguments, reads the autotuner's own cache, and launches the picked configuration straight on
 the JIT function, as ``Autotuner.run`` does after its lookup. A key not tuned yet, and a configuration with a
