@@ -129,13 +129,19 @@ def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
     dense = _moe(family).train()
     if impl is not None:  # Hugging Face's "eager" loop over the experts hit does not compile whole
         dense.set_experts_implementation(impl)
+    batch = 0
     if split == "ep":  # each rank its own batch and half the experts, every route dispatched by all-to-all
         solo = [dist.new_group([r]) for r in range(world_size)][rank]
-        model = parallelize(copy.deepcopy(dense), solo, ep_group=dist.group.WORLD)
+        model, batch = parallelize(copy.deepcopy(dense), solo, ep_group=dist.group.WORLD), rank
+    elif split == "tp-ep":  # tp 2 x ep 2 over data-parallel ranks: each tp rank dispatches half of its pair's routes
+        from tests.layers.test_hf_expert_parallel import _groups
+
+        tp_group, _, ep_group, _, batch, _ = _groups(rank, world_size, 2, 2)
+        model = parallelize(copy.deepcopy(dense), tp_group, sequence_parallel=sequence_parallel, ep_group=ep_group)
     else:  # by features, or by experts (under sequence parallelism each route goes to its expert's rank)
         model = parallelize(copy.deepcopy(dense), dist.group.WORLD, sequence_parallel=sequence_parallel,
                             expert_split=split)  # fmt: skip
-    ids, weights = _batch(rank if split == "ep" else 0)
+    ids, weights = _batch(batch)
 
     def step(run):
         model.zero_grad(set_to_none=True)
@@ -161,6 +167,7 @@ def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
 @pytest.mark.parametrize(
     "family, sequence_parallel, split, impl",
     [
+        ("mixtral", False, "tp-ep", "grouped_mm"),
         ("mixtral", False, "features", "grouped_mm"),
         ("mixtral", True, "features", "grouped_mm"),
         ("deepseek_v3", False, "features", "grouped_mm"),
@@ -171,6 +178,7 @@ def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
         ("llama4", True, "features", None),  # its experts take every token once per expert, in batched GEMMs
     ],
     ids=[
+        "mixtral-tp2-ep2",
         "mixtral-tp2",
         "mixtral-tp2-sp",
         "deepseek_v3-tp2",
@@ -183,9 +191,12 @@ def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
 )
 def test_parallelized_hugging_face_experts_compile_whole(family, sequence_parallel, split, impl):
     """A Hugging Face mixture of experts ``parallelize``d over two ranks (its experts split by features or by
-    experts, or dispatched to the rank of their expert over ``ep_group``) runs forward and backward in one graph,
+    experts, or dispatched to the rank of their expert over ``ep_group``), or over tp 2 x ep 2 on four ranks, runs
+    forward and backward in one graph,
     equal to the eager run: Mixtral, Qwen2-MoE (a shared expert beside the experts), Llama 4 (experts taking
     every token), DeepSeek-V3, whose routing biases' load counts are the eager ones; Hugging Face's grouped_mm
     and batched_mm experts."""
-    counted = run_ranks(_hf_step, 2, family, sequence_parallel, split, impl, timeout=600, env=REFERENCE_KERNELS)
+    world_size = 4 if split == "tp-ep" else 2
+    counted = run_ranks(_hf_step, world_size, family, sequence_parallel, split, impl, timeout=600,
+                        env=REFERENCE_KERNELS)  # fmt: skip
     assert all(counted) == (family == "deepseek_v3")
