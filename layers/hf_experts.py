@@ -75,7 +75,6 @@ from ..parallel.collectives import (
 )
 from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.context import zigzag_order
-from ..parallel.exchange_op import traced_exchange_rows
 from ..parallel.sharding import local_shard
 
 __all__ = [
@@ -299,16 +298,10 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
         send = torch.bincount(owner, minlength=t).view(t)  # sized (owner < t): static under compile
         token = torch.div(order, ids.shape[-1], rounding_mode="floor")
         local = (ids.reshape(-1)[order] % local_experts)[:, None]
-        if torch.compiler.is_compiling():  # graph nodes that read the counts when they run (see exchange_op)
-            # on the host once, as below: the exchanges and their backwards read them there without a wait
-            send_counts, recv_counts = torch.stack((send, all_to_all(send, group, [1] * t, [1] * t)[0])).cpu()
-            rows = traced_exchange_rows(hidden[token], group, send_counts, recv_counts)
-            local_ids = traced_exchange_rows(local, group, send_counts, recv_counts, rows=rows.shape[0])
-        else:
-            send_counts = send.tolist()
-            recv_counts = all_to_all(send, group, [1] * t, [1] * t)[0].tolist()
-            rows = exchange_rows(hidden[token], group, send_counts, recv_counts)
-            local_ids = all_to_all(local, group, send_counts, recv_counts)[0]
+        # on the host once: the exchanges and their backwards read them there (graph nodes under compile)
+        send_counts, recv_counts = torch.stack((send, all_to_all(send, group, [1] * t, [1] * t)[0])).cpu()
+        rows = exchange_rows(hidden[token], group, send_counts, recv_counts)
+        local_ids = exchange_rows(local, group, send_counts, recv_counts, rows=rows.shape[0])
         routes.append((order, token, weights, send_counts, recv_counts, hidden.shape[0], rows))
         return rows, local_ids, torch.ones_like(local_ids, dtype=weights.dtype)
 
@@ -318,10 +311,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
             # a rank whose experts received no route may return a constant: tie it to the rows, so that its
             # backward still joins both exchanges' all-to-alls, which every other rank's backward runs
             out = out + rows.sum() * 0
-        if isinstance(send_counts, torch.Tensor):  # traced
-            back = traced_exchange_rows(out, group, recv_counts, send_counts, rows=order.shape[0])
-        else:
-            back = exchange_rows(out, group, recv_counts, send_counts)  # this rank's routes, grouped by rank
+        back = exchange_rows(out, group, recv_counts, send_counts, rows=order.shape[0])  # grouped by rank
         weighted = back * weights.reshape(-1)[order, None].to(back.dtype)
         return back.new_zeros((tokens, back.shape[-1])).index_add(0, token, weighted)
 

@@ -67,7 +67,6 @@ from ..parallel.collectives import (
     sum_over_ranks,
 )
 from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group, group_rank, group_size
-from ..parallel.exchange_op import traced_exchange_rows
 from ..parallel.sharding import shard_like
 from .hf_balance import expert_loads
 from .mlp import MLP_ACTIVATIONS
@@ -215,13 +214,8 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple
     if e == 1:
         return x[token], counts[0], _Routes(order, token, None, None, None, x.shape[0])
     received = all_to_all(counts, group, [1] * e, [1] * e)[0]  # [source rank, local expert]
-    if torch.compiler.is_compiling():  # one graph node, which reads the counts when it runs
-        send, recv = torch.stack((counts.sum(1), received.sum(1))).cpu()  # on the host once, as below
-        rows = traced_exchange_rows(x[token], group, send, recv)  # as many rows as the data decide
-    else:
-        sent, got = torch.stack((counts, received)).tolist()  # the one read on the host
-        send, recv = [sum(row) for row in sent], [sum(row) for row in got]
-        rows = exchange_rows(x[token], group, send, recv)  # source after source, by local expert within one
+    send, recv = torch.stack((counts.sum(1), received.sum(1))).cpu()  # the one read on the host
+    rows = exchange_rows(x[token], group, send, recv)  # source after source, by local expert within one
     # the local expert of every received row, then a stable sort: grouped by expert, by source within one
     experts = torch.arange(per_rank, device=x.device).repeat(e)
     of_row = torch.repeat_interleave(experts, received.reshape(-1), output_size=rows.shape[0])  # sized: no sync
@@ -233,10 +227,7 @@ def _combine(out: torch.Tensor, weights: torch.Tensor, routes: _Routes, group) -
     """``[N, E]`` fp32: each token's routes' outputs, weighted, added up (the inverse of :func:`_dispatch`)."""
     if routes.perm is not None:
         out = out.index_select(0, torch.argsort(routes.perm))  # source after source again
-        if isinstance(routes.send, torch.Tensor):  # traced: the routes this rank sent come back
-            out = traced_exchange_rows(out, group, routes.recv, routes.send, rows=routes.order.shape[0])
-        else:
-            out = exchange_rows(out, group, routes.recv, routes.send)  # this rank's routes, in `order`
+        out = exchange_rows(out, group, routes.recv, routes.send, rows=routes.order.shape[0])  # in `order`
     weighted = out.float() * weights.reshape(-1)[routes.order, None]
     return weighted.new_zeros((routes.tokens, out.shape[-1])).index_add(0, routes.token, weighted)
 

@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from .comm import all_gather, all_reduce, all_to_all, group_rank, group_size, reduce_scatter
+from .exchange_op import traced_exchange_rows
 
 __all__ = [
     "copy_to_tp",
@@ -180,15 +181,29 @@ class _DimCollective(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------------- public ops
 
 
-def exchange_rows(x: torch.Tensor, group: Group, send_counts: list[int], recv_counts: list[int]) -> torch.Tensor:
+def exchange_rows(x: torch.Tensor, group: Group, send_counts, recv_counts, *, rows: int | None = None) -> torch.Tensor:
     """Rows to other ranks and back, an all-to-all (expert parallelism's token dispatch).
 
     Forward: the first ``send_counts[0]`` rows of ``x`` go to rank 0, the next ``send_counts[1]`` to rank 1…;
     the result holds the ``sum(recv_counts)`` rows received, rank after rank. Backward: the gradient rows
     travel back the same way reversed (``recv_counts`` sent, ``send_counts`` received), so each row's
     gradient reaches the rank it came from.
+
+    The counts are lists of ints or ``[t]`` integer tensors (best on the CPU: they are read on the host).
+    Under ``torch.compile`` tensor counts make the exchange one graph node, ``tessel::exchange_rows``
+    (:mod:`.exchange_op`), whose output length the data decide unless ``rows`` (the number of rows received,
+    where the caller knows it) says.
     """
     _check_tensor("exchange_rows", x)
+    if isinstance(send_counts, torch.Tensor) or isinstance(recv_counts, torch.Tensor):
+        if not (isinstance(send_counts, torch.Tensor) and isinstance(recv_counts, torch.Tensor)):
+            raise TypeError(f"exchange_rows: send_counts and recv_counts must both be lists or both tensors, "
+                            f"received {type(send_counts).__name__} and {type(recv_counts).__name__}")  # fmt: skip
+        if torch.compiler.is_compiling():
+            return traced_exchange_rows(x, group, send_counts, recv_counts, rows)
+        send_counts, recv_counts = send_counts.tolist(), recv_counts.tolist()
+    if rows is not None and sum(recv_counts) != rows:
+        raise ValueError(f"exchange_rows: recv_counts {list(recv_counts)} must sum to rows={rows}")
     return _ExchangeRows.apply(x, group, list(send_counts), list(recv_counts))
 
 

@@ -1,10 +1,10 @@
 """Expert parallelism's token exchange as a ``torch.library`` custom operator: how a compiled mixture of experts
 keeps its dispatch in the graph.
 
-Eagerly, :func:`~.collectives.exchange_rows` takes the per-rank row counts as Python lists, read from the device
-once per dispatch. A graph cannot read a tensor on the host, and the rows a rank receives depend on where the
-router sent every token, so under ``torch.compile`` the exchange is one node, ``tessel::exchange_rows``, which
-takes the counts as tensors and reads them when it runs. Its fake implementation gives the received rows an
+Eagerly, :func:`~.collectives.exchange_rows` reads the per-rank row counts on the host, once per dispatch. A graph
+cannot read a tensor on the host, and the rows a rank receives depend on where the router sent every token, so
+under ``torch.compile`` an exchange with tensor counts is one node, ``tessel::exchange_rows``, which reads them
+when it runs. Its fake implementation gives the received rows an
 unbacked size (a symbol whose value only the running graph knows) unless the caller knows it (``rows``: the way
 back, whose row count is the number of routes the rank sent), and its registered backward is the exchange the
 other way. So a model whose experts live on several ranks compiles whole (``fullgraph=True``).

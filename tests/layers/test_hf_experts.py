@@ -193,7 +193,12 @@ def _two_ranks(rank, world_size):
     import tessel.layers.hf_experts as hf_experts
 
     sent, exchange = [], hf_experts.exchange_rows
-    hf_experts.exchange_rows = lambda x, group, send, recv: (sent.append(send), exchange(x, group, send, recv))[1]
+
+    def spy(x, group, send, recv, rows=None):
+        sent.append([int(c) for c in send])
+        return exchange(x, group, send, recv, rows=rows)
+
+    hf_experts.exchange_rows = spy
     try:
         dense = _moe("mixtral")
         _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, sequence_parallel=True,
@@ -201,8 +206,8 @@ def _two_ranks(rank, world_size):
     finally:
         hf_experts.exchange_rows = exchange
     routes = B * S // 2 * 2  # this rank's tokens, two choices each
-    # two expert layers, each there (this rank's routes) and back (the routes it received)
-    assert len(sent) == 4 and sum(sent[0]) == sum(sent[2]) == routes, sent
+    # two expert layers, each there (this rank's routes, and their experts' ids) and back (the routes it received)
+    assert len(sent) == 6 and sum(sent[0]) == sum(sent[1]) == sum(sent[3]) == sum(sent[4]) == routes, sent
     # a rank whose experts receive no route (every token chooses rank 0's experts) still joins every exchange,
     # forward and backward, under the eager implementation that returns a constant for no rows
     dense = _moe("mixtral")

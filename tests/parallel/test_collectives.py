@@ -219,6 +219,10 @@ def _exchange(rank, world_size):
     row = h * 4
     sent = sum(counts[rank]) - counts[rank][rank] + sum(c[rank] for c in counts) - counts[rank][rank]
     assert (counter.sent, counter.received) == (sent * row, sent * row)
+    # the counts as tensors (as the experts' dispatch passes them, read on the host once): the same exchange
+    recv = torch.tensor([counts[q][rank] for q in range(t)])
+    again = exchange_rows(x.detach(), None, torch.tensor(counts[rank]), recv, rows=y.shape[0])
+    assert torch.equal(again, y.detach())
     return "ok"
 
 
@@ -241,6 +245,16 @@ def test_exchange_rows_sends_rows_and_their_gradients_back():
             lambda: exchange_rows(torch.ones(3, 2), None, [2], [3]),
             ValueError,
             "send_counts must sum to the 3 rows of x, received [2] and [3]",
+        ),
+        (
+            lambda: exchange_rows(torch.ones(3, 2), None, torch.tensor([3]), [3]),
+            TypeError,
+            "send_counts and recv_counts must both be lists or both tensors, received Tensor and list",
+        ),
+        (
+            lambda: exchange_rows(torch.ones(3, 2), None, torch.tensor([3]), torch.tensor([3]), rows=2),
+            ValueError,
+            "exchange_rows: recv_counts [3] must sum to rows=2",
         ),
     ],
 )
