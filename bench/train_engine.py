@@ -118,8 +118,9 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=False)
         self._target_weight = None if segment_ids is None else self._global_target_weight(y)
         if self.schedule is None:
-            logits = self.wrapper(x) if segment_ids is None else self.wrapper(x, segment_ids=segment_ids)
-            loss = self._weighted(self.gpt.loss_from_logits(logits, y), y)
+            # the head and the loss chunk by chunk (GPT.forward with targets): no [B, S, V/t] logits are held
+            docs = {} if segment_ids is None else {"segment_ids": segment_ids}
+            loss = self._weighted(self.wrapper(x, targets=y, **docs), y)
             router = self.gpt.router_loss()  # the experts' load balancing and z-loss: trained, not reported
             self._scaled(loss if router is None else loss + router).backward()
             local = loss.detach().float()

@@ -7,6 +7,7 @@ from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .hf_balance import track_expert_loads
 from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear_cross_entropy import linear_cross_entropy
 from .mlp import ParallelMLP
 from .moe import ParallelMoE, update_expert_biases
 from .norm import LayerNorm, RMSNorm
@@ -24,6 +25,7 @@ __all__ = [
     "RowParallelLinear",
     "TransformerBlock",
     "VocabParallelEmbedding",
+    "linear_cross_entropy",
     "parallelize",
     "register_hf_attention",
     "track_expert_loads",

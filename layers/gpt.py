@@ -28,6 +28,7 @@ from .attention import ParallelAttention, check_heads, check_window, context_siz
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
+from .linear_cross_entropy import linear_cross_entropy
 from .mlp import MLP_ACTIVATIONS, ParallelMLP
 from .moe import ROUTER_SCORES, ParallelMoE, check_expert_groups, update_expert_biases
 from .norm import LayerNorm, RMSNorm
@@ -265,19 +266,32 @@ class GPT(nn.Module):
         self._check_idx(idx, segment_ids)
         return self.norm(run_blocks(self.blocks, self.embed(idx), self.config.recompute, segment_ids))
 
-    def forward(self, idx: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, idx: torch.Tensor, segment_ids: torch.Tensor | None = None, targets: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """Logits of ``idx [B, S]``. ``segment_ids`` (an integer ``[B, S]`` tensor, or ``None``): documents
         packed into one row; each run of equal ids attends only within itself, with rotary positions
         restarting at its first token, so its logits are those of the document alone (flash attention
         skips the blocks between documents). Under context parallelism ``idx`` is this rank's zigzag
-        share and ``segment_ids`` the whole sequence's ``[B, S]`` ids, the same on every rank."""
-        return self.lm_head(self.hidden_states(idx, segment_ids))
+        share and ``segment_ids`` the whole sequence's ``[B, S]`` ids, the same on every rank.
+
+        With ``targets`` (``[B, S]`` ids, ``-100`` ignored) it returns their mean cross entropy (fp32)
+        instead, from :func:`~.linear_cross_entropy.linear_cross_entropy`: the head and the loss run
+        chunk by chunk and no ``[B, S, V/t]`` logits are ever held (a training step's largest activation
+        otherwise). Called through the module (not :meth:`loss`), so data-parallel wrappers see it."""
+        hidden = self.hidden_states(idx, segment_ids)
+        if targets is None:
+            return self.lm_head(hidden)
+        head = self.lm_head
+        return linear_cross_entropy(hidden, head.weight, targets, self.tp_group, bias=head.bias,
+                                    sequence_parallel=self.sequence_parallel)  # fmt: skip
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """Mean cross entropy of next-token ``targets [B, S]`` (fp32), the logits never gathered; ``segment_ids``
-        as in :meth:`forward` (a document's last target is the next document's first token unless the
-        caller sets it to ``-100``, which is ignored)."""
-        loss = self.loss_from_logits(self(idx, segment_ids), targets)
+        """Mean cross entropy of next-token ``targets [B, S]`` (fp32), the logits never held whole (see
+        :meth:`forward`); ``segment_ids`` as in :meth:`forward` (a document's last target is the next
+        document's first token unless the caller sets it to ``-100``, which is ignored). With experts, the
+        router losses (:meth:`router_loss`) are added."""
+        loss = self(idx, segment_ids, targets=targets)
         router = self.router_loss()
         return loss if router is None else loss + router
 
