@@ -22,6 +22,7 @@ from .attention import run_attention_suite
 from .attention_tiles import run_attention_tiles_suite
 from .decode import run_decode_suite
 from .experts import run_experts_suite
+from .loss import run_loss_suite
 from .matmul import BenchmarkError, run_matmul_suite
 from .overlap import run_overlap_suite
 from .pipeline import run_pipeline_suite
@@ -38,6 +39,7 @@ SUITES = {
     "decode": run_decode_suite,
     "experts": run_experts_suite,
     "adam": run_adam_suite,
+    "loss": run_loss_suite,
     "overlap": run_overlap_suite,
     "pipeline": run_pipeline_suite,
     "attention-tiles": run_attention_tiles_suite,

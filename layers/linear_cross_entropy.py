@@ -42,13 +42,17 @@ _NAME = "linear_cross_entropy"
 _REDUCTIONS = ("mean", "sum", "none")
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _CHUNK_ALIGN = 256  # tokens: whole GEMM tiles along the chunk's rows
+# Tokens per chunk at least: dW accumulates in fp32 across chunks, and each chunk's GEMM reads and writes all of
+# it (8 bytes per element for 2·n flops); below ~1k tokens that traffic, not the arithmetic, bounds the GEMM.
+_MIN_CHUNK = 2048
 
 
 def default_chunk_size(tokens: int, vocab_local: int, hidden: int) -> int:
     """Tokens per chunk when none is given: a chunk's fp32 logits ``[n, Vl]`` about as large as the hidden states
-    ``[N, E]`` (Liger-Kernel's rule), rounded up to a multiple of 256 rows, all the tokens when that covers them."""
+    ``[N, E]`` (Liger-Kernel's rule) but at least 2048 tokens (so that the weight gradient's GEMMs stay bound by
+    arithmetic), rounded up to a multiple of 256 rows; all the tokens when that covers them."""
     chunks = max(1, -(-vocab_local // max(hidden, 1)))
-    n = -(-tokens // chunks)
+    n = max(-(-tokens // chunks), _MIN_CHUNK)
     return max(1, min(tokens, -(-n // _CHUNK_ALIGN) * _CHUNK_ALIGN))
 
 
@@ -225,7 +229,7 @@ def linear_cross_entropy(
         ignore_index: targets equal to it contribute no loss and no gradient.
         reduction: ``"mean"`` over the non-ignored targets, ``"sum"``, or ``"none"`` (target's shape).
         chunk_size: tokens per chunk; None: :func:`default_chunk_size` (one chunk's fp32 logits about the
-            size of the hidden states).
+            size of the hidden states, and at least 2048 tokens).
 
     Returns:
         The loss in float32 (a scalar, or target's shape for ``"none"``). Differentiable with respect to

@@ -138,8 +138,10 @@ def test_no_tensor_holds_the_logits(reduction):
 
 def test_default_chunk_size():
     assert default_chunk_size(16384, 16032, 4096) == 4096  # Llama 3 at tp 8: four chunks of fp32 logits
-    assert default_chunk_size(16384, 128256, 4096) == 512  # tp 1: 32 chunks
-    assert default_chunk_size(100, 50, 64) == 100  # logits smaller than the hidden states: one chunk
+    assert default_chunk_size(16384, 128256, 4096) == 2048  # tp 1: 32 chunks by the size rule, 8 of 2048 tokens
+    assert default_chunk_size(16384, 50304, 2048) == 2048  # GPT-2's vocabulary (the training job's 1B preset)
+    assert default_chunk_size(100, 50, 64) == 100  # one chunk
+    assert default_chunk_size(3000, 50, 64) == 3000  # logits smaller than the hidden states: one chunk
     assert default_chunk_size(0, 50, 64) == 1
 
 
