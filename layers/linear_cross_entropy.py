@@ -31,6 +31,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..kernels.cross_entropy import logits_grad, row_stats
 from ..kernels.matmul import matmul
 from ..parallel.collectives import copy_to_tp, gather_from_sequence
 from ..parallel.comm import all_gather, group_rank, group_size
@@ -98,30 +99,26 @@ def _validate(hidden, weight, bias, target, group, sequence_parallel, ignore_ind
         raise ValueError(f"{_NAME}: target must be on hidden's device {hidden.device}, received {target.device}")
 
 
-def _chunk_stats(logits, local_target, owned, group):
+def _chunk_stats(logits, local_target, group):
     """The chunk's global log-sum-exp and target logit per token, from this rank's shard of its logits."""
-    lse = torch.logsumexp(logits, dim=-1)
-    z = torch.where(owned, logits.gather(1, local_target.unsqueeze(1)).squeeze(1), 0.0)
+    lse, z = row_stats(logits, local_target)
     if group_size(group) == 1:
         return lse, z
     stats, _ = all_gather(torch.stack([lse, z]).unsqueeze(0), group)  # [t, 2, n]
     return torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
 
 
-def _chunk_grads(logits, lse, local_target, owned, scale, x, weight, grads, rows, first) -> None:
-    """Turn the chunk's fp32 ``logits`` into their gradient in place (softmax − onehot, times ``scale`` per token),
-    and add what it gives to ``grads = [dx or None, dW or None, db or None]`` (``dx``'s ``rows``)."""
-    logits.sub_(lse.unsqueeze(1)).exp_()
-    logits.scatter_add_(1, local_target.unsqueeze(1), -owned.to(logits.dtype).unsqueeze(1))
-    logits.mul_(scale.unsqueeze(1))
-    g = logits.to(x.dtype)
+def _chunk_grads(logits, lse, local_target, scale, x, weight, grads, rows, first) -> None:
+    """The gradient of the chunk's fp32 ``logits`` (softmax − onehot, times ``scale`` per token; overwrites them),
+    and what it adds to ``grads = [dx or None, dW or None, db or None]`` (``dx``'s ``rows``)."""
+    g = logits_grad(logits, lse, local_target, scale, x.dtype)
     dx, dw, db = grads
     if dx is not None:
         matmul(g, weight, out=dx[rows])
     if dw is not None:
         matmul(g.t(), x[rows], out=dw, accumulate=not first)
     if db is not None:
-        db += logits.sum(dim=0)
+        db += g.sum(dim=0, dtype=torch.float32)
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
@@ -131,8 +128,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         x2, target = x.reshape(-1, e), target.reshape(-1).long()
         n_tokens = x2.shape[0]
         start = group_rank(group) * vl
-        owned = (target >= start) & (target < start + vl)
-        local_target = torch.where(owned, target - start, 0)
+        local_target = torch.where((target >= start) & (target < start + vl), target - start, -1)  # -1: elsewhere
         valid = target != ignore_index
         count = valid.sum()
         eager = reduction != "none" and any(needs)  # the gradients now; the backward scales them
@@ -151,18 +147,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for i, lo in enumerate(range(0, n_tokens, chunk)):
             rows = slice(lo, min(lo + chunk, n_tokens))
             logits = matmul(x2[rows], w_t, bias, out=buf[: rows.stop - lo])
-            lse, z = _chunk_stats(logits, local_target[rows], owned[rows], group)
+            lse, z = _chunk_stats(logits, local_target[rows], group)
             loss[rows] = torch.where(valid[rows], lse - z, 0.0)
             lse_all[rows] = lse
             if eager:
-                _chunk_grads(logits, lse, local_target[rows], owned[rows], scale[rows], x2, weight, grads, rows, i == 0)
+                _chunk_grads(logits, lse, local_target[rows], scale[rows], x2, weight, grads, rows, i == 0)
         if n_tokens == 0 and grads[1] is not None:
             grads[1].zero_()
         ctx.shapes, ctx.reduction, ctx.eager, ctx.chunk = (x.shape, weight.dtype), reduction, eager, chunk
         if eager:
             ctx.save_for_backward(*grads)
         else:
-            ctx.save_for_backward(x2, weight, bias, lse_all, local_target, owned, valid)
+            ctx.save_for_backward(x2, weight, bias, lse_all, local_target, valid)
         ctx.needs = needs
         if reduction == "none":
             return loss.view(x.shape[:-1])
@@ -176,7 +172,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             grads = list(ctx.saved_tensors)
             g = grad_loss.float()
         else:
-            x2, weight, bias, lse, local_target, owned, valid = ctx.saved_tensors
+            x2, weight, bias, lse, local_target, valid = ctx.saved_tensors
             g = None  # the per-token gradient of the loss is in the chunks' scale already
             grads = [
                 x2.new_empty(x2.shape, dtype=torch.float32) if needs[0] else None,
@@ -191,8 +187,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for i, lo in enumerate(range(0, n_tokens, chunk)):
                 rows = slice(lo, min(lo + chunk, n_tokens))
                 logits = matmul(x2[rows], weight.t(), bias, out=buf[: rows.stop - lo])
-                _chunk_grads(logits, lse[rows], local_target[rows], owned[rows], scale[rows], x2, weight, grads, rows,
-                             i == 0)  # fmt: skip
+                _chunk_grads(logits, lse[rows], local_target[rows], scale[rows], x2, weight, grads, rows, i == 0)
         dx, dw, db = ((None if grad is None else (grad if g is None else grad * g).to(w_dtype)) for grad in grads)
         return (None if dx is None else dx.view(x_shape)), dw, db, None, None, None, None, None, None
 

@@ -1,0 +1,90 @@
+"""The cross-entropy row passes (row_stats, logits_grad) against float64 PyTorch, on odd shapes.
+
+Rows are longer than the interpreter's 64-column blocks and end in partial blocks; logits spread over ±80
+(exp overflows fp32 without the running max); some rows hold -inf logits (a masked vocabulary) and some
+targets are -1 (another rank's columns). Rows are strided: ``x`` is a column slice of a wider buffer.
+Tolerances: the log-sum-exp is an fp32 sum of ~V terms: 1e-6 relative. The gradient is exp of the fp32
+difference x − lse, whose rounding (half an ulp of |x| ≤ ~200: up to 8e-6) is an absolute error of the
+exponent, a relative one of its value: 2e-5 relative; fp16/bf16 round that once more (their eps).
+"""
+
+import pytest
+import torch
+
+from tessel.kernels.cross_entropy import logits_grad, logits_grad_reference, row_stats, row_stats_reference
+
+SHAPES = [(1, 1), (7, 37), (5, 130), (3, 64)]
+
+
+def _inputs(n, v, device="cpu", seed=0):
+    g = torch.Generator().manual_seed(seed)
+    wide = torch.full((n, v + 5), float("nan"))
+    wide[:, :v] = 40 * torch.randn(n, v, generator=g)
+    x = wide[:, :v]
+    if v > 2:
+        x[0, 1] = float("-inf")
+        x[n - 1, :2] = float("-inf")
+    target = torch.randint(0, v, (n,), generator=g)
+    target[n // 2] = -1
+    if v > 2:
+        target[n - 1] = 2  # a row whose first logits are -inf
+    scale = torch.rand(n, generator=g) + 0.5
+    return x.to(device), target.to(device), scale.to(device)
+
+
+def _expected(x, target, scale):
+    xd = x.double()
+    lse = torch.logsumexp(xd, dim=1)
+    z = torch.where(target >= 0, xd.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
+    onehot = torch.zeros_like(xd).scatter_(1, target.clamp(min=0)[:, None], (target >= 0).double()[:, None])
+    return lse, z, (torch.exp(xd - lse[:, None]) - onehot) * scale.double()[:, None]
+
+
+@pytest.mark.parametrize("n, v", SHAPES)
+def test_row_stats(n, v):
+    x, target, scale = _inputs(n, v)
+    lse, z = row_stats(x, target)
+    want_lse, want_z, _ = _expected(x, target, scale)
+    assert lse.dtype == z.dtype == torch.float32
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z.double(), want_z, rtol=0, atol=0)
+    torch.testing.assert_close(row_stats_reference(x, target), (lse, z), rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("n, v", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_logits_grad(n, v, dtype):
+    x, target, scale = _inputs(n, v)
+    want_lse, _, want = _expected(x, target, scale)
+    lse = want_lse.float()
+    reference = logits_grad_reference(x.clone(), lse, target, scale, dtype)
+    g = logits_grad(x, lse, target, scale, dtype)
+    assert g.dtype == dtype and g.shape == x.shape
+    if dtype == torch.float32:
+        assert g.data_ptr() == x.data_ptr()  # in place
+    tol = dict(rtol=2e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=torch.finfo(dtype).eps, atol=1e-7)
+    torch.testing.assert_close(g.double(), want, **tol)
+    torch.testing.assert_close(g, reference, **tol)
+
+
+def test_bad_input_is_refused():
+    x, target, scale = _inputs(4, 9)
+    with pytest.raises(ValueError, match=r"row_stats: x must be float32 \[n, V\] with unit column stride"):
+        row_stats(x.double(), target)
+    with pytest.raises(ValueError, match="with unit column stride"):
+        row_stats(x.t().contiguous().t(), target)
+    with pytest.raises(ValueError, match=r"logits_grad: target must be int64 \[4\]"):
+        logits_grad(x, x[:, 0], target.int(), scale, torch.float32)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_a_llama_sized_vocabulary(dtype):
+    x, target, scale = _inputs(33, 128256, "cuda")
+    lse, z = row_stats(x, target)
+    want_lse, want_z, want = _expected(x, target, scale)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(z.double(), want_z, rtol=0, atol=0)
+    g = logits_grad(x, want_lse.float(), target, scale, dtype)
+    tol = dict(rtol=2e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=torch.finfo(dtype).eps, atol=1e-7)
+    torch.testing.assert_close(g.double(), want, **tol)
