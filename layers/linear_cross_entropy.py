@@ -10,9 +10,9 @@ activation. :func:`linear_cross_entropy` computes the same loss and gradients ho
 (fp32) at a time:
 
     per chunk of n tokens:  logits = x_c · Wᵀ (+ b)                  one GEMM, fp32 output
-                            lse_r, z_r of the local shard            as vocab_parallel_cross_entropy
+                            lse_r, z_r of the local shard            one read (kernels/cross_entropy.py)
                             one all-gather of (lse_r, z_r): [t, 2, n] → lse, z, loss = lse − z
-                            dlogits = (exp(logits − lse) − onehot)·scale         in place, no new [n, Vl]
+                            dlogits = (exp(logits − lse) − onehot)·scale   one read, one write in x's dtype
                             dx_c = dlogits · W,  dW += dlogitsᵀ · x_c,  db += Σ dlogits   two GEMMs
 
 With ``reduction`` ``"mean"`` or ``"sum"`` the gradient of the loss is a scalar times what the chunk loop
