@@ -1,4 +1,4 @@
-"""The two row passes of a cross entropy over a block of fp32 logits, each one read of the rows.
+"""The two row passes of a cross entropy over a block of logits, each one read of the rows, fp32 arithmetic.
 
 Legend: ``n`` rows (tokens), ``V`` columns (this rank's share of the vocabulary), ``t`` a row's target column
 (``-1``: the target is not among these columns, e.g. another rank's), ``lse`` a row's natural-log log-sum-exp.
@@ -9,7 +9,9 @@ Legend: ``n`` rows (tokens), ``V`` columns (this rank's share of the vocabulary)
 :func:`~tessel.layers.linear_cross_entropy.linear_cross_entropy` runs them on each chunk of logits, with
 ``lse`` merged over the tensor-parallel ranks in between. Written with PyTorch the same work takes a
 log-sum-exp, a gather, and a subtract, exp, scatter, multiply and cast over the chunk, each its own pass
-over ``n·V`` fp32 values. ``logits_grad`` may write over the logits themselves (fp32 gradients).
+over ``n·V`` fp32 values, after an fp32 copy of fp16/bf16 logits. ``logits_grad`` may write over the logits
+themselves (``inplace=True``, for a gradient of their dtype). :func:`~tessel.layers.cross_entropy.
+vocab_parallel_cross_entropy` runs them on whole logits.
 
 The three tiers: ``_row_stats_kernel`` / ``_logits_grad_kernel`` (Triton, one program per row, the row in
 blocks of ``BLOCK`` columns), :func:`row_stats` / :func:`logits_grad` (launchers: Triton on CUDA, the
@@ -41,7 +43,7 @@ def _row_stats_kernel(x_ptr, target_ptr, lse_ptr, z_ptr, n_cols, stride_row, BLO
     m = tl.full((BLOCK,), float("-inf"), tl.float32)  # each lane's running max and sum of exp(x - max)
     s = tl.zeros((BLOCK,), dtype=tl.float32)
     for start in range(0, n_cols, BLOCK):
-        x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf"))
+        x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
         m_new = tl.maximum(m, x)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen only -inf: exp(-inf) = 0
         s = s * tl.exp(m - shift) + tl.exp(x - shift)
@@ -50,7 +52,7 @@ def _row_stats_kernel(x_ptr, target_ptr, lse_ptr, z_ptr, n_cols, stride_row, BLO
     total = tl.sum(tl.where(m == float("-inf"), 0.0, s * tl.exp(m - row_max)), axis=0)
     tl.store(lse_ptr + row, row_max + tl.log(total))
     t = tl.load(target_ptr + row)
-    z = tl.load(base + tl.maximum(t, 0))
+    z = tl.load(base + tl.maximum(t, 0)).to(tl.float32)
     tl.store(z_ptr + row, tl.where(t >= 0, z, 0.0))
 
 
@@ -64,21 +66,25 @@ def _logits_grad_kernel(x_ptr, g_ptr, lse_ptr, target_ptr, scale_ptr, n_cols, st
     cols = tl.arange(0, BLOCK)
     for start in range(0, n_cols, BLOCK):
         j = start + cols
-        x = tl.load(x_ptr + row * stride_x + j, mask=j < n_cols, other=0.0)
+        x = tl.load(x_ptr + row * stride_x + j, mask=j < n_cols, other=0.0).to(tl.float32)
         p = tl.exp(x - lse)
         g = tl.where(j == t, p - 1.0, p) * scale
         tl.store(g_ptr + row * stride_g + j, g.to(g_ptr.dtype.element_ty), mask=j < n_cols)
 
 
 def row_stats_reference(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse, z)`` of the rows of ``x [n, V]`` (fp32) for targets ``target [n]`` (``-1``: not in these columns)."""
+    """``(lse, z)`` (fp32) of the rows of ``x [n, V]`` for targets ``target [n]`` (``-1``: not in these columns)."""
+    x = x.float()
     lse = torch.logsumexp(x, dim=-1)
     z = x.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
     return lse, torch.where(target >= 0, z, 0.0)
 
 
-def logits_grad_reference(x, lse, target, scale, dtype: torch.dtype) -> torch.Tensor:
-    """``(softmax(x) − onehot(target))·scale`` per row, in ``dtype``; computed in place in ``x`` (fp32)."""
+def logits_grad_reference(x, lse, target, scale, dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
+    """``(softmax(x) − onehot(target))·scale`` per row, in ``dtype``; computed in ``x`` itself with ``inplace`` when
+    ``x`` is fp32, otherwise in an fp32 copy."""
+    if not (inplace and x.dtype == torch.float32):
+        x = x.float() if x.dtype != torch.float32 else x.clone()
     x.sub_(lse.unsqueeze(1)).exp_()
     owned = target >= 0
     x.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -owned.to(x.dtype).unsqueeze(1))
@@ -87,8 +93,9 @@ def logits_grad_reference(x, lse, target, scale, dtype: torch.dtype) -> torch.Te
 
 def _check(name: str, x, target) -> str:
     """The backend for ``x``, after checking the arguments every pass shares."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"{name}: x must be float32 [n, V] with unit column stride, received {x.dtype} "
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name}: x must be a float32, float16 or bfloat16 [n, V] tensor with unit column stride, "
+                         f"received {x.dtype} "
                          f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
     if target.shape != x.shape[:1] or target.dtype != torch.int64 or target.device != x.device:
         raise ValueError(f"{name}: target must be int64 [{x.shape[0]}] on {x.device}, received {target.dtype} "
@@ -113,24 +120,25 @@ def _launch_grad(x, g, lse, target, scale, backend) -> None:
 
 
 def row_stats(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse, z)``, fp32 ``[n]`` each: the natural-log log-sum-exp of each row of ``x [n, V]`` (fp32, unit column
-    stride) and its logit at ``target [n]`` (int64 column, ``-1`` for none: ``z = 0``)."""
+    """``(lse, z)``, fp32 ``[n]`` each: the natural-log log-sum-exp of each row of ``x [n, V]`` (fp32, fp16 or bf16,
+    unit column stride) and its logit at ``target [n]`` (int64 column, ``-1`` for none: ``z = 0``)."""
     backend = _check("row_stats", x, target)
     if backend == Backend.REFERENCE or x.shape[0] == 0 or x.shape[1] == 0:
         return row_stats_reference(x, target)
-    lse, z = x.new_empty(x.shape[0]), x.new_empty(x.shape[0])
+    lse, z = (torch.empty(x.shape[0], device=x.device, dtype=torch.float32) for _ in range(2))
     _launch_stats(x, target, lse, z, backend)
     return lse, z
 
 
 def logits_grad(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
-                dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """``(softmax(x) − onehot(target))·scale`` per row of ``x [n, V]`` (fp32), with each row's ``lse`` and
-    ``scale`` (fp32 ``[n]``) and ``target`` (as :func:`row_stats`), in ``dtype``. ``x`` is scratch: with
-    ``dtype=float32`` the result is ``x`` itself, otherwise its values afterwards are unspecified."""
+                dtype: torch.dtype, *, inplace: bool = False) -> torch.Tensor:  # fmt: skip
+    """``(softmax(x) − onehot(target))·scale`` per row of ``x [n, V]`` (as :func:`row_stats`), with each row's
+    ``lse`` and ``scale`` (fp32 ``[n]``), in ``dtype``. With ``inplace`` the logits are scratch: a gradient of
+    their dtype is written over them (and returned), otherwise their values afterwards are unspecified; without
+    it ``x`` is left as it is."""
     backend = _check("logits_grad", x, target)
     if backend == Backend.REFERENCE or x.shape[0] == 0 or x.shape[1] == 0:
-        return logits_grad_reference(x, lse, target, scale, dtype)
-    g = x if dtype == torch.float32 else torch.empty(x.shape, device=x.device, dtype=dtype)
+        return logits_grad_reference(x, lse, target, scale, dtype, inplace)
+    g = x if inplace and dtype == x.dtype else torch.empty(x.shape, device=x.device, dtype=dtype)
     _launch_grad(x, g, lse, target, scale, backend)
     return g

@@ -27,6 +27,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from ..kernels.cross_entropy import logits_grad, row_stats
 from ..parallel.comm import all_gather, group_rank, group_size
 from .embedding import check_ids
 
@@ -56,17 +57,20 @@ def _validate(logits, target, tp_group, ignore_index, reduction) -> None:
         raise ValueError(f"{_NAME}: target must be on the logits' device {logits.device}, received {target.device}")
 
 
+def _rows(logits: torch.Tensor) -> torch.Tensor:
+    """``logits`` as ``[N, V/t]`` rows of unit column stride (a view where it can be)."""
+    x = logits.reshape(-1, logits.shape[-1])
+    return x if x.stride(1) == 1 or x.shape[1] == 1 else x.contiguous()
+
+
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, group, ignore_index, reduction):
         vl = logits.shape[-1]
-        x = logits.reshape(-1, vl).float()
         target = target.reshape(-1).long()
         start = group_rank(group) * vl
-        owned = (target >= start) & (target < start + vl)
-        local_target = torch.where(owned, target - start, 0)
-        lse_local = torch.logsumexp(x, dim=-1)
-        z_local = torch.where(owned, x.gather(1, local_target.unsqueeze(1)).squeeze(1), 0.0)
+        local_target = torch.where((target >= start) & (target < start + vl), target - start, -1)  # -1: elsewhere
+        lse_local, z_local = row_stats(_rows(logits), local_target)  # one read, fp32 arithmetic, no fp32 copy
         if group_size(group) > 1:
             stats, _ = all_gather(torch.stack([lse_local, z_local]).unsqueeze(0), group)  # [t, 2, N]
             lse, z = torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
@@ -75,7 +79,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         valid = target != ignore_index
         loss = torch.where(valid, lse - z, 0.0)
         count = valid.sum()
-        ctx.save_for_backward(logits, lse, local_target, owned, valid, count)
+        ctx.save_for_backward(logits, lse, local_target, valid, count)
         ctx.reduction = reduction
         if reduction == "none":
             return loss.view(logits.shape[:-1])
@@ -83,18 +87,16 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss):
-        logits, lse, local_target, owned, valid, count = ctx.saved_tensors
-        vl = logits.shape[-1]
-        grad = (logits.reshape(-1, vl).float() - lse.unsqueeze(1)).exp()  # this rank's softmax shard
-        grad.scatter_add_(1, local_target.unsqueeze(1), -owned.float().unsqueeze(1))  # − onehot
+        logits, lse, local_target, valid, count = ctx.saved_tensors
         if ctx.reduction == "none":
             scale = grad_loss.reshape(-1).float()
         elif ctx.reduction == "sum":
             scale = grad_loss.float().expand(lse.shape[0])
         else:
             scale = grad_loss.float() / count
-        grad *= torch.where(valid, scale, 0.0).unsqueeze(1)
-        return grad.to(logits.dtype).view(logits.shape), None, None, None, None
+        # (this rank's softmax shard − onehot)·scale in one pass, written in the logits' dtype
+        grad = logits_grad(_rows(logits), lse, local_target, torch.where(valid, scale, 0.0), logits.dtype)
+        return grad.view(logits.shape), None, None, None, None
 
 
 def vocab_parallel_cross_entropy(

@@ -111,7 +111,7 @@ def _chunk_stats(logits, local_target, group):
 def _chunk_grads(logits, lse, local_target, scale, x, weight, grads, rows, first) -> None:
     """The gradient of the chunk's fp32 ``logits`` (softmax − onehot, times ``scale`` per token; overwrites them),
     and what it adds to ``grads = [dx or None, dW or None, db or None]`` (``dx``'s ``rows``)."""
-    g = logits_grad(logits, lse, local_target, scale, x.dtype)
+    g = logits_grad(logits, lse, local_target, scale, x.dtype, inplace=True)
     dx, dw, db = grads
     if dx is not None:
         matmul(g, weight, out=dx[rows])

@@ -41,8 +41,10 @@ def _expected(x, target, scale):
 
 
 @pytest.mark.parametrize("n, v", SHAPES)
-def test_row_stats(n, v):
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_row_stats(n, v, x_dtype):
     x, target, scale = _inputs(n, v)
+    x = x if x_dtype == torch.float32 else (x / 40).to(x_dtype)  # fp16's range; read as they are, fp32 arithmetic
     lse, z = row_stats(x, target)
     want_lse, want_z, _ = _expected(x, target, scale)
     assert lse.dtype == z.dtype == torch.float32
@@ -53,15 +55,20 @@ def test_row_stats(n, v):
 
 @pytest.mark.parametrize("n, v", SHAPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_logits_grad(n, v, dtype):
+@pytest.mark.parametrize("inplace", [False, True])
+def test_logits_grad(n, v, dtype, inplace):
     x, target, scale = _inputs(n, v)
+    if dtype != torch.float32:
+        x = (x / 40).to(dtype)  # logits of the gradient's dtype (fp16's range)
     want_lse, _, want = _expected(x, target, scale)
     lse = want_lse.float()
+    before = x.clone()
     reference = logits_grad_reference(x.clone(), lse, target, scale, dtype)
-    g = logits_grad(x, lse, target, scale, dtype)
+    g = logits_grad(x, lse, target, scale, dtype, inplace=inplace)
     assert g.dtype == dtype and g.shape == x.shape
-    if dtype == torch.float32:
-        assert g.data_ptr() == x.data_ptr()  # in place
+    assert (g.data_ptr() == x.data_ptr()) == inplace  # written over the logits only when asked
+    if not inplace:
+        torch.testing.assert_close(x, before, rtol=0, atol=0, equal_nan=True)
     tol = dict(rtol=2e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=torch.finfo(dtype).eps, atol=1e-7)
     torch.testing.assert_close(g.double(), want, **tol)
     torch.testing.assert_close(g, reference, **tol)
@@ -69,8 +76,10 @@ def test_logits_grad(n, v, dtype):
 
 def test_bad_input_is_refused():
     x, target, scale = _inputs(4, 9)
-    with pytest.raises(ValueError, match=r"row_stats: x must be float32 \[n, V\] with unit column stride"):
+    with pytest.raises(ValueError, match=r"row_stats: x must be a float32, float16 or bfloat16 \[n, V\] tensor"):
         row_stats(x.double(), target)
+    with pytest.raises(ValueError, match=r"x must be a float32, float16 or bfloat16 \[n, V\] tensor"):
+        row_stats(x[None], target)
     with pytest.raises(ValueError, match="with unit column stride"):
         row_stats(x.t().contiguous().t(), target)
     with pytest.raises(ValueError, match=r"logits_grad: target must be int64 \[4\]"):
