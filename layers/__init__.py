@@ -6,6 +6,7 @@ from .embedding import VocabParallelEmbedding
 from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .hf_balance import track_expert_loads
+from .hf_loss import fuse_lm_loss
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
 from .mlp import ParallelMLP
@@ -25,6 +26,7 @@ __all__ = [
     "RowParallelLinear",
     "TransformerBlock",
     "VocabParallelEmbedding",
+    "fuse_lm_loss",
     "linear_cross_entropy",
     "parallelize",
     "register_hf_attention",

@@ -1,0 +1,98 @@
+"""A parallelized Hugging Face causal language model whose ``forward(..., labels=...)`` never holds its logits.
+
+``LlamaForCausalLM.forward`` (and every ``*ForCausalLM`` like it) computes ``logits = lm_head(hidden)`` for
+every position, upcasts them to fp32 and takes their cross entropy: after :func:`~.parallelize.parallelize`
+each rank then holds the gathered ``[B, S, V]`` logits, their fp32 copy and their gradient, several GB at
+Llama 3's 128k vocabulary. :func:`fuse_lm_loss` replaces the model's ``forward`` (on the instance) so that a
+call with ``labels`` runs the base model, then :func:`~.linear_cross_entropy.linear_cross_entropy` on its last
+hidden state with the split head's weight: the same loss as Hugging Face's ``ForCausalLMLoss`` (labels shifted
+by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when the trainer passes it,
+``shift_labels`` when given), the same gradients, and ``logits=None`` in the output. A call without labels,
+with router logits asked for (a mixture of experts adds its balancing loss to the logits' one), or with
+``labels`` passed by position, runs the model's own forward unchanged.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .hf import base_model, is_hf_model
+from .linear import ColumnParallelLinear
+from .linear_cross_entropy import linear_cross_entropy
+
+__all__ = ["fuse_lm_loss"]
+
+_NAME = "fuse_lm_loss"
+_BASE_POSITIONAL = 5  # input_ids, attention_mask, position_ids, past_key_values, inputs_embeds: the same in both
+_FLAG = "_tessel_fused_lm_loss"
+
+
+def _check(model) -> ColumnParallelLinear:
+    if not isinstance(model, nn.Module) or not is_hf_model(model):
+        raise TypeError(f"{_NAME}: model must be a Hugging Face PreTrainedModel, received {type(model).__name__}")
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not isinstance(head, ColumnParallelLinear) or base_model(model)[0] == "":
+        got = type(head).__name__ if head is not None else "no output embeddings"
+        raise ValueError(f"{_NAME}: model must be a causal LM parallelized by tessel.layers.parallelize (its lm_head a "
+                         f"ColumnParallelLinear), received {type(model).__name__} with {got}")  # fmt: skip
+    loss_type = getattr(model, "loss_type", None)
+    if loss_type not in (None, "ForCausalLM"):
+        raise ValueError(
+            f"{_NAME}: model's loss must be ForCausalLM (next-token cross entropy), received {loss_type!r}"
+        )
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    cap = getattr(config, "final_logit_softcapping", None)
+    if cap is not None:
+        raise ValueError(f"{_NAME}: the model soft-caps its logits (final_logit_softcapping={cap}), which "
+                         "linear_cross_entropy does not; keep the model's own loss")  # fmt: skip
+    return head
+
+
+def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
+    """``labels[..., 1:]`` with ``ignore_index`` after the last position, as Hugging Face's loss shifts them."""
+    return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+
+
+def fuse_lm_loss(model: nn.Module) -> nn.Module:
+    """Make ``model(..., labels=labels)`` compute its loss without the logits (see the module docstring).
+
+    ``model``: a Hugging Face causal language model after :func:`~.parallelize.parallelize` (its ``lm_head``
+    split by vocabulary). Returns ``model``, changed in place; calling it again changes nothing.
+    """
+    head = _check(model)
+    if getattr(model, _FLAG, False):
+        return model
+    original = model.forward
+    base = base_model(model)[1]
+    config = model.config
+
+    def forward(*args, **kwargs):
+        labels = kwargs.get("labels")
+        routers = kwargs.get("output_router_logits", getattr(config, "output_router_logits", False))
+        if labels is None or routers or len(args) > _BASE_POSITIONAL:
+            return original(*args, **kwargs)
+        kwargs = dict(kwargs)
+        del kwargs["labels"]
+        num_items = kwargs.pop("num_items_in_batch", None)
+        ignore_index = kwargs.pop("ignore_index", -100)
+        shift_labels = kwargs.pop("shift_labels", None)
+        return_dict = kwargs.pop("return_dict", None)
+        kwargs.pop("logits_to_keep", None)  # the loss covers every position, as the model's own with the default 0
+        outputs = base(*args, **kwargs)
+        target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
+        loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, target.to(head.weight.device),
+                                    head.tp_group, bias=head.bias, ignore_index=ignore_index,
+                                    reduction="mean" if num_items is None else "sum")  # fmt: skip
+        if num_items is not None:
+            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
+        return out.to_tuple() if return_dict is False else out
+
+    model.forward = forward
+    setattr(model, _FLAG, True)
+    return model

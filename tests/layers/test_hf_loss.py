@@ -1,0 +1,114 @@
+"""fuse_lm_loss: a parallelized Hugging Face causal LM computes Hugging Face's own loss without its logits.
+
+Two gloo ranks (reference kernels: these tests check the plumbing, tessel's kernels are proved elsewhere).
+The fused call is compared with the same parallelized model's own forward (the logits path) on every
+parameter's gradient shard, and with the dense model's Hugging Face loss.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+VOCAB = 96
+
+
+def _llama(**kw):
+    import transformers
+
+    config = transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      tie_word_embeddings=False, **kw)  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+def _close_all(got: dict, want: dict, what: str):
+    for name, w in want.items():
+        msg = lambda m, name=name: f"{what} {name}: {m}"
+        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-6 * max(w.abs().max().item(), 1.0), msg=msg)
+
+
+def _worker(rank, t):
+    from tessel.layers import fuse_lm_loss, parallelize
+
+    dense = _llama()
+    ids = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(4))
+    labels = ids.clone()
+    labels[0, :3] = -100  # a masked prompt
+    mask = torch.ones_like(ids)
+    for sp in (False, True):
+        split = _llama()
+        split.load_state_dict(dense.state_dict())
+        parallelize(split, None, sequence_parallel=sp)
+        own = split(ids, attention_mask=mask, labels=labels)  # Hugging Face's forward: logits, then the loss
+        own.loss.backward()
+        want = _grads(split)
+        split.zero_grad()
+        assert fuse_lm_loss(split) is split and fuse_lm_loss(split) is split  # a second call changes nothing
+        fused = split(ids, attention_mask=mask, labels=labels)
+        assert fused.logits is None and own.logits is not None
+        torch.testing.assert_close(fused.loss, own.loss.detach(), rtol=1e-5, atol=1e-6)
+        fused.loss.backward()
+        _close_all(_grads(split), want, f"sp={sp}")
+        # The trainer's sum over num_items_in_batch; the tuple form; no labels: the model's own logits.
+        n = torch.tensor(11)
+        want = type(split).forward(split, ids, labels=labels, num_items_in_batch=n).loss  # the class's own forward
+        got = split(ids, labels=labels, num_items_in_batch=n, return_dict=False, use_cache=False)
+        assert isinstance(got, tuple) and len(got) == 1, got  # (loss,): no logits, no cache
+        torch.testing.assert_close(got[0], want.detach(), rtol=1e-5, atol=1e-6)
+        logits = split(ids).logits
+        assert logits.shape == (2, 8, VOCAB)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+def test_the_fused_loss_is_hugging_faces():
+    assert run_ranks(_worker, 2, timeout=240, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def test_what_it_refuses():
+    import transformers
+
+    from tessel.layers import fuse_lm_loss, parallelize
+
+    with pytest.raises(TypeError, match="model must be a Hugging Face PreTrainedModel, received Linear"):
+        fuse_lm_loss(torch.nn.Linear(2, 2))
+    with pytest.raises(ValueError, match=r"parallelized by tessel.layers.parallelize .* received LlamaForCausalLM "
+                                          r"with Linear"):  # fmt: skip
+        fuse_lm_loss(_llama())
+    gemma = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, final_logit_softcapping=30.0, tie_word_embeddings=False))  # fmt: skip
+    parallelize(gemma, None)
+    with pytest.raises(ValueError, match=r"soft-caps its logits \(final_logit_softcapping=30.0\)"):
+        fuse_lm_loss(gemma)
+
+
+def test_a_mixture_of_experts_asked_for_its_router_logits_keeps_its_own_forward():
+    """With ``output_router_logits`` Mixtral adds its balancing loss to the logits' loss: the model's own forward
+    runs; without it the fused loss does, and both losses' cross entropy is the same (one process)."""
+    import transformers
+
+    from tessel.layers import fuse_lm_loss, parallelize
+
+    config = transformers.MixtralConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        router_aux_loss_coef=0.0,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    model = fuse_lm_loss(parallelize(transformers.MixtralForCausalLM(config), None))
+    ids = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(1))
+    own = model(ids, labels=ids, output_router_logits=True)
+    fused = model(ids, labels=ids)
+    assert own.logits is not None and own.aux_loss is not None and fused.logits is None
+    torch.testing.assert_close(fused.loss, own.loss, rtol=1e-5, atol=1e-6)  # the balancing loss weighs 0 here
