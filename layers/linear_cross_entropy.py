@@ -97,6 +97,12 @@ def _validate(hidden, weight, bias, target, group, sequence_parallel, ignore_ind
                          f"received {tuple(target.shape)}")  # fmt: skip
     if target.device != hidden.device:
         raise ValueError(f"{_NAME}: target must be on hidden's device {hidden.device}, received {target.device}")
+    if t > 1:
+        backend = dist.get_backend(group)
+        wanted = "cuda" if backend == "nccl" else "cpu"
+        if hidden.device.type != wanted:
+            raise ValueError(f"{_NAME}: the {backend} tensor-parallel group needs {wanted} tensors, received hidden "
+                             f"on {hidden.device}")  # fmt: skip
 
 
 def _chunk_stats(logits, local_target, group):

@@ -220,6 +220,9 @@ def _ranks_worker(rank, t):
         _close(x.grad, ref[1][:, seq] if sp else ref[1], dtype, f"{tag} hidden grad")
         _close(w.grad, ref[2][rows], dtype, f"{tag} weight grad")
         _close(b.grad, ref[3][rows], dtype, f"{tag} bias grad")
+    meta = [tensor.to("meta") for tensor in _data(torch.float32)]
+    with pytest.raises(ValueError, match="the gloo tensor-parallel group needs cpu tensors, received hidden on meta"):
+        linear_cross_entropy(meta[0], meta[1][: V // t], meta[3])
     return "ok"
 
 
