@@ -127,6 +127,18 @@ def _chunk_grads(logits, lse, local_target, scale, x, weight, grads, rows, first
         db += g.sum(dim=0, dtype=torch.float32)
 
 
+def _new_grads(x2, weight, needs) -> list:
+    """fp32 ``[dx, dW, db]`` to fill chunk by chunk (None where no gradient is needed)."""
+    dw = weight.new_empty(weight.shape, dtype=torch.float32) if needs[1] else None
+    if dw is not None and x2.shape[0] == 0:
+        dw.zero_()  # no chunk writes it
+    return [
+        x2.new_empty(x2.shape, dtype=torch.float32) if needs[0] else None,
+        dw,
+        weight.new_zeros(weight.shape[0], dtype=torch.float32) if needs[2] else None,
+    ]
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, target, group, ignore_index, reduction, chunk, needs):
@@ -141,11 +153,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         if eager:
             per_token = torch.reciprocal(count.float()) if reduction == "mean" else torch.ones((), device=x.device)
             scale = torch.where(valid, per_token, 0.0)
-        grads = [
-            x2.new_empty(x2.shape, dtype=torch.float32) if needs[0] else None,
-            weight.new_empty(weight.shape, dtype=torch.float32) if needs[1] else None,
-            weight.new_zeros(vl, dtype=torch.float32) if needs[2] else None,
-        ]
+        grads = _new_grads(x2, weight, needs)
         loss = x2.new_empty(n_tokens, dtype=torch.float32)
         lse_all = x2.new_empty(n_tokens, dtype=torch.float32)
         buf = x2.new_empty((min(chunk, n_tokens), vl), dtype=torch.float32)
@@ -158,8 +166,6 @@ class _LinearCrossEntropy(torch.autograd.Function):
             lse_all[rows] = lse
             if eager:
                 _chunk_grads(logits, lse, local_target[rows], scale[rows], x2, weight, grads, rows, i == 0)
-        if n_tokens == 0 and grads[1] is not None:
-            grads[1].zero_()
         ctx.shapes, ctx.reduction, ctx.eager, ctx.chunk = (x.shape, weight.dtype), reduction, eager, chunk
         if eager:
             ctx.save_for_backward(*grads)
@@ -180,13 +186,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         else:
             x2, weight, bias, lse, local_target, valid = ctx.saved_tensors
             g = None  # the per-token gradient of the loss is in the chunks' scale already
-            grads = [
-                x2.new_empty(x2.shape, dtype=torch.float32) if needs[0] else None,
-                weight.new_empty(weight.shape, dtype=torch.float32) if needs[1] else None,
-                weight.new_zeros(weight.shape[0], dtype=torch.float32) if needs[2] else None,
-            ]
-            if grads[1] is not None and x2.shape[0] == 0:
-                grads[1].zero_()
+            grads = _new_grads(x2, weight, needs)
             scale = torch.where(valid, grad_loss.reshape(-1).float(), 0.0)
             chunk, n_tokens = ctx.chunk, x2.shape[0]
             buf = x2.new_empty((min(chunk, n_tokens), weight.shape[0]), dtype=torch.float32)

@@ -346,3 +346,14 @@ def test_on_cuda_it_matches_and_holds_a_fraction_of_the_memory():
     unfused_logits = n * v * (2 + 4 + 4)  # bf16 logits, their fp32 copy, the fp32 gradient
     assert peaks[1] >= unfused_logits, peaks
     assert peaks[0] < peaks[1] / 4, peaks
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_no_tokens(reduction):
+    """An empty batch: a zero (or empty) loss and zero gradients, as torch gives."""
+    x = torch.randn(0, E, requires_grad=True)
+    w = torch.randn(V, E, requires_grad=True)
+    loss = linear_cross_entropy(x, w, torch.zeros(0, dtype=torch.long), reduction=reduction)
+    assert loss.shape == (() if reduction == "sum" else (0,))
+    loss.sum().backward()
+    assert x.grad.shape == (0, E) and w.grad.shape == (V, E) and not w.grad.any()
