@@ -1,10 +1,14 @@
 """The two row passes of a cross entropy over a block of logits, each one read of the rows, fp32 arithmetic.
 
 Legend: ``n`` rows (tokens), ``V`` columns (this rank's share of the vocabulary), ``t`` a row's target column
-(``-1``: the target is not among these columns, e.g. another rank's), ``lse`` a row's natural-log log-sum-exp.
+(``-1``: the target is not among these columns, e.g. another rank's), ``lse`` a row's natural-log log-sum-exp
+over the whole vocabulary of ``Vg`` entries (merged over ranks by the caller), ``ε`` label smoothing, ``c`` the
+z-loss coefficient.
 
-    row_stats:   lse = log Σ_j exp(x_j)    z = x_t (0 when t = -1)        one read of x, online max and sum
-    logits_grad: g_j = (exp(x_j − lse) − [j = t])·scale                   one read of x, one write of g
+    row_stats:   lse = log Σ_j exp(x_j)   z = x_t (0 when t = -1)   Σ_j x_j       one read of x
+    logits_grad: g_j = (p_j·(1 + 2c·lse) − (1 − ε)·[j = t] − ε/Vg)·scale         one read of x, one write of g
+                 with p_j = exp(x_j − lse): the gradient of lse − (1 − ε)·z − (ε/Vg)·Σ_j x_j + c·lse², which is
+                 cross entropy against the smoothed target (1 − ε)·onehot + ε/Vg, plus the z-loss c·lse²
 
 :func:`~tessel.layers.linear_cross_entropy.linear_cross_entropy` runs them on each chunk of logits, with
 ``lse`` merged over the tensor-parallel ranks in between. Written with PyTorch the same work takes a
@@ -36,14 +40,17 @@ _WARPS = 8
 
 
 @triton.jit
-def _row_stats_kernel(x_ptr, target_ptr, lse_ptr, z_ptr, n_cols, stride_row, BLOCK: tl.constexpr):
+def _row_stats_kernel(x_ptr, target_ptr, lse_ptr, z_ptr, sum_ptr, n_cols, stride_row, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     base = x_ptr + row * stride_row
     cols = tl.arange(0, BLOCK)
     m = tl.full((BLOCK,), float("-inf"), tl.float32)  # each lane's running max and sum of exp(x - max)
     s = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)  # each lane's sum of x
     for start in range(0, n_cols, BLOCK):
-        x = tl.load(base + start + cols, mask=start + cols < n_cols, other=float("-inf")).to(tl.float32)
+        inside = start + cols < n_cols
+        x = tl.load(base + start + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        acc += tl.where(inside, x, 0.0)
         m_new = tl.maximum(m, x)
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)  # a lane that has seen only -inf: exp(-inf) = 0
         s = s * tl.exp(m - shift) + tl.exp(x - shift)
@@ -54,41 +61,55 @@ def _row_stats_kernel(x_ptr, target_ptr, lse_ptr, z_ptr, n_cols, stride_row, BLO
     t = tl.load(target_ptr + row)
     z = tl.load(base + tl.maximum(t, 0)).to(tl.float32)
     tl.store(z_ptr + row, tl.where(t >= 0, z, 0.0))
+    tl.store(sum_ptr + row, tl.sum(acc, axis=0))
 
 
 @triton.jit
-def _logits_grad_kernel(x_ptr, g_ptr, lse_ptr, target_ptr, scale_ptr, n_cols, stride_x, stride_g,
+def _logits_grad_kernel(x_ptr, g_ptr, lse_ptr, target_ptr, a_ptr, b_ptr, c_ptr, n_cols, stride_x, stride_g,
                         BLOCK: tl.constexpr):  # fmt: skip
+    """g = p·a − [j = t]·b − c, with a row's a, b, c as :func:`_row_factors` gives them."""
     row = tl.program_id(0).to(tl.int64)
     lse = tl.load(lse_ptr + row)
     t = tl.load(target_ptr + row)
-    scale = tl.load(scale_ptr + row)
+    a, b, c = tl.load(a_ptr + row), tl.load(b_ptr + row), tl.load(c_ptr + row)
     cols = tl.arange(0, BLOCK)
     for start in range(0, n_cols, BLOCK):
         j = start + cols
         x = tl.load(x_ptr + row * stride_x + j, mask=j < n_cols, other=0.0).to(tl.float32)
-        p = tl.exp(x - lse)
-        g = tl.where(j == t, p - 1.0, p) * scale
+        g = tl.exp(x - lse) * a - tl.where(j == t, b, 0.0) - c
         tl.store(g_ptr + row * stride_g + j, g.to(g_ptr.dtype.element_ty), mask=j < n_cols)
 
 
-def row_stats_reference(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse, z)`` (fp32) of the rows of ``x [n, V]`` for targets ``target [n]`` (``-1``: not in these columns)."""
+def row_stats_reference(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lse, z, Σx)`` (fp32) of the rows of ``x [n, V]`` for targets ``target [n]`` (``-1``: not in these
+    columns)."""
     x = x.float()
     lse = torch.logsumexp(x, dim=-1)
     z = x.gather(1, target.clamp(min=0).unsqueeze(1)).squeeze(1)
-    return lse, torch.where(target >= 0, z, 0.0)
+    return lse, torch.where(target >= 0, z, 0.0), x.sum(dim=-1)
 
 
-def logits_grad_reference(x, lse, target, scale, dtype: torch.dtype, inplace: bool = False) -> torch.Tensor:
-    """``(softmax(x) − onehot(target))·scale`` per row, in ``dtype``; computed in ``x`` itself with ``inplace`` when
-    ``x`` is fp32, otherwise in an fp32 copy."""
+def _row_factors(lse, scale, label_smoothing: float, vocab: int | None, z_loss: float):
+    """Per row ``(a, b, c)`` of ``g = p·a − [j = t]·b − c`` (see the module docstring), each fp32 ``[n]``."""
+    a = scale * (1.0 + 2.0 * z_loss * lse) if z_loss else scale
+    b = scale * (1.0 - label_smoothing) if label_smoothing else scale
+    c = scale * (label_smoothing / vocab) if label_smoothing else torch.zeros_like(scale)
+    return a, b, c
+
+
+def logits_grad_reference(
+    x, lse, target, scale, dtype: torch.dtype, inplace: bool = False, *, label_smoothing: float = 0.0,
+    vocab: int | None = None, z_loss: float = 0.0,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`logits_grad` in PyTorch: computed in ``x`` itself with ``inplace`` when ``x`` is fp32, otherwise in
+    an fp32 copy."""
     if not (inplace and x.dtype == torch.float32):
         x = x.float() if x.dtype != torch.float32 else x.clone()
-    x.sub_(lse.unsqueeze(1)).exp_()
+    a, b, c = _row_factors(lse, scale, label_smoothing, vocab, z_loss)
+    x.sub_(lse.unsqueeze(1)).exp_().mul_(a.unsqueeze(1)).sub_(c.unsqueeze(1))
     owned = target >= 0
-    x.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -owned.to(x.dtype).unsqueeze(1))
-    return x.mul_(scale.unsqueeze(1)).to(dtype)
+    x.scatter_add_(1, target.clamp(min=0).unsqueeze(1), -(owned * b).to(x.dtype).unsqueeze(1))
+    return x.to(dtype)
 
 
 def _check(name: str, x, target) -> str:
@@ -105,40 +126,47 @@ def _check(name: str, x, target) -> str:
 
 
 @opaque_to_compile
-def _launch_stats(x, target, lse, z, backend) -> None:
+def _launch_stats(x, target, lse, z, total, backend) -> None:
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _row_stats_kernel[(x.shape[0],)](x, target.contiguous(), lse, z, x.shape[1], x.stride(0),
+        _row_stats_kernel[(x.shape[0],)](x, target.contiguous(), lse, z, total, x.shape[1], x.stride(0),
                                          BLOCK=_BLOCK[backend], num_warps=_WARPS)  # fmt: skip
 
 
 @opaque_to_compile
-def _launch_grad(x, g, lse, target, scale, backend) -> None:
+def _launch_grad(x, g, lse, target, factors, backend) -> None:
+    a, b, c = (f.contiguous() for f in factors)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _logits_grad_kernel[(x.shape[0],)](x, g, lse.contiguous(), target.contiguous(), scale.contiguous(),
-                                           x.shape[1], x.stride(0), g.stride(0), BLOCK=_BLOCK[backend],
+        _logits_grad_kernel[(x.shape[0],)](x, g, lse.contiguous(), target.contiguous(), a, b, c, x.shape[1],
+                                           x.stride(0), g.stride(0), BLOCK=_BLOCK[backend],
                                            num_warps=_WARPS)  # fmt: skip
 
 
-def row_stats(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(lse, z)``, fp32 ``[n]`` each: the natural-log log-sum-exp of each row of ``x [n, V]`` (fp32, fp16 or bf16,
-    unit column stride) and its logit at ``target [n]`` (int64 column, ``-1`` for none: ``z = 0``)."""
+def row_stats(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(lse, z, Σx)``, fp32 ``[n]`` each: the natural-log log-sum-exp of each row of ``x [n, V]`` (fp32, fp16 or
+    bf16, unit column stride), its logit at ``target [n]`` (int64 column, ``-1`` for none: ``z = 0``) and the sum of
+    its logits."""
     backend = _check("row_stats", x, target)
     if backend == Backend.REFERENCE or x.shape[0] == 0 or x.shape[1] == 0:
         return row_stats_reference(x, target)
-    lse, z = (torch.empty(x.shape[0], device=x.device, dtype=torch.float32) for _ in range(2))
-    _launch_stats(x, target, lse, z, backend)
-    return lse, z
+    lse, z, total = (torch.empty(x.shape[0], device=x.device, dtype=torch.float32) for _ in range(3))
+    _launch_stats(x, target, lse, z, total, backend)
+    return lse, z, total
 
 
 def logits_grad(x: torch.Tensor, lse: torch.Tensor, target: torch.Tensor, scale: torch.Tensor,
-                dtype: torch.dtype, *, inplace: bool = False) -> torch.Tensor:  # fmt: skip
-    """``(softmax(x) − onehot(target))·scale`` per row of ``x [n, V]`` (as :func:`row_stats`), with each row's
-    ``lse`` and ``scale`` (fp32 ``[n]``), in ``dtype``. With ``inplace`` the logits are scratch: a gradient of
-    their dtype is written over them (and returned), otherwise their values afterwards are unspecified; without
-    it ``x`` is left as it is."""
+                dtype: torch.dtype, *, inplace: bool = False, label_smoothing: float = 0.0, vocab: int | None = None,
+                z_loss: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """The gradient of each row's loss (see the module docstring; without smoothing and z-loss ``(softmax(x) −
+    onehot(target))·scale``) for the rows of ``x [n, V]`` (as :func:`row_stats`), with each row's ``lse`` and
+    ``scale`` (fp32 ``[n]``), in ``dtype``. ``label_smoothing`` needs ``vocab``, the whole vocabulary's size.
+    With ``inplace`` the logits are scratch: a gradient of their dtype is written over them (and returned),
+    otherwise their values afterwards are unspecified; without it ``x`` is left as it is."""
     backend = _check("logits_grad", x, target)
+    if label_smoothing and not vocab:
+        raise ValueError(f"logits_grad: label_smoothing needs vocab, the whole vocabulary's size; received {vocab}")
     if backend == Backend.REFERENCE or x.shape[0] == 0 or x.shape[1] == 0:
-        return logits_grad_reference(x, lse, target, scale, dtype, inplace)
+        return logits_grad_reference(x, lse, target, scale, dtype, inplace, label_smoothing=label_smoothing,
+                                     vocab=vocab, z_loss=z_loss)  # fmt: skip
     g = x if inplace and dtype == x.dtype else torch.empty(x.shape, device=x.device, dtype=dtype)
-    _launch_grad(x, g, lse, target, scale, backend)
+    _launch_grad(x, g, lse, target, _row_factors(lse, scale, label_smoothing, vocab, z_loss), backend)
     return g

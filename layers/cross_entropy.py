@@ -20,6 +20,14 @@ Backward, with no communication: ``dlogits_r = (softmax_r − onehot_r)·scale``
 exp(logits_r − lse)`` recomputed from the saved logits (one fp32 per token is saved besides them, not an
 fp32 softmax of N·Vl), and ``scale`` = the incoming gradient per token ("none"), the incoming scalar
 ("sum") or the incoming scalar over the number of non-ignored targets ("mean"); 0 for ignored targets.
+Both passes are one read of the logits each (:mod:`tessel.kernels.cross_entropy`).
+
+Options, as in ``torch.nn.functional.cross_entropy`` and PaLM:
+
+- ``label_smoothing`` ε: the target is ``(1 − ε)·onehot + ε/V``, so ``loss = lse − (1 − ε)·z − (ε/V)·Σ_j x_j``;
+  each rank also sends the sum of its logits (``[t, 3, N]``), and the gradient is ``softmax − target``.
+- ``z_loss`` c: ``c·lse²`` is added to each token's loss (PaLM's auxiliary loss, which keeps the softmax's
+  normaliser near 1), with gradient ``2c·lse·softmax``; nothing more is sent.
 """
 
 from __future__ import annotations
@@ -35,6 +43,30 @@ __all__ = ["vocab_parallel_cross_entropy"]
 
 _REDUCTIONS = ("mean", "sum", "none")
 _NAME = "vocab_parallel_cross_entropy"
+
+
+def check_loss_options(name: str, label_smoothing, z_loss) -> None:
+    """``label_smoothing`` in [0, 1] and ``z_loss`` >= 0, real numbers (raises TypeError/ValueError naming them)."""
+    for arg, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"{name}: {arg} must be a float, received {type(value).__name__}")
+    if not 0.0 <= label_smoothing <= 1.0:
+        raise ValueError(f"{name}: label_smoothing must lie in [0, 1], received {label_smoothing}")
+    if not 0.0 <= z_loss < float("inf"):
+        raise ValueError(f"{name}: z_loss must be a finite number >= 0, received {z_loss}")
+
+
+def merged_token_loss(stats, group, vocab: int, label_smoothing: float, z_loss: float):
+    """Each token's loss and global log-sum-exp from this rank's ``row_stats`` (lse, z, Σx) of its vocab shard,
+    merged over ``group`` with one all-gather (of the sums too only with label smoothing): ``(loss, lse)``."""
+    lse, z, total = stats
+    if group_size(group) > 1:
+        parts = (lse, z, total) if label_smoothing else (lse, z)
+        gathered, _ = all_gather(torch.stack(parts).unsqueeze(0), group)  # [t, 2 or 3, N]
+        lse, z = torch.logsumexp(gathered[:, 0], dim=0), gathered[:, 1].sum(dim=0)
+        total = gathered[:, 2].sum(dim=0) if label_smoothing else None
+    loss = lse - z if not label_smoothing else lse - (1.0 - label_smoothing) * z - (label_smoothing / vocab) * total
+    return (loss + z_loss * lse.square() if z_loss else loss), lse
 
 
 def _validate(logits, target, tp_group, ignore_index, reduction) -> None:
@@ -65,22 +97,19 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, reduction):
+    def forward(ctx, logits, target, group, ignore_index, reduction, label_smoothing, z_loss):
         vl = logits.shape[-1]
         target = target.reshape(-1).long()
         start = group_rank(group) * vl
         local_target = torch.where((target >= start) & (target < start + vl), target - start, -1)  # -1: elsewhere
-        lse_local, z_local = row_stats(_rows(logits), local_target)  # one read, fp32 arithmetic, no fp32 copy
-        if group_size(group) > 1:
-            stats, _ = all_gather(torch.stack([lse_local, z_local]).unsqueeze(0), group)  # [t, 2, N]
-            lse, z = torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
-        else:
-            lse, z = lse_local, z_local
+        stats = row_stats(_rows(logits), local_target)  # one read, fp32 arithmetic, no fp32 copy
+        token_loss, lse = merged_token_loss(stats, group, vl * group_size(group), label_smoothing, z_loss)
         valid = target != ignore_index
-        loss = torch.where(valid, lse - z, 0.0)
+        loss = torch.where(valid, token_loss, 0.0)
         count = valid.sum()
         ctx.save_for_backward(logits, lse, local_target, valid, count)
-        ctx.reduction = reduction
+        ctx.reduction, ctx.options = reduction, dict(label_smoothing=label_smoothing, z_loss=z_loss,
+                                                     vocab=vl * group_size(group))  # fmt: skip
         if reduction == "none":
             return loss.view(logits.shape[:-1])
         return loss.sum() if reduction == "sum" else loss.sum() / count
@@ -95,8 +124,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         else:
             scale = grad_loss.float() / count
         # (this rank's softmax shard − onehot)·scale in one pass, written in the logits' dtype
-        grad = logits_grad(_rows(logits), lse, local_target, torch.where(valid, scale, 0.0), logits.dtype)
-        return grad.view(logits.shape), None, None, None, None
+        grad = logits_grad(_rows(logits), lse, local_target, torch.where(valid, scale, 0.0), logits.dtype,
+                           **ctx.options)  # fmt: skip
+        return grad.view(logits.shape), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -106,6 +136,8 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy`` of the gathered logits, computed from this rank's vocab shard.
 
@@ -115,10 +147,15 @@ def vocab_parallel_cross_entropy(
         tp_group: the tensor-parallel group (None: the default group, or a world of one).
         ignore_index: targets equal to it contribute no loss and no gradient.
         reduction: ``"mean"`` over the non-ignored targets, ``"sum"``, or ``"none"`` (shape of target).
+        label_smoothing: ε in [0, 1], as ``torch.nn.functional.cross_entropy``'s: the target distribution is
+            ``(1 − ε)·onehot + ε/V``.
+        z_loss: c >= 0: ``c·logsumexp(logits)²`` is added to each (non-ignored) token's loss (PaLM).
 
     Returns:
         The loss in float32 (a scalar, or ``[...]`` for ``"none"``). Differentiable with respect to logits;
         the backward is local (no communication).
     """
     _validate(logits, target, tp_group, ignore_index, reduction)
-    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index, reduction)
+    check_loss_options(_NAME, label_smoothing, z_loss)
+    return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index, reduction, float(label_smoothing),
+                                            float(z_loss))  # fmt: skip

@@ -22,6 +22,9 @@ does) and the backward only scales them: three GEMMs in all, as unfused, and ``d
 gradient of the loss is known only in backward: the forward keeps the log-sum-exp ``[N]`` and the backward
 recomputes each chunk's logits (one GEMM more).
 
+``label_smoothing`` and ``z_loss`` are those of :func:`~.cross_entropy.vocab_parallel_cross_entropy` (the sum of
+each chunk's logits joins the all-gather with label smoothing; the row passes apply both).
+
 Communication is that of the unfused head and loss: the input's all-gather (sequence parallelism) or
 nothing (its gradient is all-reduced), the 2N fp32 (lse, z) all-gathered, in one collective per chunk.
 """
@@ -34,7 +37,8 @@ import torch.distributed as dist
 from ..kernels.cross_entropy import logits_grad, row_stats
 from ..kernels.matmul import matmul
 from ..parallel.collectives import copy_to_tp, gather_from_sequence
-from ..parallel.comm import all_gather, group_rank, group_size
+from ..parallel.comm import group_rank, group_size
+from .cross_entropy import check_loss_options, merged_token_loss
 from .embedding import check_ids
 
 __all__ = ["default_chunk_size", "linear_cross_entropy"]
@@ -105,19 +109,11 @@ def _validate(hidden, weight, bias, target, group, sequence_parallel, ignore_ind
                              f"on {hidden.device}")  # fmt: skip
 
 
-def _chunk_stats(logits, local_target, group):
-    """The chunk's global log-sum-exp and target logit per token, from this rank's shard of its logits."""
-    lse, z = row_stats(logits, local_target)
-    if group_size(group) == 1:
-        return lse, z
-    stats, _ = all_gather(torch.stack([lse, z]).unsqueeze(0), group)  # [t, 2, n]
-    return torch.logsumexp(stats[:, 0], dim=0), stats[:, 1].sum(dim=0)
-
-
-def _chunk_grads(logits, lse, local_target, scale, x, weight, grads, rows, first) -> None:
-    """The gradient of the chunk's fp32 ``logits`` (softmax − onehot, times ``scale`` per token; overwrites them),
-    and what it adds to ``grads = [dx or None, dW or None, db or None]`` (``dx``'s ``rows``)."""
-    g = logits_grad(logits, lse, local_target, scale, x.dtype, inplace=True)
+def _chunk_grads(logits, lse, local_target, scale, x, weight, grads, rows, first, options) -> None:
+    """The gradient of the chunk's fp32 ``logits`` (softmax − onehot, times ``scale`` per token; with the loss
+    ``options`` of :func:`~tessel.kernels.cross_entropy.logits_grad`; overwrites them), and what it adds to
+    ``grads = [dx or None, dW or None, db or None]`` (``dx``'s ``rows``)."""
+    g = logits_grad(logits, lse, local_target, scale, x.dtype, inplace=True, **options)
     dx, dw, db = grads
     if dx is not None:
         matmul(g, weight, out=dx[rows])
@@ -141,8 +137,9 @@ def _new_grads(x2, weight, needs) -> list:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, target, group, ignore_index, reduction, chunk, needs):
+    def forward(ctx, x, weight, bias, target, group, ignore_index, reduction, chunk, needs, label_smoothing, z_loss):
         e, vl = x.shape[-1], weight.shape[0]
+        options = dict(label_smoothing=label_smoothing, vocab=vl * group_size(group), z_loss=z_loss)
         x2, target = x.reshape(-1, e), target.reshape(-1).long()
         n_tokens = x2.shape[0]
         start = group_rank(group) * vl
@@ -161,17 +158,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for i, lo in enumerate(range(0, n_tokens, chunk)):
             rows = slice(lo, min(lo + chunk, n_tokens))
             logits = matmul(x2[rows], w_t, bias, out=buf[: rows.stop - lo])
-            lse, z = _chunk_stats(logits, local_target[rows], group)
-            loss[rows] = torch.where(valid[rows], lse - z, 0.0)
+            stats = row_stats(logits, local_target[rows])
+            token_loss, lse = merged_token_loss(stats, group, options["vocab"], label_smoothing, z_loss)
+            loss[rows] = torch.where(valid[rows], token_loss, 0.0)
             lse_all[rows] = lse
             if eager:
-                _chunk_grads(logits, lse, local_target[rows], scale[rows], x2, weight, grads, rows, i == 0)
+                _chunk_grads(logits, lse, local_target[rows], scale[rows], x2, weight, grads, rows, i == 0, options)
         ctx.shapes, ctx.reduction, ctx.eager, ctx.chunk = (x.shape, weight.dtype), reduction, eager, chunk
         if eager:
             ctx.save_for_backward(*grads)
         else:
             ctx.save_for_backward(x2, weight, bias, lse_all, local_target, valid)
-        ctx.needs = needs
+        ctx.needs, ctx.options = needs, options
         if reduction == "none":
             return loss.view(x.shape[:-1])
         return loss.sum() if reduction == "sum" else loss.sum() / count
@@ -193,9 +191,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
             for i, lo in enumerate(range(0, n_tokens, chunk)):
                 rows = slice(lo, min(lo + chunk, n_tokens))
                 logits = matmul(x2[rows], weight.t(), bias, out=buf[: rows.stop - lo])
-                _chunk_grads(logits, lse[rows], local_target[rows], scale[rows], x2, weight, grads, rows, i == 0)
+                _chunk_grads(logits, lse[rows], local_target[rows], scale[rows], x2, weight, grads, rows, i == 0,
+                             ctx.options)  # fmt: skip
         dx, dw, db = ((None if grad is None else (grad if g is None else grad * g).to(w_dtype)) for grad in grads)
-        return (None if dx is None else dx.view(x_shape)), dw, db, None, None, None, None, None, None
+        return (None if dx is None else dx.view(x_shape)), dw, db, *([None] * 8)
 
 
 def linear_cross_entropy(
@@ -209,6 +208,8 @@ def linear_cross_entropy(
     ignore_index: int = -100,
     reduction: str = "mean",
     chunk_size: int | None = None,
+    label_smoothing: float = 0.0,
+    z_loss: float = 0.0,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ W.T + bias, target)`` for a vocab-parallel head, without ever holding the logits.
 
@@ -231,6 +232,7 @@ def linear_cross_entropy(
         reduction: ``"mean"`` over the non-ignored targets, ``"sum"``, or ``"none"`` (target's shape).
         chunk_size: tokens per chunk; None: :func:`default_chunk_size` (one chunk's fp32 logits about the
             size of the hidden states, and at least 2048 tokens).
+        label_smoothing, z_loss: as :func:`~.cross_entropy.vocab_parallel_cross_entropy`'s.
 
     Returns:
         The loss in float32 (a scalar, or target's shape for ``"none"``). Differentiable with respect to
@@ -238,10 +240,12 @@ def linear_cross_entropy(
         and the backward scales them, so call it where its backward follows (a training step).
     """
     _validate(hidden, weight, bias, target, tp_group, sequence_parallel, ignore_index, reduction, chunk_size)
+    check_loss_options(_NAME, label_smoothing, z_loss)
     if group_size(tp_group) > 1 or sequence_parallel:
         hidden = gather_from_sequence(hidden, tp_group) if sequence_parallel else copy_to_tp(hidden, tp_group)
     tokens = hidden.numel() // hidden.shape[-1]
     chunk = chunk_size or default_chunk_size(tokens, weight.shape[0], hidden.shape[-1])
     tracked = (hidden, weight, bias)
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in tracked)
-    return _LinearCrossEntropy.apply(hidden, weight, bias, target, tp_group, ignore_index, reduction, chunk, needs)
+    return _LinearCrossEntropy.apply(hidden, weight, bias, target, tp_group, ignore_index, reduction, chunk, needs,
+                                     float(label_smoothing), float(z_loss))  # fmt: skip

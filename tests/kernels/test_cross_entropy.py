@@ -32,12 +32,16 @@ def _inputs(n, v, device="cpu", seed=0):
     return x.to(device), target.to(device), scale.to(device)
 
 
-def _expected(x, target, scale):
+def _expected(x, target, scale, label_smoothing=0.0, vocab=None, z_loss=0.0):
+    """float64 (lse, z, Σx, gradient): the gradient of lse − (1 − ε)·z − (ε/Vg)·Σx + c·lse², times scale."""
     xd = x.double()
     lse = torch.logsumexp(xd, dim=1)
     z = torch.where(target >= 0, xd.gather(1, target.clamp(min=0)[:, None])[:, 0], 0.0)
     onehot = torch.zeros_like(xd).scatter_(1, target.clamp(min=0)[:, None], (target >= 0).double()[:, None])
-    return lse, z, (torch.exp(xd - lse[:, None]) - onehot) * scale.double()[:, None]
+    p = torch.exp(xd - lse[:, None])
+    smooth = label_smoothing / vocab if label_smoothing else 0.0
+    grad = p * (1 + 2 * z_loss * lse[:, None]) - (1 - label_smoothing) * onehot - smooth
+    return lse, z, xd.sum(dim=1), grad * scale.double()[:, None]
 
 
 @pytest.mark.parametrize("n, v", SHAPES)
@@ -45,12 +49,13 @@ def _expected(x, target, scale):
 def test_row_stats(n, v, x_dtype):
     x, target, scale = _inputs(n, v)
     x = x if x_dtype == torch.float32 else (x / 40).to(x_dtype)  # fp16's range; read as they are, fp32 arithmetic
-    lse, z = row_stats(x, target)
-    want_lse, want_z, _ = _expected(x, target, scale)
-    assert lse.dtype == z.dtype == torch.float32
+    lse, z, total = row_stats(x, target)
+    want_lse, want_z, want_total, _ = _expected(x, target, scale)
+    assert lse.dtype == z.dtype == total.dtype == torch.float32
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(z.double(), want_z, rtol=0, atol=0)
-    torch.testing.assert_close(row_stats_reference(x, target), (lse, z), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(total.double(), want_total, rtol=1e-6, atol=1e-4)  # -inf where a row holds -inf
+    torch.testing.assert_close(row_stats_reference(x, target), (lse, z, total), rtol=1e-6, atol=1e-4)
 
 
 @pytest.mark.parametrize("n, v", SHAPES)
@@ -60,7 +65,7 @@ def test_logits_grad(n, v, dtype, inplace):
     x, target, scale = _inputs(n, v)
     if dtype != torch.float32:
         x = (x / 40).to(dtype)  # logits of the gradient's dtype (fp16's range)
-    want_lse, _, want = _expected(x, target, scale)
+    want_lse, _, _, want = _expected(x, target, scale)
     lse = want_lse.float()
     before = x.clone()
     reference = logits_grad_reference(x.clone(), lse, target, scale, dtype)
@@ -74,6 +79,19 @@ def test_logits_grad(n, v, dtype, inplace):
     torch.testing.assert_close(g, reference, **tol)
 
 
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.1, 0.0), (0.0, 1e-2), (0.25, 1e-3)])
+def test_logits_grad_of_smoothed_targets_and_z_loss(label_smoothing, z_loss):
+    x, target, scale = _inputs(7, 130)
+    x = x / 40  # finite lse² terms of a sensible size
+    options = dict(label_smoothing=label_smoothing, vocab=300, z_loss=z_loss)  # 300: the whole vocabulary
+    want_lse, _, _, want = _expected(x, target, scale, **options)
+    lse = want_lse.float()
+    g = logits_grad(x.clone(), lse, target, scale, torch.float32, **options)
+    torch.testing.assert_close(g.double(), want, rtol=2e-5, atol=1e-7)
+    reference = logits_grad_reference(x.clone(), lse, target, scale, torch.float32, **options)
+    torch.testing.assert_close(g, reference, rtol=2e-5, atol=1e-7)
+
+
 def test_bad_input_is_refused():
     x, target, scale = _inputs(4, 9)
     with pytest.raises(ValueError, match=r"row_stats: x must be a float32, float16 or bfloat16 \[n, V\] tensor"):
@@ -84,14 +102,16 @@ def test_bad_input_is_refused():
         row_stats(x.t().contiguous().t(), target)
     with pytest.raises(ValueError, match=r"logits_grad: target must be int64 \[4\]"):
         logits_grad(x, x[:, 0], target.int(), scale, torch.float32)
+    with pytest.raises(ValueError, match="label_smoothing needs vocab, the whole vocabulary's size; received None"):
+        logits_grad(x, x[:, 0], target, scale, torch.float32, label_smoothing=0.1)
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_on_cuda_a_llama_sized_vocabulary(dtype):
     x, target, scale = _inputs(33, 128256, "cuda")
-    lse, z = row_stats(x, target)
-    want_lse, want_z, want = _expected(x, target, scale)
+    lse, z, _ = row_stats(x, target)
+    want_lse, want_z, _, want = _expected(x, target, scale)
     torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-5)
     torch.testing.assert_close(z.double(), want_z, rtol=0, atol=0)
     g = logits_grad(x, want_lse.float(), target, scale, dtype)

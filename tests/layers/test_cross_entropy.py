@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.layers.test_linear_cross_entropy import reference_loss
 from tests.multiprocess import run_ranks
 
 LEADING, V = (2, 7), 36  # V divisible by 2 and 4; 14 tokens
@@ -29,32 +30,32 @@ def _data(ignore_index):
     return logits, target
 
 
-def _check(rank, t, dtype, reduction, ignore_index=-100):
+def _check(rank, t, dtype, reduction, ignore_index=-100, **options):
     from tessel.layers.cross_entropy import vocab_parallel_cross_entropy
     from tessel.parallel.comm import count_bytes
 
     logits, target = _data(ignore_index)
     full = logits.to(dtype).double().requires_grad_()
-    loss_ref = F.cross_entropy(full.view(-1, V), target.view(-1), ignore_index=ignore_index, reduction=reduction)
-    loss_ref = loss_ref.view(LEADING) if reduction == "none" else loss_ref
+    loss_ref = reference_loss(full, target, reduction, ignore_index, **options)
     grad_loss = torch.rand(LEADING, dtype=torch.float64) + 0.5 if reduction == "none" else torch.tensor(1.7).double()
     loss_ref.backward(grad_loss)
 
     cols = slice(rank * V // t, (rank + 1) * V // t)
     shard = logits[..., cols].to(dtype).requires_grad_()
     with count_bytes() as forward_bytes:
-        loss = vocab_parallel_cross_entropy(shard, target, ignore_index=ignore_index, reduction=reduction)
+        loss = vocab_parallel_cross_entropy(shard, target, ignore_index=ignore_index, reduction=reduction, **options)
     with count_bytes() as backward_bytes:
         loss.backward(grad_loss.float())
-    tag = f"tp={t} {dtype} reduction={reduction} ignore_index={ignore_index}"
+    tag = f"tp={t} {dtype} reduction={reduction} ignore_index={ignore_index} {options}"
     assert loss.dtype == torch.float32 and loss.shape == loss_ref.shape, tag
     torch.testing.assert_close(loss.double(), loss_ref.detach(), **TOL[dtype], msg=lambda m: f"{tag} loss: {m}")
     assert shard.grad.dtype == dtype, tag
     torch.testing.assert_close(shard.grad.double(), full.grad[..., cols], **GRAD_TOL[dtype],
                                msg=lambda m: f"{tag} logits grad: {m}")  # fmt: skip
-    # One all-gather of two fp32 per token forward ((t-1)/t of the [t, 2, N] result); nothing backward.
-    n_tokens = target.numel()
-    assert forward_bytes.sent == (t - 1) * 2 * n_tokens * 4 and backward_bytes.sent == 0, tag
+    # One all-gather of two fp32 per token forward ((t-1)/t of the [t, 2, N] result; three with label smoothing:
+    # the sum of the logits too); nothing backward.
+    n_tokens, per_token = target.numel(), 3 if options.get("label_smoothing") else 2
+    assert forward_bytes.sent == (t - 1) * per_token * n_tokens * 4 and backward_bytes.sent == 0, tag
 
 
 def _cross_entropy_worker(rank, t):
@@ -64,6 +65,9 @@ def _cross_entropy_worker(rank, t):
         _check(rank, t, torch.float32, reduction)
     _check(rank, t, torch.float16, "mean")
     _check(rank, t, torch.float32, "mean", ignore_index=V // 2 + 1)  # a real vocab id, owned by one rank
+    _check(rank, t, torch.float32, "mean", label_smoothing=0.1, z_loss=1e-2)
+    _check(rank, t, torch.float32, "none", label_smoothing=0.2)
+    _check(rank, t, torch.float16, "sum", z_loss=1e-3)
     # Every target ignored: "mean" is 0/0 = nan, as in torch, and the gradient is zero.
     logits = torch.randn(3, V // t, requires_grad=True)
     loss = vocab_parallel_cross_entropy(logits, torch.full((3,), -100))
@@ -127,6 +131,9 @@ TARGET = torch.zeros(2, 3, dtype=torch.long)
         (lambda f: f(LOGITS, TARGET, ignore_index=None), TypeError, "ignore_index must be an int"),
         (lambda f: f(torch.randn(2, 0), TARGET[0, :2]), ValueError, r"V/t >= 1, received shape \(2, 0\)"),
         (lambda f: f(LOGITS, TARGET.to("meta")), ValueError, "target must be on the logits' device cpu"),
+        (lambda f: f(LOGITS, TARGET, label_smoothing=-0.1), ValueError, r"label_smoothing must lie in \[0, 1\]"),
+        (lambda f: f(LOGITS, TARGET, z_loss=None), TypeError, "z_loss must be a float, received NoneType"),
+        (lambda f: f(LOGITS, TARGET, z_loss=float("inf")), ValueError, "z_loss must be a finite number >= 0"),
     ],
 )
 def test_bad_input(call, error, words):

@@ -32,11 +32,20 @@ def _data(dtype, ignore_index=-100, seed=3):
     return hidden, weight, bias, target
 
 
-def _reference(hidden, weight, bias, target, reduction, grad_loss, ignore_index=-100):
+def reference_loss(logits, target, reduction, ignore_index=-100, label_smoothing=0.0, z_loss=0.0):
+    """torch's cross entropy (with its label smoothing) plus PaLM's z-loss c·lse² per counted token, reduced."""
+    flat, tgt = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
+    per_token = F.cross_entropy(flat, tgt, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
+    valid = tgt != ignore_index
+    per_token = per_token + z_loss * torch.logsumexp(flat, dim=-1).square() * valid
+    if reduction == "none":
+        return per_token.view(target.shape)
+    return per_token.sum() if reduction == "sum" else per_token.sum() / valid.sum()
+
+
+def _reference(hidden, weight, bias, target, reduction, grad_loss, ignore_index=-100, **options):
     x, w, b = (t.double().requires_grad_() for t in (hidden, weight, bias))
-    logits = x @ w.t() + b
-    loss = F.cross_entropy(logits.view(-1, V), target.view(-1), ignore_index=ignore_index, reduction=reduction)
-    loss = loss.view(target.shape) if reduction == "none" else loss
+    loss = reference_loss(x @ w.t() + b, target, reduction, ignore_index, **options)
     loss.backward(grad_loss)
     return loss.detach(), x.grad, w.grad, b.grad
 
@@ -74,6 +83,21 @@ def test_matches_the_head_and_cross_entropy(dtype, reduction, chunk_size):
 @pytest.mark.parametrize("reduction, chunk_size", [("mean", 1), ("none", 100)])
 def test_one_token_per_chunk_and_one_chunk_for_all(reduction, chunk_size):
     test_matches_the_head_and_cross_entropy(torch.float32, reduction, chunk_size)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.1, 0.0), (0.0, 1e-2), (0.3, 1e-3), (1.0, 0.0)])
+def test_label_smoothing_and_z_loss(reduction, label_smoothing, z_loss):
+    hidden, weight, bias, target = _data(torch.float32)
+    options = dict(label_smoothing=label_smoothing, z_loss=z_loss)
+    grad_loss = _grad_loss(reduction)
+    ref = _reference(hidden, weight, bias, target, reduction, grad_loss, **options)
+    x, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
+    loss = linear_cross_entropy(x, w, target, bias=b, reduction=reduction, chunk_size=5, **options)
+    torch.testing.assert_close(loss.double(), ref[0], rtol=1e-5, atol=1e-6)
+    loss.backward(grad_loss.float())
+    for name, t, expected in (("hidden", x, ref[1]), ("weight", w, ref[2]), ("bias", b, ref[3])):
+        _close(t.grad, expected, torch.float32, f"{name} grad ({options})")
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
@@ -180,6 +204,9 @@ def test_compiles_whole():
         (dict(chunk_size=0), ValueError, "chunk_size must be None or a positive int, received 0"),
         (dict(chunk_size=True), ValueError, "chunk_size must be None or a positive int, received True"),
         (dict(sequence_parallel=1), TypeError, "sequence_parallel must be a bool"),
+        (dict(label_smoothing=1.5), ValueError, r"label_smoothing must lie in \[0, 1\], received 1.5"),
+        (dict(label_smoothing="0.1"), TypeError, "label_smoothing must be a float, received str"),
+        (dict(z_loss=-1e-4), ValueError, "z_loss must be a finite number >= 0, received -0.0001"),
         (dict(hidden=torch.ones(S, E), sequence_parallel=True), ValueError, r"hidden must be \[B, S/t, E\]"),
     ],
 )
@@ -197,25 +224,28 @@ def test_bad_input_is_refused(kwargs, error, match):
 def _ranks_worker(rank, t):
     from tessel.parallel.comm import count_bytes
 
-    cases = [(torch.float32, "mean", False, 3), (torch.float32, "none", True, 5), (torch.float32, "sum", True, None),
-             (torch.float16, "mean", True, 4)]  # fmt: skip
-    for dtype, reduction, sp, chunk in cases:
+    smooth = dict(label_smoothing=0.1, z_loss=1e-2)
+    cases = [(torch.float32, "mean", False, 3, {}), (torch.float32, "none", True, 5, {}),
+             (torch.float32, "sum", True, None, {}), (torch.float16, "mean", True, 4, {}),
+             (torch.float32, "mean", True, 5, smooth), (torch.float32, "none", False, 7, smooth)]  # fmt: skip
+    for dtype, reduction, sp, chunk, options in cases:
         hidden, weight, bias, target = _data(dtype)
         grad_loss = _grad_loss(reduction)
-        ref = _reference(hidden, weight, bias, target, reduction, grad_loss)
+        ref = _reference(hidden, weight, bias, target, reduction, grad_loss, **options)
         rows, seq = slice(rank * V // t, (rank + 1) * V // t), slice(rank * S // t, (rank + 1) * S // t)
         x = hidden[:, seq] if sp else hidden
         x = x.clone().requires_grad_()
         w, b = weight[rows].clone().requires_grad_(), bias[rows].clone().requires_grad_()
         with count_bytes() as sent:
             loss = linear_cross_entropy(x, w, target, bias=b, reduction=reduction, chunk_size=chunk,
-                                        sequence_parallel=sp)  # fmt: skip
-        tag = f"tp={t} {dtype} {reduction} sp={sp} chunk={chunk}"
+                                        sequence_parallel=sp, **options)  # fmt: skip
+        tag = f"tp={t} {dtype} {reduction} sp={sp} chunk={chunk} {options}"
         torch.testing.assert_close(
             loss.double(), ref[0], rtol=1e-5, atol=1e-6, msg=lambda m, tag=tag: f"{tag} loss: {m}"
         )
         gathered = (t - 1) * B * S * E * x.element_size() // t if sp else 0
-        assert sent.sent == gathered + (t - 1) * 2 * B * S * 4, tag  # the input's gather, then (lse, z)
+        per_token = 3 if options.get("label_smoothing") else 2  # (lse, z), and the sum of the logits to smooth
+        assert sent.sent == gathered + (t - 1) * per_token * B * S * 4, tag  # the input's gather, then the stats
         loss.backward(grad_loss.float())
         _close(x.grad, ref[1][:, seq] if sp else ref[1], dtype, f"{tag} hidden grad")
         _close(w.grad, ref[2][rows], dtype, f"{tag} weight grad")
