@@ -14,6 +14,8 @@ with router logits asked for (a mixture of experts adds its balancing loss to th
 
 from __future__ import annotations
 
+import types
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -26,7 +28,7 @@ __all__ = ["fuse_lm_loss"]
 
 _NAME = "fuse_lm_loss"
 _BASE_POSITIONAL = 5  # input_ids, attention_mask, position_ids, past_key_values, inputs_embeds: the same in both
-_FLAG = "_tessel_fused_lm_loss"
+_UNFUSED = "_tessel_unfused_forward"  # the forward that fuse_lm_loss replaced, kept on the model
 
 
 def _check(model) -> ColumnParallelLinear:
@@ -55,44 +57,45 @@ def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
     return F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
 
 
+def _fused_forward(self, *args, **kwargs):
+    """The model's forward (a method of the model, so that a deep copy calls its own modules; see the module
+    docstring)."""
+    labels = kwargs.get("labels")
+    routers = kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+    if labels is None or routers or len(args) > _BASE_POSITIONAL:
+        return getattr(self, _UNFUSED)(*args, **kwargs)
+    kwargs = dict(kwargs)
+    del kwargs["labels"]
+    num_items = kwargs.pop("num_items_in_batch", None)
+    ignore_index = kwargs.pop("ignore_index", -100)
+    shift_labels = kwargs.pop("shift_labels", None)
+    return_dict = kwargs.pop("return_dict", None)
+    kwargs.pop("logits_to_keep", None)  # the loss covers every position, as the model's own with the default 0
+    outputs = base_model(self)[1](*args, **kwargs)
+    head = self.get_output_embeddings()
+    target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
+    loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, target.to(head.weight.device), head.tp_group,
+                                bias=head.bias, ignore_index=ignore_index,
+                                reduction="mean" if num_items is None else "sum")  # fmt: skip
+    if num_items is not None:
+        loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
+                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
+    return out.to_tuple() if return_dict is False else out
+
+
 def fuse_lm_loss(model: nn.Module) -> nn.Module:
     """Make ``model(..., labels=labels)`` compute its loss without the logits (see the module docstring).
 
     ``model``: a Hugging Face causal language model after :func:`~.parallelize.parallelize` (its ``lm_head``
-    split by vocabulary). Returns ``model``, changed in place; calling it again changes nothing.
+    split by vocabulary). Returns ``model``, changed in place (its ``forward``, a method of the instance that
+    keeps the one it replaces); calling it again changes nothing.
     """
-    head = _check(model)
-    if getattr(model, _FLAG, False):
+    _check(model)
+    if hasattr(model, _UNFUSED):
         return model
-    original = model.forward
-    base = base_model(model)[1]
-    config = model.config
-
-    def forward(*args, **kwargs):
-        labels = kwargs.get("labels")
-        routers = kwargs.get("output_router_logits", getattr(config, "output_router_logits", False))
-        if labels is None or routers or len(args) > _BASE_POSITIONAL:
-            return original(*args, **kwargs)
-        kwargs = dict(kwargs)
-        del kwargs["labels"]
-        num_items = kwargs.pop("num_items_in_batch", None)
-        ignore_index = kwargs.pop("ignore_index", -100)
-        shift_labels = kwargs.pop("shift_labels", None)
-        return_dict = kwargs.pop("return_dict", None)
-        kwargs.pop("logits_to_keep", None)  # the loss covers every position, as the model's own with the default 0
-        outputs = base(*args, **kwargs)
-        target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
-        loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, target.to(head.weight.device),
-                                    head.tp_group, bias=head.bias, ignore_index=ignore_index,
-                                    reduction="mean" if num_items is None else "sum")  # fmt: skip
-        if num_items is not None:
-            loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-        from transformers.modeling_outputs import CausalLMOutputWithPast
-
-        out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                     hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
-        return out.to_tuple() if return_dict is False else out
-
-    model.forward = forward
-    setattr(model, _FLAG, True)
+    setattr(model, _UNFUSED, model.forward)
+    model.forward = types.MethodType(_fused_forward, model)
     return model

@@ -112,3 +112,20 @@ def test_a_mixture_of_experts_asked_for_its_router_logits_keeps_its_own_forward(
     fused = model(ids, labels=ids)
     assert own.logits is not None and own.aux_loss is not None and fused.logits is None
     torch.testing.assert_close(fused.loss, own.loss, rtol=1e-5, atol=1e-6)  # the balancing loss weighs 0 here
+
+
+def test_a_deep_copy_computes_with_its_own_weights():
+    import copy
+
+    from tessel.layers import fuse_lm_loss, parallelize
+
+    model = fuse_lm_loss(parallelize(_llama(), None))
+    twin = copy.deepcopy(model)
+    ids = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(2))
+    torch.testing.assert_close(twin(ids, labels=ids).loss, model(ids, labels=ids).loss)
+    with torch.no_grad():
+        twin.lm_head.weight.mul_(3)
+        twin.model.norm.weight.mul_(2)
+    assert twin(ids, labels=ids).loss.item() != model(ids, labels=ids).loss.item()
+    assert twin(ids, labels=ids).logits is None and twin(ids).logits is not None
+    torch.testing.assert_close(twin(ids, labels=ids).loss, type(twin).forward(twin, ids, labels=ids).loss)
