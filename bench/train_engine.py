@@ -92,8 +92,11 @@ class Engine:
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
 
-    def _pipeline_loss(self, logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        loss = self._weighted(self.gpt.loss_from_logits(logits, target), target, self.args.microbatches)
+    def _pipeline_loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The schedule's loss: the last stage returns its final norm's output (``fused_loss``), and its head and
+        loss run through the wrapper (which holds the head's parameters, gathered under FSDP) without logits."""
+        last = next(k for k, stage in enumerate(self.stages) if stage.last)
+        loss = self._weighted(self.wrapper(hidden, stage=last, targets=target), target, self.args.microbatches)
         self._microbatch_losses.append(loss.detach().float())
         return self._scaled(loss)
 
@@ -306,8 +309,9 @@ class _Stages(nn.Module):
         super().__init__()
         self.stages = nn.ModuleList(stages)
 
-    def forward(self, *args, stage: int = 0):
-        return self.stages[stage](*args)
+    def forward(self, *args, stage: int = 0, targets: torch.Tensor | None = None):
+        """Stage ``stage`` on ``args``; with ``targets``, that (last) stage's loss of its output ``args[0]``."""
+        return self.stages[stage](*args) if targets is None else self.stages[stage].loss(args[0], targets)
 
 
 class _StageCall(nn.Module):
@@ -369,7 +373,8 @@ def build_engine(args, dims: ParallelDims) -> Engine:
     if args.pp == 1:
         stages = [gpt]
     else:
-        stages = [gpt.pipeline_stage(s, args.pp * args.stages_per_rank) for s in _stage_ids(args, dims)]
+        n = args.pp * args.stages_per_rank
+        stages = [gpt.pipeline_stage(s, n, fused_loss=True) for s in _stage_ids(args, dims)]
     local = {id(p) for m in stages for p in m.parameters()}
     named = {name: p for name, p in gpt.named_parameters() if id(p) in local}
     num_params, flops_per_token = gpt.num_params(), gpt.flops_per_token(args.seq_len)

@@ -351,10 +351,13 @@ class GPT(nn.Module):
 
     # ------------------------------------------------------------------------------------------------ pipeline
 
-    def pipeline_stage(self, stage_index: int, num_stages: int) -> GPTStage:
+    def pipeline_stage(self, stage_index: int, num_stages: int, *, fused_loss: bool = False) -> GPTStage:
         """Stage ``stage_index`` of ``num_stages``: a contiguous, even split of the blocks (earlier stages
         take one more when it does not divide); the first stage also embeds, the last also normalises and
-        projects to logits. The stage shares this model's parameters."""
+        projects to logits, or, with ``fused_loss``, returns the final norm's output, whose loss
+        :meth:`GPTStage.loss` computes without the logits. The stage shares this model's parameters."""
+        if not isinstance(fused_loss, bool):
+            raise TypeError(f"GPT.pipeline_stage: fused_loss must be a bool, received {type(fused_loss).__name__}")
         if not 0 <= stage_index < num_stages:
             raise ValueError(f"GPT.pipeline_stage: stage_index must be in [0, {num_stages}), received {stage_index}")
         if num_stages > self.config.n_layer:
@@ -362,7 +365,9 @@ class GPT(nn.Module):
         per, extra = divmod(self.config.n_layer, num_stages)
         start = stage_index * per + min(stage_index, extra)
         stop = start + per + (stage_index < extra)
-        return GPTStage(self, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1)
+        stage = GPTStage(self, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1)
+        stage.fused_loss = fused_loss
+        return stage
 
 
 class _WithAuxGrad(torch.autograd.Function):
@@ -390,6 +395,7 @@ class GPTStage(nn.Module):
     def __init__(self, gpt: GPT, start: int, stop: int, *, first: bool, last: bool):
         super().__init__()
         self.first, self.last, self.tp_group, self.recompute = first, last, gpt.tp_group, gpt.config.recompute
+        self.sequence_parallel, self.fused_loss = gpt.sequence_parallel, False
         self.embed = gpt.embed if first else None
         self.blocks = nn.ModuleList(gpt.blocks[start:stop])
         self.norm = gpt.norm if last else None
@@ -412,5 +418,14 @@ class GPTStage(nn.Module):
             losses = torch.stack([aux * m.aux_loss + z * m.z_loss for m in routers])
             x = _WithAuxGrad.apply(x, losses.sum(), self.aux_grad)
         if self.last:
-            return self.lm_head(self.norm(x))
+            return self.norm(x) if self.fused_loss else self.lm_head(self.norm(x))
         return x if segment_ids is None else (x, segment_ids)
+
+    def loss(self, hidden: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The last stage's mean cross entropy of ``targets`` from its output with ``fused_loss`` (the final norm's),
+        through :func:`~.linear_cross_entropy.linear_cross_entropy`: no logits are held."""
+        if not self.last:
+            raise ValueError("GPTStage.loss: only the last stage holds the head")
+        head = self.lm_head
+        return linear_cross_entropy(hidden, head.weight, targets, self.tp_group, bias=head.bias,
+                                    sequence_parallel=self.sequence_parallel)  # fmt: skip

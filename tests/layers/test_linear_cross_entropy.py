@@ -390,3 +390,29 @@ def test_no_tokens(reduction):
     assert loss.shape == (() if reduction == "sum" else (0,))
     loss.sum().backward()
     assert x.grad.shape == (0, E) and w.grad.shape == (V, E) and not w.grad.any()
+
+
+def test_the_last_pipeline_stage_returns_hidden_states_and_their_loss():
+    """``pipeline_stage(fused_loss=True)``: the last stage hands the schedule its final norm's output, and
+    ``GPTStage.loss`` gives the whole model's loss and gradients from it (one process, two stages in a row)."""
+    from tessel.layers.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=40, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, block_size=16)
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(40, (2, 12), generator=g), torch.randint(40, (2, 12), generator=g)
+    gpt.loss_from_logits(gpt(idx), targets).backward()
+    want = {n: p.grad.clone() for n, p in gpt.named_parameters()}
+    gpt.zero_grad()
+    first, last = gpt.pipeline_stage(0, 2), gpt.pipeline_stage(1, 2, fused_loss=True)
+    hidden = last(first(idx))
+    assert hidden.shape == (2, 12, 64)  # the final norm's output, not logits
+    last.loss(hidden, targets).backward()
+    for name, grad in want.items():
+        msg = lambda m, name=name: f"{name}: {m}"
+        torch.testing.assert_close(dict(gpt.named_parameters())[name].grad, grad, rtol=1e-4, atol=1e-6, msg=msg)
+    with pytest.raises(ValueError, match="only the last stage holds the head"):
+        first.loss(hidden, targets)
+    with pytest.raises(TypeError, match="fused_loss must be a bool, received int"):
+        gpt.pipeline_stage(1, 2, fused_loss=1)
