@@ -14,8 +14,8 @@ z-loss coefficient.
 ``lse`` merged over the tensor-parallel ranks in between. Written with PyTorch the same work takes a
 log-sum-exp, a gather, and a subtract, exp, scatter, multiply and cast over the chunk, each its own pass
 over ``n·V`` fp32 values, after an fp32 copy of fp16/bf16 logits. ``logits_grad`` may write over the logits
-themselves (``inplace=True``, for a gradient of their dtype). :func:`~tessel.layers.cross_entropy.
-vocab_parallel_cross_entropy` runs them on whole logits.
+themselves (``inplace=True``, for a gradient of their dtype).
+:func:`~tessel.layers.cross_entropy.vocab_parallel_cross_entropy` runs them on whole logits.
 
 The three tiers: ``_row_stats_kernel`` / ``_logits_grad_kernel`` (Triton, one program per row, the row in
 blocks of ``BLOCK`` columns), :func:`row_stats` / :func:`logits_grad` (launchers: Triton on CUDA, the
