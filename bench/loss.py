@@ -6,13 +6,15 @@ model's vocabulary under tensor parallelism). Forward and backward of:
 - ``tessel``: :func:`~tessel.layers.linear_cross_entropy.linear_cross_entropy` with its default chunks, which
   never holds the ``[N, V]`` logits;
 - ``torch``: ``F.cross_entropy(F.linear(x, W).float(), target)``, what Hugging Face's models do (the logits
-  in the inputs' dtype, upcast to fp32 for the loss).
+  in the inputs' dtype, upcast to fp32 for the loss);
+- ``logits``: ``vocab_parallel_cross_entropy(F.linear(x, W), target)``: the same logits, tessel's loss over them
+  (its Triton row passes, no fp32 copy): what the row passes alone change.
 
-Before timing, both are compared with each other (loss, and the gradients of ``x`` and ``W``): the run stops
-with :class:`~.matmul.BenchmarkError` past the dtype's tolerance. A row reports both times (forward and
+Before timing, all three are compared with torch's (loss, and the gradients of ``x`` and ``W``): the run stops
+with :class:`~.matmul.BenchmarkError` past the dtype's tolerance. A row reports the three times (forward and
 backward, milliseconds), ``tessel/torch`` (``torch_ms / tessel_ms``, above 1: tessel is faster), and the
 memory each needs beyond its inputs: on a GPU the peak allocated during the call and its backward
-(``torch.cuda.max_memory_allocated``), on a CPU the largest single tensor either creates (an exact count,
+(``torch.cuda.max_memory_allocated``), on a CPU the largest single tensor each creates (an exact count,
 the same on every machine: the logits or a chunk of them); ``torch/tessel memory`` is their ratio.
 
 GPU shapes: Llama 3's head (E 4096, V 128256) at 8k tokens, the same at tp 8 (V/t 16032) at 16k tokens, and
@@ -28,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from ..layers.cross_entropy import vocab_parallel_cross_entropy
 from ..layers.linear_cross_entropy import default_chunk_size, linear_cross_entropy
 from .matmul import BenchmarkError, max_rel_error
 from .runner import time_fn
@@ -35,8 +38,8 @@ from .runner import time_fn
 __all__ = ["COLUMNS", "LOSS_SHAPES_CPU", "LOSS_SHAPES_GPU", "LossShape", "run_loss_suite"]
 
 COLUMNS = (
-    "case", "N", "E", "V", "dtype", "chunk", "loss_rel_err", "grad_rel_err", "tessel_ms", "torch_ms", "tessel/torch",
-    "memory", "tessel_MB", "torch_MB", "torch/tessel memory",
+    "case", "N", "E", "V", "dtype", "chunk", "loss_rel_err", "grad_rel_err", "tessel_ms", "torch_ms", "logits_ms",
+    "tessel/torch", "memory", "tessel_MB", "torch_MB", "logits_MB", "torch/tessel memory",
 )  # fmt: skip
 
 
@@ -80,6 +83,10 @@ def _torch(x, w, target):
     return F.cross_entropy(F.linear(x, w).float(), target)
 
 
+def _logits(x, w, target):
+    return vocab_parallel_cross_entropy(F.linear(x, w), target)
+
+
 def _step(loss_fn, x, w, target):
     def step():
         x.grad = w.grad = None
@@ -119,14 +126,14 @@ def _memory_mb(step, cuda: bool) -> float:
 
 def _check(shape: LossShape, x, w, target) -> tuple[float, float]:
     results = []
-    for loss_fn in (_tessel(shape.chunk), _torch):
+    for loss_fn in (_torch, _tessel(shape.chunk), _logits):
         x.grad = w.grad = None
         loss = loss_fn(x, w, target)
         loss.backward()
         results.append((loss.detach(), x.grad.clone(), w.grad.clone()))
-    (loss, dx, dw), (ref, ref_dx, ref_dw) = results
-    loss_err = max_rel_error(loss, ref)
-    grad_err = max(max_rel_error(dx, ref_dx), max_rel_error(dw, ref_dw))
+    (ref, ref_dx, ref_dw), *others = results
+    loss_err = max(max_rel_error(loss, ref) for loss, _, _ in others)
+    grad_err = max(max(max_rel_error(dx, ref_dx), max_rel_error(dw, ref_dw)) for _, dx, dw in others)
     if not (loss_err <= _LOSS_TOL[x.dtype] and grad_err <= _GRAD_TOL[x.dtype]):  # also catches NaN
         raise BenchmarkError(
             f"loss suite: {shape.label}: tessel differs from torch (loss {loss_err:.3g}, gradients {grad_err:.3g}; "
@@ -146,14 +153,15 @@ def run_loss_suite(dtype: torch.dtype | None = None, quick: bool = False, device
             continue
         x, w, target = _inputs(shape, dtype, device)
         errors = _check(shape, x, w, target)
-        steps = {name: _step(fn, x, w, target) for name, fn in (("tessel", _tessel(shape.chunk)), ("torch", _torch))}
+        fns = (("tessel", _tessel(shape.chunk)), ("torch", _torch), ("logits", _logits))
+        steps = {name: _step(fn, x, w, target) for name, fn in fns}
         memory = {name: _memory_mb(step, cuda) for name, step in steps.items()}
         times = {name: time_fn(step, cuda=cuda, reps=1 if quick else 3) for name, step in steps.items()}
         values = (
             shape.label, shape.n, shape.e, shape.v, str(dtype).removeprefix("torch."),
             shape.chunk or default_chunk_size(shape.n, shape.v, shape.e), *errors, times["tessel"], times["torch"],
-            times["torch"] / times["tessel"], "peak allocated" if cuda else "largest tensor", memory["tessel"],
-            memory["torch"], memory["torch"] / memory["tessel"],
+            times["logits"], times["torch"] / times["tessel"], "peak allocated" if cuda else "largest tensor",
+            memory["tessel"], memory["torch"], memory["logits"], memory["torch"] / memory["tessel"],
         )  # fmt: skip
         rows.append(dict(zip(COLUMNS, values, strict=True)))
         del x, w, target, steps

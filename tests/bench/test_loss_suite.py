@@ -20,6 +20,7 @@ def test_quick_cpu_rows():
         assert row["tessel/torch"] == pytest.approx(row["torch_ms"] / row["tessel_ms"])
         # torch's largest tensor is a [N, V] fp32 one; tessel's is a chunk of logits or the fp32 weight gradient.
         assert row["torch_MB"] * 2**20 >= shape.n * shape.v * 4
+        assert row["logits_MB"] * 2**20 >= shape.n * shape.v * 4 and row["logits_ms"] > 0  # the logits, fp32 here
         largest = max(shape.chunk * shape.v, shape.v * shape.e, shape.n * shape.e) * 4
         assert row["tessel_MB"] * 2**20 <= largest
         assert row["torch/tessel memory"] == pytest.approx(row["torch_MB"] / row["tessel_MB"])
