@@ -146,6 +146,19 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "the training loss (default: %(default)s; ST-MoE uses 1e-3)",
     )
     add(
+        "--label-smoothing",
+        type=float,
+        default=0.0,
+        help="label smoothing of the language-model loss, as torch's cross entropy takes it (default: %(default)s)",
+    )
+    add(
+        "--logit-z-loss",
+        type=float,
+        default=0.0,
+        help="weight of PaLM's z-loss on the output logits (logsumexp squared per token), added to the training loss "
+        "(default: %(default)s; PaLM uses 1e-4)",
+    )
+    add(
         "--router-score",
         choices=ROUTER_SCORES,
         default="softmax",
@@ -366,6 +379,10 @@ def _check_model(args, preset: Preset) -> None:
         )
     if args.sliding_window is not None:
         _positive(args, "sliding_window")
+    if not 0 <= args.logit_z_loss < math.inf:
+        raise ArgumentError(f"--logit-z-loss must be a finite non-negative number, received {args.logit_z_loss}")
+    if not 0 <= args.label_smoothing <= 1:
+        raise ArgumentError(f"--label-smoothing must lie in [0, 1], received {args.label_smoothing}")
     _check_experts(args)
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ArgumentError(

@@ -354,6 +354,8 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         top_k=args.top_k,
         aux_loss_coef=args.aux_loss_coef,
         z_loss_coef=args.z_loss_coef,
+        label_smoothing=args.label_smoothing,
+        logit_z_loss=args.logit_z_loss,
         expert_bias_rate=args.expert_bias_rate,
         router_score=args.router_score,
         expert_groups=args.expert_groups,

@@ -98,7 +98,8 @@ def _save(args, engine: Engine, step: int, history: list[StepRecord]) -> None:
 # Model settings that change how gradients are computed, not what the weights are: a run may resume with
 # another choice (and from a checkpoint written before the setting existed). The load-balancing loss's weight
 # is a training setting like the learning rate.
-_NUMERICS_ONLY = frozenset({"deterministic_attention", "recompute", "aux_loss_coef", "z_loss_coef"})
+_NUMERICS_ONLY = frozenset({"deterministic_attention", "recompute", "aux_loss_coef", "z_loss_coef", "label_smoothing",
+                            "logit_z_loss"})  # fmt: skip
 _PRESENT_ONLY = frozenset({"expert_bias_rate"})  # the rate may change; whether the model has the biases may not
 
 

@@ -45,15 +45,16 @@ _REDUCTIONS = ("mean", "sum", "none")
 _NAME = "vocab_parallel_cross_entropy"
 
 
-def check_loss_options(name: str, label_smoothing, z_loss) -> None:
-    """``label_smoothing`` in [0, 1] and ``z_loss`` >= 0, real numbers (raises TypeError/ValueError naming them)."""
-    for arg, value in (("label_smoothing", label_smoothing), ("z_loss", z_loss)):
+def check_loss_options(name: str, label_smoothing, z_loss, *, z_loss_name: str = "z_loss") -> None:
+    """``label_smoothing`` in [0, 1] and ``z_loss`` >= 0, real numbers (raises TypeError/ValueError naming them;
+    ``z_loss_name``: the caller's name for the z-loss)."""
+    for arg, value in (("label_smoothing", label_smoothing), (z_loss_name, z_loss)):
         if isinstance(value, bool) or not isinstance(value, (int, float)):
             raise TypeError(f"{name}: {arg} must be a float, received {type(value).__name__}")
     if not 0.0 <= label_smoothing <= 1.0:
         raise ValueError(f"{name}: label_smoothing must lie in [0, 1], received {label_smoothing}")
     if not 0.0 <= z_loss < float("inf"):
-        raise ValueError(f"{name}: z_loss must be a finite number >= 0, received {z_loss}")
+        raise ValueError(f"{name}: {z_loss_name} must be a finite number >= 0, received {z_loss}")
 
 
 def merged_token_loss(stats, group, vocab: int, label_smoothing: float, z_loss: float):

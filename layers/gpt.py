@@ -25,7 +25,7 @@ from ..kernels.attention import HEAD_DIMS
 from ..parallel.comm import group_size
 from ..parallel.sharding import global_shape, shard_like
 from .attention import ParallelAttention, check_heads, check_window, context_size
-from .cross_entropy import vocab_parallel_cross_entropy
+from .cross_entropy import check_loss_options, vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
 from .linear import ColumnParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
@@ -70,6 +70,8 @@ class GPTConfig:
     # > 0: auxiliary-loss-free balancing, each layer's expert biases move by this much per update_expert_bias()
     # (DeepSeek-V3 uses 1e-3 with aux_loss_coef ~0)
     expert_bias_rate: float = 0.0
+    label_smoothing: float = 0.0  # of the language-model loss, as F.cross_entropy's (GPT.loss, forward(targets=))
+    logit_z_loss: float = 0.0  # PaLM's z-loss on the output logits: this times logsumexp² per token (PaLM: 1e-4)
 
     def __post_init__(self):
         for name in ("vocab_size", "n_layer", "n_head", "n_embd", "block_size"):
@@ -113,6 +115,7 @@ class GPTConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or not (0 <= value < math.inf):
                 raise ValueError(f"GPTConfig: {name} must be a finite non-negative number, received {value!r}")
+        check_loss_options("GPTConfig", self.label_smoothing, self.logit_z_loss, z_loss_name="logit_z_loss")
         if self.expert_bias_rate and not self.n_expert:
             raise ValueError(f"GPTConfig: expert_bias_rate={self.expert_bias_rate} needs experts (n_expert > 0)")
         if self.mlp_hidden is None:  # SwiGLU keeps the MLP's parameter count at ~8E² (Shazeer 2020), rounded to 64
@@ -282,9 +285,7 @@ class GPT(nn.Module):
         hidden = self.hidden_states(idx, segment_ids)
         if targets is None:
             return self.lm_head(hidden)
-        head = self.lm_head
-        return linear_cross_entropy(hidden, head.weight, targets, self.tp_group, bias=head.bias,
-                                    sequence_parallel=self.sequence_parallel)  # fmt: skip
+        return _head_loss(self.config, self.lm_head, hidden, targets, self.tp_group, self.sequence_parallel)
 
     def loss(self, idx: torch.Tensor, targets: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
         """Mean cross entropy of next-token ``targets [B, S]`` (fp32), the logits never held whole (see
@@ -323,7 +324,9 @@ class GPT(nn.Module):
 
     def loss_from_logits(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         """Mean cross entropy of vocab-parallel ``logits [B, S, V/t]`` (a pipeline's last-stage loss function)."""
-        return vocab_parallel_cross_entropy(logits, targets, self.tp_group)
+        c = self.config
+        return vocab_parallel_cross_entropy(logits, targets, self.tp_group, label_smoothing=c.label_smoothing,
+                                            z_loss=c.logit_z_loss)  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------ accounting
 
@@ -368,6 +371,13 @@ class GPT(nn.Module):
         stage = GPTStage(self, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1)
         stage.fused_loss = fused_loss
         return stage
+
+
+def _head_loss(config: GPTConfig, head: nn.Module, hidden, targets, tp_group, sequence_parallel: bool):
+    """The mean cross entropy of ``targets`` from the final norm's output through the head, without logits."""
+    return linear_cross_entropy(hidden, head.weight, targets, tp_group, bias=head.bias,
+                                sequence_parallel=sequence_parallel, label_smoothing=config.label_smoothing,
+                                z_loss=config.logit_z_loss)  # fmt: skip
 
 
 class _WithAuxGrad(torch.autograd.Function):
@@ -426,6 +436,4 @@ class GPTStage(nn.Module):
         through :func:`~.linear_cross_entropy.linear_cross_entropy`: no logits are held."""
         if not self.last:
             raise ValueError("GPTStage.loss: only the last stage holds the head")
-        head = self.lm_head
-        return linear_cross_entropy(hidden, head.weight, targets, self.tp_group, bias=head.bias,
-                                    sequence_parallel=self.sequence_parallel)  # fmt: skip
+        return _head_loss(self.config, self.lm_head, hidden, targets, self.tp_group, self.sequence_parallel)

@@ -252,6 +252,25 @@ def test_packed_documents_train_alike_under_every_layout(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_label_smoothing_and_logit_z_loss_train_alike_with_tensor_and_pipeline_parallelism(tmp_path):
+    """--label-smoothing and --logit-z-loss reach the loss of every layout (the head's fused loss in one process
+    and at tp=2 with sequence parallelism, the last pipeline stage's at pp=2: the same curve), are recorded in
+    the checkpoint's model settings, and change the loss."""
+    base = ["--steps", "2", "--seq-len", "32", "--batch-size", "4", "--save-every", "2"]
+    options = ["--label-smoothing", "0.1", "--logit-z-loss", "1e-3"]
+    _ok(_train(tmp_path / "one", *base, *options))
+    _ok(_train(tmp_path / "tp2", *base, *options, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "pp2", *base, *options, "--pp", "2", "--microbatches", "2", nproc=2))
+    _ok(_train(tmp_path / "plain", *base))
+    assert _losses(tmp_path / "tp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+    assert _losses(tmp_path / "pp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+    assert _losses(tmp_path / "plain")[0] != pytest.approx(_losses(tmp_path / "one")[0], rel=1e-3)
+    model = json.loads((_checkpoint(tmp_path / "one", 2) / "manifest.json").read_text())["model"]
+    assert (model["label_smoothing"], model["logit_z_loss"]) == (0.1, 1e-3)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_checkpoint_saved_at_tp2_loads_in_a_world_of_one(uninterrupted, tmp_path):
     saved, resumed = tmp_path / "tp2", tmp_path / "dense"
     _ok(_train(saved, "--tp", "2", "--zero", "1", *RUN[4:], nproc=2, timeout=240))

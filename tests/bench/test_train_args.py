@@ -84,6 +84,8 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
         (["--ep", "2", "--experts", "4"], 3, "--ep 2 does not divide the data-parallel size 3"),
         (["--ep", "2"], 2, "--ep 2 splits experts over ranks: it needs --experts"),
         (["--experts", "-1"], 1, "--experts must be 0 (dense) or positive, received -1"),
+        (["--label-smoothing", "1.5"], 1, "--label-smoothing must lie in [0, 1], received 1.5"),
+        (["--logit-z-loss=-1e-4"], 1, "--logit-z-loss must be a finite non-negative number, received -0.0001"),
         (["--experts", "4", "--top-k", "5"], 1, "--top-k must be in [1, --experts 4], received 5"),
         (["--experts", "6", "--ep", "4"], 4, "--ep 4 does not divide --experts 6"),
         (

@@ -291,7 +291,7 @@ def _gpt_worker(rank, t):
         logits_path = _loss_and_grads(model, lambda m: m.loss_from_logits(m(idx), targets))
         assert calls == [], calls  # the logits path never calls it
         fused_path = _loss_and_grads(model, lambda m: m.loss(idx, targets))
-        assert calls == [dict(bias=None, sequence_parallel=sp)], calls
+        assert calls == [dict(bias=None, sequence_parallel=sp, label_smoothing=0.0, z_loss=0.0)], calls
         torch.testing.assert_close(fused_path[0], logits_path[0], rtol=1e-5, atol=1e-6)
         for name, want in logits_path[1].items():
             msg = lambda m, name=name, sp=sp: f"sp={sp} {name}: {m}"
@@ -416,3 +416,24 @@ def test_the_last_pipeline_stage_returns_hidden_states_and_their_loss():
         first.loss(hidden, targets)
     with pytest.raises(TypeError, match="fused_loss must be a bool, received int"):
         gpt.pipeline_stage(1, 2, fused_loss=1)
+
+
+def test_gpt_config_label_smoothing_and_logit_z_loss():
+    """GPTConfig's loss options reach both of the GPT's loss paths, which give torch's label-smoothed cross
+    entropy plus c·lse² of the model's logits (float64)."""
+    from tessel.layers.gpt import GPT, GPTConfig
+
+    cfg = GPTConfig(vocab_size=40, n_layer=1, n_head=4, n_embd=64, block_size=16, label_smoothing=0.1,
+                    logit_z_loss=1e-2)  # fmt: skip
+    torch.manual_seed(0)
+    gpt = GPT(cfg)
+    g = torch.Generator().manual_seed(1)
+    idx, targets = torch.randint(40, (2, 12), generator=g), torch.randint(40, (2, 12), generator=g)
+    with torch.no_grad():
+        want = reference_loss(gpt(idx).double(), targets, "mean", label_smoothing=0.1, z_loss=1e-2)
+        torch.testing.assert_close(gpt.loss(idx, targets).double(), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(gpt.loss_from_logits(gpt(idx), targets).double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"GPTConfig: label_smoothing must lie in \[0, 1\], received 2"):
+        GPTConfig(label_smoothing=2)
+    with pytest.raises(TypeError, match="GPTConfig: logit_z_loss must be a float, received str"):
+        GPTConfig(logit_z_loss="1e-4")
