@@ -35,7 +35,7 @@ from ..layers.linear_cross_entropy import default_chunk_size, linear_cross_entro
 from .matmul import BenchmarkError, max_rel_error
 from .runner import time_fn
 
-__all__ = ["COLUMNS", "LOSS_SHAPES_CPU", "LOSS_SHAPES_GPU", "LossShape", "run_loss_suite"]
+__all__ = ["COLUMNS", "LOSS_SHAPES_CPU", "LOSS_SHAPES_GPU", "LargestTensor", "LossShape", "run_loss_suite"]
 
 COLUMNS = (
     "case", "N", "E", "V", "dtype", "chunk", "loss_rel_err", "grad_rel_err", "tessel_ms", "torch_ms", "logits_ms",
@@ -95,8 +95,9 @@ def _step(loss_fn, x, w, target):
     return step
 
 
-class _Largest(TorchDispatchMode):
-    """Bytes of the largest floating-point tensor any aten operation returns while on."""
+class LargestTensor(TorchDispatchMode):
+    """Bytes of the largest floating-point tensor any aten operation returns while the mode is on (Triton's
+    interpreter copies kernel arguments' storages as bytes: those are not the op's tensors)."""
 
     def __init__(self):
         super().__init__()
@@ -119,7 +120,7 @@ def _memory_mb(step, cuda: bool) -> float:
         step()
         torch.cuda.synchronize()
         return (torch.cuda.max_memory_allocated() - base) / 2**20
-    with _Largest() as seen:
+    with LargestTensor() as seen:
         step()
     return seen.largest / 2**20
 

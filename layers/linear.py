@@ -70,12 +70,16 @@ def _check_input(layer: nn.Module, x, width: int, what: str) -> None:
     if x.device != layer.weight.device:
         raise ValueError(f"{name}: input must be on the weight's device {layer.weight.device}, received {x.device}")
     if layer.tp_group is not None or dist.is_initialized():
-        backend = dist.get_backend(layer.tp_group)
-        wanted = "cuda" if backend == "nccl" else "cpu"
-        if x.device.type != wanted:
-            raise ValueError(
-                f"{name}: the {backend} tensor-parallel group needs {wanted} tensors, received one on {x.device}"
-            )
+        check_group_device(name, layer.tp_group, x)
+
+
+def check_group_device(owner: str, group, x: torch.Tensor, what: str = "one") -> None:
+    """Raise unless ``x`` is on the device type ``group``'s backend moves (cuda for NCCL, cpu otherwise)."""
+    backend = dist.get_backend(group)
+    wanted = "cuda" if backend == "nccl" else "cpu"
+    if x.device.type != wanted:
+        raise ValueError(f"{owner}: the {backend} tensor-parallel group needs {wanted} tensors, received {what} on "
+                         f"{x.device}")  # fmt: skip
 
 
 def _check_sequence_parallel_input(layer: nn.Module, x: torch.Tensor) -> None:

@@ -40,6 +40,7 @@ from ..parallel.collectives import copy_to_tp, gather_from_sequence
 from ..parallel.comm import group_rank, group_size
 from .cross_entropy import check_loss_options, merged_token_loss
 from .embedding import check_ids
+from .linear import check_group_device
 
 __all__ = ["default_chunk_size", "linear_cross_entropy"]
 
@@ -102,11 +103,7 @@ def _validate(hidden, weight, bias, target, group, sequence_parallel, ignore_ind
     if target.device != hidden.device:
         raise ValueError(f"{_NAME}: target must be on hidden's device {hidden.device}, received {target.device}")
     if t > 1:
-        backend = dist.get_backend(group)
-        wanted = "cuda" if backend == "nccl" else "cpu"
-        if hidden.device.type != wanted:
-            raise ValueError(f"{_NAME}: the {backend} tensor-parallel group needs {wanted} tensors, received hidden "
-                             f"on {hidden.device}")  # fmt: skip
+        check_group_device(_NAME, group, hidden, "hidden")
 
 
 def _chunk_grads(logits, lse, local_target, scale, x, weight, grads, rows, first, options) -> None:
