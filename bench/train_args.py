@@ -193,7 +193,14 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         help="0: DDP + torch AdamW; 1, 2: DDP + ZeroAdam (ZeRO-1/2); 3: FSDP + ZeroAdam",
     )
     add("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule when --pp > 1")
-    add("--microbatches", type=int, default=None, help="microbatches per step when --pp > 1 (default: 2·pp)")
+    add(
+        "--microbatches",
+        type=int,
+        default=None,
+        help="microbatches per step: the pipeline schedule's with --pp > 1 (default: 2·pp), otherwise gradient "
+        "accumulation: each data-parallel rank runs its rows in this many pieces, forward and backward, and the "
+        "gradients are reduced once (default: 1)",
+    )
     add("--sequence-parallel", action="store_true", help="split activations over the sequence between TP layers")
     add(
         "--attention-backward",
@@ -355,8 +362,6 @@ def _check_layout(args) -> None:
         )
     if args.dp % args.ep:
         raise ArgumentError(f"--ep {args.ep} does not divide the data-parallel size {args.dp}")
-    if args.pp == 1 and args.microbatches not in (None, 1):
-        raise ArgumentError(f"--microbatches {args.microbatches} needs --pp > 1")
     if args.microbatches is None:
         args.microbatches = 2 * args.pp if args.pp > 1 else 1
     _positive(args, "microbatches")

@@ -15,9 +15,10 @@ layout gives it:
   that hold the same parameters; the DP group without ``--cp``); with one such rank and ``--zero 0``
   there is nothing to reduce and torch's AdamW updates the parameters directly.
 
-The loss of a step is the mean over the global batch: each rank's loss is the mean over its tokens
-(and over the microbatches of a pipeline), the gradients are averaged over DP × CP (every rank holds as
-many tokens), and the reported value is averaged over those ranks on the last pipeline stage.
+The loss of a step is the mean over the global batch: each rank's loss is the mean over its tokens (and
+over its microbatches: a pipeline's, or the pieces of gradient accumulation), the gradients are averaged
+over DP × CP (every rank holds as many tokens), and the reported value is averaged over those ranks on the
+last pipeline stage.
 """
 
 from __future__ import annotations
@@ -121,12 +122,7 @@ class Engine:
         self.optimizer.zero_grad(set_to_none=False)
         self._target_weight = None if segment_ids is None else self._global_target_weight(y)
         if self.schedule is None:
-            # the head and the loss chunk by chunk (GPT.forward with targets): no [B, S, V/t] logits are held
-            docs = {} if segment_ids is None else {"segment_ids": segment_ids}
-            loss = self._weighted(self.wrapper(x, targets=y, **docs), y)
-            router = self.gpt.router_loss()  # the experts' load balancing and z-loss: trained, not reported
-            self._scaled(loss if router is None else loss + router).backward()
-            local = loss.detach().float()
+            local = self._accumulate(x, y, segment_ids)
         else:
             self._run_pipeline(x, y, segment_ids)
             local = torch.stack(self._microbatch_losses).mean() if self.is_last else torch.zeros((), device=x.device)
@@ -138,6 +134,30 @@ class Engine:
         if self.config.expert_bias_rate:  # the step's routes per expert, over the ranks that hold other tokens
             update_expert_biases(nn.ModuleList(self.stages), self.config.expert_bias_rate, self.dims.dp_group)
         return self._global_loss(local)
+
+    def _accumulate(self, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None) -> torch.Tensor:
+        """Forward and backward of this rank's rows in ``--microbatches`` equal pieces (gradient accumulation; one
+        piece by default): the gradients add up locally and the DDP/FSDP wrapper reduces them once, in the last
+        piece's backward. Returns this rank's loss (fp32), the mean over the pieces (each weighted by its counted
+        targets with documents).
+
+        Each piece's loss (the head and the loss chunk by chunk, GPT.forward with targets: no ``[B, S, V/t]``
+        logits are held) enters the gradient with weight ``1 / pieces``, its experts' load-balancing and z-loss
+        likewise, computed over the piece's own tokens as a pipeline's microbatches compute them."""
+        parts = self.args.microbatches
+        ids = [None] * parts if segment_ids is None else segment_ids.chunk(parts)
+        pieces = zip(x.chunk(parts), y.chunk(parts), ids, strict=True)
+        no_sync = getattr(self.wrapper, "no_sync", contextlib.nullcontext)
+        losses = []
+        for i, (xs, ys, seg) in enumerate(pieces):
+            # the last backward runs outside no_sync: its buckets' reductions overlap it, as without accumulation
+            with no_sync() if i < parts - 1 else contextlib.nullcontext():
+                docs = {} if seg is None else {"segment_ids": seg}
+                loss = self._weighted(self.wrapper(xs, targets=ys, **docs), ys, parts)
+                router = self.gpt.router_loss()  # the experts' load balancing and z-loss: trained, not reported
+                self._scaled((loss if router is None else loss + router) / parts).backward()
+            losses.append(loss.detach().float())
+        return torch.stack(losses).mean()
 
     def _global_target_weight(self, y: torch.Tensor) -> torch.Tensor:
         """``dp·cp / global count`` of the targets that are not ignored, over the data-parallel ranks."""

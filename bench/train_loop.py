@@ -63,6 +63,8 @@ def _layout(args) -> str:
     text = f"dp={args.dp} pp={args.pp} tp={args.tp}" + (f" cp={args.cp}" if args.cp > 1 else "") + f" zero={args.zero}"
     if args.pp > 1:
         text += f" schedule={args.schedule} microbatches={args.microbatches}"
+    elif args.microbatches > 1:
+        text += f" accumulation={args.microbatches}"
     if args.experts:
         text += f" experts={args.experts} top-k={args.top_k}" + (f" ep={args.ep}" if args.ep > 1 else "")
         text += f" groups={args.expert_groups} top-groups={args.top_groups}" if args.expert_groups > 1 else ""

@@ -64,7 +64,8 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
         (["--tp", "3"], 3, "--tp 3 does not divide the 4 heads of preset 'tiny'"),
         (["--pp", "4", "--schedule", "interleaved"], 4, "8 pipeline stages (--pp 4, schedule interleaved) exceed"),
         (["--pp", "8"], 8, "8 pipeline stages (--pp 8, schedule 1f1b) exceed the 4 layers"),
-        (["--microbatches", "2"], 1, "--microbatches 2 needs --pp > 1"),
+        (["--microbatches", "3"], 1, "the 16 sequences per data-parallel rank do not split into --microbatches 3"),
+        (["--microbatches", "0"], 1, "--microbatches must be a positive integer, received 0"),
         (["--batch-size", "6"], 4, "--batch-size 6 is not divisible by the data-parallel size 4"),
         (["--pp", "2", "--microbatches", "3"], 2, "do not split into --microbatches 3"),
         (["--dtype", "fp16"], 1, "--dtype fp16 needs loss scaling"),
@@ -141,6 +142,8 @@ def test_defaults_fill_from_the_preset(monkeypatch):
     assert (args.seq_len, args.batch_size, args.lr, args.steps) == (tiny.seq_len, tiny.batch_size, tiny.lr, tiny.steps)
     assert (args.dp, args.microbatches, args.stages_per_rank) == (1, 4, 1)
     assert args.attention_backward == "deterministic" and args.recompute is False and args.cp == 1
+    assert parse_args([]).microbatches == 1  # without pipeline stages: no gradient accumulation
+    assert parse_args(["--microbatches", "4"]).microbatches == 4
 
 
 def test_document_separators_read_backslash_escapes():
