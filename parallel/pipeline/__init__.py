@@ -3,7 +3,13 @@
 from .actions import Action, ActionKind, PipelineProgram, with_communication
 from .grid import format_grid
 from .p2p import PipelineAbortedError, PipelineTimeoutError
-from .programs import gpipe_program, interleaved_program, one_f_one_b_program, zero_bubble_program
+from .programs import (
+    forward_only_program,
+    gpipe_program,
+    interleaved_program,
+    one_f_one_b_program,
+    zero_bubble_program,
+)
 from .schedules import PipelineSchedule, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleZeroBubble
 from .simulate import Costs, Simulation, simulate
 from .stage import PipelineStage
@@ -30,6 +36,7 @@ __all__ = [
     "WeightGradStore",
     "defer_weight_grads",
     "format_grid",
+    "forward_only_program",
     "gather_timeline",
     "gpipe_program",
     "interleaved_program",

@@ -111,6 +111,8 @@ class PipelineProgram:
     A pure function of the layout (``num_ranks``, ``num_stages``, ``n_microbatches``): it can be
     validated (:func:`~.validate.validate`), simulated (:func:`~.simulate.simulate`) and printed
     (:func:`~.grid.format_grid`) without any process group, and is what the executor runs.
+    ``forward_only``: a program of forwards and their transfers alone (evaluation,
+    :func:`~.programs.forward_only_program`); a training program needs every backward.
     """
 
     name: str
@@ -118,6 +120,7 @@ class PipelineProgram:
     num_stages: int
     n_microbatches: int
     ranks: tuple[tuple[Action, ...], ...]
+    forward_only: bool = False
 
     @property
     def stages_per_rank(self) -> int:

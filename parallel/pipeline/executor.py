@@ -16,7 +16,8 @@ transfers  each run of consecutive transfers is one batch: sends posted (waited 
 
 The gradients crossing a boundary are those of the floating-point tensors crossing it, in order.
 Losses are scaled by 1/m before the backward, so the accumulated ``.grad`` is the gradient of the
-mean microbatch loss.
+mean microbatch loss. A ``forward_only`` program (evaluation) keeps no inputs or roots: each activation
+is freed once sent or handed over, and the last stage applies the loss only when it has targets.
 """
 
 from __future__ import annotations
@@ -91,22 +92,29 @@ class Executor:
             self._backward(a.stage, a.microbatch, split=a.kind == ActionKind.B)
 
     def _forward(self, s: int, i: int) -> None:
-        stage = self.stages[s]
+        stage, training = self.stages[s], not self.program.forward_only
         if stage.is_first:
             args = self.mb_inputs[i]
-        else:
+        elif training:
             args = tuple(x.requires_grad_(x.is_floating_point()) for x in self.arrived.pop((s, i)))
             self.inputs[s, i] = args
+        else:
+            args = self.arrived.pop((s, i))
         outs = stage.forward(*args)
         if stage.is_last:
             out = outs[0] if len(outs) == 1 else outs
+            self.outputs[i] = tuple(o.detach() for o in outs)
+            if not training and self.mb_targets is None:
+                return
             loss = self.loss_fn(out) if self.mb_targets is None else self.loss_fn(out, self.mb_targets[i])
             if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
                 raise TypeError(f"pipeline: loss_fn must return a scalar tensor, received {_describe(loss)}")
-            self.losses[i], self.outputs[i] = loss.detach(), tuple(o.detach() for o in outs)
-            self.roots[s, i] = (loss / self.program.n_microbatches,)
+            self.losses[i] = loss.detach()
+            if training:
+                self.roots[s, i] = (loss / self.program.n_microbatches,)
             return
-        self.roots[s, i] = outs
+        if training:
+            self.roots[s, i] = outs
         handed = tuple(o.detach() for o in outs)
         if not self._remote(s, s + 1):
             self.arrived[s + 1, i] = handed

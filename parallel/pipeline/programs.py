@@ -30,9 +30,10 @@ from __future__ import annotations
 
 from .actions import Action, ActionKind, PipelineProgram, with_communication
 
-__all__ = ["gpipe_program", "interleaved_program", "one_f_one_b_program", "zero_bubble_program"]
+__all__ = ["forward_only_program", "gpipe_program", "interleaved_program", "one_f_one_b_program", "zero_bubble_program"]
 
 F, B, W, BW = ActionKind.F, ActionKind.B, ActionKind.W, ActionKind.BW
+_FORWARD_KINDS = frozenset({F, ActionKind.SEND_F, ActionKind.RECV_F})
 
 
 def _check_layout(name: str, p: int, m: int, v: int = 1) -> None:
@@ -121,3 +122,19 @@ def interleaved_program(p: int, m: int, v: int = 2) -> PipelineProgram:
             order.append((forwards[warmup + j], backwards[j]))
         compute.append(order + backwards[total - warmup :])
     return with_communication(f"Interleaved1F1B(v={v})", compute, p * v, m)
+
+
+def forward_only_program(program: PipelineProgram) -> PipelineProgram:
+    """``program``'s forwards and their transfers alone, in its order: what evaluating the pipeline runs.
+
+    Each rank keeps its forwards in the order the schedule gives them (the interleaved schedule's rounds
+    through its stages included), so the forward-only program fills the pipeline as the training one does;
+    dropping the backwards drops only waits, and no forward needs a backward, so it is deadlock-free
+    whenever ``program`` is (the validator checks it again)."""
+    if not isinstance(program, PipelineProgram):
+        raise TypeError(f"forward_only_program: program must be a PipelineProgram, received {type(program).__name__}")
+    if program.forward_only:
+        return program
+    ranks = tuple(tuple(a for a in actions if a.kind in _FORWARD_KINDS) for actions in program.ranks)
+    return PipelineProgram(f"{program.name} (forward only)", program.num_ranks, program.num_stages,
+                           program.n_microbatches, ranks, forward_only=True)  # fmt: skip

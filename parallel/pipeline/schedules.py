@@ -7,6 +7,8 @@ stage computes ``loss_fn(output, target_microbatch)`` (``loss_fn(output)`` witho
 appends one loss per microbatch to ``losses``. Gradients accumulate into ``.grad`` as those of the
 mean microbatch loss; ``step`` returns the last stage's outputs concatenated over microbatches on the
 rank holding it, ``None`` elsewhere. ``timeline`` holds this rank's recorded actions of the last step.
+``.eval(*inputs, target=None, losses=None)`` runs the forwards alone (the schedule's own order, without
+autograd; the loss only with a target) and returns the same.
 
 Each class turns the layout into its :class:`~.actions.PipelineProgram` (``Schedule.program_for(p, m)``,
 a pure function that needs no process group) and runs it with the one generic executor.
@@ -23,7 +25,13 @@ import torch.distributed as dist
 from .actions import PipelineProgram
 from .executor import Executor
 from .p2p import P2P, PipelineAbortedError
-from .programs import gpipe_program, interleaved_program, one_f_one_b_program, zero_bubble_program
+from .programs import (
+    forward_only_program,
+    gpipe_program,
+    interleaved_program,
+    one_f_one_b_program,
+    zero_bubble_program,
+)
 from .stage import PipelineStage
 from .timeline import TimelineEvent, TimelineRecorder
 from .validate import ScheduleError, validate
@@ -51,6 +59,7 @@ class PipelineSchedule:
         self.n_microbatches, self.loss_fn, self.timeout = n_microbatches, loss_fn, float(timeout)
         self.program = self.program_for(self.num_ranks, n_microbatches, first.num_stages // self.num_ranks)
         self._check_program(name)
+        self._eval_program: PipelineProgram | None = None  # built at the first eval
         self.timeline: list[TimelineEvent] = []
 
     @classmethod
@@ -102,11 +111,32 @@ class PipelineSchedule:
         If this rank raises (a bad argument included), the other ranks of the group stop waiting for
         it and raise :class:`~.p2p.PipelineAbortedError`.
         """
+        return self._run(self.program, inputs, target, losses)
+
+    @torch.no_grad()
+    def eval(self, *inputs: torch.Tensor, target: torch.Tensor | None = None, losses: list | None = None):
+        """Run the batch through the pipeline's forwards alone: evaluation or inference.
+
+        The forwards and their transfers of the training program, in its order
+        (:func:`~.programs.forward_only_program`), under ``torch.no_grad()``: no backward, no gradient, no
+        activation kept once passed on. With ``target`` the last stage applies ``loss_fn`` to each
+        microbatch and appends the losses to ``losses``; without, ``loss_fn`` is not called. Returns
+        what :meth:`step` returns; a failing rank stops the others as in :meth:`step`.
+        """
+        if self._eval_program is None:
+            program = forward_only_program(self.program)
+            _validated(program, "buffered")
+            if self.num_ranks > 1 and self.stages[0].device.type != "cpu":
+                _validated(program, "rendezvous")
+            self._eval_program = program
+        return self._run(self._eval_program, inputs, target, losses, "eval")
+
+    def _run(self, program: PipelineProgram, inputs, target, losses, method: str = "step"):
         p2p = P2P(self.group, self.timeout, self.stages[0].device) if self.num_ranks > 1 else None
         recorder = TimelineRecorder(self.rank, self.stages[0].device)
-        executor = Executor(self.program, {s.stage_index: s for s in self.stages}, self.loss_fn, p2p, recorder)
+        executor = Executor(program, {s.stage_index: s for s in self.stages}, self.loss_fn, p2p, recorder)
         try:
-            executor.run(*self._microbatches(inputs, target, losses))
+            executor.run(*self._microbatches(f"{type(self).__name__}.{method}", inputs, target, losses))
         except BaseException as e:
             if p2p is not None and not isinstance(e, PipelineAbortedError):
                 where = f" at {executor.current}" if executor.current else ""
@@ -116,15 +146,15 @@ class PipelineSchedule:
             self.timeline = recorder.events()
         if not self.stages[-1].is_last:
             return None
-        if losses is not None:
+        if losses is not None and executor.losses:  # none from an eval without targets
             losses.extend(executor.losses[i] for i in range(self.n_microbatches))
         outs = [torch.cat([executor.outputs[i][k] for i in range(self.n_microbatches)]) for k in
                 range(len(executor.outputs[0]))]  # fmt: skip
         return outs[0] if len(outs) == 1 else tuple(outs)
 
-    def _microbatches(self, inputs, target, losses):
-        """Check ``step``'s arguments; the inputs and targets split into microbatches where this rank needs them."""
-        name = f"{type(self).__name__}.step"
+    def _microbatches(self, name: str, inputs, target, losses):
+        """Check the arguments of ``name`` (step or eval); the inputs and targets split into microbatches where
+        this rank needs them."""
         if losses is not None and not isinstance(losses, list):
             raise TypeError(f"{name}: losses must be a list or None, received {type(losses).__name__}")
         mb_inputs = mb_targets = None

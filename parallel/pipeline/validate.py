@@ -4,7 +4,8 @@
 
 - an action is out of range or on the wrong rank (stage s lives on rank s % p), or appears twice;
 - a microbatch is missing: every stage needs one ``F`` and either one ``BW`` or one ``B`` and one ``W``
-  per microbatch, and every crossing of a rank boundary one send paired with one receive;
+  per microbatch, and every crossing of a rank boundary one send paired with one receive (a
+  ``forward_only`` program: the ``F`` and the forward transfers alone, and nothing else);
 - an action runs before what it needs on its own rank: ``F`` before its ``B``/``BW``, ``B`` before
   ``W``, a receive before the compute that consumes it, a compute before the send of its result, the
   downstream stage's backward before the upstream one's when both live on the rank;
@@ -98,14 +99,15 @@ def _index(program: PipelineProgram) -> list[dict[Action, int]]:
 
 def _required(program: PipelineProgram, stage: int, mb: int, has_split: bool) -> list[Action]:
     """The actions stage ``stage`` needs for microbatch ``mb`` (its compute and the transfers it takes part in)."""
-    need = [Action(_F, stage, mb)] + ([Action(_B, stage, mb), Action(_W, stage, mb)] if has_split else [])
-    if not has_split:
-        need.append(Action(_BW, stage, mb))
+    backward = not program.forward_only
+    need = [Action(_F, stage, mb)]
+    if backward:
+        need += [Action(_B, stage, mb), Action(_W, stage, mb)] if has_split else [Action(_BW, stage, mb)]
     rank = program.rank_of(stage)
     if stage + 1 < program.num_stages and program.rank_of(stage + 1) != rank:
-        need += [Action(ActionKind.SEND_F, stage, mb), Action(ActionKind.RECV_B, stage, mb)]
+        need += [Action(ActionKind.SEND_F, stage, mb)] + ([Action(ActionKind.RECV_B, stage, mb)] if backward else [])
     if stage > 0 and program.rank_of(stage - 1) != rank:
-        need += [Action(ActionKind.RECV_F, stage, mb), Action(ActionKind.SEND_B, stage, mb)]
+        need += [Action(ActionKind.RECV_F, stage, mb)] + ([Action(ActionKind.SEND_B, stage, mb)] if backward else [])
     return need
 
 
@@ -124,7 +126,8 @@ def _check_complete(program: PipelineProgram, where: list[dict[Action, int]]) ->
     for rank, actions in enumerate(where):
         for action, pos in actions.items():
             if action not in required:
-                raise ScheduleError(f"{_at(program, rank, pos)} is not part of the schedule: {_why_extra(action)}")
+                why = _why_extra(program, action)
+                raise ScheduleError(f"{_at(program, rank, pos)} is not part of the schedule: {why}")
     kinds = list(ActionKind)
     for action in sorted(required, key=lambda a: (a.microbatch, a.stage, kinds.index(a.kind))):
         rank = program.rank_of(action.stage)
@@ -132,7 +135,9 @@ def _check_complete(program: PipelineProgram, where: list[dict[Action, int]]) ->
             raise ScheduleError(_missing(program, where, action))
 
 
-def _why_extra(action: Action) -> str:
+def _why_extra(program: PipelineProgram, action: Action) -> str:
+    if program.forward_only and action.kind not in (_F, ActionKind.SEND_F, ActionKind.RECV_F):
+        return "a forward-only program runs forwards and their transfers alone"
     if action.is_comm:
         return f"stage {action.peer_stage()} does not exist or lives on the same rank (no transfer needed)"
     return "unexpected action"  # cannot happen: every compute kind is required by _required
