@@ -8,6 +8,10 @@ Step ``k`` of a run seeded ``seed`` draws the ``G`` window starts from a generat
 therefore a pure function of ``(seed, step, dp rank, dp size)``: a resumed run needs nothing but the
 step to continue where it stopped, and every layout sees the same global batch, so the loss of a step
 does not depend on how the world is split.
+
+With ``val_fraction > 0`` the file's last bytes are held out: training windows lie wholly before the
+cut, validation windows (``split="val"``, drawn the same way, batch ``j`` from ``(seed, j)``) wholly
+after it, so no byte a validation window reads, target included, is ever trained on.
 """
 
 from __future__ import annotations
@@ -27,18 +31,26 @@ _SEED_LIMIT = 2**31  # (seed, step) are packed into one 64-bit generator seed: s
 class ByteDataset:
     """The bytes of a file as int64 tokens, cut into ``(inputs, targets)`` windows of ``seq_len`` tokens.
 
-    ``targets`` is ``inputs`` shifted by one byte. Raises ``ValueError`` when the file holds fewer than
-    ``seq_len + 1`` bytes. With ``doc_sep`` (bytes), each occurrence of it ends a document, and
-    :meth:`document_batch` gives the rows' documents as well.
+    ``targets`` is ``inputs`` shifted by one byte. ``val_fraction`` (in ``[0, 1)``) of the file's bytes, at
+    its end, form the validation split. Raises ``ValueError`` when a split holds fewer than ``seq_len + 1``
+    bytes. With ``doc_sep`` (bytes), each occurrence of it ends a document, and :meth:`document_batch`
+    gives the rows' documents as well.
     """
 
-    def __init__(self, path: str | Path = DEFAULT_DATASET, *, seq_len: int, doc_sep: bytes | None = None):
+    def __init__(self, path: str | Path = DEFAULT_DATASET, *, seq_len: int, doc_sep: bytes | None = None,
+                 val_fraction: float = 0.0):  # fmt: skip
         path = Path(path)
         if seq_len < 1:
             raise ValueError(f"ByteDataset: seq_len must be a positive int, received {seq_len}")
+        if not 0 <= val_fraction < 1:
+            raise ValueError(f"ByteDataset: val_fraction must be in [0, 1), received {val_fraction}")
         data = np.frombuffer(path.read_bytes(), dtype=np.uint8)
-        if data.size < seq_len + 1:
-            raise ValueError(f"ByteDataset: {path} holds {data.size} bytes, fewer than seq_len + 1 = {seq_len + 1}")
+        cut = data.size - round(data.size * val_fraction)
+        self.splits = {"train": (0, cut)} | ({"val": (cut, data.size)} if val_fraction else {})
+        for name, (lo, hi) in self.splits.items():
+            if hi - lo < seq_len + 1:
+                raise ValueError(f"ByteDataset: the {name} split of {path} holds {hi - lo} bytes, fewer than "
+                                 f"seq_len + 1 = {seq_len + 1}")  # fmt: skip
         self.path, self.seq_len = path, seq_len
         self.tokens = torch.from_numpy(data.copy())  # uint8; widened per batch
         self._offsets = torch.arange(seq_len + 1)
@@ -48,15 +60,16 @@ class ByteDataset:
         return self.tokens.numel()
 
     def batch(
-        self, step: int, *, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
+        self, step: int, *, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1, split: str = "train"
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's ``(inputs [B, S], targets [B, S])`` int64 rows of step ``step``'s global batch."""
-        mine = self._starts(step, seed, batch_size, dp_rank, dp_size)
+        """This rank's ``(inputs [B, S], targets [B, S])`` int64 rows of step ``step``'s global batch of
+        ``split`` (``"train"``, or ``"val"`` when the dataset holds one)."""
+        mine = self._starts(step, seed, batch_size, dp_rank, dp_size, split)
         window = self.tokens[mine[:, None] + self._offsets].long()  # [B, S + 1]
         return window[:, :-1], window[:, 1:]
 
     def document_batch(
-        self, step: int, *, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1
+        self, step: int, *, seed: int, batch_size: int, dp_rank: int = 0, dp_size: int = 1, split: str = "train"
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """:meth:`batch`'s rows with their documents: ``(inputs, targets, segment_ids)``, all ``[B, S]`` int64.
 
@@ -67,14 +80,16 @@ class ByteDataset:
         """
         if self.documents is None:
             raise ValueError("ByteDataset.document_batch: the dataset was built without doc_sep")
-        mine = self._starts(step, seed, batch_size, dp_rank, dp_size)
+        mine = self._starts(step, seed, batch_size, dp_rank, dp_size, split)
         where = mine[:, None] + self._offsets
         window, docs = self.tokens[where].long(), self.documents[where].long()  # [B, S + 1]
         targets = window[:, 1:].masked_fill(docs[:, 1:] != docs[:, :-1], -100)
         return window[:, :-1], targets, docs[:, :-1] - docs[:, :1]
 
-    def _starts(self, step: int, seed: int, batch_size: int, dp_rank: int, dp_size: int) -> torch.Tensor:
-        """This rank's window starts of step ``step``: rows ``[r·B, (r+1)·B)`` of the global batch's."""
+    def _starts(self, step: int, seed: int, batch_size: int, dp_rank: int, dp_size: int, split: str) -> torch.Tensor:
+        """This rank's window starts of step ``step`` in ``split``: rows ``[r·B, (r+1)·B)`` of the global batch's."""
+        if split not in self.splits:
+            raise ValueError(f"ByteDataset.batch: split must be one of {sorted(self.splits)}, received {split!r}")
         if not 0 <= seed < _SEED_LIMIT:
             raise ValueError(f"ByteDataset.batch: seed must be in [0, 2**31), received {seed}")
         if not 0 <= step < 2**32:
@@ -84,7 +99,8 @@ class ByteDataset:
                 f"ByteDataset.batch: batch_size={batch_size} is not divisible by the data-parallel size {dp_size}"
             )
         gen = torch.Generator().manual_seed(seed * 2**32 + step)
-        starts = torch.randint(0, len(self) - self.seq_len, (batch_size,), generator=gen)
+        lo, hi = self.splits[split]
+        starts = torch.randint(lo, hi - self.seq_len, (batch_size,), generator=gen)
         rows = batch_size // dp_size
         return starts[dp_rank * rows : (dp_rank + 1) * rows]
 

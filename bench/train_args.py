@@ -283,6 +283,25 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         default=Path("runs/train"),
         help="directory for run.json, loss.png, checkpoints (default: %(default)s)",
     )
+    add(
+        "--eval-every",
+        type=int,
+        default=0,
+        help="evaluate every N steps and after the last: the mean loss of --eval-batches fixed batches of held-out "
+        "text, forward only (0: never, the default; the whole file is then trained on)",
+    )
+    add(
+        "--eval-batches",
+        type=int,
+        default=4,
+        help="global batches (of --batch-size sequences) in each evaluation (default: %(default)s)",
+    )
+    add(
+        "--val-fraction",
+        type=float,
+        default=None,
+        help="with --eval-every: the share of --data, at its end, held out from training for evaluation (default: 0.1)",
+    )
     add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     add("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk (default: %(default)s)")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint under --out")
@@ -319,6 +338,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_layout(args)
     _check_model(args, preset)
     _check_run(args)
+    _check_eval(args)
     _check_kill(args)
     return args
 
@@ -454,6 +474,28 @@ def _check_run(args) -> None:
         raise ArgumentError(f"--data {args.data}: no such file")
     if args.dtype == "fp16" and args.zero == 0:
         raise ArgumentError("--dtype fp16 needs loss scaling: use --zero 1, 2 or 3 (ZeroAdam's dynamic loss scale)")
+
+
+def _check_eval(args) -> None:
+    if args.eval_every < 0:
+        raise ArgumentError(f"--eval-every must be 0 (never) or positive, received {args.eval_every}")
+    _positive(args, "eval_batches")
+    if not args.eval_every:
+        if args.val_fraction is not None:
+            raise ArgumentError(f"--val-fraction {args.val_fraction} holds text out for evaluation: it needs "
+                                "--eval-every")  # fmt: skip
+        args.val_fraction = 0.0
+        return
+    if args.val_fraction is None:
+        args.val_fraction = 0.1
+    if not 0 < args.val_fraction < 1:
+        raise ArgumentError(f"--val-fraction must lie in (0, 1), received {args.val_fraction}")
+    size = args.data.stat().st_size
+    held_out = round(size * args.val_fraction)  # as ByteDataset cuts the file
+    for split, length in (("held-out", held_out), ("training", size - held_out)):
+        if length < args.seq_len + 1:
+            raise ArgumentError(f"--val-fraction {args.val_fraction} leaves {length} {split} bytes of --data "
+                                f"{args.data}, fewer than --seq-len + 1 = {args.seq_len + 1}")  # fmt: skip
 
 
 def _check_kill(args) -> None:

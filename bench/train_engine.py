@@ -98,6 +98,8 @@ class Engine:
         loss run through the wrapper (which holds the head's parameters, gathered under FSDP) without logits."""
         last = next(k for k, stage in enumerate(self.stages) if stage.last)
         loss = self._weighted(self.wrapper(hidden, stage=last, targets=target), target, self.args.microbatches)
+        if not torch.is_grad_enabled():  # evaluating (Schedule.eval): the loss itself
+            return loss
         self._microbatch_losses.append(loss.detach().float())
         return self._scaled(loss)
 
@@ -158,6 +160,30 @@ class Engine:
                 self._scaled((loss if router is None else loss + router) / parts).backward()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
+
+    @torch.no_grad()
+    def evaluate(self, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The global batch's mean loss (fp32) over its targets, forward only: ``x, y`` and ``segment_ids`` as for
+        :meth:`train_step`, nothing learned.
+
+        The model in eval mode (no routes counted for the experts' biases) under ``torch.no_grad()``; a pipeline
+        runs its schedule's forwards alone (``Schedule.eval``) in ``--microbatches`` pieces; otherwise the rows
+        go through in one piece (no backward, so no activations to bound). The experts' router losses are not
+        part of it."""
+        self._target_weight = None if segment_ids is None else self._global_target_weight(y)
+        self.wrapper.eval()
+        try:
+            if self.schedule is None:
+                docs = {} if segment_ids is None else {"segment_ids": segment_ids}
+                local = self._weighted(self.wrapper(x, targets=y, **docs), y).float()
+            else:
+                losses = []
+                inputs = () if not self.is_first else (x,) if segment_ids is None else (x, segment_ids)
+                self.schedule.eval(*inputs, target=y if self.is_last else None, losses=losses)
+                local = torch.stack(losses).float().mean() if self.is_last else torch.zeros((), device=x.device)
+        finally:
+            self.wrapper.train()
+        return self._global_loss(local)
 
     def _global_target_weight(self, y: torch.Tensor) -> torch.Tensor:
         """``dp·cp / global count`` of the targets that are not ignored, over the data-parallel ranks."""

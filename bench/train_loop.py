@@ -88,7 +88,7 @@ def _meta(args, engine: Engine, history: list[StepRecord]) -> dict:
             "dtype": args.dtype,
             "data": Path(args.data).name,
         },
-        "history": [[r.step, r.loss, r.step_s, r.tokens] for r in history],
+        "history": [[r.step, r.loss, r.step_s, r.tokens, r.eval_loss] for r in history],
     }
 
 
@@ -169,6 +169,27 @@ def _caveat(device: torch.device) -> str | None:
     )
 
 
+def _rank_batch(args, data: ByteDataset, dims, device: torch.device, step: int, split: str = "train"):
+    """This rank's ``(x, y, segment_ids or None)`` of global batch ``step`` of ``split``, on ``device``."""
+    where = dict(seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp, split=split)
+    segments = None
+    if args.doc_sep is None:
+        x, y = data.batch(step, **where)
+    else:  # packed documents: segment ids of the whole sequence, on every cp rank and pipeline stage
+        x, y, segments = data.document_batch(step, **where)
+        segments = segments.to(device)
+    if dims.cp > 1:  # this rank's zigzag share of every sequence
+        x, y = split_sequence(x, dims.cp_group), split_sequence(y, dims.cp_group)
+    return x.to(device), y.to(device), segments
+
+
+def _evaluate(args, engine: Engine, data: ByteDataset, dims) -> float:
+    """The mean loss of the held-out text's first ``--eval-batches`` global batches (the same at every evaluation)."""
+    losses = [float(engine.evaluate(*_rank_batch(args, data, dims, engine.device, j, "val")))
+              for j in range(args.eval_batches)]  # fmt: skip
+    return sum(losses) / len(losses)
+
+
 def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRecord], resumed: Path | None) -> None:
     memory = _max_over_world(memory_peak_bytes(engine.device), engine.device)
     if engine.rank != 0:
@@ -186,6 +207,8 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
     )
     if history:  # the loss columns cover the whole run, also what came from a checkpoint
         summary.update(steps=history[-1].step, first_loss=history[0].loss, final_loss=history[-1].loss)
+        evaluated = [r.eval_loss for r in history if r.eval_loss is not None]
+        summary.update(eval_loss=evaluated[-1] if evaluated else None)
     print_summary(summary, _caveat(engine.device))
     title = f"tessel GPT {args.preset} ({engine.num_params / 1e6:.2f}M params), {_layout(args)}, {args.dtype}"
     if history:
@@ -197,7 +220,14 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
         "model": asdict(engine.config),
         "resumed_from": str(resumed) if resumed else None,
         "steps": [
-            {"step": r.step, "loss": r.loss, "step_ms": r.step_s * 1e3, "tokens_per_s": r.tokens_per_s} for r in history
+            {
+                "step": r.step,
+                "loss": r.loss,
+                "step_ms": r.step_s * 1e3,
+                "tokens_per_s": r.tokens_per_s,
+                "eval_loss": r.eval_loss,
+            }
+            for r in history
         ],
         "summary": summary,
         "caveat": _caveat(engine.device),
@@ -212,6 +242,12 @@ def _banner(args, engine: Engine) -> str:
         f"{engine.device.type} ({dist.get_backend()}, kernels: {_kernels(engine.device)}); "
         f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
         + ("" if args.doc_sep is None else f", packed documents ending with {_jsonable(args.doc_sep)!r}")
+        + (
+            f"; evaluating every {args.eval_every} steps on {args.eval_batches}×{args.batch_size} held-out sequences "
+            f"(the last {args.val_fraction:.0%} of the text)"
+            if args.eval_every
+            else ""
+        )
     )
 
 
@@ -269,28 +305,21 @@ def run(args) -> None:
             print(f"no checkpoint under {args.out / 'checkpoints'} yet: starting at step 0", flush=True)
     if args.save_every:
         remove_stale(args.out / "checkpoints")
-    data = ByteDataset(args.data, seq_len=args.seq_len, doc_sep=args.doc_sep)
+    data = ByteDataset(args.data, seq_len=args.seq_len, doc_sep=args.doc_sep, val_fraction=args.val_fraction)
     progress = Progress(args.steps, start, enabled=engine.rank == 0)
     profiler = StepProfiler(args.out / f"trace_rank{dims.rank}.json", start, args.steps, args.profile)
     timed: list[StepRecord] = []  # the steps this process ran (throughput), unlike history
     for step in range(start, args.steps):
         _maybe_kill(args, dims.rank, step)
-        where = dict(seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp)
-        segments = None
-        if args.doc_sep is None:
-            x, y = data.batch(step, **where)
-        else:  # packed documents: segment ids of the whole sequence, on every cp rank and pipeline stage
-            x, y, segments = data.document_batch(step, **where)
-            segments = segments.to(engine.device)
-        if dims.cp > 1:  # this rank's zigzag share of every sequence
-            x, y = split_sequence(x, dims.cp_group), split_sequence(y, dims.cp_group)
         for group in engine.optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
         profiler.before(step)
         begin = time.perf_counter()
-        loss = float(engine.train_step(x.to(engine.device), y.to(engine.device), segments))
+        loss = float(engine.train_step(*_rank_batch(args, data, dims, engine.device, step)))
         record = StepRecord(step + 1, loss, time.perf_counter() - begin, args.batch_size * args.seq_len)
         profiler.after(step)
+        if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
+            record.eval_loss = _evaluate(args, engine, data, dims)
         history.append(record)
         timed.append(record)
         progress.update(record)

@@ -24,12 +24,13 @@ __all__ = ["Progress", "StepProfiler", "StepRecord", "memory_peak_bytes", "plot_
 @dataclass
 class StepRecord:
     """One optimizer step: its index (1-based count of completed steps), mean loss over the global batch,
-    and wall time."""
+    wall time, tokens, and the held-out loss when the run evaluated after it (None otherwise)."""
 
     step: int
     loss: float
     step_s: float
     tokens: int
+    eval_loss: float | None = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -44,6 +45,7 @@ class Progress:
     initial: int = 0
     enabled: bool = True
     _bar: object = field(default=None, repr=False)
+    _eval: str = ""  # the latest held-out loss, shown until the next
 
     def __post_init__(self):
         if self.enabled:
@@ -56,8 +58,11 @@ class Progress:
     def update(self, record: StepRecord) -> None:
         if self._bar is None:
             return
+        if record.eval_loss is not None:
+            self._eval = f" eval={record.eval_loss:.4f}"
         self._bar.set_postfix_str(
-            f"loss={record.loss:.4f} tok/s={record.tokens_per_s:,.0f} step={record.step_s * 1e3:.0f}ms", refresh=False
+            f"loss={record.loss:.4f}{self._eval} tok/s={record.tokens_per_s:,.0f} step={record.step_s * 1e3:.0f}ms",
+            refresh=False,
         )
         self._bar.update(1)
 
@@ -159,9 +164,12 @@ def plot_loss(records: list[StepRecord], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(steps, losses, lw=0.8, alpha=0.45, label="loss of each step")
     ax.plot(steps, smooth, lw=1.8, label="moving average (0.9)")
+    evaluated = [(r.step, r.eval_loss) for r in records if r.eval_loss is not None]
+    if evaluated:
+        ax.plot(*zip(*evaluated, strict=True), "o-", lw=1.2, ms=4, label="held-out loss")
     ax.legend()
     ax.set_xlabel("step")
-    ax.set_ylabel("training loss (nats / byte)")
+    ax.set_ylabel("loss (nats / byte)")
     ax.set_title(title, fontsize=9)
     ax.grid(alpha=0.3)
     fig.tight_layout()

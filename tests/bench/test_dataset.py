@@ -67,3 +67,70 @@ def test_documents_need_a_separator(text_file):
     for bad in (b"", "||"):
         with pytest.raises(ValueError, match="doc_sep must be non-empty bytes"):
             ByteDataset(text_file, seq_len=16, doc_sep=bad)
+
+
+@pytest.fixture
+def two_part_file(tmp_path):
+    """300 lowercase bytes, then 100 uppercase ones: a quarter of the file, which val_fraction=0.25 holds out."""
+    gen = torch.Generator().manual_seed(1)
+    low, up = torch.randint(97, 123, (300,), generator=gen), torch.randint(65, 91, (100,), generator=gen)
+    path = tmp_path / "two_parts.txt"
+    path.write_bytes(bytes(low.tolist()) + bytes(up.tolist()))
+    return path
+
+
+def test_validation_windows_never_touch_the_training_bytes(two_part_file):
+    ds = ByteDataset(two_part_file, seq_len=20, val_fraction=0.25)
+    assert ds.splits == {"train": (0, 300), "val": (300, 400)}
+    for step in range(50):  # targets included: no training window reaches past the cut, no validation one before
+        x, y = ds.batch(step, seed=3, batch_size=8)
+        assert bool(((x >= 97) & (y >= 97)).all())
+        x, y = ds.batch(step, seed=3, batch_size=8, split="val")
+        assert bool(((x < 97) & (y < 97)).all())
+
+
+def test_validation_batches_are_fixed_and_split_over_ranks_like_training_ones(two_part_file):
+    ds = ByteDataset(two_part_file, seq_len=20, val_fraction=0.25)
+    whole = ds.batch(2, seed=3, batch_size=8, split="val")
+    halves = [ds.batch(2, seed=3, batch_size=8, dp_rank=r, dp_size=2, split="val") for r in range(2)]
+    assert torch.equal(torch.cat([h[0] for h in halves]), whole[0])
+    assert torch.equal(ds.batch(2, seed=3, batch_size=8, split="val")[1], whole[1])
+    assert not torch.equal(ds.batch(3, seed=3, batch_size=8, split="val")[0], whole[0])
+
+
+def test_without_a_validation_split_the_training_windows_are_unchanged(two_part_file):
+    ds = ByteDataset(two_part_file, seq_len=20)
+    gen = torch.Generator().manual_seed(3 * 2**32 + 4)
+    starts = torch.randint(0, 400 - 20, (8,), generator=gen)  # what every earlier run drew
+    assert torch.equal(ds.batch(4, seed=3, batch_size=8)[0][:, 0], ds.tokens[starts].long())
+    with pytest.raises(ValueError, match=r"split must be one of \['train'\], received 'val'"):
+        ds.batch(0, seed=3, batch_size=8, split="val")
+
+
+def test_validation_document_batches_number_their_own_documents(text_file):
+    """A validation window's documents are numbered from its first byte's, as a training window's are, and the
+    windows start past the cut (the same generator as training, over the validation bytes)."""
+    ds = ByteDataset(text_file, seq_len=16, doc_sep=b"||", val_fraction=0.3)
+    lo, hi = ds.splits["val"]
+    assert (lo, hi) == (len(ds) - round(len(ds) * 0.3), len(ds))
+    x, y, ids = ds.document_batch(1, seed=0, batch_size=4, split="val")
+    starts = torch.randint(lo, hi - 16, (4,), generator=torch.Generator().manual_seed(1))
+    where = starts[:, None] + torch.arange(17)
+    docs = ds.documents[where]
+    assert torch.equal(x, ds.tokens[where[:, :-1]].long())
+    assert torch.equal(ids, docs[:, :-1] - docs[:, :1])
+    assert torch.equal(y == -100, docs[:, 1:] != docs[:, :-1])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"val_fraction": 1.0}, r"val_fraction must be in \[0, 1\), received 1.0"),
+        ({"val_fraction": -0.1}, r"val_fraction must be in \[0, 1\), received -0.1"),
+        ({"val_fraction": 0.01}, "the val split of .* holds 4 bytes, fewer than seq_len \\+ 1 = 21"),
+        ({"val_fraction": 0.99}, "the train split of .* holds 4 bytes, fewer than seq_len \\+ 1 = 21"),
+    ],
+)
+def test_bad_splits_are_refused(two_part_file, kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ByteDataset(two_part_file, seq_len=20, **kwargs)

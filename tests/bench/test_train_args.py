@@ -66,6 +66,11 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
         (["--pp", "8"], 8, "8 pipeline stages (--pp 8, schedule 1f1b) exceed the 4 layers"),
         (["--microbatches", "3"], 1, "the 16 sequences per data-parallel rank do not split into --microbatches 3"),
         (["--microbatches", "0"], 1, "--microbatches must be a positive integer, received 0"),
+        (["--eval-every", "-1"], 1, "--eval-every must be 0 (never) or positive, received -1"),
+        (["--eval-every", "5", "--eval-batches", "0"], 1, "--eval-batches must be a positive integer, received 0"),
+        (["--val-fraction", "0.2"], 1, "--val-fraction 0.2 holds text out for evaluation: it needs --eval-every"),
+        (["--eval-every", "5", "--val-fraction", "1.5"], 1, "--val-fraction must lie in (0, 1), received 1.5"),
+        (["--eval-every", "5", "--val-fraction", "1e-5"], 1, "leaves 5 held-out bytes of --data"),
         (["--batch-size", "6"], 4, "--batch-size 6 is not divisible by the data-parallel size 4"),
         (["--pp", "2", "--microbatches", "3"], 2, "do not split into --microbatches 3"),
         (["--dtype", "fp16"], 1, "--dtype fp16 needs loss scaling"),
@@ -143,6 +148,8 @@ def test_defaults_fill_from_the_preset(monkeypatch):
     assert (args.dp, args.microbatches, args.stages_per_rank) == (1, 4, 1)
     assert args.attention_backward == "deterministic" and args.recompute is False and args.cp == 1
     assert parse_args([]).microbatches == 1  # without pipeline stages: no gradient accumulation
+    assert (args.eval_every, args.val_fraction) == (0, 0.0)  # no evaluation: the whole text is trained on
+    assert parse_args(["--eval-every", "10"]).val_fraction == 0.1
     assert parse_args(["--microbatches", "4"]).microbatches == 4
 
 
