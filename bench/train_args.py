@@ -12,10 +12,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..layers.moe import ROUTER_SCORES
-from .dataset import DEFAULT_DATASET
+from .dataset import DEFAULT_DATASET, TOKEN_FORMATS
 
 __all__ = [
     "COMPILE_BACKENDS",
@@ -268,7 +269,33 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         default=1234,
         help="seed of the initial weights and of the data order (default: %(default)s)",
     )
-    add("--data", type=Path, default=DEFAULT_DATASET, help="text file to train on, read as bytes")
+    add(
+        "--data",
+        type=Path,
+        default=DEFAULT_DATASET,
+        help="file to train on: a text read as bytes (default: the bundled text), or with --tokens a file of token ids",
+    )
+    add(
+        "--tokens",
+        choices=tuple(TOKEN_FORMATS),
+        default="bytes",
+        help="what --data holds: bytes (each byte a token, vocabulary 256; the default) or a flat little-endian "
+        "array of uint16 or uint32 token ids (nanoGPT's train.bin), memory-mapped",
+    )
+    add(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the model's vocabulary (default: 256 for bytes; for token ids the largest in --data plus one, rounded "
+        "up to a multiple of 128); bytes may take a larger one, to train with another head size",
+    )
+    add(
+        "--doc-token",
+        type=int,
+        default=None,
+        help="with --tokens uint16/uint32: train on packed documents, each ending with this token id (e.g. GPT-2's "
+        "<|endoftext|>, 50256), as --doc-sep does for a text",
+    )
     add(
         "--doc-sep",
         type=_escaped_bytes,
@@ -472,8 +499,35 @@ def _check_run(args) -> None:
         raise ArgumentError(f"--save-every must be 0 (never) or positive, received {args.save_every}")
     if not args.data.is_file():
         raise ArgumentError(f"--data {args.data}: no such file")
+    _check_tokens(args)
     if args.dtype == "fp16" and args.zero == 0:
         raise ArgumentError("--dtype fp16 needs loss scaling: use --zero 1, 2 or 3 (ZeroAdam's dynamic loss scale)")
+
+
+def _check_tokens(args) -> None:
+    """The vocabulary the data need, and the document separator their format takes."""
+    tp_note = f" and divisible by --tp {args.tp}" if args.tp > 1 else ""
+    if args.tokens == "bytes":
+        if args.doc_token is not None:
+            raise ArgumentError("--doc-token separates documents of token ids (--tokens uint16/uint32); a text "
+                                "takes --doc-sep")  # fmt: skip
+        needed, default, what = 256, 256, "every byte"
+    else:
+        if args.doc_sep is not None:
+            raise ArgumentError(f"--doc-sep separates documents of a text; --tokens {args.tokens} takes --doc-token")
+        width = 2 if args.tokens == "uint16" else 4
+        if args.data.stat().st_size % width:
+            raise ArgumentError(f"--data {args.data} holds {args.data.stat().st_size} bytes, not a whole number of "
+                                f"{args.tokens} tokens")  # fmt: skip
+        if args.doc_token is not None and not 0 <= args.doc_token < 2 ** (8 * width):
+            raise ArgumentError(f"--doc-token must be a {args.tokens} token id, received {args.doc_token}")
+        data = np.memmap(args.data, dtype=f"<u{width}", mode="r") if args.data.stat().st_size else np.zeros(0)
+        needed, what = (int(data.max()) + 1 if data.size else 1), "the data's largest token id plus one"
+        default = -(-needed // 128) * 128
+    if args.vocab_size is None:
+        args.vocab_size = default if args.tp == 1 or default % args.tp == 0 else -(-default // args.tp) * args.tp
+    if args.vocab_size < needed or args.vocab_size % args.tp:
+        raise ArgumentError(f"--vocab-size must be at least {needed} ({what}){tp_note}, received {args.vocab_size}")
 
 
 def _check_eval(args) -> None:
@@ -490,11 +544,11 @@ def _check_eval(args) -> None:
         args.val_fraction = 0.1
     if not 0 < args.val_fraction < 1:
         raise ArgumentError(f"--val-fraction must lie in (0, 1), received {args.val_fraction}")
-    size = args.data.stat().st_size
+    size = args.data.stat().st_size // np.dtype(TOKEN_FORMATS[args.tokens]).itemsize  # in tokens
     held_out = round(size * args.val_fraction)  # as ByteDataset cuts the file
     for split, length in (("held-out", held_out), ("training", size - held_out)):
         if length < args.seq_len + 1:
-            raise ArgumentError(f"--val-fraction {args.val_fraction} leaves {length} {split} bytes of --data "
+            raise ArgumentError(f"--val-fraction {args.val_fraction} leaves {length} {split} tokens of --data "
                                 f"{args.data}, fewer than --seq-len + 1 = {args.seq_len + 1}")  # fmt: skip
 
 

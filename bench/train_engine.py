@@ -393,6 +393,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
     torch.manual_seed(args.seed)
     config = GPTConfig(
         **PRESETS[args.preset].model,
+        vocab_size=args.vocab_size,
         deterministic_attention=args.attention_backward == "deterministic",
         recompute=args.recompute,
         sliding_window=args.sliding_window,

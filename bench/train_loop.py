@@ -173,7 +173,7 @@ def _rank_batch(args, data: ByteDataset, dims, device: torch.device, step: int, 
     """This rank's ``(x, y, segment_ids or None)`` of global batch ``step`` of ``split``, on ``device``."""
     where = dict(seed=args.seed, batch_size=args.batch_size, dp_rank=dims.dp_rank, dp_size=dims.dp, split=split)
     segments = None
-    if args.doc_sep is None:
+    if args.doc_sep is None and args.doc_token is None:
         x, y = data.batch(step, **where)
     else:  # packed documents: segment ids of the whole sequence, on every cp rank and pipeline stage
         x, y, segments = data.document_batch(step, **where)
@@ -241,10 +241,13 @@ def _banner(args, engine: Engine) -> str:
         f"tessel GPT {args.preset}: {engine.num_params / 1e6:.2f}M parameters, {_layout(args)}, {args.dtype} on "
         f"{engine.device.type} ({dist.get_backend()}, kernels: {_kernels(engine.device)}); "
         f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
+        + ("" if args.tokens == "bytes" else f", {args.tokens} token ids from {args.data.name}")
+        + (f", vocabulary {args.vocab_size}" if args.vocab_size != 256 else "")
         + ("" if args.doc_sep is None else f", packed documents ending with {_jsonable(args.doc_sep)!r}")
+        + ("" if args.doc_token is None else f", packed documents ending with token {args.doc_token}")
         + (
             f"; evaluating every {args.eval_every} steps on {args.eval_batches}×{args.batch_size} held-out sequences "
-            f"(the last {args.val_fraction:.0%} of the text)"
+            f"(the last {args.val_fraction:.0%} of --data)"
             if args.eval_every
             else ""
         )
@@ -305,7 +308,9 @@ def run(args) -> None:
             print(f"no checkpoint under {args.out / 'checkpoints'} yet: starting at step 0", flush=True)
     if args.save_every:
         remove_stale(args.out / "checkpoints")
-    data = ByteDataset(args.data, seq_len=args.seq_len, doc_sep=args.doc_sep, val_fraction=args.val_fraction)
+    separator = args.doc_sep if args.tokens == "bytes" else args.doc_token
+    data = ByteDataset(args.data, seq_len=args.seq_len, doc_sep=separator, val_fraction=args.val_fraction,
+                       tokens=args.tokens)  # fmt: skip
     progress = Progress(args.steps, start, enabled=engine.rank == 0)
     profiler = StepProfiler(args.out / f"trace_rank{dims.rank}.json", start, args.steps, args.profile)
     timed: list[StepRecord] = []  # the steps this process ran (throughput), unlike history

@@ -127,10 +127,64 @@ def test_validation_document_batches_number_their_own_documents(text_file):
     [
         ({"val_fraction": 1.0}, r"val_fraction must be in \[0, 1\), received 1.0"),
         ({"val_fraction": -0.1}, r"val_fraction must be in \[0, 1\), received -0.1"),
-        ({"val_fraction": 0.01}, "the val split of .* holds 4 bytes, fewer than seq_len \\+ 1 = 21"),
-        ({"val_fraction": 0.99}, "the train split of .* holds 4 bytes, fewer than seq_len \\+ 1 = 21"),
+        ({"val_fraction": 0.01}, "the val split of .* holds 4 tokens, fewer than seq_len \\+ 1 = 21"),
+        ({"val_fraction": 0.99}, "the train split of .* holds 4 tokens, fewer than seq_len \\+ 1 = 21"),
     ],
 )
 def test_bad_splits_are_refused(two_part_file, kwargs, match):
     with pytest.raises(ValueError, match=match):
         ByteDataset(two_part_file, seq_len=20, **kwargs)
+
+
+@pytest.fixture(params=["uint16", "uint32"])
+def token_file(tmp_path, request):
+    """1000 random token ids below 70000 (below 60000 for uint16), one in ten the separator 7."""
+    gen = torch.Generator().manual_seed(2)
+    limit = 60000 if request.param == "uint16" else 70000
+    ids = torch.randint(0, limit, (1000,), generator=gen)
+    ids[torch.rand(1000, generator=gen) < 0.1] = 7
+    array = ids.numpy().astype("<u2" if request.param == "uint16" else "<u4")
+    path = tmp_path / f"tokens.{request.param}.bin"
+    array.tofile(path)
+    return path, request.param, ids
+
+
+def test_token_files_are_read_as_their_ids(token_file):
+    """Windows of a token file are its ids (wider than a byte), drawn as a byte file's windows are."""
+    path, fmt, ids = token_file
+    ds = ByteDataset(path, seq_len=20, tokens=fmt, val_fraction=0.2)
+    assert len(ds) == 1000 and ds.max_token() == int(ids.max()) and ds.splits["val"] == (800, 1000)
+    for split, (lo, hi) in ds.splits.items():
+        x, y = ds.batch(5, seed=9, batch_size=6, split=split)
+        starts = torch.randint(lo, hi - 20, (6,), generator=torch.Generator().manual_seed(9 * 2**32 + 5))
+        window = ids[starts[:, None] + torch.arange(21)]
+        assert x.dtype == torch.int64 and torch.equal(x, window[:, :-1]) and torch.equal(y, window[:, 1:])
+
+
+def test_token_files_end_a_document_at_each_separator_token(token_file):
+    path, fmt, ids = token_file
+    ds = ByteDataset(path, seq_len=30, tokens=fmt, doc_sep=7)
+    docs = torch.cat([torch.zeros(1, dtype=torch.long), torch.cumsum((ids == 7).long(), 0)[:-1]])  # by hand
+    x, y, seg = ds.document_batch(3, seed=1, batch_size=5)
+    starts = torch.randint(0, 1000 - 30, (5,), generator=torch.Generator().manual_seed(2**32 + 3))
+    where = starts[:, None] + torch.arange(31)
+    assert torch.equal(x, ids[where[:, :-1]])
+    assert torch.equal(seg, docs[where[:, :-1]] - docs[where[:, :1]])
+    crossing = docs[where[:, 1:]] != docs[where[:, :-1]]
+    assert torch.equal(y, ids[where[:, 1:]].masked_fill(crossing, -100)) and bool(crossing.any())
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"tokens": "int8"}, r"tokens must be one of \['bytes', 'uint16', 'uint32'\], received 'int8'"),
+        ({"tokens": "uint16", "doc_sep": 70000}, r"doc_sep of a uint16 token file must be a token id in \[0, 65536\)"),
+        ({"tokens": "uint16", "doc_sep": b"\n"}, "must be a token id in"),
+        ({"tokens": "uint32"}, "holds 1001 bytes, not a whole number of uint32 tokens"),
+    ],
+)
+def test_bad_token_files_are_refused(tmp_path, kwargs, match):
+    path = tmp_path / "odd.bin"
+    path.write_bytes(bytes(1000 if kwargs.get("tokens") != "uint32" else 1001))
+    with pytest.raises(ValueError, match=match):
+        ByteDataset(path, seq_len=8, **kwargs)

@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import tessel.bench.train_engine as train_engine
@@ -67,10 +68,13 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
         (["--microbatches", "3"], 1, "the 16 sequences per data-parallel rank do not split into --microbatches 3"),
         (["--microbatches", "0"], 1, "--microbatches must be a positive integer, received 0"),
         (["--eval-every", "-1"], 1, "--eval-every must be 0 (never) or positive, received -1"),
+        (["--doc-token", "3"], 1, "--doc-token separates documents of token ids (--tokens uint16/uint32)"),
+        (["--vocab-size", "200"], 1, "--vocab-size must be at least 256 (every byte), received 200"),
+        (["--vocab-size", "301", "--tp", "2"], 2, "at least 256 (every byte) and divisible by --tp 2, received 301"),
         (["--eval-every", "5", "--eval-batches", "0"], 1, "--eval-batches must be a positive integer, received 0"),
         (["--val-fraction", "0.2"], 1, "--val-fraction 0.2 holds text out for evaluation: it needs --eval-every"),
         (["--eval-every", "5", "--val-fraction", "1.5"], 1, "--val-fraction must lie in (0, 1), received 1.5"),
-        (["--eval-every", "5", "--val-fraction", "1e-5"], 1, "leaves 5 held-out bytes of --data"),
+        (["--eval-every", "5", "--val-fraction", "1e-5"], 1, "leaves 5 held-out tokens of --data"),
         (["--batch-size", "6"], 4, "--batch-size 6 is not divisible by the data-parallel size 4"),
         (["--pp", "2", "--microbatches", "3"], 2, "do not split into --microbatches 3"),
         (["--dtype", "fp16"], 1, "--dtype fp16 needs loss scaling"),
@@ -189,3 +193,33 @@ def test_each_step_runs_at_its_scheduled_learning_rate(tmp_path, monkeypatch):
     args = parse_args(argv)
     assert seen == [[pytest.approx(learning_rate(args, s))] * len(seen[s]) for s in range(4)]
     assert [group[0] for group in seen] == pytest.approx([5e-4, 1e-3, 1e-3, 0.0])
+
+
+@pytest.fixture
+def ids_file(tmp_path):
+    path = tmp_path / "ids.bin"
+    np.array([5, 999, 3, 1200, 7] * 40, dtype="<u2").tofile(path)
+    return path
+
+
+@pytest.mark.parametrize(
+    ("args", "world", "expected"),
+    [
+        (["--doc-sep", "\\n"], 1, "--doc-sep separates documents of a text; --tokens uint16 takes --doc-token"),
+        (["--vocab-size", "1200"], 1, "--vocab-size must be at least 1201 (the data's largest token id plus one)"),
+        (["--doc-token", "70000"], 1, "--doc-token must be a uint16 token id, received 70000"),
+    ],
+)
+def test_token_file_checks(monkeypatch, ids_file, args, world, expected):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(ArgumentError) as info:
+        parse_args(["--data", str(ids_file), "--tokens", "uint16", "--seq-len", "16", *args])
+    assert expected in str(info.value)
+
+
+def test_token_file_vocabulary_defaults_to_the_largest_id_rounded_up(ids_file):
+    assert parse_args(["--data", str(ids_file), "--tokens", "uint16", "--seq-len", "16"]).vocab_size == 1280
+    assert parse_args([]).vocab_size == 256
+    ids_file.write_bytes(bytes(402))  # 100.5 uint32 tokens
+    with pytest.raises(ArgumentError, match="holds 402 bytes, not a whole number of uint32 tokens"):
+        parse_args(["--data", str(ids_file), "--tokens", "uint32", "--seq-len", "16"])
