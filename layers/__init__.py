@@ -7,6 +7,7 @@ from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .hf_balance import track_expert_loads
 from .hf_loss import fuse_lm_loss
+from .hf_pipeline import HFPipelineStage, hf_pipeline_stage
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
 from .mlp import ParallelMLP
@@ -18,6 +19,7 @@ __all__ = [
     "GPT",
     "ColumnParallelLinear",
     "GPTConfig",
+    "HFPipelineStage",
     "LayerNorm",
     "ParallelAttention",
     "ParallelMLP",
@@ -27,6 +29,7 @@ __all__ = [
     "TransformerBlock",
     "VocabParallelEmbedding",
     "fuse_lm_loss",
+    "hf_pipeline_stage",
     "linear_cross_entropy",
     "parallelize",
     "register_hf_attention",

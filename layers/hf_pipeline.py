@@ -1,0 +1,151 @@
+"""Pipeline stages of a Hugging Face causal language model, for :mod:`tessel.parallel.pipeline`.
+
+:func:`hf_pipeline_stage` cuts a ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3), tensor-parallel after
+:func:`~.parallelize.parallelize` or not, into ``num_stages`` contiguous runs of its decoder layers, as
+:meth:`~.gpt.GPT.pipeline_stage` cuts tessel's GPT: the first stage also embeds the token ids, the last also
+applies the final norm and the head. Each stage runs the model's own base-model forward over its layers alone
+(a shallow copy of the base model whose ``layers`` are the stage's, whose config counts them, and whose
+``layer_types`` are theirs), so the model's masks, rotary embeddings, sliding windows and attention
+implementation are its own; a later stage feeds the hidden states it receives as ``inputs_embeds``.
+
+Between stages travels the residual stream ``[B, S, H]`` (``[B, S/t, H]`` under sequence parallelism: the
+model's own split, from its first decoder layer to its final norm, so each later stage passes the positions
+of the whole sequence). The last stage returns the logits (this rank's share of the vocabulary when the head
+is split, never gathered) or, with ``fused_loss=True``, the final norm's output, and
+:meth:`HFPipelineStage.loss` gives the mean next-token cross entropy over the targets (the labels already
+shifted, ``-100`` ignored: what :class:`~tessel.parallel.pipeline.PipelineSchedule` passes as ``target``),
+without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_entropy`).
+
+A stage shares the model's parameters; the parameters of other stages may be released. Refused: other model
+types (their base forward may transform the embeddings, as Gemma's scaling does, which a later stage must not
+repeat), tied input and output embeddings (the first and last stages would each train a copy), and context
+parallelism.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import nn
+
+from ..parallel.collectives import copy_to_tp
+from .cross_entropy import vocab_parallel_cross_entropy
+from .hf import base_model, is_hf_model
+from .linear import ColumnParallelLinear, RowParallelLinear
+from .linear_cross_entropy import linear_cross_entropy
+
+__all__ = ["HFPipelineStage", "hf_pipeline_stage"]
+
+_NAME = "hf_pipeline_stage"
+# Base models whose forward embeds, then runs its layers on the embeddings unchanged, then its final norm.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class HFPipelineStage(nn.Module):
+    """One stage of a Hugging Face causal LM (see the module docstring): ``forward(input_ids)`` on the first
+    stage, ``forward(hidden)`` on the others; the last returns logits, or the final norm's output with
+    ``fused_loss``."""
+
+    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool, fused_loss: bool):
+        super().__init__()
+        _, base = base_model(model)
+        config = copy.deepcopy(base.config)
+        config.num_hidden_layers = stop - start
+        if getattr(config, "layer_types", None) is not None:
+            config.layer_types = list(config.layer_types)[start:stop]
+        stage = copy.copy(base)  # shares every submodule and hook with the model
+        stage._modules = dict(base._modules)
+        stage._modules["layers"] = nn.ModuleList(base.layers[start:stop])
+        if not first:
+            stage._modules["embed_tokens"] = None  # a later stage is fed inputs_embeds
+        if not last:
+            stage._modules["norm"] = nn.Identity()
+        stage.config = config
+        self.base = stage
+        self.head = model.get_output_embeddings() if last else None
+        self.start, self.stop, self.first, self.last, self.fused_loss = start, stop, first, last, fused_loss
+        self.tp_group, self.sequence_parallel = _tensor_layout(base)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.first:
+            positions = torch.arange(x.shape[1], device=x.device)
+            hidden = self.base(input_ids=x, position_ids=positions[None], use_cache=False).last_hidden_state
+        else:
+            length = x.shape[1] * (_size(self.tp_group) if self.sequence_parallel else 1)
+            positions = torch.arange(length, device=x.device)
+            hidden = self.base(inputs_embeds=x, position_ids=positions[None], use_cache=False).last_hidden_state
+        if not self.last or self.fused_loss:
+            return hidden
+        if isinstance(self.head, ColumnParallelLinear):  # this rank's share of the vocabulary, never gathered
+            # the head's input gradient summed over the ranks' vocabulary shares (Megatron's f), as the layer does
+            hidden = copy_to_tp(hidden, self.head.tp_group)
+            return torch.nn.functional.linear(hidden, self.head.weight, self.head.bias)
+        return self.head(hidden)
+
+    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """The mean cross entropy of next-token ``target [B, S]`` (``-100`` ignored) from the last stage's
+        ``output``: its logits, or with ``fused_loss`` its final norm's output through the head."""
+        if not self.last:
+            raise ValueError(f"HFPipelineStage.loss: stage of layers [{self.start}, {self.stop}) is not the last")
+        group = self.head.tp_group if isinstance(self.head, ColumnParallelLinear) else None
+        if self.fused_loss:
+            return linear_cross_entropy(output, self.head.weight, target, group, bias=self.head.bias)
+        return vocab_parallel_cross_entropy(output, target, group)
+
+
+def _size(group) -> int:
+    return 1 if group is None else torch.distributed.get_world_size(group)
+
+
+def _tensor_layout(base: nn.Module):
+    """``(tp_group, sequence_parallel)`` of the model's split decoder layers (``(None, False)`` unsplit)."""
+    for module in base.layers.modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            return module.tp_group, module.sequence_parallel
+    return None, False
+
+
+def _check(model, stage_index, num_stages, fused_loss) -> int:
+    if not isinstance(model, nn.Module) or not is_hf_model(model):
+        raise TypeError(f"{_NAME}: model must be a Hugging Face PreTrainedModel, received {type(model).__name__}")
+    prefix, base = base_model(model)
+    model_type = getattr(model.config, "model_type", None)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if not prefix or head is None or model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(f"{_NAME}: model must be a causal LM of type {', '.join(SUPPORTED_MODEL_TYPES)} (a head on "
+                         f"a base model), received {type(model).__name__} of type {model_type!r}")  # fmt: skip
+    if head.weight is base.get_input_embeddings().weight:
+        raise ValueError(f"{_NAME}: {type(model).__name__} ties its input and output embeddings, which the first "
+                         "and last stages would each train apart; untie them (tie_word_embeddings=False)")  # fmt: skip
+    if base._forward_pre_hooks:
+        raise ValueError(f"{_NAME}: {type(base).__name__} is context-parallel (parallelize(cp_group=)), which the "
+                         "pipeline stages do not support")  # fmt: skip
+    if not isinstance(fused_loss, bool):
+        raise TypeError(f"{_NAME}: fused_loss must be a bool, received {type(fused_loss).__name__}")
+    for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"{_NAME}: {arg} must be an int, received {type(value).__name__}")
+    layers = len(base.layers)
+    if not 1 <= num_stages <= layers:
+        raise ValueError(f"{_NAME}: num_stages must be in [1, {layers}] (the model's decoder layers), received "
+                         f"{num_stages}")  # fmt: skip
+    if not 0 <= stage_index < num_stages:
+        raise ValueError(f"{_NAME}: stage_index must be in [0, {num_stages}), received {stage_index}")
+    return layers
+
+
+def hf_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int, *, fused_loss: bool = False):
+    """Stage ``stage_index`` of ``num_stages`` of a Hugging Face causal LM: a contiguous, even split of its decoder
+    layers (earlier stages take one more when it does not divide), as :meth:`~.gpt.GPT.pipeline_stage` splits
+    tessel's GPT (see the module docstring). Wrap it in a :class:`~tessel.parallel.pipeline.PipelineStage`; the
+    schedule's ``loss_fn`` is the last stage's :meth:`HFPipelineStage.loss`.
+
+    Raises ``TypeError`` / ``ValueError`` naming the argument for a model it cannot split (see the module
+    docstring), a stage index out of range, or more stages than layers."""
+    layers = _check(model, stage_index, num_stages, fused_loss)
+    per, extra = divmod(layers, num_stages)
+    start = stage_index * per + min(stage_index, extra)
+    stop = start + per + (stage_index < extra)
+    return HFPipelineStage(model, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1,
+                           fused_loss=fused_loss)  # fmt: skip

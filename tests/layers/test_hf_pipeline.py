@@ -1,0 +1,155 @@
+"""hf_pipeline_stage: a Hugging Face causal LM cut into pipeline stages computes the model's own logits, loss
+and gradients, alone, under tensor parallelism (with and without sequence parallelism) and through a pipeline
+schedule on gloo ranks.
+
+The ranks run tessel's plain-PyTorch kernels (these tests check the plumbing; the kernels are proved
+elsewhere). Stages are compared in float32 with the model they were cut from: in one process (Llama, Mistral's
+sliding window, Qwen2's mix of full and sliding layers, Qwen3), and at tp=2 × pp=2 against the same
+tensor-parallel model run whole.
+"""
+
+import importlib.util
+
+import pytest
+import torch
+
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+VOCAB, LAYERS = 98, 5
+MODELS = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _model(kind: str, dtype=torch.float32, layers: int = LAYERS, **extra):
+    import transformers
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, attn_implementation="sdpa")  # fmt: skip
+    if kind == "mistral":
+        kw["sliding_window"] = 7  # shorter than the sequences
+    if kind == "qwen2":  # layers 2.. slide: a stage's layers must keep their own kinds
+        kw.update(use_sliding_window=True, sliding_window=5, max_window_layers=2)
+    names = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    config = getattr(transformers, f"{names[kind]}Config")(**{**kw, **extra})
+    torch.manual_seed(0)
+    return getattr(transformers, f"{names[kind]}ForCausalLM")(config).to(dtype)
+
+
+def _targets(ids):
+    """Next-token targets: each row shifted by one, the last position ignored (Hugging Face's labels=ids)."""
+    return torch.nn.functional.pad(ids[:, 1:], (0, 1), value=-100)
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _chain(rank, world_size):
+    from tessel.layers import hf_pipeline_stage
+
+    results = []
+    for kind in MODELS:
+        model = _model(kind)
+        ids = torch.randint(VOCAB, (2, 19), generator=torch.Generator().manual_seed(1))
+        want = model(ids, labels=ids)
+        want.loss.backward()
+        want_grads = _grads(model)
+        for n in (2, 3):
+            for fused in (False, True):
+                model.zero_grad(set_to_none=True)
+                stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
+                h = ids
+                for stage in stages:
+                    h = stage(h)
+                if not fused:
+                    torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} logits")
+                loss = stages[-1].loss(h, _targets(ids))
+                torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
+                loss.backward()
+                got = _grads(model)
+                assert got.keys() == want_grads.keys(), f"{kind} {n}"
+                for name, g in got.items():
+                    torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{kind} {n} {name}")
+                results.append((kind, n, fused, [(s.start, s.stop) for s in stages]))
+    return results
+
+
+@pytest.mark.multiprocess
+def test_stages_chain_to_the_models_logits_loss_and_gradients():
+    """One process: every split of every model gives its logits, its loss (from the logits or fused)
+    and every gradient; the layers split evenly, earlier stages taking the remainder."""
+    (results,) = run_ranks(_chain, 1, timeout=240, env=REFERENCE_KERNELS, init_process_group=False)
+    assert len(results) == len(MODELS) * 2 * 2
+    ranges = {n: r for _, n, _, r in results}
+    assert ranges == {2: [(0, 3), (3, 5)], 3: [(0, 2), (2, 4), (4, 5)]}
+
+
+def _pipelined(rank, world_size, sp, fused):
+    """tp=2 × pp=2: each pipeline rank's stage of the tensor-parallel model through 1F1B, against the same
+    tensor-parallel model run whole on this rank's tp group."""
+    import torch.distributed as dist
+
+    from tessel.layers import hf_pipeline_stage, parallelize
+    from tessel.parallel.pipeline import PipelineStage, Schedule1F1B
+
+    tp_rank, pp_rank = rank % 2, rank // 2
+    tp_groups = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    tp, pp = tp_groups[pp_rank], pp_groups[tp_rank]
+    ids = torch.randint(VOCAB, (4, 8), generator=torch.Generator().manual_seed(2))
+    whole = parallelize(_model("llama", layers=3), tp, sequence_parallel=sp)
+    want = whole(ids, labels=ids).loss
+    want.backward()
+    want_grads = _grads(whole)
+    model = parallelize(_model("llama", layers=3), tp, sequence_parallel=sp)
+    stage = hf_pipeline_stage(model, pp_rank, 2, fused_loss=fused)
+    schedule = Schedule1F1B(PipelineStage(stage, pp_rank, 2, pp), 2, lambda out, t: stage.loss(out, t))
+    losses = []
+    schedule.step(ids, target=_targets(ids), losses=losses)
+    got = _grads(model)
+    mine = {n for n, p in model.named_parameters() if any(p is q for q in stage.parameters())}
+    assert got.keys() == mine, (sorted(got), sorted(mine))
+    for name, g in got.items():
+        torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"sp={sp} fused={fused} {name}")
+    if pp_rank == 1:
+        torch.testing.assert_close(torch.stack(losses).mean(), want.detach(), rtol=1e-5, atol=1e-6)
+    return sorted(n.split(".")[2] if n.startswith("model.layers") else n.split(".")[-2] for n in mine)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(("sp", "fused"), [(False, False), (True, True), (True, False)])
+def test_tensor_and_pipeline_parallel_stages_train_as_the_whole_model(sp, fused):
+    """Four gloo ranks, tp=2 × pp=2 (with sequence parallelism the stages pass [B, S/2, H] shards): every
+    gradient shard a stage holds, and the loss, are those of the tensor-parallel model run whole."""
+    results = run_ranks(_pipelined, 4, sp, fused, timeout=300, env=REFERENCE_KERNELS)
+    assert "embed_tokens" in results[0] and "lm_head" not in results[0]
+    assert "lm_head" in results[2] and "embed_tokens" not in results[2] and "norm" in results[2]
+
+
+def test_what_it_refuses():
+    from tessel.layers import hf_pipeline_stage
+
+    with pytest.raises(TypeError, match="model must be a Hugging Face PreTrainedModel, received Linear"):
+        hf_pipeline_stage(torch.nn.Linear(2, 2), 0, 1)
+    tied = _model("llama", layers=2, tie_word_embeddings=True)
+    with pytest.raises(ValueError, match="ties its input and output embeddings"):
+        hf_pipeline_stage(tied, 0, 2)
+    model = _model("llama", layers=2)
+    with pytest.raises(ValueError, match=r"num_stages must be in \[1, 2\] \(the model's decoder layers\), received 3"):
+        hf_pipeline_stage(model, 0, 3)
+    with pytest.raises(ValueError, match=r"stage_index must be in \[0, 2\), received 2"):
+        hf_pipeline_stage(model, 2, 2)
+    with pytest.raises(TypeError, match="stage_index must be an int, received bool"):
+        hf_pipeline_stage(model, True, 2)
+    with pytest.raises(TypeError, match="fused_loss must be a bool, received int"):
+        hf_pipeline_stage(model, 0, 2, fused_loss=1)
+    with pytest.raises(ValueError, match=r"stage of layers \[0, 1\) is not the last"):
+        hf_pipeline_stage(model, 0, 2).loss(torch.zeros(1, 2, VOCAB), torch.zeros(1, 2, dtype=torch.long))
+    import transformers
+
+    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8))  # fmt: skip
+    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, qwen2, qwen3 .* type 'gemma'"):
+        hf_pipeline_stage(gemma, 0, 2)
