@@ -80,6 +80,9 @@ def _logits_grad_kernel(x_ptr, g_ptr, lse_ptr, target_ptr, a_ptr, b_ptr, c_ptr, 
         tl.store(g_ptr + row * stride_g + j, g.to(g_ptr.dtype.element_ty), mask=j < n_cols)
 
 
+_KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def row_stats_reference(x: torch.Tensor, target: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(lse, z, Σx)`` (fp32) of the rows of ``x [n, V]`` for targets ``target [n]`` (``-1``: not in these
     columns)."""
@@ -113,16 +116,16 @@ def logits_grad_reference(
 
 
 def _check(name: str, x, target) -> str:
-    """The backend for ``x``, after checking the arguments every pass shares."""
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16) or x.dim() != 2 or x.stride(1) != 1:
-        raise ValueError(f"{name}: x must be a float32, float16 or bfloat16 [n, V] tensor with unit column stride, "
-                         f"received {x.dtype} "
-                         f"{tuple(x.shape)} strides {x.stride()}")  # fmt: skip
+    """The backend for ``x``, after checking the arguments every pass shares (float64 rows: the PyTorch passes,
+    in fp32 as for the others)."""
+    if x.dtype not in (*_KERNEL_DTYPES, torch.float64) or x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"{name}: x must be a float32, float16, bfloat16 or float64 [n, V] tensor with unit column "
+                         f"stride, received {x.dtype} {tuple(x.shape)} strides {x.stride()}")  # fmt: skip
     if target.shape != x.shape[:1] or target.dtype != torch.int64 or target.device != x.device:
         raise ValueError(f"{name}: target must be int64 [{x.shape[0]}] on {x.device}, received {target.dtype} "
                          f"{tuple(target.shape)} on {target.device}")  # fmt: skip
     backend = backend_for(x)
-    return Backend.REFERENCE if torch.compiler.is_compiling() else backend
+    return Backend.REFERENCE if torch.compiler.is_compiling() or x.dtype not in _KERNEL_DTYPES else backend
 
 
 @opaque_to_compile

@@ -92,11 +92,23 @@ def test_logits_grad_of_smoothed_targets_and_z_loss(label_smoothing, z_loss):
     torch.testing.assert_close(g, reference, rtol=2e-5, atol=1e-7)
 
 
+def test_float64_rows_take_the_pytorch_passes_in_fp32():
+    """float64 logits (a model kept in float64 for checking) are taken, in fp32 as every dtype is."""
+    x, target, scale = _inputs(5, 11)
+    for got, want in zip(row_stats(x.double(), target), row_stats_reference(x, target), strict=True):
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, want)
+    lse = row_stats_reference(x, target)[0]
+    g = logits_grad(x.double(), lse, target, scale, torch.float64)
+    assert g.dtype == torch.float64
+    torch.testing.assert_close(g.float(), logits_grad_reference(x.clone(), lse, target, scale, torch.float32))
+
+
 def test_bad_input_is_refused():
     x, target, scale = _inputs(4, 9)
-    with pytest.raises(ValueError, match=r"row_stats: x must be a float32, float16 or bfloat16 \[n, V\] tensor"):
-        row_stats(x.double(), target)
-    with pytest.raises(ValueError, match=r"x must be a float32, float16 or bfloat16 \[n, V\] tensor"):
+    with pytest.raises(ValueError, match=r"row_stats: x must be a float32, float16, bfloat16 or float64 \[n, V\]"):
+        row_stats(x.int(), target)
+    with pytest.raises(ValueError, match=r"x must be a float32, float16, bfloat16 or float64 \[n, V\] tensor"):
         row_stats(x[None], target)
     with pytest.raises(ValueError, match="with unit column stride"):
         row_stats(x.t().contiguous().t(), target)

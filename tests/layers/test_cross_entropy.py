@@ -116,6 +116,24 @@ def test_extreme_logits_stay_finite():
     assert torch.isfinite(logits.grad).all()
 
 
+def test_float64_logits_are_taken():
+    """A float64 model's logits (as its docstring promises, any floating dtype): the loss in fp32, the gradient in
+    float64, both torch's."""
+    from tessel.layers.cross_entropy import vocab_parallel_cross_entropy
+
+    logits = (3 * torch.randn(4, 5, 13, dtype=torch.float64)).requires_grad_()
+    target = torch.randint(13, (4, 5))
+    target[0, 0] = -100
+    loss = vocab_parallel_cross_entropy(logits, target, label_smoothing=0.1)
+    loss.backward()
+    full = logits.detach().clone().requires_grad_()
+    ref = F.cross_entropy(full.flatten(0, 1), target.flatten(), label_smoothing=0.1)
+    ref.backward()
+    assert loss.dtype == torch.float32 and logits.grad.dtype == torch.float64
+    torch.testing.assert_close(loss.double(), ref.detach(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(logits.grad, full.grad, rtol=1e-5, atol=1e-7)
+
+
 LOGITS = torch.randn(2, 3, 8)
 TARGET = torch.zeros(2, 3, dtype=torch.long)
 
