@@ -14,7 +14,9 @@ of the whole sequence). The last stage returns the logits (this rank's share of 
 is split, never gathered) or, with ``fused_loss=True``, the final norm's output, and
 :meth:`HFPipelineStage.loss` gives the mean next-token cross entropy over the targets (the labels already
 shifted, ``-100`` ignored: what :class:`~tessel.parallel.pipeline.PipelineSchedule` passes as ``target``),
-without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_entropy`).
+without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_entropy`). Under FSDP, whose
+wrapper gathers the head's parameters only inside its forward, the schedule's ``loss_fn`` calls the wrapped
+stage: ``lambda output, target: wrapped(output, targets=target)``.
 
 A stage shares the model's parameters; the parameters of other stages may be released. Refused: other model
 types (their base forward may transform the embeddings, as Gemma's scaling does, which a later stage must not
@@ -67,7 +69,12 @@ class HFPipelineStage(nn.Module):
         self.start, self.stop, self.first, self.last, self.fused_loss = start, stop, first, last, fused_loss
         self.tp_group, self.sequence_parallel = _tensor_layout(base)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """The stage on ``x``; with ``targets`` (the last stage only), :meth:`loss` of ``x``, its own output: the
+        form for a wrapper that gathers parameters in its forward (FSDP), called by the schedule's ``loss_fn`` as
+        ``wrapped(output, targets=target)``."""
+        if targets is not None:
+            return self.loss(x, targets)
         if self.first:
             positions = torch.arange(x.shape[1], device=x.device)
             hidden = self.base(input_ids=x, position_ids=positions[None], use_cache=False).last_hidden_state

@@ -70,8 +70,9 @@ def _train(rank, world_size, tp, pp, sp, zero):
         opt = torch.optim.AdamW(params, lr=1e-2)
     schedule = None
     if pp > 1:
+        # through the wrapper, which gathers the head's parameters under FSDP
         schedule = Schedule1F1B(PipelineStage(wrapper, dims.pp_rank, pp, dims.pp_group), 2,
-                                lambda out, target: module.loss(out, target))  # fmt: skip
+                                lambda out, target: wrapper(out, targets=target))  # fmt: skip
     losses = []
     for _ in range(STEPS):
         opt.zero_grad()
@@ -100,8 +101,8 @@ def one_process():
 
 @pytest.mark.parametrize(
     ("tp", "pp", "sp", "zero"),
-    [(2, 2, False, 0), (2, 2, True, 0), (2, 1, True, 1), (2, 1, True, 3), (1, 1, False, 2)],
-    ids=["tp2-pp2", "tp2-sp-pp2", "tp2-sp-dp2-zero1", "tp2-sp-dp2-fsdp", "dp4-zero2"],
+    [(2, 2, False, 0), (2, 2, True, 0), (2, 1, True, 1), (2, 1, True, 3), (1, 1, False, 2), (1, 2, False, 3)],
+    ids=["tp2-pp2", "tp2-sp-pp2", "tp2-sp-dp2-zero1", "tp2-sp-dp2-fsdp", "dp4-zero2", "pp2-dp2-fsdp"],
 )
 def test_layouts_follow_the_one_process_curve(one_process, tp, pp, sp, zero):
     world = 4
