@@ -88,6 +88,7 @@ def _epilog() -> str:
         "  torchrun --nproc_per_node=4 -m tessel.bench.train --pp 2 --dp 2 --zero 1 --schedule interleaved",
         "  torchrun --nproc_per_node=2 --max-restarts=1 -m tessel.bench.train --dp 2 --save-every 50 --resume",
         "  torchrun --nproc_per_node=4 -m tessel.bench.train --tp 2 --dp 2 --experts 8 --ep 2 --zero 1",
+        "  torchrun --nproc_per_node=4 -m tessel.bench.train --hf llama --tp 2 --pp 2 --sequence-parallel",
         "",
         "Without a GPU the kernels run their PyTorch references; TRITON_INTERPRET=1 runs the Triton kernels",
         "through Triton's interpreter instead (about 100× slower).",
@@ -98,7 +99,7 @@ def _epilog() -> str:
 def _parser(cuda: bool) -> argparse.ArgumentParser:
     p = _Parser(
         prog=PROG,
-        description="Train tessel's GPT on a bundled text under any dp × pp × tp layout.",
+        description="Train tessel's GPT (or a Hugging Face model: --hf) on a text under any dp × pp × tp layout.",
         epilog=_epilog(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -108,6 +109,13 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         choices=PRESETS,
         default="125m" if cuda else "tiny",
         help="model size (default: tiny on a CPU, 125m on a GPU)",
+    )
+    add(
+        "--hf",
+        choices=("llama", "mistral", "qwen2", "qwen3"),
+        default=None,
+        help="train this Hugging Face family's causal LM (needs transformers) instead of tessel's GPT: the preset's "
+        "shape, parallelize()d, tessel's attention and fused loss, hf_pipeline_stage() under --pp",
     )
     add("--tp", type=int, default=1, help="tensor-parallel size")
     add("--pp", type=int, default=1, help="pipeline-parallel size")
@@ -366,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     _check_model(args, preset)
     _check_run(args)
     _check_eval(args)
+    _check_hf(args)
     _check_kill(args)
     return args
 
@@ -528,6 +537,25 @@ def _check_tokens(args) -> None:
         args.vocab_size = default if args.tp == 1 or default % args.tp == 0 else -(-default // args.tp) * args.tp
     if args.vocab_size < needed or args.vocab_size % args.tp:
         raise ArgumentError(f"--vocab-size must be at least {needed} ({what}){tp_note}, received {args.vocab_size}")
+
+
+def _check_hf(args) -> None:
+    """What a Hugging Face model trains with here: tessel's GPT's options that it has no counterpart for are refused."""
+    if args.hf is None:
+        return
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise ArgumentError(f"--hf {args.hf} needs transformers (pip install transformers)") from None
+    unsupported = {
+        "--cp": args.cp > 1, "--experts": args.experts > 0, "--doc-sep": args.doc_sep is not None,
+        "--doc-token": args.doc_token is not None, "--sliding-window": args.sliding_window is not None,
+        "--recompute": args.recompute, "--compile": bool(args.compile), "--label-smoothing": args.label_smoothing > 0,
+        "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",
+    }  # fmt: skip
+    given = [flag for flag, on in unsupported.items() if on]
+    if given:
+        raise ArgumentError(f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options")
 
 
 def _check_eval(args) -> None:

@@ -37,6 +37,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.flat import is_expert
 from ..parallel.sharding import is_tp_sharded
 from .train_args import DTYPES, PRESETS, ArgumentError
+from .train_hf import build_hf, decoder_layer_class, hf_loss, hf_stage
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
 __all__ = ["Engine", "build_engine", "compile_blocks"]
@@ -75,10 +76,11 @@ class Engine:
     is_last: bool = True
     _microbatch_losses: list[torch.Tensor] = field(default_factory=list)
     _target_weight: torch.Tensor | None = None  # with documents: dp·cp / the global batch's counted targets
+    model_config: GPTConfig | None = None  # the model's shape (the GPT's own config; a Hugging Face model's source)
 
     @property
     def config(self) -> GPTConfig:
-        return self.gpt.config
+        return self.model_config if self.model_config is not None else self.gpt.config
 
     @property
     def device(self) -> torch.device:
@@ -155,8 +157,8 @@ class Engine:
             # the last backward runs outside no_sync: its buckets' reductions overlap it, as without accumulation
             with no_sync() if i < parts - 1 else contextlib.nullcontext():
                 docs = {} if seg is None else {"segment_ids": seg}
-                loss = self._weighted(self.wrapper(xs, targets=ys, **docs), ys, parts)
-                router = self.gpt.router_loss()  # the experts' load balancing and z-loss: trained, not reported
+                loss = self._weighted(self._model_loss(xs, ys, docs), ys, parts)
+                router = self._router_loss()  # the experts' load balancing and z-loss: trained, not reported
                 self._scaled((loss if router is None else loss + router) / parts).backward()
             losses.append(loss.detach().float())
         return torch.stack(losses).mean()
@@ -175,7 +177,7 @@ class Engine:
         try:
             if self.schedule is None:
                 docs = {} if segment_ids is None else {"segment_ids": segment_ids}
-                local = self._weighted(self.wrapper(x, targets=y, **docs), y).float()
+                local = self._weighted(self._model_loss(x, y, docs), y).float()
             else:
                 losses = []
                 inputs = () if not self.is_first else (x,) if segment_ids is None else (x, segment_ids)
@@ -184,6 +186,14 @@ class Engine:
         finally:
             self.wrapper.train()
         return self._global_loss(local)
+
+    def _model_loss(self, x: torch.Tensor, y: torch.Tensor, docs: dict) -> torch.Tensor:
+        """The mean loss of next-token targets ``y`` through the wrapped model, without logits: the GPT's
+        ``forward(x, targets=)``, or a Hugging Face model's fused forward."""
+        return hf_loss(self.wrapper, x, y) if self.args.hf else self.wrapper(x, targets=y, **docs)
+
+    def _router_loss(self) -> torch.Tensor | None:
+        return None if self.args.hf else self.gpt.router_loss()
 
     def _global_target_weight(self, y: torch.Tensor) -> torch.Tensor:
         """``dp·cp / global count`` of the targets that are not ignored, over the data-parallel ranks."""
@@ -337,13 +347,13 @@ def compile_blocks(gpt: GPT, backend: str) -> None:
         block.forward = torch.compile(block.forward, backend=backend)
 
 
-def _wrap(args, module: nn.Module, dims: ParallelDims) -> nn.Module:
+def _wrap(args, module: nn.Module, dims: ParallelDims, unit: type) -> nn.Module:
     if args.dp * args.cp == 1 and args.zero == 0:  # nothing to reduce: torch's AdamW on the module's own parameters
         return module
     experts = dims.expert_dp_group if dims.ep > 1 else None  # each ep rank's experts: over their replicas
     if args.zero == 3:  # units: the transformer blocks (their experts a unit apart); the root: embedding, norm, head
         fsdp = _need("parallel.fsdp", "--zero 3")
-        return fsdp.FSDP(module, group=dims.dp_cp_group, wrap={TransformerBlock}, expert_group=experts)
+        return fsdp.FSDP(module, group=dims.dp_cp_group, wrap={unit}, expert_group=experts)
     return _need("parallel.ddp", f"--zero {args.zero}").DDP(module, group=dims.dp_cp_group, expert_group=experts)
 
 
@@ -408,31 +418,37 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         expert_groups=args.expert_groups,
         top_groups=args.top_groups,
     )
-    gpt = GPT(
-        config,
-        tp_group=dims.tp_group,
-        cp_group=dims.cp_group,
-        ep_group=dims.ep_group,
-        sequence_parallel=args.sequence_parallel,
-        device=dims.device,
-        dtype=DTYPES[args.dtype],
-    )
-    if args.compile:
-        compile_blocks(gpt, args.compile)
+    if args.hf:  # a Hugging Face model of the same shape, made parallel as a user would (train_hf.py)
+        gpt, num_params, flops_per_token = build_hf(args, config, dims, DTYPES[args.dtype])
+        unit = decoder_layer_class(gpt)
+    else:
+        gpt = GPT(
+            config,
+            tp_group=dims.tp_group,
+            cp_group=dims.cp_group,
+            ep_group=dims.ep_group,
+            sequence_parallel=args.sequence_parallel,
+            device=dims.device,
+            dtype=DTYPES[args.dtype],
+        )
+        num_params, flops_per_token, unit = gpt.num_params(), gpt.flops_per_token(args.seq_len), TransformerBlock
+        if args.compile:
+            compile_blocks(gpt, args.compile)
     if args.pp == 1:
         stages = [gpt]
     else:
         n = args.pp * args.stages_per_rank
-        stages = [gpt.pipeline_stage(s, n, fused_loss=True) for s in _stage_ids(args, dims)]
+        stage = (lambda s: hf_stage(gpt, s, n)) if args.hf else (lambda s: gpt.pipeline_stage(s, n, fused_loss=True))
+        stages = [stage(s) for s in _stage_ids(args, dims)]
     local = {id(p) for m in stages for p in m.parameters()}
     named = {name: p for name, p in gpt.named_parameters() if id(p) in local}
-    num_params, flops_per_token = gpt.num_params(), gpt.flops_per_token(args.seq_len)
     if args.pp > 1:
         _release(gpt, named)
-    wrapper = _wrap(args, stages[0] if args.pp == 1 else _Stages(stages), dims)
+    wrapper = _wrap(args, stages[0] if args.pp == 1 else _Stages(stages), dims, unit)
     optimizer, opt_state = _optimizer(args, list(named.values()), dims, named)
     engine = Engine(args, dims, gpt, stages, wrapper, named, optimizer, opt_state, num_params, flops_per_token,
-                    model_state=ModelState(named, dims.tp_group, dims.dp_cp_group, dims.expert_dp_group))  # fmt: skip
+                    model_state=ModelState(named, dims.tp_group, dims.dp_cp_group, dims.expert_dp_group),
+                    model_config=config)  # fmt: skip
     if args.pp > 1:
         n = args.pp * args.stages_per_rank
         ids = _stage_ids(args, dims)

@@ -34,6 +34,7 @@ from .dataset import ByteDataset
 from .runner import environment, peak_tflops
 from .train_args import DTYPES, learning_rate
 from .train_engine import Engine, build_engine
+from .train_hf import HF_FAMILIES
 from .train_report import (
     Progress,
     StepProfiler,
@@ -79,7 +80,7 @@ def _meta(args, engine: Engine, history: list[StepRecord]) -> dict:
     return {
         "world_size": args.world_size,
         "layout": {"dp": args.dp, "pp": args.pp, "tp": args.tp, "cp": args.cp, "ep": args.ep, "zero": args.zero},
-        "model": asdict(engine.config),
+        "model": _model_record(args, engine),
         "run": {
             "seed": args.seed,
             "batch_size": args.batch_size,
@@ -115,7 +116,11 @@ def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
     if path is None:
         return 0, [], None
     manifest = read_manifest(path)
-    saved, built = manifest.get("model") or {}, asdict(engine.config)
+    saved, built = manifest.get("model") or {}, _model_record(args, engine)
+    if saved.get("hf") != args.hf:  # a GPT's checkpoint for a Hugging Face model, or the other way round
+        raise CheckpointError(f"checkpoint {path} holds a different model: {_model_name(saved.get('hf'))} (this run: "
+                              f"{_model_name(args.hf)})")  # fmt: skip
+    built.pop("hf", None)
     defaults = {f.name: f.default for f in fields(GPTConfig)}  # of settings newer than the checkpoint
     differ = [
         f"{k}={saved.get(k, defaults[k])!r} (this run: {v!r})"
@@ -210,14 +215,15 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
         evaluated = [r.eval_loss for r in history if r.eval_loss is not None]
         summary.update(eval_loss=evaluated[-1] if evaluated else None)
     print_summary(summary, _caveat(engine.device))
-    title = f"tessel GPT {args.preset} ({engine.num_params / 1e6:.2f}M params), {_layout(args)}, {args.dtype}"
+    size = f"{engine.num_params / 1e6:.2f}M params"
+    title = f"{_model_name(args.hf)} {args.preset} ({size}), {_layout(args)}, {args.dtype}"
     if history:
         plot_loss(history, args.out / "loss.png", title)
     record = {
         "argv": sys.argv[1:],
         "args": {k: _jsonable(v) for k, v in vars(args).items()},
         "environment": env,
-        "model": asdict(engine.config),
+        "model": _model_record(args, engine),
         "resumed_from": str(resumed) if resumed else None,
         "steps": [
             {
@@ -236,9 +242,20 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
     print(f"wrote {args.out / 'run.json'} and {args.out / 'loss.png'}")
 
 
+def _model_name(hf: str | None) -> str:
+    return "tessel GPT" if hf is None else f"Hugging Face {HF_FAMILIES[hf]}"
+
+
+def _model_record(args, engine: Engine) -> dict:
+    """The model's settings as checkpoints and run.json record them: its shape (GPTConfig), and ``hf``, the Hugging
+    Face family trained instead of tessel's GPT, when there is one."""
+    return {**asdict(engine.config), **({"hf": args.hf} if args.hf else {})}
+
+
 def _banner(args, engine: Engine) -> str:
     return (
-        f"tessel GPT {args.preset}: {engine.num_params / 1e6:.2f}M parameters, {_layout(args)}, {args.dtype} on "
+        f"{_model_name(args.hf)} {args.preset}: {engine.num_params / 1e6:.2f}M parameters, {_layout(args)}, "
+        f"{args.dtype} on "
         f"{engine.device.type} ({dist.get_backend()}, kernels: {_kernels(engine.device)}); "
         f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
         + ("" if args.tokens == "bytes" else f", {args.tokens} token ids from {args.data.name}")

@@ -1,0 +1,72 @@
+"""``python -m tessel.bench.train --hf FAMILY``: a Hugging Face causal LM instead of tessel's GPT.
+
+The model is the family's ``*ForCausalLM`` built from a config of the preset's shape (the same as tessel's GPT
+of that preset: layers, width, heads, kv heads, the SwiGLU width, rotary base, RMSNorm epsilon, vocabulary;
+untied embeddings), randomly initialised from the run's seed on every rank, then made parallel the way a user
+would: :func:`~tessel.layers.parallelize` (tensor and sequence parallelism), tessel's flash attention
+(``attn_implementation="tessel"``), :func:`~tessel.layers.fuse_lm_loss` (the head's loss without logits), and
+under pipeline parallelism :func:`~tessel.layers.hf_pipeline_stage`. The engine wraps and trains it as it does
+the GPT (``train_engine.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention
+from ..layers.gpt import GPTConfig
+
+__all__ = ["HF_FAMILIES", "build_hf", "decoder_layer_class", "hf_flops_per_token", "hf_loss", "hf_stage"]
+
+HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+
+
+def _hf_config(family: str, c: GPTConfig):
+    import transformers
+
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,
+              num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
+              head_dim=c.n_embd // c.n_head, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
+              initializer_range=c.init_std, tie_word_embeddings=False,
+              attn_implementation=register_hf_attention())  # fmt: skip
+    config = getattr(transformers, f"{HF_FAMILIES[family]}Config")(**kw)
+    if hasattr(config, "rope_parameters"):  # transformers 5: the rotary base lives in rope_parameters
+        config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": c.rope_theta}
+    else:
+        config.rope_theta = c.rope_theta
+    return config
+
+
+def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Module, int, float]:
+    """``(model, num_params, flops_per_token)``: the dense model drawn from the seed (the same on every rank),
+    counted, then laid out on ``dims``'s TP group with its fused loss, on the device in ``dtype``."""
+    import transformers
+
+    torch.manual_seed(args.seed)
+    model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args.hf, config))
+    num_params = sum(p.numel() for p in model.parameters())
+    flops = hf_flops_per_token(num_params, config, args.seq_len)
+    model = model.to(device=dims.device, dtype=dtype)
+    parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel)
+    return fuse_lm_loss(model), num_params, flops
+
+
+def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int) -> float:
+    """``6·N + 12·L·E·S`` as :meth:`~tessel.layers.GPT.flops_per_token` counts it, N without the input embedding."""
+    return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * c.n_layer * c.n_embd * seq_len
+
+
+def hf_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
+    """Pipeline stage ``stage``: its loss fused (its last stage returns the final norm's output)."""
+    return hf_pipeline_stage(model, stage, num_stages, fused_loss=True)
+
+
+def decoder_layer_class(model: nn.Module) -> type:
+    """The class of the model's decoder layers: FSDP's units."""
+    return type(model.model.layers[0])
+
+
+def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """The mean cross entropy of next-token targets ``y`` (already shifted) through Hugging Face's forward, fused."""
+    return wrapper(x, labels=y, shift_labels=y).loss

@@ -1,0 +1,102 @@
+"""``python -m tessel.bench.train --hf FAMILY``: a Hugging Face causal LM of the preset's shape trained through
+tessel (parallelize, tessel's attention, the fused loss, hf_pipeline_stage, DDP/FSDP and ZeroAdam).
+
+Its initial weights are drawn whole from the seed on every rank and split afterwards, so every layout trains the
+same model on the same batches and the loss curves agree to fp32 rounding.
+"""
+
+import importlib.util
+import json
+
+import pytest
+
+from tessel.bench.train_hf import HF_FAMILIES
+from tests.bench.test_train import PREFIX, _checkpoint, _copy_checkpoint, _losses, _ok, _train
+from tests.bench.test_train_eval import _eval_losses
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+RUN = ["--hf", "llama", "--steps", "3", "--seq-len", "32", "--batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf-one")
+    proc = _ok(_train(out, *RUN, "--save-every", "2"))
+    assert "Hugging Face Llama tiny: 0.25M parameters" in proc.stdout  # tessel's GPT tiny's shape and count
+    record = json.loads((out / "run.json").read_text())
+    assert record["model"]["hf"] == "llama" and record["summary"]["parameters"] == 246336
+    return out
+
+
+@pytest.mark.slow
+def test_a_hugging_face_llama_learns(tmp_path):
+    _ok(_train(tmp_path, *RUN[:2], "--steps", "20", "--seq-len", "32", "--batch-size", "8"))
+    losses = _losses(tmp_path)
+    assert losses[0] > 5.0 and losses[-1] < losses[0] - 1.0  # measured: 5.51 to ~3.6
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["--tp", "2", "--sequence-parallel"],
+        ["--pp", "2", "--microbatches", "2"],
+        ["--pp", "2", "--schedule", "interleaved", "--microbatches", "2", "--zero", "1"],
+        ["--dp", "2", "--zero", "3"],
+        ["--dp", "2", "--zero", "2", "--microbatches", "2"],
+    ],
+    ids=["tp2-sp", "pp2-1f1b", "pp2-interleaved-zero1", "dp2-fsdp", "dp2-zero2-accumulate"],
+)
+def test_every_layout_trains_the_same_model(one_process, tmp_path, layout):
+    _ok(_train(tmp_path, *RUN, *layout, nproc=2))
+    assert _losses(tmp_path) == pytest.approx(_losses(one_process), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_tensor_parallel_checkpoint_resumes_in_one_process(one_process, tmp_path):
+    """Saved at tp=2 (each rank its shards), resumed whole in one process: the run ends as the reference does."""
+    saved, resumed = tmp_path / "tp2", tmp_path / "one"
+    _ok(_train(saved, *RUN, "--tp", "2", "--save-every", "2", nproc=2))
+    _copy_checkpoint(_checkpoint(saved, 2), resumed)
+    _ok(_train(resumed, *RUN, "--resume"))
+    assert _losses(resumed) == pytest.approx(_losses(one_process), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_other_families_train_and_checkpoints_keep_their_model(one_process, tmp_path):
+    """Mistral, Qwen2 and Qwen3 of the same shape train; a checkpoint of tessel's GPT (or of another family) is
+    refused with one line."""
+    for family in ("mistral", "qwen2", "qwen3"):
+        proc = _ok(_train(tmp_path / family, "--hf", family, *RUN[2:]))
+        assert f"Hugging Face {HF_FAMILIES[family]} tiny" in proc.stdout
+        assert len(_losses(tmp_path / family)) == 3
+    _copy_checkpoint(_checkpoint(one_process, 2), tmp_path / "gpt")
+    proc = _train(tmp_path / "gpt", *RUN[2:], "--resume")
+    assert proc.returncode != 0 and "holds a different model: Hugging Face Llama (this run: tessel GPT)" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [
+        (["--experts", "4"], "--hf llama trains without --experts: those are tessel's GPT's options"),
+        (["--recompute", "--compile"], "--hf llama trains without --recompute, --compile"),
+        (["--doc-sep", "\\n"], "without --doc-sep"),
+    ],
+)
+def test_options_of_tessels_gpt_alone_are_refused(tmp_path, extra, words):
+    proc = _train(tmp_path, *RUN, *extra)
+    assert proc.returncode == 2 and PREFIX in proc.stderr and words in proc.stderr, proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_held_out_evaluation_agrees_through_a_pipeline(tmp_path):
+    """--eval-every: the Hugging Face model's held-out loss in one process and through pp=2's forward-only schedule."""
+    run = [*RUN, "--eval-every", "3", "--eval-batches", "2"]
+    _ok(_train(tmp_path / "one", *run))
+    _ok(_train(tmp_path / "pp2", *run, "--pp", "2", "--microbatches", "2", nproc=2))
+    one, pp2 = (_eval_losses(tmp_path / r) for r in ("one", "pp2"))
+    assert one[-1] > 0 and pp2 == pytest.approx(one, rel=1e-5)
