@@ -117,6 +117,12 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         help="train this Hugging Face family's causal LM (needs transformers) instead of tessel's GPT: the preset's "
         "shape, parallelize()d, tessel's attention and fused loss, hf_pipeline_stage() under --pp",
     )
+    add(
+        "--hf-baseline",
+        action="store_true",
+        help="with --hf: the model as Hugging Face makes it (sdpa attention, its own head and loss; no tensor or "
+        "pipeline parallelism), to compare tessel's layers with",
+    )
     add("--tp", type=int, default=1, help="tensor-parallel size")
     add("--pp", type=int, default=1, help="pipeline-parallel size")
     add("--dp", type=int, default=-1, help="data-parallel size (default: world size / (cp·tp·pp))")
@@ -542,7 +548,12 @@ def _check_tokens(args) -> None:
 def _check_hf(args) -> None:
     """What a Hugging Face model trains with here: tessel's GPT's options that it has no counterpart for are refused."""
     if args.hf is None:
+        if args.hf_baseline:
+            raise ArgumentError("--hf-baseline trains a Hugging Face model as it comes: it needs --hf")
         return
+    if args.hf_baseline and (args.tp > 1 or args.pp > 1):
+        raise ArgumentError(f"--hf-baseline trains the model as Hugging Face makes it: without --tp {args.tp} and "
+                            f"--pp {args.pp} (tessel's layers and stages)")  # fmt: skip
     try:
         import transformers  # noqa: F401
     except ImportError:

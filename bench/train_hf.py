@@ -6,7 +6,9 @@ untied embeddings), randomly initialised from the run's seed on every rank, then
 would: :func:`~tessel.layers.parallelize` (tensor and sequence parallelism), tessel's flash attention
 (``attn_implementation="tessel"``), :func:`~tessel.layers.fuse_lm_loss` (the head's loss without logits), and
 under pipeline parallelism :func:`~tessel.layers.hf_pipeline_stage`. The engine wraps and trains it as it does
-the GPT (``train_engine.py``).
+the GPT (``train_engine.py``). ``--hf-baseline`` trains the same model as Hugging Face makes it (its ``sdpa``
+attention, its head and loss from the logits; one tensor- and pipeline-parallel rank): what tessel's layers
+are measured against.
 """
 
 from __future__ import annotations
@@ -22,14 +24,13 @@ __all__ = ["HF_FAMILIES", "build_hf", "decoder_layer_class", "hf_flops_per_token
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
 
-def _hf_config(family: str, c: GPTConfig):
+def _hf_config(family: str, c: GPTConfig, attention: str):
     import transformers
 
     kw = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,
               num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
               head_dim=c.n_embd // c.n_head, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-              initializer_range=c.init_std, tie_word_embeddings=False,
-              attn_implementation=register_hf_attention())  # fmt: skip
+              initializer_range=c.init_std, tie_word_embeddings=False, attn_implementation=attention)  # fmt: skip
     config = getattr(transformers, f"{HF_FAMILIES[family]}Config")(**kw)
     if hasattr(config, "rope_parameters"):  # transformers 5: the rotary base lives in rope_parameters
         config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": c.rope_theta}
@@ -39,15 +40,20 @@ def _hf_config(family: str, c: GPTConfig):
 
 
 def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Module, int, float]:
-    """``(model, num_params, flops_per_token)``: the dense model drawn from the seed (the same on every rank),
-    counted, then laid out on ``dims``'s TP group with its fused loss, on the device in ``dtype``."""
+    """``(model, num_params, flops_per_token)``: the dense model drawn from the seed on the run's device (the same
+    on every rank), counted, then laid out on ``dims``'s TP group with its fused loss, in ``dtype``. With
+    ``--hf-baseline`` the model stays as Hugging Face makes it: its ``sdpa`` attention, its head and loss."""
     import transformers
 
     torch.manual_seed(args.seed)
-    model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args.hf, config))
+    attention = "sdpa" if args.hf_baseline else register_hf_attention()
+    with torch.device(dims.device):
+        model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args.hf, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
     flops = hf_flops_per_token(num_params, config, args.seq_len)
-    model = model.to(device=dims.device, dtype=dtype)
+    model = model.to(dtype=dtype)
+    if args.hf_baseline:
+        return model, num_params, flops
     parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel)
     return fuse_lm_loss(model), num_params, flops
 
@@ -68,5 +74,7 @@ def decoder_layer_class(model: nn.Module) -> type:
 
 
 def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """The mean cross entropy of next-token targets ``y`` (already shifted) through Hugging Face's forward, fused."""
+    """The mean cross entropy of next-token targets ``y`` (already shifted) through the model's forward: fused
+    (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``."""
+    y = y.contiguous()  # a window of the batch (Hugging Face views it flat)
     return wrapper(x, labels=y, shift_labels=y).loss

@@ -69,6 +69,7 @@ def _layout(args) -> str:
     if args.experts:
         text += f" experts={args.experts} top-k={args.top_k}" + (f" ep={args.ep}" if args.ep > 1 else "")
         text += f" groups={args.expert_groups} top-groups={args.top_groups}" if args.expert_groups > 1 else ""
+    text += " hf-baseline" if args.hf_baseline else ""
     text += " sequence-parallel" if args.sequence_parallel else ""
     text += " recompute" if args.recompute else ""
     text += f" compile={args.compile}" if args.compile else ""
@@ -249,7 +250,7 @@ def _model_name(hf: str | None) -> str:
 def _model_record(args, engine: Engine) -> dict:
     """The model's settings as checkpoints and run.json record them: its shape (GPTConfig), and ``hf``, the Hugging
     Face family trained instead of tessel's GPT, when there is one."""
-    return {**asdict(engine.config), **({"hf": args.hf} if args.hf else {})}
+    return {**asdict(engine.config), **({"hf": args.hf} if args.hf else {})}  # the baseline's is the same model
 
 
 def _banner(args, engine: Engine) -> str:

@@ -78,6 +78,18 @@ def test_other_families_train_and_checkpoints_keep_their_model(one_process, tmp_
     assert proc.returncode != 0 and "holds a different model: Hugging Face Llama (this run: tessel GPT)" in proc.stderr
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path):
+    """--hf-baseline (Hugging Face's own sdpa attention, head and loss from the logits, nothing swapped) trains the
+    same curve as the model with tessel's attention and fused loss, alone and at dp=2 under FSDP."""
+    proc = _ok(_train(tmp_path / "one", *RUN, "--hf-baseline"))
+    assert "zero=0 hf-baseline" in proc.stdout
+    _ok(_train(tmp_path / "fsdp", *RUN, "--hf-baseline", "--dp", "2", "--zero", "3", nproc=2))
+    for run in ("one", "fsdp"):
+        assert _losses(tmp_path / run) == pytest.approx(_losses(one_process), rel=1e-5), run
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
