@@ -546,27 +546,12 @@ def _check_tokens(args) -> None:
 
 
 def _check_hf(args) -> None:
-    """What a Hugging Face model trains with here: tessel's GPT's options that it has no counterpart for are refused."""
-    if args.hf is None:
-        if args.hf_baseline:
-            raise ArgumentError("--hf-baseline trains a Hugging Face model as it comes: it needs --hf")
-        return
-    if args.hf_baseline and (args.tp > 1 or args.pp > 1):
-        raise ArgumentError(f"--hf-baseline trains the model as Hugging Face makes it: without --tp {args.tp} and "
-                            f"--pp {args.pp} (tessel's layers and stages)")  # fmt: skip
-    try:
-        import transformers  # noqa: F401
-    except ImportError:
-        raise ArgumentError(f"--hf {args.hf} needs transformers (pip install transformers)") from None
-    unsupported = {
-        "--cp": args.cp > 1, "--experts": args.experts > 0, "--doc-sep": args.doc_sep is not None,
-        "--doc-token": args.doc_token is not None, "--sliding-window": args.sliding_window is not None,
-        "--recompute": args.recompute, "--compile": bool(args.compile), "--label-smoothing": args.label_smoothing > 0,
-        "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",
-    }  # fmt: skip
-    given = [flag for flag, on in unsupported.items() if on]
-    if given:
-        raise ArgumentError(f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options")
+    """What a Hugging Face model trains with here (``train_hf.refused_options``)."""
+    from .train_hf import refused_options
+
+    problem = refused_options(args)
+    if problem:
+        raise ArgumentError(problem)
 
 
 def _check_eval(args) -> None:

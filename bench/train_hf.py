@@ -13,13 +13,23 @@ are measured against.
 
 from __future__ import annotations
 
+import importlib.util
+
 import torch
 from torch import nn
 
 from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention
 from ..layers.gpt import GPTConfig
 
-__all__ = ["HF_FAMILIES", "build_hf", "decoder_layer_class", "hf_flops_per_token", "hf_loss", "hf_stage"]
+__all__ = [
+    "HF_FAMILIES",
+    "build_hf",
+    "decoder_layer_class",
+    "hf_flops_per_token",
+    "hf_loss",
+    "hf_stage",
+    "refused_options",
+]
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
 
@@ -54,7 +64,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     model = model.to(dtype=dtype)
     if args.hf_baseline:
         return model, num_params, flops
-    parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel)
+    cp = {"cp_group": dims.cp_group} if dims.cp > 1 else {}  # each rank its zigzag share of every sequence
+    parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, **cp)
     return fuse_lm_loss(model), num_params, flops
 
 
@@ -78,3 +89,25 @@ def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tenso
     (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``."""
     y = y.contiguous()  # a window of the batch (Hugging Face views it flat)
     return wrapper(x, labels=y, shift_labels=y).loss
+
+
+def refused_options(args) -> str | None:
+    """Why ``args`` cannot train a Hugging Face model here (None when they can): ``--hf-baseline`` without
+    ``--hf`` or with tessel's tensor or pipeline parallelism, no transformers, or options of tessel's GPT that the
+    model has no counterpart for."""
+    if args.hf is None:
+        return "--hf-baseline trains a Hugging Face model as it comes: it needs --hf" if args.hf_baseline else None
+    if args.hf_baseline and (args.tp > 1 or args.pp > 1):
+        return (f"--hf-baseline trains the model as Hugging Face makes it: without --tp {args.tp} and --pp {args.pp} "
+                "(tessel's layers and stages)")  # fmt: skip
+    if importlib.util.find_spec("transformers") is None:
+        return f"--hf {args.hf} needs transformers (pip install transformers)"
+    unsupported = {
+        "--cp with --pp": args.cp > 1 and args.pp > 1, "--experts": args.experts > 0,
+        "--doc-sep": args.doc_sep is not None, "--doc-token": args.doc_token is not None,
+        "--sliding-window": args.sliding_window is not None, "--recompute": args.recompute,
+        "--compile": bool(args.compile), "--label-smoothing": args.label_smoothing > 0,
+        "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",
+    }  # fmt: skip
+    given = [flag for flag, on in unsupported.items() if on]
+    return f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options" if given else None
