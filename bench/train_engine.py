@@ -337,13 +337,15 @@ def _optimizer(args, params: list[nn.Parameter], dims: ParallelDims, named: dict
     return opt, ZeroAdamState(opt, named, dims.tp_group)
 
 
-def compile_blocks(gpt: GPT, backend: str) -> None:
-    """``torch.compile`` each transformer block's forward in place, with ``backend``.
+def compile_blocks(blocks, backend: str) -> None:
+    """``torch.compile`` each transformer block's forward in place, with ``backend``: the GPT's blocks, or a
+    Hugging Face model's decoder layers.
 
     The blocks share one compiled graph (same code; their parameters are the graph's inputs). Each block's
     module hooks stay outside it, so FSDP gathers and frees parameters around the compiled forward as it does
-    eagerly, and activation checkpointing recomputes the compiled forward."""
-    for block in gpt.blocks:
+    eagerly (and tensor parallelism's sequence rings begin and end around it), and activation checkpointing
+    recomputes the compiled forward."""
+    for block in blocks:
         block.forward = torch.compile(block.forward, backend=backend)
 
 
@@ -432,8 +434,8 @@ def build_engine(args, dims: ParallelDims) -> Engine:
             dtype=DTYPES[args.dtype],
         )
         num_params, flops_per_token, unit = gpt.num_params(), gpt.flops_per_token(args.seq_len), TransformerBlock
-        if args.compile:
-            compile_blocks(gpt, args.compile)
+    if args.compile:
+        compile_blocks(gpt.model.layers if args.hf else gpt.blocks, args.compile)
     if args.pp == 1:
         stages = [gpt]
     else:

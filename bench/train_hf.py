@@ -106,7 +106,7 @@ def refused_options(args) -> str | None:
         "--cp with --pp": args.cp > 1 and args.pp > 1, "--experts": args.experts > 0,
         "--doc-sep": args.doc_sep is not None, "--doc-token": args.doc_token is not None,
         "--sliding-window": args.sliding_window is not None, "--recompute": args.recompute,
-        "--compile": bool(args.compile), "--label-smoothing": args.label_smoothing > 0,
+        "--label-smoothing": args.label_smoothing > 0,
         "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",
     }  # fmt: skip
     given = [flag for flag, on in unsupported.items() if on]

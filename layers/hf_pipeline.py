@@ -56,8 +56,9 @@ class HFPipelineStage(nn.Module):
         config.num_hidden_layers = stop - start
         if getattr(config, "layer_types", None) is not None:
             config.layer_types = list(config.layer_types)[start:stop]
-        stage = copy.copy(base)  # shares every submodule and hook with the model
-        stage._modules = dict(base._modules)
+        stage = copy.copy(base)  # shares every submodule, parameter and hook with the model
+        # ... in dictionaries of its own: what is registered on the stage later stays off the model
+        stage.__dict__.update({k: type(v)(v) for k, v in vars(base).items() if isinstance(v, dict)})
         stage._modules["layers"] = nn.ModuleList(base.layers[start:stop])
         if not first:
             stage._modules["embed_tokens"] = None  # a later stage is fed inputs_embeds

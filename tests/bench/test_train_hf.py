@@ -57,6 +57,17 @@ def test_every_layout_trains_the_same_model(one_process, tmp_path, layout):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_compiled_decoder_layers_train_alike(one_process, tmp_path):
+    """--compile: each decoder layer's forward through torch.compile (aot_eager here), alone and at tp=2 with
+    sequence parallelism (the sequence rings begin and end in hooks around the compiled layer)."""
+    _ok(_train(tmp_path / "one", *RUN, "--compile", "aot_eager"))
+    _ok(_train(tmp_path / "tp2", *RUN, "--compile", "aot_eager", "--tp", "2", "--sequence-parallel", nproc=2))
+    for run in ("one", "tp2"):
+        assert _losses(tmp_path / run) == pytest.approx(_losses(one_process), rel=1e-5), run
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process(one_process, tmp_path):
     """Saved at tp=2 (each rank its shards), resumed whole in one process: the run ends as the reference does."""
     saved, resumed = tmp_path / "tp2", tmp_path / "one"
@@ -95,7 +106,7 @@ def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path
     ("extra", "words"),
     [
         (["--experts", "4"], "--hf llama trains without --experts: those are tessel's GPT's options"),
-        (["--recompute", "--compile"], "--hf llama trains without --recompute, --compile"),
+        (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window, --recompute"),
         (["--doc-sep", "\\n"], "without --doc-sep"),
     ],
 )

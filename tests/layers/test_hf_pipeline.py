@@ -153,3 +153,19 @@ def test_what_it_refuses():
         num_key_value_heads=2, head_dim=8))  # fmt: skip
     with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, qwen2, qwen3 .* type 'gemma'"):
         hf_pipeline_stage(gemma, 0, 2)
+
+
+def test_a_stage_shares_the_models_parameters_not_its_registrations():
+    """A stage holds its own layers' (and the last stage the final norm's and head's) parameters, the model's
+    objects themselves; a hook registered on the stage does not reach the model."""
+    from tessel.layers import hf_pipeline_stage
+
+    model = _model("llama", layers=3)
+    first, last = hf_pipeline_stage(model, 0, 2), hf_pipeline_stage(model, 1, 2)
+    owned = {id(p) for p in model.parameters()}
+    assert all(id(p) in owned for stage in (first, last) for p in stage.parameters())
+    names = {n.split(".")[1] if n.startswith("base.") else n.split(".")[0] for n, _ in last.named_parameters()}
+    assert names == {"layers", "norm", "head"} and len(last.base.layers) == 1 and len(first.base.layers) == 2
+    assert {n.split(".")[1] for n, _ in first.named_parameters()} == {"embed_tokens", "layers"}
+    last.base.register_forward_hook(lambda *args: None)
+    assert not model.model._forward_hooks and model.config.num_hidden_layers == 3
