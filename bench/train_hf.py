@@ -62,6 +62,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     num_params = sum(p.numel() for p in model.parameters())
     flops = hf_flops_per_token(num_params, config, args.seq_len)
     model = model.to(dtype=dtype)
+    if args.recompute:  # Hugging Face's activation checkpointing: each decoder layer recomputed in backward
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.hf_baseline:
         return model, num_params, flops
     cp = {"cp_group": dims.cp_group} if dims.cp > 1 else {}  # each rank its zigzag share of every sequence
@@ -103,9 +105,10 @@ def refused_options(args) -> str | None:
     if importlib.util.find_spec("transformers") is None:
         return f"--hf {args.hf} needs transformers (pip install transformers)"
     unsupported = {
-        "--cp with --pp": args.cp > 1 and args.pp > 1, "--experts": args.experts > 0,
+        "--cp with --pp": args.cp > 1 and args.pp > 1, "--recompute with --zero 3": args.recompute and args.zero == 3,
+        "--experts": args.experts > 0,
         "--doc-sep": args.doc_sep is not None, "--doc-token": args.doc_token is not None,
-        "--sliding-window": args.sliding_window is not None, "--recompute": args.recompute,
+        "--sliding-window": args.sliding_window is not None,
         "--label-smoothing": args.label_smoothing > 0,
         "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",
     }  # fmt: skip

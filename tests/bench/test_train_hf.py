@@ -13,6 +13,7 @@ import pytest
 from tessel.bench.train_hf import HF_FAMILIES
 from tests.bench.test_train import PREFIX, _checkpoint, _copy_checkpoint, _losses, _ok, _train
 from tests.bench.test_train_eval import _eval_losses
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
@@ -66,6 +67,33 @@ def test_compiled_decoder_layers_train_alike(one_process, tmp_path):
         assert _losses(tmp_path / run) == pytest.approx(_losses(one_process), rel=1e-5), run
 
 
+def _checkpointing(rank, world_size):
+    """Whether the job's Hugging Face model checkpoints its layers, with and without --recompute."""
+    import torch
+
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_engine import build_engine
+    from tessel.parallel import init_parallel
+
+    dims = init_parallel()
+    models = [build_engine(parse_args([*RUN, *extra]), dims).gpt for extra in (["--recompute"], [])]
+    assert all(isinstance(m, torch.nn.Module) for m in models)
+    return tuple(m.is_gradient_checkpointing for m in models)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_recomputed_decoder_layers_train_alike(one_process, tmp_path):
+    """--recompute: Hugging Face's activation checkpointing of each decoder layer, alone, at tp=2 with sequence
+    parallelism and at pp=2: the same gradients, so the same curve."""
+    assert "recompute" in _ok(_train(tmp_path / "one", *RUN, "--recompute")).stdout
+    assert run_ranks(_checkpointing, 1, timeout=120, env=REFERENCE_KERNELS) == [(True, False)]
+    _ok(_train(tmp_path / "tp2", *RUN, "--recompute", "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "pp2", *RUN, "--recompute", "--pp", "2", "--microbatches", "2", nproc=2))
+    for run in ("one", "tp2", "pp2"):
+        assert _losses(tmp_path / run) == pytest.approx(_losses(one_process), rel=1e-5), run
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process(one_process, tmp_path):
@@ -106,7 +134,8 @@ def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path
     ("extra", "words"),
     [
         (["--experts", "4"], "--hf llama trains without --experts: those are tessel's GPT's options"),
-        (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window, --recompute"),
+        (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
+        (["--recompute", "--zero", "3"], "--hf llama trains without --recompute with --zero 3"),
         (["--doc-sep", "\\n"], "without --doc-sep"),
     ],
 )
