@@ -105,8 +105,7 @@ def refused_options(args) -> str | None:
     if importlib.util.find_spec("transformers") is None:
         return f"--hf {args.hf} needs transformers (pip install transformers)"
     unsupported = {
-        "--cp with --pp": args.cp > 1 and args.pp > 1, "--recompute with --zero 3": args.recompute and args.zero == 3,
-        "--experts": args.experts > 0,
+        "--cp with --pp": args.cp > 1 and args.pp > 1, "--experts": args.experts > 0,
         "--doc-sep": args.doc_sep is not None, "--doc-token": args.doc_token is not None,
         "--sliding-window": args.sliding_window is not None,
         "--label-smoothing": args.label_smoothing > 0,

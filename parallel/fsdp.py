@@ -26,7 +26,10 @@ unpacking it gathers the unit first (prefetching the unit that ran before it in 
 hooks on a unit's outputs because it fires exactly when backward needs a parameter, whatever the unit
 returns (tuples, outputs that do not require grad or are only partly used) and in whatever order the
 graph runs; a parameter needed after its unit's gradients are done (a frozen one) is simply gathered
-again. The unit's storage is resized rather than replaced, so saved tensors never go stale.
+again. The unit's storage is resized rather than replaced, so saved tensors never go stale. A module that
+checkpoints its own forward with its hooks outside the checkpoint (Hugging Face's gradient checkpointing)
+saves nothing through these hooks and reads its parameters when backward recomputes it: the gradient of its
+output, which arrives first, gathers it too.
 
 With :class:`~tessel.parallel.zero.ZeroAdam` (ZeRO-3), the fp32 master weights and moments of each
 shard live in the optimizer and the step writes the low-precision parameter shard in place.
@@ -66,6 +69,15 @@ def _split_experts(named: list[tuple[str, nn.Parameter]]) -> list[tuple[bool, li
     """A unit's parameters as ``(expert, params)`` parts: the dense ones, then the experts (each part non-empty)."""
     parts = [(expert, [(n, p) for n, p in named if is_expert(p) == expert]) for expert in (False, True)]
     return [(expert, part) for expert, part in parts if part] or [(False, named)]
+
+
+def _grad_tensors(out) -> list[torch.Tensor]:
+    """The tensors of a module's output (nested in tuples, lists and dicts, as Hugging Face's outputs are) that
+    autograd will send a gradient to."""
+    if isinstance(out, torch.Tensor):
+        return [out] if out.requires_grad else []
+    items = out.values() if isinstance(out, dict) else out if isinstance(out, (tuple, list)) else ()
+    return [t for item in items for t in _grad_tensors(item)]
 
 
 def _in_backward() -> bool:
@@ -153,7 +165,7 @@ class FSDP(nn.Module):
         for us in self._units_of.values():
             if us[0].module is not None:
                 us[0].module.register_forward_pre_hook(lambda m, args, us=us: self._before_forward(us))
-                us[0].module.register_forward_hook(lambda m, args, out, us=us: self._after_forward(us))
+                us[0].module.register_forward_hook(lambda m, args, out, us=us: self._after_forward(us, out))
         for ui, u in enumerate(self.units):
             for slot in u.bucket.slots:
                 if slot.param.requires_grad:
@@ -262,11 +274,28 @@ class FSDP(nn.Module):
         i = next((i for i, x in enumerate(order) if x is u), None)
         return self._units_of[_key(order[i + 1].module)] if i is not None and i + 1 < len(order) else []
 
-    def _after_forward(self, us: list[Unit]) -> None:
+    def _after_forward(self, us: list[Unit], out=None) -> None:
         if _in_backward():  # a recomputation (activation checkpointing): backward still needs the values
             return
         for u in us:
             u.free()
+        if torch.is_grad_enabled():
+            for t in _grad_tensors(out):  # when their gradient arrives, before the module's own backward runs
+                t.register_hook(lambda grad, us=us: self._gather_for_backward(us))
+
+    def _gather_for_backward(self, us: list[Unit]) -> None:
+        """Gather a module's units as the gradient of its output arrives. Its saved tensors gather it too, when
+        unpacked; this is for a module whose forward saved none of them through this wrapper's hooks: one that
+        checkpoints its own forward (Hugging Face's gradient checkpointing, with module hooks outside the
+        checkpoint) recomputes it in backward and reads the parameters directly."""
+        self._queue_finish()
+        for u in us:
+            u.gather_async()
+        prev = self._previous_in_forward(us[0]) if self.prefetch else None
+        if prev is not None and prev.ready == 0:  # the module whose backward comes next: its gather in flight
+            prev.gather_async()
+        for u in us:
+            u.wait()
 
     # ------------------------------------------------------------------------------------------------ backward
 

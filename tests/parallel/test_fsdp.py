@@ -33,7 +33,8 @@ class Case(NamedTuple):
     dtype: torch.dtype
     lr: float
     max_grad_norm: float | None
-    recompute: bool  # activation checkpointing of every block
+    recompute: bool | str  # activation checkpointing of every block; "forward": each block checkpoints its own
+    # forward, its module hooks outside the checkpoint (as Hugging Face's layers do)
     micro: int  # backwards accumulated per step
     no_sync: bool = False  # all but the last backward of a step inside FSDP.no_sync()
     frozen: str | None = None  # a parameter that does not train (nor in the reference)
@@ -44,6 +45,8 @@ CASES = {
     "default_wrap_clip": Case(None, torch.float32, 1e-2, 0.05, False, 1),
     "linear_units_no_root": Case("linear", torch.float32, 1e-2, None, False, 1),
     "activation_checkpointing": Case(None, torch.float32, 1e-2, None, True, 1),
+    # the recomputation saves nothing through FSDP's hooks: the gradient of each block's output gathers it
+    "checkpointed_forward": Case(None, torch.float32, 1e-2, None, "forward", 1),
     "accumulate_3_backwards": Case(None, torch.float32, 1e-2, None, False, 3),
     # 2 of 3 backwards per step under no_sync; block 1's first weight frozen (still needed by backward).
     "no_sync_frozen_clip": Case(None, torch.float32, 1e-2, 0.05, False, 3, no_sync=True, frozen="blocks.1.fc.weight"),
@@ -53,13 +56,21 @@ CASES = {
 }
 
 
+class _CheckpointedBlock(_Block):
+    """A block whose forward checkpoints itself: FSDP's module hooks run outside the checkpoint, not again in the
+    recomputation (transformers' GradientCheckpointingLayer)."""
+
+    def forward(self, x):
+        return checkpoint(super().forward, x, use_reentrant=False) if torch.is_grad_enabled() else super().forward(x)
+
+
 class _Net(nn.Module):
     def __init__(self, h=12, n=3, recompute=False):
         super().__init__()
         self.inp = nn.Linear(7, h)
-        self.blocks = nn.ModuleList(_Block(h) for _ in range(n))
+        self.blocks = nn.ModuleList((_CheckpointedBlock if recompute == "forward" else _Block)(h) for _ in range(n))
         self.head = nn.Linear(h, 5)
-        self.recompute = recompute
+        self.recompute = recompute is True
 
     def forward(self, x):
         x = self.inp(x)
