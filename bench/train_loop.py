@@ -336,9 +336,10 @@ def run(args) -> None:
         _maybe_kill(args, dims.rank, step)
         for group in engine.optimizer.param_groups:
             group["lr"] = learning_rate(args, step)
+        batch = _rank_batch(args, data, dims, engine.device, step)
         profiler.before(step)
         begin = time.perf_counter()
-        loss = float(engine.train_step(*_rank_batch(args, data, dims, engine.device, step)))
+        loss = float(engine.train_step(*batch))
         record = StepRecord(step + 1, loss, time.perf_counter() - begin, args.batch_size * args.seq_len)
         profiler.after(step)
         if args.eval_every and ((step + 1) % args.eval_every == 0 or step + 1 == args.steps):
