@@ -1,6 +1,7 @@
 """Pipeline stages of a Hugging Face causal language model, for :mod:`tessel.parallel.pipeline`.
 
-:func:`hf_pipeline_stage` cuts a ``*ForCausalLM`` (Llama, Mistral, Qwen2, Qwen3), tensor-parallel after
+:func:`hf_pipeline_stage` cuts a ``*ForCausalLM`` (Llama, Mistral, Qwen2/3, OLMo, Phi-3, GLM, SmolLM3 and the
+other families of ``SUPPORTED_MODEL_TYPES``), tensor-parallel after
 :func:`~.parallelize.parallelize` or not, into ``num_stages`` contiguous runs of its decoder layers, as
 :meth:`~.gpt.GPT.pipeline_stage` cuts tessel's GPT: the first stage also embeds the token ids, the last also
 applies the final norm and the head. Each stage runs the model's own base-model forward over its layers alone
@@ -40,8 +41,12 @@ from .linear_cross_entropy import linear_cross_entropy
 __all__ = ["HFPipelineStage", "hf_pipeline_stage"]
 
 _NAME = "hf_pipeline_stage"
-# Base models whose forward embeds, then runs its layers on the embeddings unchanged, then its final norm.
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Base models whose forward embeds, then runs its layers on the embeddings unchanged, then its final norm, and
+# whose head's logits are the head's output unscaled (checked family by family in tests/layers/test_hf_pipeline.py).
+# Left out: Gemma's scaled and Granite's multiplied embeddings, Cohere's scaled logits, Starcoder2's embedding dropout.
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo", "olmo2", "olmo3", "phi3", "glm",
+                         "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
+                         "apertus")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):

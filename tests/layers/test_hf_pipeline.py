@@ -151,7 +151,7 @@ def test_what_it_refuses():
     gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8))  # fmt: skip
-    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, qwen2, qwen3 .* type 'gemma'"):
+    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* apertus .* type 'gemma'"):
         hf_pipeline_stage(gemma, 0, 2)
 
 
@@ -169,3 +169,35 @@ def test_a_stage_shares_the_models_parameters_not_its_registrations():
     assert {n.split(".")[1] for n, _ in first.named_parameters()} == {"embed_tokens", "layers"}
     last.base.register_forward_hook(lambda *args: None)
     assert not model.model._forward_hooks and model.config.num_hidden_layers == 3
+
+
+FAMILIES = {"ministral": "Ministral", "olmo": "Olmo", "olmo2": "Olmo2", "olmo3": "Olmo3", "phi3": "Phi3", "glm": "Glm",
+            "smollm3": "SmolLM3", "helium": "Helium", "exaone4": "Exaone4", "arcee": "Arcee", "seed_oss": "SeedOss",
+            "ernie4_5": "Ernie4_5", "hunyuan_v1_dense": "HunYuanDenseV1", "apertus": "Apertus"}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_every_supported_family_chains_to_its_logits(kind):
+    """Each further family of SUPPORTED_MODEL_TYPES (those with sliding-window layers given a short window): its
+    stages, chained, give the model's logits for every split into 2 and 3."""
+    import transformers
+
+    from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES, hf_pipeline_stage
+
+    name = FAMILIES[kind]
+    if not hasattr(transformers, f"{name}Config"):
+        pytest.skip(f"this transformers has no {name}")
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, sliding_window=4, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**kw)).eval()
+    assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
+    ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits
+        for n in (2, 3):
+            h = ids
+            for s in range(n):
+                h = hf_pipeline_stage(model, s, n)(h)
+            torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-6, msg=f"{kind} in {n} stages")
