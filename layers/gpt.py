@@ -413,12 +413,16 @@ class GPTStage(nn.Module):
         self.config = gpt.config
         self.aux_grad: float | torch.Tensor | None = None
 
-    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None):
+    def forward(self, x: torch.Tensor, segment_ids: torch.Tensor | None = None, *, targets: torch.Tensor | None = None):
         """With experts and :attr:`aux_grad` set (a float or a 0-d tensor), the backward that reaches this
         stage's output gives each of its blocks' router losses (``aux_loss_coef · aux_loss + z_loss_coef ·
         z_loss``) the gradient ``aux_grad``, as if the pipeline's loss had added them as :meth:`GPT.loss` does
         (``1 / n_layer`` times the loss's own scale: 1/microbatches, a loss scale); the forward's values are
-        unchanged."""
+        unchanged. With ``targets`` (the last stage, ``fused_loss``): :meth:`loss` of ``x``, the stage's own
+        output, through the forward, so that a schedule's ``loss_fn`` reaches the head through a wrapper that
+        gathers parameters in its forward (FSDP): ``lambda output, t: wrapped(output, targets=t)``."""
+        if targets is not None:
+            return self.loss(x, targets)
         if self.first:
             x = self.embed(x)
         x = run_blocks(self.blocks, x, self.recompute, segment_ids)

@@ -243,6 +243,19 @@ def test_pipeline_stages_compose_to_the_model(seed, num_stages):
         model.pipeline_stage(0, 4)
 
 
+def test_the_last_stage_gives_its_fused_loss_through_its_forward(seed):
+    """``stage(output, targets=t)`` is ``stage.loss(output, t)``: the form a schedule's loss_fn uses through FSDP."""
+    cfg = _config(n_layer=2)
+    model = GPT(cfg)
+    idx, targets = _batch(cfg)
+    first, last = model.pipeline_stage(0, 2), model.pipeline_stage(1, 2, fused_loss=True)
+    hidden = last(first(idx))
+    torch.testing.assert_close(last(hidden, targets=targets), last.loss(hidden, targets))
+    torch.testing.assert_close(last(hidden, targets=targets), model(idx, targets=targets))
+    with pytest.raises(ValueError, match="only the last stage holds the head"):
+        first(idx, targets=targets)
+
+
 # ---------------------------------------------------------------------------------------------------- tensor parallel
 
 
