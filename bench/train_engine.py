@@ -190,7 +190,9 @@ class Engine:
     def _model_loss(self, x: torch.Tensor, y: torch.Tensor, docs: dict) -> torch.Tensor:
         """The mean loss of next-token targets ``y`` through the wrapped model, without logits: the GPT's
         ``forward(x, targets=)``, or a Hugging Face model's fused forward."""
-        return hf_loss(self.wrapper, x, y) if self.args.hf else self.wrapper(x, targets=y, **docs)
+        if self.args.hf:  # documents as Hugging Face packs them: position ids restarting at each one
+            return hf_loss(self.wrapper, x, y, docs.get("segment_ids"))
+        return self.wrapper(x, targets=y, **docs)
 
     def _router_loss(self) -> torch.Tensor | None:
         return None if self.args.hf else self.gpt.router_loss()

@@ -25,6 +25,7 @@ __all__ = [
     "HF_FAMILIES",
     "build_hf",
     "decoder_layer_class",
+    "document_positions",
     "hf_flops_per_token",
     "hf_loss",
     "hf_stage",
@@ -86,11 +87,21 @@ def decoder_layer_class(model: nn.Module) -> type:
     return type(model.model.layers[0])
 
 
-def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None):
     """The mean cross entropy of next-token targets ``y`` (already shifted) through the model's forward: fused
-    (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``."""
+    (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``. Packed documents
+    (``segment_ids``) reach the model as Hugging Face packs them: position ids restarting at each document."""
     y = y.contiguous()  # a window of the batch (Hugging Face views it flat)
-    return wrapper(x, labels=y, shift_labels=y).loss
+    packed = {} if segment_ids is None else {"position_ids": document_positions(segment_ids)}
+    return wrapper(x, labels=y, shift_labels=y, **packed).loss
+
+
+def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
+    """``[B, S]`` positions counted from each document's first token, for ids non-decreasing along each row."""
+    index = torch.arange(segment_ids.shape[1], device=segment_ids.device).expand_as(segment_ids)
+    starts = torch.ones_like(segment_ids, dtype=torch.bool)
+    starts[:, 1:] = segment_ids[:, 1:] != segment_ids[:, :-1]
+    return index - torch.cummax(torch.where(starts, index, 0), dim=1).values
 
 
 def refused_options(args) -> str | None:
@@ -104,9 +115,10 @@ def refused_options(args) -> str | None:
                 "(tessel's layers and stages)")  # fmt: skip
     if importlib.util.find_spec("transformers") is None:
         return f"--hf {args.hf} needs transformers (pip install transformers)"
+    documents = args.doc_sep is not None or args.doc_token is not None
     unsupported = {
         "--cp with --pp": args.cp > 1 and args.pp > 1, "--experts": args.experts > 0,
-        "--doc-sep": args.doc_sep is not None, "--doc-token": args.doc_token is not None,
+        "documents with --pp or --cp": documents and args.pp * args.cp > 1,
         "--sliding-window": args.sliding_window is not None,
         "--label-smoothing": args.label_smoothing > 0,
         "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",

@@ -98,6 +98,23 @@ def test_recomputed_decoder_layers_train_alike(one_process, tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_packed_documents_train_as_hugging_face_packs_them(tmp_path):
+    """--doc-sep: position ids restarting at each document reach the model, as Hugging Face packs sequences; the
+    curve is Hugging Face's own (the baseline packs through its sdpa mask), at tp=2 with sequence parallelism and
+    at dp=2 under FSDP too; without the documents it is another one."""
+    docs = ["--hf", "llama", "--steps", "3", "--seq-len", "64", "--batch-size", "4", "--doc-sep", "\\n\\n"]
+    _ok(_train(tmp_path / "one", *docs))
+    _ok(_train(tmp_path / "baseline", *docs, "--hf-baseline"))
+    _ok(_train(tmp_path / "tp2", *docs, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "fsdp", *docs, "--dp", "2", "--zero", "3", nproc=2))
+    _ok(_train(tmp_path / "stream", *docs[:-2]))
+    for run in ("baseline", "tp2", "fsdp"):
+        assert _losses(tmp_path / run) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), run
+    assert _losses(tmp_path / "stream")[-1] != pytest.approx(_losses(tmp_path / "one")[-1], rel=1e-4)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process(one_process, tmp_path):
     """Saved at tp=2 (each rank its shards), resumed whole in one process: the run ends as the reference does."""
     saved, resumed = tmp_path / "tp2", tmp_path / "one"
@@ -137,7 +154,6 @@ def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path
     [
         (["--experts", "4"], "--hf llama trains without --experts: those are tessel's GPT's options"),
         (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
-        (["--doc-sep", "\\n"], "without --doc-sep"),
     ],
 )
 def test_options_of_tessels_gpt_alone_are_refused(tmp_path, extra, words):
