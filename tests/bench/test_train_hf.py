@@ -48,8 +48,9 @@ def test_a_hugging_face_llama_learns(tmp_path):
         ["--dp", "2", "--zero", "3"],
         ["--dp", "2", "--zero", "2", "--microbatches", "2"],
         ["--cp", "2"],
+        ["--pp", "2", "--microbatches", "2", "--zero", "3"],
     ],
-    ids=["tp2-sp", "pp2-1f1b", "pp2-interleaved-zero1", "dp2-fsdp", "dp2-zero2-accumulate", "cp2"],
+    ids=["tp2-sp", "pp2-1f1b", "pp2-interleaved-zero1", "dp2-fsdp", "dp2-zero2-accumulate", "cp2", "pp2-fsdp"],
 )
 def test_every_layout_trains_the_same_model(one_process, tmp_path, layout):
     _ok(_train(tmp_path, *RUN, *layout, nproc=2))
