@@ -70,7 +70,7 @@ class ByteDataset:
             if hi - lo < seq_len + 1:
                 raise ValueError(f"ByteDataset: the {name} split of {path} holds {hi - lo} tokens, fewer than "
                                  f"seq_len + 1 = {seq_len + 1}")  # fmt: skip
-        self.path, self.seq_len, self.format = path, seq_len, tokens
+        self.path, self.seq_len = path, seq_len
         self._data = data
         self.tokens = torch.from_numpy(data)  # the file's dtype; widened per window
         self._offsets = torch.arange(seq_len + 1)

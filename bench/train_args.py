@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from ..layers.moe import ROUTER_SCORES
-from .dataset import DEFAULT_DATASET, TOKEN_FORMATS
+from .dataset import DEFAULT_DATASET, TOKEN_FORMATS, ByteDataset
 
 __all__ = [
     "COMPILE_BACKENDS",
@@ -530,14 +530,14 @@ def _check_tokens(args) -> None:
     else:
         if args.doc_sep is not None:
             raise ArgumentError(f"--doc-sep separates documents of a text; --tokens {args.tokens} takes --doc-token")
-        width = 2 if args.tokens == "uint16" else 4
-        if args.data.stat().st_size % width:
-            raise ArgumentError(f"--data {args.data} holds {args.data.stat().st_size} bytes, not a whole number of "
-                                f"{args.tokens} tokens")  # fmt: skip
+        try:  # the file read as the training run reads it: a whole number of tokens, enough of them
+            data = ByteDataset(args.data, seq_len=args.seq_len, tokens=args.tokens)
+        except ValueError as exc:
+            raise ArgumentError(f"--data {args.data}: {exc}") from None
+        width = np.dtype(TOKEN_FORMATS[args.tokens]).itemsize
         if args.doc_token is not None and not 0 <= args.doc_token < 2 ** (8 * width):
             raise ArgumentError(f"--doc-token must be a {args.tokens} token id, received {args.doc_token}")
-        data = np.memmap(args.data, dtype=f"<u{width}", mode="r") if args.data.stat().st_size else np.zeros(0)
-        needed, what = (int(data.max()) + 1 if data.size else 1), "the data's largest token id plus one"
+        needed, what = data.max_token() + 1, "the data's largest token id plus one"
         default = -(-needed // 128) * 128
     if args.vocab_size is None:
         args.vocab_size = default if args.tp == 1 or default % args.tp == 0 else -(-default // args.tp) * args.tp

@@ -37,7 +37,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.flat import is_expert
 from ..parallel.sharding import is_tp_sharded
 from .train_args import DTYPES, PRESETS, ArgumentError
-from .train_hf import build_hf, decoder_layer_class, hf_loss, hf_stage
+from .train_hf import build_hf, decoder_layer_class, decoder_layers, hf_loss, hf_stage
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
 __all__ = ["Engine", "build_engine", "compile_blocks"]
@@ -437,7 +437,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         )
         num_params, flops_per_token, unit = gpt.num_params(), gpt.flops_per_token(args.seq_len), TransformerBlock
     if args.compile:
-        compile_blocks(gpt.model.layers if args.hf else gpt.blocks, args.compile)
+        compile_blocks(decoder_layers(gpt) if args.hf else gpt.blocks, args.compile)
     if args.pp == 1:
         stages = [gpt]
     else:

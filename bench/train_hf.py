@@ -20,11 +20,13 @@ from torch import nn
 
 from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention
 from ..layers.gpt import GPTConfig
+from ..layers.hf import base_model
 
 __all__ = [
     "HF_FAMILIES",
     "build_hf",
     "decoder_layer_class",
+    "decoder_layers",
     "document_positions",
     "hf_flops_per_token",
     "hf_loss",
@@ -82,9 +84,14 @@ def hf_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
     return hf_pipeline_stage(model, stage, num_stages, fused_loss=True)
 
 
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    """The model's decoder layers (its base model's ``layers``): FSDP's units, what ``--compile`` compiles."""
+    return base_model(model)[1].layers
+
+
 def decoder_layer_class(model: nn.Module) -> type:
     """The class of the model's decoder layers: FSDP's units."""
-    return type(model.model.layers[0])
+    return type(decoder_layers(model)[0])
 
 
 def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None):
