@@ -9,6 +9,7 @@ else:
     from . import library  # noqa: F401  registers the custom operators torch.compile traces
     from .adam import adam_step, adam_step_reference, grad_stats, grad_stats_reference
     from .attention import HEAD_DIMS, flash_attention, flash_attention_backward, flash_attention_reference
+    from .fp8 import FP8_FORMATS, Fp8Tensor, fp8_matmul, fp8_matmul_reference, quantize_fp8, quantize_fp8_reference
     from .grouped_matmul import (
         grouped_matmul,
         grouped_matmul_reference,
@@ -20,12 +21,16 @@ else:
 
     __all__ = [
         "ACTIVATIONS",
+        "FP8_FORMATS",
         "HEAD_DIMS",
+        "Fp8Tensor",
         "adam_step",
         "adam_step_reference",
         "flash_attention",
         "flash_attention_backward",
         "flash_attention_reference",
+        "fp8_matmul",
+        "fp8_matmul_reference",
         "grad_stats",
         "grad_stats_reference",
         "grouped_matmul",
@@ -36,6 +41,8 @@ else:
         "layer_norm_reference",
         "matmul",
         "matmul_reference",
+        "quantize_fp8",
+        "quantize_fp8_reference",
         "rms_norm",
         "rms_norm_reference",
     ]

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
 import triton
@@ -29,6 +28,7 @@ import triton.language as tl
 
 from ._dispatch import INTERPRET, Backend, backend_for, cdiv, memory_overlaps, opaque_to_compile, upcast_dot_operands
 from ._tuned import launch_tuned
+from .matmul_reference import _activation_grad, _reference_into, matmul_reference
 
 __all__ = ["ACTIVATIONS", "matmul", "matmul_reference"]
 
@@ -53,13 +53,22 @@ def _apply_activation(x, ACTIVATION: tl.constexpr):
 
 
 @triton.jit
+def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, SPLIT_ACC: tl.constexpr):
+    """``acc + a @ b``. SPLIT_ACC (fp8 operands): sm_90's fp8 tensor cores add products into an accumulator of
+    fewer than fp32's bits unless told otherwise; with it each K block's sum is added into the fp32 ``acc``."""
+    if SPLIT_ACC:
+        return tl.dot(a, b, acc, max_num_imprecise_acc=a.shape[1])
+    return tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+
+
+@triton.jit
 def _matmul_tile(
-    tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr,
+    tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, STORE_PREACT: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+    SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One BLOCK_M x BLOCK_N tile of out: main loop over K, then the epilogue."""
@@ -93,7 +102,7 @@ def _matmul_tile(
             if DOT_FP32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            acc = _dot(a, b, acc, INPUT_PRECISION, SPLIT_ACC)
     else:
         offs_k = tl.arange(0, BLOCK_K)
         # Rows/columns past the edge wrap around (their results are never stored), so only K is masked.
@@ -108,11 +117,13 @@ def _matmul_tile(
             if DOT_FP32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            acc = _dot(a, b, acc, INPUT_PRECISION, SPLIT_ACC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
 
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
+    if SCALED:  # fp8 operands: undo both operands' scaling (each a one-element fp32 tensor)
+        acc *= tl.load(a_scale_ptr) * tl.load(b_scale_ptr)
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=offs_n < N, other=0.0)
         acc += bias.to(tl.float32)[None, :]
@@ -128,12 +139,12 @@ def _matmul_tile(
 
 @triton.jit
 def _matmul_kernel(
-    a_ptr, b_ptr, out_ptr, bias_ptr, preact_ptr,
+    a_ptr, b_ptr, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, STORE_PREACT: tl.constexpr,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
-    TMA_OK: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+    SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr, TMA_OK: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PERSISTENT: tl.constexpr, TMA: tl.constexpr,
 ):  # fmt: skip
@@ -173,17 +184,17 @@ def _matmul_kernel(
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile_id in range(pid, num_tiles, tl.num_programs(0)):
             _matmul_tile(
-                tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, M, N, K,
-                stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
-                HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, TMA, A_T, B_T,
-                BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+                tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
+                M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
+                HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, SCALED, SPLIT_ACC,
+                TMA, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
     else:
         _matmul_tile(
-            pid, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, M, N, K,
-            stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
-            HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, TMA, A_T, B_T,
-            BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            pid, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
+            M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
+            HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, SCALED, SPLIT_ACC,
+            TMA, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
 
@@ -197,12 +208,15 @@ _TILE_SHAPES = [
 # The large tiles again as persistent and TMA programs: where they win is the autotuner's measurement.
 _VARIANT_SHAPES = _TILE_SHAPES[:5]
 _VARIANTS = [(False, False), (True, False), (False, True), (True, True)]  # (PERSISTENT, TMA)
+# For fp8 operands only: K blocks twice as deep, as many bytes per pipeline stage as 16-bit tiles with BLOCK_K 64.
+_FP8_SHAPES = [(128, 256, 128, 3, 8), (256, 128, 128, 3, 8), (128, 128, 128, 4, 8), (64, 128, 128, 4, 4)]
 
 
 def _hopper_configs() -> list[triton.Config]:
     configs = []
     for persistent, tma in _VARIANTS:
-        for bm, bn, bk, s, w in _TILE_SHAPES if (persistent, tma) == (False, False) else _VARIANT_SHAPES:
+        plain = (persistent, tma) == (False, False)
+        for bm, bn, bk, s, w in _FP8_SHAPES + _TILE_SHAPES if plain else _FP8_SHAPES[:2] + _VARIANT_SHAPES:
             meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "PERSISTENT": persistent, "TMA": tma}
             configs.append(triton.Config(meta, num_stages=s, num_warps=w))
     return configs
@@ -220,10 +234,16 @@ def _shared_bytes(meta: dict, num_stages: int, element_size: int) -> int:
     return num_stages * (meta["BLOCK_M"] * meta["BLOCK_K"] + meta["BLOCK_K"] * meta["BLOCK_N"]) * element_size
 
 
+def fits_element(meta: dict, element_size: int) -> bool:
+    """Whether a configuration is one for operands of this many bytes (fp8's deep K blocks are for fp8 alone)."""
+    return meta["BLOCK_K"] <= 64 or element_size == 1
+
+
 def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
     """Drop configurations that cannot help: TMA ones the operands cannot use, persistent ones that
-    would fill no more than one wave (there they only add a loop), and ones whose pipeline does not
-    fit in shared memory (they would fail to launch after compiling). Never drops all of them."""
+    would fill no more than one wave (there they only add a loop), fp8's deep K blocks for wider operands,
+    and ones whose pipeline does not fit in shared memory (they would fail to launch after compiling).
+    Never drops all of them."""
     args = {**named_args, **kwargs}
     a = args["a_ptr"]
     sms, limit = _num_sms(a.device), _shared_limit(a.device)
@@ -235,15 +255,20 @@ def _prune_configs(configs, named_args, **kwargs) -> list[triton.Config]:
         tiles = cdiv(args["M"], meta["BLOCK_M"]) * cdiv(args["N"], meta["BLOCK_N"])
         if meta["PERSISTENT"] and tiles <= sms:
             continue
+        if not fits_element(meta, a.element_size()):
+            continue
         if _shared_bytes(meta, config.num_stages, a.element_size()) + _SHARED_SLACK > limit:
             continue
         kept.append(config)
     return kept or [c for c in configs if not c.kwargs["TMA"] and not c.kwargs["PERSISTENT"]][-1:]
 
 
+# Everything that changes which configuration is fastest (the operands' dtypes join the key by themselves).
+_TUNING_KEY = ["M", "N", "K", "HAS_BIAS", "ACTIVATION", "ACCUMULATE", "STORE_PREACT", "INDEX_64", "SCALED", "SPLIT_ACC",
+               "TMA_OK", "A_T", "B_T"]  # fmt: skip
 _matmul_kernel_tuned = triton.autotune(
     configs=_hopper_configs(),
-    key=["M", "N", "K", "HAS_BIAS", "ACTIVATION", "ACCUMULATE", "STORE_PREACT", "INDEX_64", "TMA_OK", "A_T", "B_T"],
+    key=_TUNING_KEY,
     prune_configs_by={"early_config_prune": _prune_configs},
     # Tuning launches the kernel once per configuration: with accumulate=True each launch would add
     # onto ``out`` again, so the autotuner restores it between trials.
@@ -292,18 +317,23 @@ def _check_tensor(name: str, t, ndim: int) -> None:
         raise TypeError(f"matmul: {name} must be float32, float16 or bfloat16, received {t.dtype}")
 
 
+def check_operands_agree(fn: str, a, b) -> None:
+    """a [M, K] and b [K, N] share K and a device (ValueError naming both shapes otherwise)."""
+    if a.shape[1] != b.shape[0]:
+        raise ValueError(
+            f"{fn}: inner dimensions differ: a is {tuple(a.shape)} and b is {tuple(b.shape)}; "
+            f"expected b.shape[0] == a.shape[1] == {a.shape[1]}"
+        )
+    if b.device != a.device:
+        raise ValueError(f"{fn}: b must be on a's device {a.device}, received {b.device}")
+
+
 def _validate(a, b, bias, activation, out, accumulate) -> None:
     _check_tensor("a", a, 2)
     _check_tensor("b", b, 2)
-    if a.shape[1] != b.shape[0]:
-        raise ValueError(
-            f"matmul: inner dimensions differ: a is {tuple(a.shape)} and b is {tuple(b.shape)}; "
-            f"expected b.shape[0] == a.shape[1] == {a.shape[1]}"
-        )
+    check_operands_agree("matmul", a, b)
     if b.dtype != a.dtype:
         raise TypeError(f"matmul: b must have a's dtype {a.dtype}, received {b.dtype}")
-    if b.device != a.device:
-        raise ValueError(f"matmul: b must be on a's device {a.device}, received {b.device}")
     if activation not in ACTIVATIONS:
         raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, received {activation!r}")
     if not isinstance(accumulate, bool):
@@ -418,18 +448,21 @@ def _ensure_scratch_allocator() -> None:
 
 
 @opaque_to_compile
-def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
-    """Run ``out (+)= activation(a @ b + bias)`` on the right backend; optionally store the pre-activation."""
+def _launch(a, b, bias, activation, out, accumulate, preact=None, scales=None, split_acc=False) -> None:
+    """Run ``out (+)= activation(a @ b + bias)`` on the right backend; optionally store the pre-activation.
+    ``scales``: two one-element fp32 tensors multiplying ``a @ b`` (fp8 operands' inverse scales); ``split_acc``:
+    fp8 products summed into fp32 once per K block (see ``_dot``)."""
     (m, k), n = a.shape, b.shape[1]
     if m == 0 or n == 0:
         return
     backend = backend_for(a)
     if backend == Backend.REFERENCE:
-        _reference_into(a, b, bias, activation, out, accumulate, preact)
+        _reference_into(a, b, bias, activation, out, accumulate, preact, scales)
         return
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         args = (
             a, b, out, bias if bias is not None else out, preact if preact is not None else out,
+            *(scales if scales is not None else (out, out)),
             m, n, k, *a.stride(), *b.stride(), *out.stride(), *(preact if preact is not None else out).stride(),
         )  # fmt: skip
         flags = {
@@ -440,6 +473,8 @@ def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
             "DOT_FP32": upcast_dot_operands(backend),
             "INPUT_PRECISION": _input_precision(a.dtype, backend),
             "INDEX_64": _needs_int64(a, b, out, *(() if preact is None else (preact,))),
+            "SCALED": scales is not None,
+            "SPLIT_ACC": split_acc and backend == Backend.TRITON,
             **_tma_flags(a, b, backend),
         }
         tiles = lambda meta: cdiv(m, meta["BLOCK_M"]) * cdiv(n, meta["BLOCK_N"])
@@ -452,65 +487,6 @@ def _launch(a, b, bias, activation, out, accumulate, preact=None) -> None:
         else:
             _ensure_scratch_allocator()
             launch_tuned(_matmul_kernel_tuned, grid, args, flags)
-
-
-# ---- Reference ---------------------------------------------------------------------------------------
-
-
-def _activation_reference(z: torch.Tensor, activation: str | None) -> torch.Tensor:
-    if activation == "relu":
-        return torch.relu(z)
-    if activation == "gelu":
-        return torch.nn.functional.gelu(z, approximate="none")
-    if activation == "silu":
-        return torch.nn.functional.silu(z)
-    return z
-
-
-def _activation_grad(z: torch.Tensor, activation: str | None) -> torch.Tensor:
-    """d activation / dz, computed in z's dtype (the backward passes fp32)."""
-    if activation == "relu":
-        return (z > 0).to(z.dtype)
-    if activation == "gelu":
-        cdf = 0.5 * (1.0 + torch.erf(z * (1.0 / math.sqrt(2.0))))
-        pdf = torch.exp(-0.5 * z * z) * (1.0 / math.sqrt(2.0 * math.pi))
-        return cdf + z * pdf
-    if activation == "silu":
-        s = torch.sigmoid(z)
-        return s * (1.0 + z * (1.0 - s))
-    raise AssertionError(f"no derivative for activation {activation!r}")
-
-
-def _reference_into(a, b, bias, activation, out, accumulate, preact) -> None:
-    z = a.float() @ b.float()
-    if bias is not None:
-        z = z + bias.float()
-    if preact is not None:
-        preact.copy_(z)
-    y = _activation_reference(z, activation)
-    if accumulate:
-        y = y + out.float()
-    out.copy_(y)
-
-
-def matmul_reference(a, b, bias=None, activation=None, out=None, accumulate=False) -> torch.Tensor:
-    """Plain-PyTorch definition of :func:`matmul`.
-
-    Computes in fp32 (in float64 when the inputs are float64, which is how tests build their exact
-    reference) and rounds once to the output dtype.
-    """
-    compute = torch.float64 if a.dtype == torch.float64 else torch.float32
-    z = a.to(compute) @ b.to(compute)
-    if bias is not None:
-        z = z + bias.to(compute)
-    y = _activation_reference(z, activation)
-    if out is None:
-        return y.to(a.dtype)
-    if accumulate:
-        y = y + out.to(compute)
-    with torch.no_grad():
-        out.copy_(y)
-    return out
 
 
 # ---- Autograd ----------------------------------------------------------------------------------------

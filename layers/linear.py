@@ -29,6 +29,7 @@ from ..parallel.overlap import (
     matmul_grad_all_reduce,
     matmul_reduce_scatter,
 )
+from .fp8 import Fp8Linear, column_parallel_fp8, row_parallel_fp8
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -39,6 +40,12 @@ __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 # there) made the chunked schedule 1.4-15x one GEMM, more than a transfer could hide; at or above it
 # the schedule stayed within 1.2x. tests/layers/test_linear.py checks the rule against that record.
 AUTO_OVERLAP_MIN_STEP_MACS = 2**35
+
+
+def _check_fp8(name: str, fp8) -> bool:
+    if not isinstance(fp8, bool):
+        raise TypeError(f"{name}: fp8 must be a bool, received {type(fp8).__name__}")
+    return fp8
 
 
 def _check_overlap(name: str, overlap) -> None:
@@ -131,13 +138,13 @@ def _dense_source(cls, linear: nn.Module, parallel_cls) -> tuple[tuple[int, ...]
                 f"{cls.__name__}.from_linear: the source layer is already split over {linear.tp_size} ranks; "
                 "expected an nn.Linear or a layer of a world of one"
             )
-        return linear.out_features, {"overlap": linear.overlap}
+        return linear.out_features, {"overlap": linear.overlap, "fp8": linear.fp8}
     if not isinstance(linear, nn.Linear):
         raise TypeError(
             f"{cls.__name__}.from_linear: expected an nn.Linear or a {parallel_cls.__name__} of a world of one, "
             f"received {type(linear).__name__}"
         )
-    return linear.out_features, {}
+    return linear.out_features, {"fp8": True} if isinstance(linear, Fp8Linear) else {}
 
 
 def _column_block(full: torch.Tensor, parts: tuple[int, ...], rank: int, t: int) -> torch.Tensor:
@@ -174,7 +181,8 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None, gather_output=False,
-                 sequence_parallel=False, overlap="auto", regather_input=False, device=None, dtype=None):  # fmt: skip
+                 sequence_parallel=False, overlap="auto", regather_input=False, fp8=False, device=None,
+                 dtype=None):  # fmt: skip
         super().__init__()
         name = type(self).__name__
         self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
@@ -185,7 +193,7 @@ class ColumnParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.local_parts = tuple(n // self.tp_size for n in parts)
         self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
-        self.regather_input = regather_input
+        self.regather_input, self.fp8 = regather_input, _check_fp8(name, fp8)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(sum(self.local_parts), in_features, **kw))
         self.bias = nn.Parameter(torch.empty(sum(self.local_parts), **kw)) if bias else None
@@ -200,13 +208,19 @@ class ColumnParallelLinear(nn.Module):
             _check_sequence_parallel_input(self, x)
             x2 = _sequence_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0] * self.tp_size, self.in_features, n_local)
-            y = all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov,
-                                  regather=self.regather_input)  # fmt: skip
+            if self.fp8:
+                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=True)
+            else:
+                y = all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov,
+                                      regather=self.regather_input)  # fmt: skip
             y = _sequence_from_token_major(y, x)
         else:
             x2 = x.reshape(-1, self.in_features)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local, ALL_REDUCE_CHUNKS)
-            y = matmul_grad_all_reduce(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov)
+            if self.fp8:
+                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=False)
+            else:
+                y = matmul_grad_all_reduce(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov)
             y = y.view(*x.shape[:-1], n_local)
         outs = y.split(self.local_parts, dim=-1) if len(self.local_parts) > 1 else (y,)
         if self.gather_output:
@@ -262,7 +276,8 @@ class ColumnParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.local_parts}), "
-                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")  # fmt: skip
+                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+                + (", fp8=True" if self.fp8 else ""))  # fmt: skip
 
 
 class RowParallelLinear(nn.Module):
@@ -276,7 +291,7 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None, input_is_parallel=True,
-                 sequence_parallel=False, overlap="auto", device=None, dtype=None):  # fmt: skip
+                 sequence_parallel=False, overlap="auto", fp8=False, device=None, dtype=None):  # fmt: skip
         super().__init__()
         name = type(self).__name__
         self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
@@ -284,6 +299,7 @@ class RowParallelLinear(nn.Module):
         _check_overlap(name, overlap)
         self.in_features, self.out_features = in_features, out_features
         self.input_is_parallel, self.sequence_parallel, self.overlap = input_is_parallel, sequence_parallel, overlap
+        self.fp8 = _check_fp8(name, fp8)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features // self.tp_size, **kw))
         self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
@@ -303,11 +319,17 @@ class RowParallelLinear(nn.Module):
                                  f"tensor-parallel size {self.tp_size} (sequence_parallel=True)")  # fmt: skip
             x2 = _sequence_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features)
-            y = matmul_reduce_scatter(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
+            if self.fp8:
+                y = row_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=True)
+            else:
+                y = matmul_reduce_scatter(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
             return _sequence_from_token_major(y, x)
         x2 = x.reshape(-1, k_local)
         ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features, ALL_REDUCE_CHUNKS)
-        y = matmul_all_reduce(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
+        if self.fp8:
+            y = row_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=False)
+        else:
+            y = matmul_all_reduce(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
         return y.view(*x.shape[:-1], self.out_features)
 
     @classmethod
@@ -332,4 +354,5 @@ class RowParallelLinear(nn.Module):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features} (local {self.weight.shape[1]}), out_features={self.out_features}, "
-                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}")  # fmt: skip
+                f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+                + (", fp8=True" if self.fp8 else ""))  # fmt: skip

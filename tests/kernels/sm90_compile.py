@@ -180,9 +180,10 @@ def matmul_cases():
     fn = mm._matmul_kernel
     flags = dict(
         HAS_BIAS=False, ACTIVATION="none", ACCUMULATE=False, STORE_PREACT=False, DOT_FP32=False,
-        INPUT_PRECISION="tf32", INDEX_64=False, GROUP_M=8,
+        INPUT_PRECISION="tf32", INDEX_64=False, GROUP_M=8, SCALED=False, SPLIT_ACC=False,
     )  # fmt: skip
     ptr_names = ("a_ptr", "b_ptr", "out_ptr", "bias_ptr", "preact_ptr")
+    fp8 = dict(SCALED=True, BLOCK_K=128)  # b read through its transpose: K-major, as fp8 tensor cores read it
     tile = dict(BLOCK_M=128, BLOCK_N=256, BLOCK_K=64)
     cases = []
     for dtype, persistent, tma, a_t, b_t, extra in [
@@ -194,6 +195,10 @@ def matmul_cases():
         ("bf16", True, True, False, True, {}),  # dA = dZ·Bᵀ
         ("fp16", False, False, False, False, dict(HAS_BIAS=True, ACTIVATION="gelu", STORE_PREACT=True)),
         ("fp32", True, True, False, False, dict(ACCUMULATE=True, BLOCK_N=128, BLOCK_K=32)),
+        ("fp8e4nv", False, False, False, True, fp8),
+        ("fp8e4nv", False, False, False, True, dict(fp8, SPLIT_ACC=True, HAS_BIAS=True)),
+        ("fp8e5", False, True, False, True, dict(fp8, SPLIT_ACC=True, ACCUMULATE=True)),
+        ("fp8e4nv", True, True, False, True, fp8),
     ]:
         # Unit strides are specialised to constants: along K for a, along N for b (or the transposes).
         units = {"stride_am" if a_t else "stride_ak": 1, "stride_bk" if b_t else "stride_bn": 1}
@@ -204,17 +209,23 @@ def matmul_cases():
         }  # fmt: skip
         variant = "+".join(v for v, on in (("persistent", persistent), ("tma", tma)) if on) or "tiles"
         name = f"matmul {dtype} {variant}" + (" A_T" if a_t else "") + (" B_T" if b_t else "")
+        name += " split-acc" if extra.get("SPLIT_ACC") else ""
+        ptrs = dict.fromkeys(ptr_names, dtype)
+        if extra.get("SCALED"):  # fp8 operands write bf16 and read fp32 scales
+            ptrs.update(out_ptr="bf16", bias_ptr="bf16", preact_ptr="bf16", a_scale_ptr="fp32", b_scale_ptr="fp32")
+        else:
+            ptrs.update(a_scale_ptr=dtype, b_scale_ptr=dtype)
         meta = {
             "kernel": "matmul", "dtype": dtype, "stages": 3, "tile_bytes": _tile_bytes(dtype, **shape),
             "epilogue": bool(extra.get("ACTIVATION", "none") != "none" or extra.get("STORE_PREACT")),
         }  # fmt: skip
-        cases.append((name, fn, dict.fromkeys(ptr_names, dtype), constants, (), (), 8, 3, meta))
+        cases.append((name, fn, ptrs, constants, (), (), 8, 3, meta))
     return cases
 
 
 def _tile_bytes(dtype, BLOCK_M, BLOCK_N, BLOCK_K):
     """Shared memory one pipeline stage of a GEMM tile holds: an A block and a B block."""
-    size = {"bf16": 2, "fp16": 2, "fp32": 4}[dtype]
+    size = {"bf16": 2, "fp16": 2, "fp32": 4, "fp8e4nv": 1, "fp8e5": 1}[dtype]
     return (BLOCK_M * BLOCK_K + BLOCK_K * BLOCK_N) * size
 
 
@@ -443,6 +454,21 @@ def adam_cases():
     ]  # fmt: skip
 
 
+def fp8_quantize_cases():
+    fp8 = importlib.import_module("tessel.kernels.fp8")
+    block_m, block_n = fp8._BLOCKS["triton"]
+    cases = []
+    for fmt, source, dtype in (("e4m3", "bf16", "fp8e4nv"), ("e5m2", "fp32", "fp8e5")):
+        ptrs = {"x_ptr": source, "amax_ptr": "fp32", "q_ptr": dtype, "qt_ptr": dtype, "scale_inv_ptr": "fp32"}
+        constants = {
+            "FP8_MAX": fp8._FP8_MAX[fmt], "MANTISSA_BITS": fp8._GRID[fmt][0], "MIN_NORMAL": fp8._GRID[fmt][1],
+            "TRANSPOSE": True, "BLOCK_M": block_m, "BLOCK_N": block_n, "stride_xn": 1,
+        }  # fmt: skip
+        meta = {"kernel": "fp8 quantize", "dtype": source, "sass": False}
+        cases.append((f"fp8 quantize {source}->{fmt}", fp8._quantize_kernel, ptrs, constants, (), (), 4, 1, meta))
+    return cases
+
+
 def norm_cases():
     norm = importlib.import_module("tessel.kernels.norm")
     block_h = 4096
@@ -502,7 +528,7 @@ def grouped_matmul_cases():
 def all_cases():
     return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_wide_head_cases()
             + attention_segment_cases() + attention_window_cases() + attention_softcap_cases() + adam_cases()
-            + norm_cases() + grouped_matmul_cases())  # fmt: skip
+            + norm_cases() + grouped_matmul_cases() + fp8_quantize_cases())  # fmt: skip
 
 
 _CASES = None

@@ -224,11 +224,22 @@ def test_prune_drops_pipelines_that_overflow_shared_memory(dtype):
         return matmul_module._shared_bytes(c.kwargs, c.num_stages, a.element_size())
 
     assert kept and all(shared(c) + matmul_module._SHARED_SLACK <= limit for c in kept)
+    configs = [c for c in configs if matmul_module.fits_element(c.kwargs, a.element_size())]
     too_big = [c for c in configs if shared(c) + matmul_module._SHARED_SLACK > limit]
     if dtype == torch.float32:  # 128x256x64 in 3 stages needs 288 KiB of fp32
         assert too_big and not any(c in kept for c in too_big)
     else:
         assert not too_big  # every 16-bit tile fits
+
+
+@pytest.mark.parametrize("dtype", [*DTYPES, torch.float8_e4m3fn])
+def test_deep_k_blocks_are_tuned_for_fp8_operands_alone(dtype):
+    """fp8 tiles read 128-deep K blocks (the bytes of a 64-deep 16-bit block); wider operands never try them."""
+    a = torch.empty(1, dtype=dtype)
+    kept = matmul_module._prune_configs(matmul_module._hopper_configs(), {"a_ptr": a, "M": 4096, "N": 4096},
+                                        TMA_OK=True)  # fmt: skip
+    depths = {c.kwargs["BLOCK_K"] for c in kept}
+    assert (128 in depths) == (dtype == torch.float8_e4m3fn) and 64 in depths
 
 
 def test_scratch_allocator_fills_in_only_where_none_is_set():
@@ -277,6 +288,8 @@ def test_gpu_every_program_variant(seed, dtype, ta, tb):
         "DOT_FP32": False,
         "INPUT_PRECISION": matmul_module._input_precision(dtype, backend),
         "INDEX_64": False,
+        "SCALED": False,
+        "SPLIT_ACC": False,
         **matmul_module._tma_flags(a, b, backend),
     }
     assert flags["TMA_OK"] == (torch.cuda.get_device_capability() >= (9, 0))
@@ -285,6 +298,8 @@ def test_gpu_every_program_variant(seed, dtype, ta, tb):
     for config in matmul_module._hopper_configs():
         meta = config.kwargs
         variant = (meta["PERSISTENT"], meta["TMA"])
+        if not matmul_module.fits_element(meta, a.element_size()):
+            continue  # fp8's deep K blocks
         # The autotuner's prune drops tiles whose pipeline does not fit (fp32 at 128×128×64 in four
         # stages needs 256 KiB); launched directly they would fail with OutOfResources.
         stages = matmul_module._shared_bytes(meta, config.num_stages, a.element_size())
@@ -298,7 +313,7 @@ def test_gpu_every_program_variant(seed, dtype, ta, tb):
         n_tiles = -(-m // meta["BLOCK_M"]) * -(-n // meta["BLOCK_N"])
         grid = (min(n_tiles, matmul_module._num_sms(a.device)),) if meta["PERSISTENT"] else (n_tiles,)
         matmul_module._matmul_kernel[grid](
-            a, b, out, bias, out, m, n, k, *a.stride(), *b.stride(), *out.stride(), *out.stride(),
+            a, b, out, bias, out, out, out, m, n, k, *a.stride(), *b.stride(), *out.stride(), *out.stride(),
             **flags, **meta, num_warps=config.num_warps, num_stages=config.num_stages,
         )  # fmt: skip
         tol = {torch.bfloat16: 1.6e-2, torch.float32: 2e-3}[dtype]  # fp32 may run as TF32

@@ -1,0 +1,189 @@
+"""FP8 training of linear layers: the GEMMs of forward and backward in 8-bit floats, the weights kept as they are.
+
+:func:`fp8_linear` is ``x @ weightᵀ + bias`` whose three GEMMs run in fp8 (Transformer Engine's hybrid recipe with
+current per-tensor scaling, :mod:`tessel.kernels.fp8`):
+
+- forward: ``x`` and ``weight`` are quantised to e4m3; ``Y = X·Wᵀ`` (fp32 accumulation, written in x's dtype);
+- backward: ``dY`` is quantised to e5m2; ``dX = dY·W`` and ``dW = dYᵀ·X`` multiply it with the e4m3 copies the
+  forward made (each quantised once, with the transpose its backward GEMM reads), ``db = Σ dY`` in fp32.
+
+The weights, their gradients and the optimizer stay in the model's precision (bf16 or fp32 master weights, as
+ZeroAdam keeps them); only the multiplications change. What backward needs of ``x`` is its fp8 transpose, half
+the bytes of a bf16 activation. The forward GEMM accumulates as the tensor cores do fastest; the backward GEMMs
+sum each K block in full fp32 (``split_accumulator``), as their long reductions over tokens need.
+
+The layers take it with ``fp8=True`` (:class:`~tessel.layers.ColumnParallelLinear`,
+:class:`~tessel.layers.RowParallelLinear`; tensor parallelism by the plain path: one collective, one GEMM) and
+:func:`convert_to_fp8` turns it on across a model: tessel's layers and ``nn.Linear`` alike.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+from collections.abc import Callable
+
+import torch
+from torch import nn
+
+from ..kernels.fp8 import fp8_matmul, quantize_fp8
+from ..parallel.collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
+from ..parallel.overlap_steps import defer_weight_grads
+
+__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear"]
+
+_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# Skipped by convert_to_fp8 unless asked for: output heads, whose logits feed a softmax over the vocabulary.
+DEFAULT_SKIP = ("lm_head", "*.lm_head", "output", "*.output")
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        need_dx, need_dw, _ = ctx.needs_input_grad
+        xq = quantize_fp8(x, "e4m3", transpose=need_dw)
+        wq = quantize_fp8(weight, "e4m3", transpose=need_dx)
+        y = fp8_matmul(xq.data, wq.data.t(), xq.scale_inv, wq.scale_inv, bias, out_dtype=x.dtype,
+                       split_accumulator=False)  # fmt: skip
+        ctx.save_for_backward(xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv)
+        ctx.dtypes, ctx.has_bias, ctx.weight_param = (x.dtype, weight.dtype), bias is not None, weight
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+        need_dx, need_dw, need_db = ctx.needs_input_grad
+        x_dtype, w_dtype = ctx.dtypes
+        gq = quantize_fp8(grad_y, "e5m2", transpose=need_dw)
+        dx = dw = None
+        if need_dx:  # [T, N] @ [N, K]: W's fp8 transpose, read K-major
+            dx = fp8_matmul(gq.data, w_t.t(), gq.scale_inv, w_scale_inv, out_dtype=x_dtype)
+        if need_dw:  # [N, T] @ [T, K]
+
+            def weight_grad():
+                return [fp8_matmul(gq.data_t, x_t.t(), gq.scale_inv, x_scale_inv, out_dtype=w_dtype)]
+
+            if not defer_weight_grads([ctx.weight_param], weight_grad):  # zero-bubble: postponed to its W pass
+                dw = weight_grad()[0]
+        db = grad_y.sum(0, dtype=torch.float32).to(w_dtype) if ctx.has_bias and need_db else None
+        return dx, dw, db
+
+
+def _check(x, weight, bias) -> None:
+    for name, t in (("x", x), ("weight", weight)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"fp8_linear: {name} must be a torch.Tensor, received {type(t).__name__}")
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"fp8_linear: {name} must be float32, float16 or bfloat16, received {t.dtype}")
+    if weight.dim() != 2:
+        raise ValueError(f"fp8_linear: weight must be 2-D [out_features, in_features], received {tuple(weight.shape)}")
+    if x.dim() < 1 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(
+            f"fp8_linear: x must end in weight's {weight.shape[1]} in_features, received shape {tuple(x.shape)}"
+        )
+    if x.dtype != weight.dtype or x.device != weight.device:
+        raise ValueError(
+            f"fp8_linear: x must share weight's dtype and device ({weight.dtype}, {weight.device}), received "
+            f"{x.dtype} on {x.device}"
+        )
+    if bias is not None and (
+        not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype
+    ):
+        got = f"{tuple(bias.shape)} {bias.dtype}" if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"fp8_linear: bias must be a ({weight.shape[0]},) {weight.dtype} tensor, received {got}")
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weightᵀ + bias`` with its forward and backward GEMMs in fp8 (see the module's docstring).
+
+    ``x`` ``[..., K]`` and ``weight`` ``[N, K]`` (``nn.Linear``'s layout) share one dtype (fp32, fp16 or bf16) and
+    device; ``bias`` ``[N]``. Returns ``[..., N]`` in that dtype. Differentiable in all three.
+    """
+    _check(x, weight, bias)
+    x2 = x.reshape(-1, weight.shape[1])
+    return _Fp8Linear.apply(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def column_parallel_fp8(x2, weight, bias, group, sequence_parallel: bool) -> torch.Tensor:
+    """A column-parallel layer's GEMM in fp8 by the plain path: the sequence-parallel input all-gathered (its
+    gradient reduce-scattered), or the replicated input's gradient all-reduced, around :func:`fp8_linear`."""
+    x_full = gather_from_sequence(x2, group, dim=0) if sequence_parallel else copy_to_tp(x2, group)
+    return fp8_linear(x_full, weight, bias)
+
+
+def row_parallel_fp8(x2, weight, bias, group, sequence_parallel: bool) -> torch.Tensor:
+    """A row-parallel layer's GEMM in fp8 by the plain path: partial outputs reduce-scattered along the sequence
+    or all-reduced, then the whole bias added once (its gradient summed over every rank's tokens)."""
+    y = fp8_linear(x2, weight)
+    if sequence_parallel:
+        y = reduce_scatter_to_sequence(y, group, dim=0)
+        return y if bias is None else y + copy_to_tp(bias, group)
+    y = reduce_from_tp(y, group)
+    return y if bias is None else y + bias
+
+
+class Fp8Linear(nn.Linear):
+    """``nn.Linear`` whose GEMMs run in fp8 (:func:`fp8_linear`): the same parameters, names and state dict."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return fp8_linear(x, self.weight, self.bias)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
+        """An ``Fp8Linear`` holding ``linear``'s own parameters (not copies): optimizers and wrappers that hold
+        them keep working."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"Fp8Linear.from_linear: expected an nn.Linear, received {type(linear).__name__}")
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.train(linear.training)
+        return layer
+
+
+def _fits(module: nn.Module) -> bool:
+    """Whether both feature counts are multiples of 16: what fp8 tensor cores and their copy engine read whole."""
+    weight = module.weight
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    *,
+    skip: tuple[str, ...] = DEFAULT_SKIP,
+    include: Callable[[str, nn.Module], bool] | None = None,
+) -> nn.Module:
+    """Turn on fp8 GEMMs across ``model`` in place and return it.
+
+    tessel's :class:`~tessel.layers.ColumnParallelLinear` and :class:`~tessel.layers.RowParallelLinear` get
+    ``fp8 = True``; each ``nn.Linear`` is replaced by an :class:`Fp8Linear` holding the same parameters. A layer
+    is left as it is when its name matches a glob of ``skip`` (the output head by default), when ``include`` (a
+    ``(name, module) -> bool``) refuses it, or when its local weight's dimensions are not multiples of 16.
+    """
+    from .linear import ColumnParallelLinear, RowParallelLinear
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"convert_to_fp8: model must be an nn.Module, received {type(model).__name__}")
+    if isinstance(skip, str) or not all(isinstance(s, str) for s in skip):
+        raise TypeError(f"convert_to_fp8: skip must be a tuple of name globs, received {skip!r}")
+    if include is not None and not callable(include):
+        raise TypeError(f"convert_to_fp8: include must be callable or None, received {type(include).__name__}")
+
+    def wanted(name: str, module: nn.Module) -> bool:
+        if any(fnmatch.fnmatchcase(name, pattern) for pattern in skip):
+            return False
+        return _fits(module) and (include is None or include(name, module))
+
+    if type(model) is nn.Linear:  # the model is itself one layer
+        return Fp8Linear.from_linear(model) if wanted("", model) else model
+    swaps = []
+    for name, module in model.named_modules():
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and wanted(name, module):
+            module.fp8 = True
+        elif type(module) is nn.Linear and wanted(name, module):
+            swaps.append(name)
+    for name in swaps:
+        parent_name, _, child = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, child, Fp8Linear.from_linear(getattr(parent, child)))
+    return model
