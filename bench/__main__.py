@@ -22,6 +22,7 @@ from .attention import run_attention_suite
 from .attention_tiles import run_attention_tiles_suite
 from .decode import run_decode_suite
 from .experts import run_experts_suite
+from .fp8 import run_fp8_suite
 from .loss import run_loss_suite
 from .matmul import BenchmarkError, run_matmul_suite
 from .overlap import run_overlap_suite
@@ -34,6 +35,7 @@ __all__ = ["ON_REQUEST", "SUITES", "main"]
 
 SUITES = {
     "matmul": run_matmul_suite,
+    "fp8": run_fp8_suite,
     "attention": run_attention_suite,
     "window": run_window_suite,
     "decode": run_decode_suite,

@@ -231,6 +231,12 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "(far less activation memory for one more forward pass)",
     )
     add(
+        "--fp8",
+        action="store_true",
+        help="the linear layers' GEMMs in fp8 (tessel.layers.convert_to_fp8: e4m3 weights and activations, e5m2 "
+        "gradients, current per-tensor scaling; the output head and the optimizer keep --dtype)",
+    )
+    add(
         "--compile",
         nargs="?",
         const="inductor",
@@ -552,6 +558,8 @@ def _check_hf(args) -> None:
     problem = refused_options(args)
     if problem:
         raise ArgumentError(problem)
+    if args.fp8 and args.hf_baseline:
+        raise ArgumentError("--hf-baseline trains the model as Hugging Face makes it: without --fp8")
 
 
 def _check_eval(args) -> None:

@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..layers.fp8 import convert_to_fp8
 from ..layers.gpt import GPT, GPTConfig, TransformerBlock
 from ..layers.moe import update_expert_biases
 from ..parallel.comm import group_size
@@ -436,6 +437,8 @@ def build_engine(args, dims: ParallelDims) -> Engine:
             dtype=DTYPES[args.dtype],
         )
         num_params, flops_per_token, unit = gpt.num_params(), gpt.flops_per_token(args.seq_len), TransformerBlock
+    if args.fp8:  # every linear layer but the head (tessel's and Hugging Face's: their weights stay as they are)
+        convert_to_fp8(gpt)
     if args.compile:
         compile_blocks(decoder_layers(gpt) if args.hf else gpt.blocks, args.compile)
     if args.pp == 1:

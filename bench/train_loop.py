@@ -72,6 +72,7 @@ def _layout(args) -> str:
     text += " hf-baseline" if args.hf_baseline else ""
     text += " sequence-parallel" if args.sequence_parallel else ""
     text += " recompute" if args.recompute else ""
+    text += " fp8" if args.fp8 else ""
     text += f" compile={args.compile}" if args.compile else ""
     return text + (" attention-backward=atomic" if args.attention_backward == "atomic" else "")
 

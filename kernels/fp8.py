@@ -120,7 +120,7 @@ def _quantize_kernel(
 # ---- Host side ---------------------------------------------------------------------------------------
 
 # 64 x 64 blocks on a GPU (4 KiB of fp8 each way); small ones under the interpreter, so tests cross block edges.
-_BLOCKS = {Backend.TRITON: (64, 64), Backend.INTERPRETER: (16, 32)}
+_BLOCKS = {Backend.TRITON: (64, 64), Backend.INTERPRETER: (32, 64)}
 
 
 def _check_format(fn: str, fmt) -> None:

@@ -32,8 +32,9 @@ from ..parallel.overlap_steps import defer_weight_grads
 __all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-# Skipped by convert_to_fp8 unless asked for: output heads, whose logits feed a softmax over the vocabulary.
-DEFAULT_SKIP = ("lm_head", "*.lm_head", "output", "*.output")
+# Skipped by convert_to_fp8 unless asked for: output heads, whose logits feed a softmax over the vocabulary, and
+# mixture-of-experts routers (Mixtral's and Qwen-MoE's ``gate``), whose small logits pick the experts.
+DEFAULT_SKIP = ("lm_head", "*.lm_head", "output", "*.output", "*.gate", "*.router", "*.shared_expert_gate")
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -1,0 +1,158 @@
+"""fp8_linear, Fp8Linear and convert_to_fp8 in one process.
+
+The exact check: every GEMM of forward and backward must equal the float64 product of the quantised operands the
+recipe prescribes (x and W in e4m3, dY in e5m2, each with its own per-tensor scale), up to fp32 accumulation and one
+rounding of the result (two ulps of the output dtype relative to |A|·|B| + |C|, as tests/kernels/test_matmul.py).
+A wrong format, scale or transposition anywhere moves a result by a whole fp8 step (2⁻⁴ to 2⁻³ relative), far
+outside that bound. The loose check: against the unquantised float64 layer, within what 3 (e4m3) and 2 (e5m2)
+mantissa bits allow.
+"""
+
+import pytest
+import torch
+from torch import nn
+
+from tessel.kernels import quantize_fp8_reference
+from tessel.layers import ColumnParallelLinear, Fp8Linear, RowParallelLinear, convert_to_fp8, fp8_linear
+
+RTOL = {torch.float32: 1e-5, torch.bfloat16: 1.6e-2, torch.float16: 2e-3}
+
+
+def _deq(x, fmt):
+    q = quantize_fp8_reference(x, fmt)
+    return q.data.double() * q.scale_inv.double()
+
+
+def _close(got, a, b, want, dtype, what):
+    """|got - want| ≤ RTOL·(|a|·|b| + |want|) elementwise."""
+    allowed = RTOL[dtype] * (a.abs() @ b.abs() + want.abs()) + 1e-30
+    err = (got.double() - want).abs()
+    assert (err <= allowed).all(), f"{what}: max error {err.max().item():.3g} ({dtype})"
+
+
+def _inputs(dtype, t=2, s=9, k=40, n=24, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(t, s, k, generator=g) * 2).to(dtype)
+    w = (torch.randn(n, k, generator=g) / 6).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    gy = torch.randn(t, s, n, generator=g).to(dtype)
+    return x, w, b, gy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_every_gemm_is_the_exact_product_of_its_fp8_operands(dtype):
+    x, w, b, gy = _inputs(dtype)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    y = fp8_linear(xr, wr, br)
+    assert y.dtype == dtype and y.shape == (2, 9, 24)
+    y.backward(gy)
+    x2, g2 = x.reshape(-1, 40), gy.reshape(-1, 24)
+    xq, wq, gq = _deq(x2, "e4m3"), _deq(w, "e4m3"), _deq(g2, "e5m2")
+    _close(y.reshape(-1, 24), xq, wq.t(), xq @ wq.t() + b.double(), dtype, "output")
+    _close(xr.grad.reshape(-1, 40), gq, wq, gq @ wq, dtype, "input grad")
+    _close(wr.grad, gq.t(), xq, gq.t() @ xq, dtype, "weight grad")
+    torch.testing.assert_close(br.grad.double(), g2.double().sum(0), rtol=RTOL[dtype], atol=1e-6)
+
+
+def test_close_to_the_unquantised_layer():
+    """e4m3 rounds each operand to 2⁻⁴ relative and e5m2 to 2⁻³; over 40 random products the errors average out:
+    the output comes within ~3% (Frobenius) of the float64 layer, the gradients within ~6%. Checked at 6% and 12%."""
+    x, w, b, gy = _inputs(torch.float32, seed=1)
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    fp8_linear(xr, wr, br).backward(gy)
+    xd, wd, bd = (t.double().requires_grad_() for t in (x, w, b))
+    y = nn.functional.linear(xd, wd, bd)
+    y.backward(gy.double())
+
+    def rel(got, want):
+        return ((got.double() - want).norm() / want.norm()).item()
+
+    assert rel(fp8_linear(x, w, b), y.detach()) < 0.06
+    assert rel(xr.grad, xd.grad) < 0.12 and rel(wr.grad, wd.grad) < 0.12
+    assert rel(br.grad, bd.grad) < 1e-6  # the bias gradient is Σ dY, unquantised
+
+
+def test_only_the_gradients_asked_for_are_computed():
+    x, w, b, gy = _inputs(torch.float32, seed=2)
+    wr = w.clone().requires_grad_()
+    y = fp8_linear(x, wr)  # x needs no gradient: its transpose is never quantised
+    (dw,) = torch.autograd.grad(y, wr, gy)
+    xq, gq = _deq(x.reshape(-1, 40), "e4m3"), _deq(gy.reshape(-1, 24), "e5m2")
+    _close(dw, gq.t(), xq, gq.t() @ xq, torch.float32, "weight grad")
+    xr = x.clone().requires_grad_()
+    (dx,) = torch.autograd.grad(fp8_linear(xr, w, b), xr, gy)
+    wq = _deq(w, "e4m3")
+    _close(dx.reshape(-1, 40), gq, wq, gq @ wq, torch.float32, "input grad")
+
+
+def test_fp8_linear_refuses_bad_input():
+    x, w, b, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match=r"x must end in weight's 40 in_features, received shape \(2, 9, 24\)"):
+        fp8_linear(x[..., :24], w)
+    with pytest.raises(ValueError, match=r"x must share weight's dtype and device \(torch\.float32, cpu\)"):
+        fp8_linear(x.bfloat16(), w)
+    with pytest.raises(TypeError, match=r"weight must be float32, float16 or bfloat16, received torch\.float64"):
+        fp8_linear(x, w.double())
+    with pytest.raises(ValueError, match=r"bias must be a \(24,\) torch\.float32 tensor, received \(23,\)"):
+        fp8_linear(x, w, b[:23])
+    with pytest.raises(ValueError, match=r"weight must be 2-D"):
+        fp8_linear(x, w[0])
+
+
+def test_fp8_linear_keeps_nn_linear_parameters_and_state():
+    dense = nn.Linear(48, 32)
+    layer = Fp8Linear.from_linear(dense)
+    assert layer.weight is dense.weight and layer.bias is dense.bias
+    assert list(layer.state_dict()) == ["weight", "bias"]
+    x = torch.randn(5, 48)
+    want = fp8_linear(x, dense.weight, dense.bias)
+    assert torch.equal(layer(x), want)
+    with pytest.raises(TypeError, match=r"expected an nn\.Linear, received ReLU"):
+        Fp8Linear.from_linear(nn.ReLU())
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(32, 64)
+        self.odd = nn.Linear(64, 40)  # 40 is not a multiple of 16: left in higher precision
+        self.col = ColumnParallelLinear(64, 48)
+        self.row = RowParallelLinear(48, 32)
+        self.lm_head = nn.Linear(32, 64)
+
+
+def test_convert_to_fp8_turns_on_every_eligible_layer():
+    model = _Model()
+    params = dict(model.named_parameters())
+    assert convert_to_fp8(model) is model
+    assert type(model.up) is Fp8Linear and type(model.odd) is nn.Linear and type(model.lm_head) is nn.Linear
+    assert model.col.fp8 and model.row.fp8 and "fp8=True" in repr(model.col)
+    assert dict(model.named_parameters()) == params  # the same parameter objects: optimizers keep working
+    again = _Model()
+    convert_to_fp8(again, skip=(), include=lambda name, module: name != "row")
+    assert type(again.lm_head) is Fp8Linear and again.col.fp8 and not again.row.fp8
+    assert type(convert_to_fp8(nn.Linear(16, 16))) is Fp8Linear
+    with pytest.raises(TypeError, match="skip must be a tuple of name globs"):
+        convert_to_fp8(model, skip="lm_head")
+    with pytest.raises(TypeError, match=r"model must be an nn\.Module, received int"):
+        convert_to_fp8(3)
+    with pytest.raises(TypeError, match="fp8 must be a bool, received str"):
+        ColumnParallelLinear(16, 16, fp8="yes")
+
+
+def test_parallel_layers_of_one_rank_run_fp8_linear():
+    """At tp=1 a layer with fp8=True computes exactly fp8_linear on its weight, forward and backward; from_linear
+    of an Fp8Linear keeps fp8 on."""
+    dense = nn.Linear(40, 32)
+    col = ColumnParallelLinear.from_linear(Fp8Linear.from_linear(dense))
+    row = RowParallelLinear.from_linear(dense, fp8=True)
+    assert col.fp8 and row.fp8
+    x = torch.randn(2, 6, 40)
+    for layer in (col, row):
+        xr = x.clone().requires_grad_()
+        y = layer(xr)
+        assert torch.equal(y, fp8_linear(x, dense.weight, dense.bias))
+        y.sum().backward()
+        xw = x.clone().requires_grad_()
+        fp8_linear(xw, dense.weight, dense.bias).sum().backward()
+        assert torch.equal(xr.grad, xw.grad)
