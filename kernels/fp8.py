@@ -35,7 +35,16 @@ import triton.language as tl
 from ._dispatch import Backend, backend_for, cdiv, memory_overlaps, opaque_to_compile
 from .matmul import _launch, check_operands_agree
 
-__all__ = ["FP8_FORMATS", "Fp8Tensor", "fp8_matmul", "fp8_matmul_reference", "quantize_fp8", "quantize_fp8_reference"]
+__all__ = [
+    "FP8_FORMATS",
+    "Fp8Tensor",
+    "absmax",
+    "fp8_matmul",
+    "fp8_matmul_reference",
+    "fp8_matmul_unchecked",
+    "quantize_fp8",
+    "quantize_fp8_reference",
+]
 
 FP8_FORMATS = {"e4m3": torch.float8_e4m3fn, "e5m2": torch.float8_e5m2}
 _FP8_MAX = {"e4m3": 448.0, "e5m2": 57344.0}
@@ -137,19 +146,32 @@ def _check_source(fn: str, x) -> None:
         raise TypeError(f"{fn}: x must be float32, float16 or bfloat16, received {x.dtype}")
 
 
-def _amax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a one-element fp32 tensor (NaN when x holds one; 0 for an empty x)."""
+def absmax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| as a one-element fp32 tensor on x's device (NaN when x holds one; 0 for an empty x): what
+    :func:`quantize_fp8` scales by, to be reduced over ranks (a maximum) when shards must share one scale."""
     if x.numel() == 0:
-        return torch.zeros((), dtype=torch.float32, device=x.device)
-    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32)
+        return torch.zeros(1, dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
 
 
-def quantize_fp8_reference(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False) -> Fp8Tensor:
+def _check_amax(fn: str, amax, x: torch.Tensor) -> None:
+    if amax is not None and (
+        not isinstance(amax, torch.Tensor)
+        or amax.numel() != 1
+        or amax.dtype != torch.float32
+        or amax.device != x.device
+    ):
+        got = f"{tuple(amax.shape)} {amax.dtype} on {amax.device}" if isinstance(amax, torch.Tensor) else type(amax)
+        raise ValueError(f"{fn}: amax must be None or a one-element float32 tensor on {x.device}, received {got}")
+
+
+def quantize_fp8_reference(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False, amax=None) -> Fp8Tensor:
     """Plain-PyTorch definition of :func:`quantize_fp8`."""
     _check_format("quantize_fp8_reference", fmt)
     _check_source("quantize_fp8_reference", x)
+    _check_amax("quantize_fp8_reference", amax, x)
     fp8_max = _FP8_MAX[fmt]
-    amax = _amax(x)
+    amax = absmax(x) if amax is None else amax.reshape(1)
     ratio = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)).clamp(max=_MAX_SCALE)
     scale = (ratio.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
     data = (x.float() * scale).clamp(-fp8_max, fp8_max).to(FP8_FORMATS[fmt])
@@ -157,24 +179,27 @@ def quantize_fp8_reference(x: torch.Tensor, fmt: str = "e4m3", *, transpose: boo
 
 
 @opaque_to_compile
-def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False) -> Fp8Tensor:
+def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False, amax=None) -> Fp8Tensor:
     """``x`` (2-D, any strides, fp32/fp16/bf16) scaled and rounded to fp8 (see the module's docstring).
 
     Args:
         x: the tensor to quantise.
         fmt: ``"e4m3"`` or ``"e5m2"``.
         transpose: also write ``data_t``, the quantised transpose (for the GEMMs that contract x's rows).
+        amax: the magnitude to scale by instead of x's own :func:`absmax` (a one-element fp32 tensor): the
+            largest over several ranks' shards, so that each quantises its shard as the whole would be.
 
     Returns:
         An :class:`Fp8Tensor` with row-major ``data`` (and ``data_t``) and a one-element ``scale_inv``.
     """
     _check_format("quantize_fp8", fmt)
     _check_source("quantize_fp8", x)
+    _check_amax("quantize_fp8", amax, x)
     if not isinstance(transpose, bool):
         raise TypeError(f"quantize_fp8: transpose must be a bool, received {type(transpose).__name__}")
     backend = backend_for(x)
     if backend == Backend.REFERENCE:
-        return quantize_fp8_reference(x, fmt, transpose=transpose)
+        return quantize_fp8_reference(x, fmt, transpose=transpose, amax=amax)
     m, n = x.shape
     dtype = FP8_FORMATS[fmt]
     data = torch.empty((m, n), dtype=dtype, device=x.device)
@@ -182,7 +207,7 @@ def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False)
     scale_inv = torch.ones(1, dtype=torch.float32, device=x.device)
     if m == 0 or n == 0:
         return Fp8Tensor(data, scale_inv, data_t)
-    amax = _amax(x)
+    amax = absmax(x) if amax is None else amax
     block_m, block_n = _BLOCKS[backend]
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _quantize_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
@@ -287,6 +312,12 @@ def fp8_matmul(
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=out_dtype)
     _launch(a, b, bias, None, out, accumulate, scales=(a_scale_inv, b_scale_inv), split_acc=split_accumulator)
     return out
+
+
+def fp8_matmul_unchecked(a, b, a_scale_inv, b_scale_inv, bias=None, *, out, accumulate=False, split_accumulator=True):
+    """:func:`fp8_matmul` into ``out`` without its argument checks: for the steps of tessel's rings, whose operands
+    are views of tensors the overlapped op quantised and checked once."""
+    _launch(a, b, bias, None, out, accumulate, scales=(a_scale_inv, b_scale_inv), split_acc=split_accumulator)
 
 
 def fp8_matmul_reference(a, b, a_scale_inv, b_scale_inv, bias=None, out=None, accumulate=False, *,

@@ -13,8 +13,9 @@ the bytes of a bf16 activation. The forward GEMM accumulates as the tensor cores
 sum each K block in full fp32 (``split_accumulator``), as their long reductions over tokens need.
 
 The layers take it with ``fp8=True`` (:class:`~tessel.layers.ColumnParallelLinear`,
-:class:`~tessel.layers.RowParallelLinear`; tensor parallelism by the plain path: one collective, one GEMM) and
-:func:`convert_to_fp8` turns it on across a model: tessel's layers and ``nn.Linear`` alike.
+:class:`~tessel.layers.RowParallelLinear`: their overlapped rings and chunks with fp8 GEMMs, the sequence-parallel
+activations and gradients gathered in fp8, :mod:`tessel.parallel.overlap_fp8`) and :func:`convert_to_fp8` turns
+it on across a model: tessel's layers and ``nn.Linear`` alike.
 """
 
 from __future__ import annotations
@@ -25,9 +26,14 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ..kernels.fp8 import fp8_matmul, quantize_fp8
 from ..parallel.collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
-from ..parallel.overlap_steps import defer_weight_grads
+from ..parallel.overlap_fp8 import Fp8Linear as Fp8LinearFunction
+from ..parallel.overlap_fp8 import (
+    fp8_all_gather_matmul,
+    fp8_matmul_all_reduce,
+    fp8_matmul_grad_all_reduce,
+    fp8_matmul_reduce_scatter,
+)
 
 __all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear"]
 
@@ -35,38 +41,6 @@ _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Skipped by convert_to_fp8 unless asked for: output heads, whose logits feed a softmax over the vocabulary, and
 # mixture-of-experts routers (Mixtral's and Qwen-MoE's ``gate``), whose small logits pick the experts.
 DEFAULT_SKIP = ("lm_head", "*.lm_head", "output", "*.output", "*.gate", "*.router", "*.shared_expert_gate")
-
-
-class _Fp8Linear(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, weight, bias):
-        need_dx, need_dw, _ = ctx.needs_input_grad
-        xq = quantize_fp8(x, "e4m3", transpose=need_dw)
-        wq = quantize_fp8(weight, "e4m3", transpose=need_dx)
-        y = fp8_matmul(xq.data, wq.data.t(), xq.scale_inv, wq.scale_inv, bias, out_dtype=x.dtype,
-                       split_accumulator=False)  # fmt: skip
-        ctx.save_for_backward(xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv)
-        ctx.dtypes, ctx.has_bias, ctx.weight_param = (x.dtype, weight.dtype), bias is not None, weight
-        return y
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
-        need_dx, need_dw, need_db = ctx.needs_input_grad
-        x_dtype, w_dtype = ctx.dtypes
-        gq = quantize_fp8(grad_y, "e5m2", transpose=need_dw)
-        dx = dw = None
-        if need_dx:  # [T, N] @ [N, K]: W's fp8 transpose, read K-major
-            dx = fp8_matmul(gq.data, w_t.t(), gq.scale_inv, w_scale_inv, out_dtype=x_dtype)
-        if need_dw:  # [N, T] @ [T, K]
-
-            def weight_grad():
-                return [fp8_matmul(gq.data_t, x_t.t(), gq.scale_inv, x_scale_inv, out_dtype=w_dtype)]
-
-            if not defer_weight_grads([ctx.weight_param], weight_grad):  # zero-bubble: postponed to its W pass
-                dw = weight_grad()[0]
-        db = grad_y.sum(0, dtype=torch.float32).to(w_dtype) if ctx.has_bias and need_db else None
-        return dx, dw, db
 
 
 def _check(x, weight, bias) -> None:
@@ -101,19 +75,29 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     _check(x, weight, bias)
     x2 = x.reshape(-1, weight.shape[1])
-    return _Fp8Linear.apply(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return Fp8LinearFunction.apply(None, False, x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
-def column_parallel_fp8(x2, weight, bias, group, sequence_parallel: bool) -> torch.Tensor:
-    """A column-parallel layer's GEMM in fp8 by the plain path: the sequence-parallel input all-gathered (its
-    gradient reduce-scattered), or the replicated input's gradient all-reduced, around :func:`fp8_linear`."""
+def column_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool, regather: bool = False):
+    """A column-parallel layer's GEMM in fp8: the sequence-parallel input all-gathered in fp8 (its gradient
+    reduce-scattered), or the replicated input's gradient all-reduced; chunked and overlapped with ``overlap``
+    (:mod:`tessel.parallel.overlap_fp8`). Under ``torch.compile``: the differentiable collectives around
+    :func:`fp8_linear` (in the model's dtype)."""
+    if not torch.compiler.is_compiling():
+        if sequence_parallel:
+            return fp8_all_gather_matmul(x2, weight, group, bias=bias, overlap=overlap, regather=regather)
+        return fp8_matmul_grad_all_reduce(x2, weight, group, bias=bias, overlap=overlap)
     x_full = gather_from_sequence(x2, group, dim=0) if sequence_parallel else copy_to_tp(x2, group)
     return fp8_linear(x_full, weight, bias)
 
 
-def row_parallel_fp8(x2, weight, bias, group, sequence_parallel: bool) -> torch.Tensor:
-    """A row-parallel layer's GEMM in fp8 by the plain path: partial outputs reduce-scattered along the sequence
-    or all-reduced, then the whole bias added once (its gradient summed over every rank's tokens)."""
+def row_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool) -> torch.Tensor:
+    """A row-parallel layer's GEMM in fp8: partial outputs reduce-scattered along the sequence or all-reduced,
+    chunked and overlapped with ``overlap``, the whole bias added once (its gradient summed over every rank's
+    tokens). Under ``torch.compile``: :func:`fp8_linear`, then the differentiable collective."""
+    if not torch.compiler.is_compiling():
+        op = fp8_matmul_reduce_scatter if sequence_parallel else fp8_matmul_all_reduce
+        return op(x2, weight, group, bias=bias, overlap=overlap)
     y = fp8_linear(x2, weight)
     if sequence_parallel:
         y = reduce_scatter_to_sequence(y, group, dim=0)

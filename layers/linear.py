@@ -178,6 +178,7 @@ class ColumnParallelLinear(nn.Module):
     ``gather_output`` all-gathers the output features (for a layer not followed by a row-parallel one).
     ``regather_input`` (sequence parallelism only) keeps just the input shard for backward and gathers
     it again there: ``1/t`` of the saved activation for ``(t-1)/t`` of its size in extra traffic.
+    ``fp8=True`` runs the GEMMs in fp8 (:mod:`tessel.layers.fp8`), the same rings gathering the input in fp8.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None, gather_output=False,
@@ -209,7 +210,8 @@ class ColumnParallelLinear(nn.Module):
             x2 = _sequence_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0] * self.tp_size, self.in_features, n_local)
             if self.fp8:
-                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=True)
+                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=True, overlap=ov,
+                                        regather=self.regather_input)  # fmt: skip
             else:
                 y = all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov,
                                       regather=self.regather_input)  # fmt: skip
@@ -218,7 +220,7 @@ class ColumnParallelLinear(nn.Module):
             x2 = x.reshape(-1, self.in_features)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local, ALL_REDUCE_CHUNKS)
             if self.fp8:
-                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=False)
+                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=False, overlap=ov)
             else:
                 y = matmul_grad_all_reduce(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov)
             y = y.view(*x.shape[:-1], n_local)
@@ -288,6 +290,7 @@ class RowParallelLinear(nn.Module):
     :func:`~tessel.parallel.overlap.matmul_reduce_scatter`), by a chunked all-reduce otherwise
     (:func:`~tessel.parallel.overlap.matmul_all_reduce`). The bias is whole and added once; its gradient
     is summed over every token of every rank. ``input_is_parallel=False`` splits a full input first.
+    ``fp8=True`` runs the GEMMs in fp8 (:mod:`tessel.layers.fp8`), the backward ring gathering dY in fp8.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None, input_is_parallel=True,
@@ -320,14 +323,14 @@ class RowParallelLinear(nn.Module):
             x2 = _sequence_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features)
             if self.fp8:
-                y = row_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=True)
+                y = row_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=True, overlap=ov)
             else:
                 y = matmul_reduce_scatter(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
             return _sequence_from_token_major(y, x)
         x2 = x.reshape(-1, k_local)
         ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], k_local, self.out_features, ALL_REDUCE_CHUNKS)
         if self.fp8:
-            y = row_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=False)
+            y = row_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=False, overlap=ov)
         else:
             y = matmul_all_reduce(x2, self.weight, self.tp_group, bias=self.bias, overlap=ov)
         return y.view(*x.shape[:-1], self.out_features)

@@ -31,6 +31,7 @@ __all__ = [
     "EventLog",
     "all_gather",
     "all_reduce",
+    "all_reduce_max",
     "all_to_all",
     "check_peer_group",
     "count_bytes",
@@ -276,6 +277,18 @@ def all_reduce(x: torch.Tensor, group: dist.ProcessGroup | None, async_op: bool 
     if torch.compiler.is_compiling():
         return _traced_all_reduce(x, group)
     return _all_reduce(x, group, async_op)
+
+
+@opaque_to_compile
+def all_reduce_max(x: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """The elementwise maximum of ``x`` over ``group``, in place, waited for: a few control numbers (the largest
+    magnitude of an fp8 tensor's shards, which must share one scale). Returns ``x``."""
+    size = group_size(group)
+    if size > 1:
+        moved = 2 * (size - 1) * _nbytes(x) // size
+        _account(moved, moved)
+        dist.all_reduce(x, op=dist.ReduceOp.MAX, group=group)
+    return x
 
 
 def _own_copy(x: torch.Tensor, out: torch.Tensor | None):

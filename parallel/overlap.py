@@ -58,7 +58,7 @@ __all__ = [
 ]
 
 
-def _check_operands(op: str, x_name: str, x, weights, biases) -> None:
+def check_operands(op: str, x_name: str, x, weights, biases) -> None:
     """ValueError/TypeError naming the argument, before any communication starts."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{op}: {x_name} must be a torch.Tensor, received {type(x).__name__}")
@@ -145,7 +145,7 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
     single = isinstance(weights, torch.Tensor)
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
-    _check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
+    check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
     if torch.compiler.is_compiling():
         if _ring_in_graph(overlap, group):
             outs = overlap_ops.all_gather_matmul(x_shard, weights, biases, group, bool(regather))
@@ -184,7 +184,7 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     (whole, added once). Returns this rank's rows ``[m, N]``. Backward: ``dX = AG(dY_shard)·W`` by the
     all-gather ring with ``dW = dYᵀ·X`` slices inside its steps; ``db = Σ dY`` over all tokens.
     """
-    _check_operands("matmul_reduce_scatter", "x", x, [weight], [bias])
+    check_operands("matmul_reduce_scatter", "x", x, [weight], [bias])
     t = group_size(group)
     if x.shape[0] % t:
         raise ValueError(f"matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
@@ -222,7 +222,7 @@ def matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
     ``x [T, K_local]``, ``weight [N, K_local]``, ``bias [N]`` (whole, added once). Returns ``[T, N]``,
     the same on every rank. Backward: ``dX = dY·W``, ``dW = dYᵀ·X`` (dY is replicated: no communication).
     """
-    _check_operands("matmul_all_reduce", "x", x, [weight], [bias])
+    check_operands("matmul_all_reduce", "x", x, [weight], [bias])
     if torch.compiler.is_compiling() and _ring_in_graph(overlap, group):
         return overlap_ops.matmul_all_reduce(x, weight, bias, group)
     if torch.compiler.is_compiling():
@@ -260,7 +260,7 @@ def matmul_grad_all_reduce(x, weights, group=None, *, biases=None, overlap=True)
     single = isinstance(weights, torch.Tensor)
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
-    _check_operands("matmul_grad_all_reduce", "x", x, weights, biases)
+    check_operands("matmul_grad_all_reduce", "x", x, weights, biases)
     if torch.compiler.is_compiling():
         if _ring_in_graph(overlap, group):
             outs = overlap_ops.matmul_grad_all_reduce(x, weights, biases, group)

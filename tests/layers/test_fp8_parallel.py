@@ -37,6 +37,8 @@ error, see ``DENSE_BOUND``), an fp8 MLP trained for 30 steps follows the same mo
 zero-bubble schedule's deferral postpones an fp8 layer's weight gradient without changing it.
 """
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -151,13 +153,13 @@ def _token_major(x, sp):
     return x.transpose(0, 1) if sp else x
 
 
-def _check_column(rank, t, dtype, sp):
+def _check_column(rank, t, dtype, sp, overlap):
     from tessel.layers.linear import ColumnParallelLinear
 
     w, b, x, gy = _column_case(t, dtype)
     seq, rows = _block(S, t, rank), _block(N, t, rank)
     dense = _linear(w, b, dtype)
-    layer = ColumnParallelLinear.from_linear(dense, fp8=True, sequence_parallel=sp)
+    layer = ColumnParallelLinear.from_linear(dense, fp8=True, sequence_parallel=sp, overlap=overlap)
     x_in = (x[:, seq] if sp else x).clone().requires_grad_()
     y = layer(x_in)
     y.backward(gy[..., rows])
@@ -177,17 +179,17 @@ def _check_column(rank, t, dtype, sp):
     y_ref, dx_ref, dw_ref, db_ref = _dense_grads(w, b, x, gy)
     dense_want = {"output": y_ref[..., rows], "input grad": dx_ref[:, seq] if sp else dx_ref,
                   "weight grad": dw_ref[rows], "bias grad": db_ref[rows]}  # fmt: skip
-    tag = f"column tp={t} {dtype} sp={sp}"
+    tag = f"column tp={t} {dtype} sp={sp} overlap={overlap}"
     return _compare(got, want, dense_want, dtype, tag)
 
 
-def _check_row(rank, t, dtype, sp):
+def _check_row(rank, t, dtype, sp, overlap):
     from tessel.layers.linear import RowParallelLinear
 
     w, b, x, gy = _row_case(t, dtype)
     seq, cols = _block(S, t, rank), _block(K, t, rank)
     dense = _linear(w, b, dtype)
-    layer = RowParallelLinear.from_linear(dense, fp8=True, sequence_parallel=sp)
+    layer = RowParallelLinear.from_linear(dense, fp8=True, sequence_parallel=sp, overlap=overlap)
     x_in = x[..., cols].clone().requires_grad_()
     y = layer(x_in)
     y.backward(gy[:, seq] if sp else gy)
@@ -208,19 +210,20 @@ def _check_row(rank, t, dtype, sp):
     y_ref, dx_ref, dw_ref, db_ref = _dense_grads(w, b, x, gy)
     dense_want = {"output": y_ref[:, seq] if sp else y_ref, "input grad": dx_ref[..., cols],
                   "weight grad": dw_ref[:, cols], "bias grad": db_ref}  # fmt: skip
-    tag = f"row tp={t} {dtype} sp={sp}"
+    tag = f"row tp={t} {dtype} sp={sp} overlap={overlap}"
     return _compare(got, want, dense_want, dtype, tag)
 
 
 def _layers_worker(rank, t, dtype_name):
-    """``{(kind, sp, tensor): (exact error, dense error)}``: the largest error against the emulation, relative to
-    the tensor's largest magnitude, and the relative Frobenius error against float64."""
+    """``{(kind, sp, overlap, tensor): (exact error, dense error)}``: the largest error against the emulation,
+    relative to the tensor's largest magnitude, and the relative Frobenius error against float64; the layers'
+    overlapped rings (``overlap=True``) and their plain path alike."""
     dtype = DTYPES[dtype_name]
     errors = {}
-    for sp in (False, True):
+    for sp, overlap in itertools.product((False, True), (False, True)):
         for kind, check in (("column", _check_column), ("row", _check_row)):
-            for name, err in check(rank, t, dtype, sp).items():
-                errors[(kind, sp, name)] = err
+            for name, err in check(rank, t, dtype, sp, overlap).items():
+                errors[(kind, sp, overlap, name)] = err
     return errors
 
 
@@ -231,7 +234,7 @@ def test_fp8_layers_equal_the_per_shard_emulation_and_stay_near_dense(world, dty
     """Each rank's output and gradients equal fp8_linear on its own shard with the collectives applied by hand,
     and are within fp8's rounding of the dense float64 layer."""
     results = run_ranks(_layers_worker, world, dtype_name, timeout=300)
-    assert len(results) == world and all(len(r) == 16 for r in results)
+    assert len(results) == world and all(len(r) == 32 for r in results)
 
 
 # ---------------------------------------------------------------------------------------------------- MLP training
@@ -331,10 +334,11 @@ def _deferral_worker(rank, t):
 
     same = dict(rtol=0, atol=0)
     cases = [("fp8 nn.Linear (no group)", Fp8Linear.from_linear, K)]
-    for sp in (False, True):
-        parallel = dict(fp8=True, sequence_parallel=sp)
-        cases.append((f"column sp={sp}", lambda lin, kw=parallel: ColumnParallelLinear.from_linear(lin, **kw), K))
-        cases.append((f"row sp={sp}", lambda lin, kw=parallel: RowParallelLinear.from_linear(lin, **kw), K // t))
+    for sp, overlap in itertools.product((False, True), (False, True)):
+        parallel = dict(fp8=True, sequence_parallel=sp, overlap=overlap)
+        tag = f"sp={sp} overlap={overlap}"
+        cases.append((f"column {tag}", lambda lin, kw=parallel: ColumnParallelLinear.from_linear(lin, **kw), K))
+        cases.append((f"row {tag}", lambda lin, kw=parallel: RowParallelLinear.from_linear(lin, **kw), K // t))
     for name, make, width in cases:
         tokens = S // t if name.startswith("column sp=True") else S
         x = _data((B, tokens, width), 50 + rank).float()

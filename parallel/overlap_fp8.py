@@ -1,0 +1,317 @@
+"""The tensor-parallel GEMMs in fp8: :mod:`.overlap`'s chunked schedules with every step an fp8 GEMM.
+
+Each op quantises what it multiplies once (x and W in e4m3, dY in e5m2, per-tensor power-of-two scales:
+:mod:`tessel.kernels.fp8`, the recipe of :func:`tessel.layers.fp8_linear`) and runs the same ring or chunks as its
+higher-precision twin (:mod:`.rings`), forward and backward, with ``overlap=False`` the plain path (one
+collective, one GEMM). Legend as in :mod:`.overlap`.
+
+=========================  ====================================  ==========================================
+op (layer)                 forward                               backward (dgrad ∥ wgrad)
+=========================  ====================================  ==========================================
+fp8_all_gather_matmul      Y = AG(X_shard)·Wᵀ + b, X's shards    dX_shard = RS(dY·W) (ring);
+(column, sequence-par.)    travel in fp8                         dW = dYᵀ·X per ring step
+fp8_matmul_reduce_scatter  Y_shard = RS(X·Wᵀ) + b                dX = AG(dY_shard)·W, dY's shards travel
+(row, sequence-par.)                                             in fp8 (ring); dW = dYᵀ·X per ring step
+fp8_matmul_all_reduce      Y = AR(X·Wᵀ) + b, chunked             dX = dY·W, dW = dYᵀ·X (no communication)
+(row)
+fp8_matmul_grad_all_reduce Y = X·Wᵀ + b                          dX = AR(dY·W) chunked, dW while the chunks
+(column)                                                         travel
+=========================  ====================================  ==========================================
+
+A tensor gathered in fp8 is one fp8 tensor: its shards share one scale, from the largest magnitude over the group
+(one all-reduce of a single number before the gather), so each rank quantises its shard exactly as the gathered
+tensor would be quantised whole, and an op's result equals the same GEMMs on the gathered tensor up to the order
+in which partial sums are added. The gathers move a byte per element, half of bf16's. The bytes travel as uint8
+(gloo has no fp8 type). Eager only: under ``torch.compile`` the layers take their plain composition.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..kernels.fp8 import Fp8Tensor, absmax, fp8_matmul_unchecked, quantize_fp8
+from .comm import all_gather, all_reduce, all_reduce_max, group_rank, group_size, record_event, reduce_scatter
+from .overlap import check_operands
+from .overlap_steps import ALL_REDUCE_CHUNKS, defer_weight_grads
+from .pipeline.weight_grad import is_deferring
+from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
+
+__all__ = ["fp8_all_gather_matmul", "fp8_matmul_all_reduce", "fp8_matmul_grad_all_reduce", "fp8_matmul_reduce_scatter"]
+
+
+def _quantize_shard(x: torch.Tensor, fmt: str, group) -> Fp8Tensor:
+    """This rank's shard quantised with the scale of the whole: from the largest magnitude over the group."""
+    return quantize_fp8(x, fmt, amax=all_reduce_max(absmax(x), group))
+
+
+def _gather(q: Fp8Tensor, group, op: str | None = None, gemm=None) -> torch.Tensor:
+    """The shards' fp8 data gathered ``[t·m, K]``: by the ring, ``gemm(c, rows)`` on each shard while the next one
+    travels (``op`` names the ring's events), or at once without ``gemm``."""
+    dtype, data = q.data.dtype, q.data.view(torch.uint8)
+    if gemm is None:
+        return all_gather(data, group)[0].view(dtype)
+    return ring_all_gather(data, group, op, lambda c, rows: gemm(c, rows.view(dtype))).view(dtype)
+
+
+def _gemm(a, a_scale_inv, b, b_scale_inv, out, *, bias=None, accumulate=False, forward=False) -> torch.Tensor:
+    """``out (+)= (a @ b)·scales + bias``; the forward's GEMMs accumulate as the tensor cores do fastest, the
+    backward's sum each K block in fp32 (their long reductions over tokens need it)."""
+    fp8_matmul_unchecked(a, b, a_scale_inv, b_scale_inv, bias, out=out, accumulate=accumulate,
+                         split_accumulator=not forward)  # fmt: skip
+    return out
+
+
+def _weight_grad(g_t, x_t, g_scale_inv, x_scale_inv, dtype) -> torch.Tensor:
+    """``dW = dYᵀ·X`` from the transposed fp8 copies ``g_t [N, T]`` and ``x_t [K, T]``."""
+    out = torch.empty((g_t.shape[0], x_t.shape[0]), dtype=dtype, device=g_t.device)
+    return _gemm(g_t, g_scale_inv, x_t.t(), x_scale_inv, out)
+
+
+def _bias_grad(grad_y: torch.Tensor, dtype: torch.dtype, group=None, *, over_ranks: bool = False) -> torch.Tensor:
+    """``Σ dY`` over the tokens (and, ``over_ranks``, over every rank's tokens of ``group``) in fp32, in ``dtype``."""
+    total = grad_y.sum(0, dtype=torch.float32)
+    return (all_reduce(total, group)[0] if over_ranks else total).to(dtype)
+
+
+def _save(ctx, group, overlap, x, weight, bias, saved) -> None:
+    ctx.save_for_backward(*saved)
+    ctx.group, ctx.overlap, ctx.weight_param = group, overlap, weight
+    ctx.dtypes, ctx.has_bias, ctx.k = (x.dtype, weight.dtype), bias is not None, weight.shape[1]  # (x, W) dtypes
+
+
+# ------------------------------------------------------------------------------------------------------ AG + GEMM
+
+
+class _Fp8AllGatherMatmul(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, overlap, regather, x_shard, weight, bias):
+        t, m = group_size(group), x_shard.shape[0]
+        xq = _quantize_shard(x_shard, "e4m3", group)
+        wq = quantize_fp8(weight, "e4m3", transpose=ctx.needs_input_grad[3])
+        y = x_shard.new_empty((t * m, weight.shape[0]))
+        args = (wq.data.t(), wq.scale_inv)
+
+        def gemm(c, rows):
+            _gemm(rows, xq.scale_inv, *args, y[c * m : (c + 1) * m], bias=bias, forward=True)
+
+        x_full = _gather(xq, group, "all_gather_matmul", gemm if overlap else None)
+        if not overlap:
+            _gemm(x_full, xq.scale_inv, *args, y, bias=bias, forward=True)
+        _save(ctx, group, overlap, x_shard, weight, bias, (xq.data if regather else x_full, xq.scale_inv, wq.data_t,
+                                                          wq.scale_inv))  # fmt: skip
+        ctx.regather, ctx.m = regather, m
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        saved_x, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+        group, m, w_dtype = ctx.group, ctx.m, ctx.dtypes[1]
+        need_dx, need_dw, need_db = ctx.needs_input_grad[3:6]
+        grad_y = grad_y.contiguous()
+        gq = quantize_fp8(grad_y, "e5m2", transpose=need_dw)
+        db = _bias_grad(grad_y, w_dtype) if ctx.has_bias and need_db else None
+        x_t = None
+        if need_dw:  # dW's operand read along the tokens: the gathered input's transpose, in fp8
+            x_full = _gather(Fp8Tensor(saved_x, x_scale_inv), group) if ctx.regather else saved_x
+            x_t = x_full.t().contiguous()
+        weight_grad = lambda: [_weight_grad(gq.data_t, x_t, gq.scale_inv, x_scale_inv, w_dtype)]
+        deferred = need_dw and defer_weight_grads([ctx.weight_param], weight_grad)
+        dw = weight_grad()[0] if need_dw and not deferred and not (need_dx and ctx.overlap) else None
+        if not need_dx:
+            return None, None, None, None, dw, db
+        dgrad = (w_t.t(), w_scale_inv)
+        if not ctx.overlap or not need_dw or deferred:  # the plain path: dX whole, then its reduce-scatter
+            dx_full = _gemm(gq.data, gq.scale_inv, *dgrad, grad_y.new_empty((grad_y.shape[0], ctx.k)))
+            return None, None, None, reduce_scatter(dx_full, group)[0], dw, db
+        buffer = torch.zeros((grad_y.shape[1], ctx.k), dtype=torch.float32, device=grad_y.device)
+
+        def gemm(c, lo, hi, out, accumulate, last):
+            _gemm(gq.data[c * m + lo : c * m + hi], gq.scale_inv, *dgrad, out, accumulate=accumulate)
+
+        def wgrad(c, lo, hi):  # dW += dY[rows]ᵀ · X[rows] while those rows' accumulator travels
+            record_event("wgrad", "all_gather_matmul.backward", c)
+            rows = slice(c * m + lo, c * m + hi)
+            _gemm(gq.data_t[:, rows], gq.scale_inv, x_t[:, rows].t(), x_scale_inv, buffer, accumulate=True)
+
+        dx = ring_reduce_scatter(m, ctx.k, grad_y, group, "all_gather_matmul.backward", gemm, wgrad)
+        return None, None, None, dx, buffer.to(w_dtype), db
+
+
+def fp8_all_gather_matmul(x_shard, weight, group=None, *, bias=None, overlap=True, regather=False):
+    """``AG(x_shard) @ weightᵀ + bias`` in fp8 (a column-parallel layer under sequence parallelism).
+
+    ``x_shard [m, K]`` (rank r holds rows ``[r·m, (r+1)·m)``), ``weight [N, K]``, ``bias [N]``; returns ``[t·m, N]``.
+    ``regather`` keeps only the fp8 shard for backward and gathers it again there. See the module's docstring.
+    """
+    check_operands("fp8_all_gather_matmul", "x_shard", x_shard, [weight], [bias])
+    return _Fp8AllGatherMatmul.apply(group, bool(overlap), bool(regather), x_shard, weight, bias)
+
+
+# ------------------------------------------------------------------------------------------------------ GEMM + RS
+
+
+class _Fp8MatmulReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, overlap, x, weight, bias):
+        t = group_size(group)
+        m, n = x.shape[0] // t, weight.shape[0]
+        xq = quantize_fp8(x, "e4m3", transpose=ctx.needs_input_grad[3])
+        wq = quantize_fp8(weight, "e4m3", transpose=ctx.needs_input_grad[2])
+        args = (wq.data.t(), wq.scale_inv)
+        if overlap:
+
+            def gemm(c, lo, hi, out, accumulate, last):
+                rows = xq.data[c * m + lo : c * m + hi]
+                _gemm(rows, xq.scale_inv, *args, out, bias=bias if last else None, accumulate=accumulate, forward=True)
+
+            y = ring_reduce_scatter(m, n, x, group, "matmul_reduce_scatter", gemm)
+        else:
+            once = bias if group_rank(group) == 0 else None  # the whole bias, added once to the sum
+            y = reduce_scatter(_gemm(xq.data, xq.scale_inv, *args, x.new_empty((t * m, n)), bias=once, forward=True),
+                               group)[0]  # fmt: skip
+        _save(ctx, group, overlap, x, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+        group, w_dtype = ctx.group, ctx.dtypes[1]
+        need_dx, need_dw, need_db = ctx.needs_input_grad[2:5]
+        grad_y = grad_y.contiguous()
+        m = grad_y.shape[0]
+        db = _bias_grad(grad_y, w_dtype, group, over_ranks=True) if ctx.has_bias and need_db else None
+        if not (need_dx or need_dw):
+            return None, None, None, None, db
+        gq = _quantize_shard(grad_y, "e5m2", group)
+        dgrad = (w_t.t(), w_scale_inv) if need_dx else None
+        if not ctx.overlap or (need_dw and is_deferring()):  # the plain path: dY gathered, then the GEMMs
+            g_full = _gather(gq, group)
+            dx = _gemm(g_full, gq.scale_inv, *dgrad, grad_y.new_empty((g_full.shape[0], ctx.k))) if need_dx else None
+            weight_grad = lambda: [_weight_grad(g_full.t().contiguous(), x_t, gq.scale_inv, x_scale_inv, w_dtype)]
+            deferred = need_dw and defer_weight_grads([ctx.weight_param], weight_grad)
+            return None, None, dx, weight_grad()[0] if need_dw and not deferred else None, db
+        t = group_size(group)
+        dx = grad_y.new_empty((t * m, ctx.k)) if need_dx else None
+        buffer = torch.zeros((grad_y.shape[1], ctx.k), dtype=torch.float32, device=grad_y.device) if need_dw else None
+
+        def gemm(c, rows):  # this step's fp8 dY shard [m, N]
+            if need_dx:
+                _gemm(rows, gq.scale_inv, *dgrad, dx[c * m : (c + 1) * m])
+            if need_dw:
+                record_event("wgrad", "matmul_reduce_scatter.backward", c)
+                x_rows = x_t[:, c * m : (c + 1) * m].t()
+                _gemm(rows.t().contiguous(), gq.scale_inv, x_rows, x_scale_inv, buffer, accumulate=True)
+
+        _gather(gq, group, "matmul_reduce_scatter.backward", gemm)
+        return None, None, dx, None if buffer is None else buffer.to(w_dtype), db
+
+
+def fp8_matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
+    """``RS(x @ weightᵀ) + bias`` in fp8 (a row-parallel layer under sequence parallelism): ``x [t·m, K_local]``,
+    ``weight [N, K_local]``, ``bias [N]`` whole and added once; returns this rank's rows ``[m, N]``."""
+    check_operands("fp8_matmul_reduce_scatter", "x", x, [weight], [bias])
+    t = group_size(group)
+    if x.shape[0] % t:
+        raise ValueError(f"fp8_matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
+    return _Fp8MatmulReduceScatter.apply(group, bool(overlap), x, weight, bias)
+
+
+# ------------------------------------------------------------------------------------------------------ GEMM + AR
+
+
+def _replicated_grads(ctx, grad_y, group=None, overlap=False, op="", reduce_dx=False):
+    """``(dx, dw, db)`` of ``Y = X·Wᵀ + b`` in fp8 from the saved transposes; with ``reduce_dx``, ``dX`` all-reduced
+    over ``group`` (chunked while the weight gradient is computed, with ``overlap``)."""
+    x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
+    w_dtype = ctx.dtypes[1]
+    need_dx, need_dw, need_db = ctx.needs_input_grad[2:5]
+    grad_y = grad_y.contiguous()
+    gq = quantize_fp8(grad_y, "e5m2", transpose=need_dw)
+    db = _bias_grad(grad_y, w_dtype) if ctx.has_bias and need_db else None
+    weight_grad = lambda: [_weight_grad(gq.data_t, x_t, gq.scale_inv, x_scale_inv, w_dtype)]
+    deferred = need_dw and defer_weight_grads([ctx.weight_param], weight_grad)
+    dws = []
+
+    def compute_wgrad():
+        if need_dw and not deferred:
+            record_event("wgrad", f"{op}.backward", 0)
+            dws.append(weight_grad()[0])
+
+    dx = None
+    if need_dx:
+        dgrad = (w_t.t(), w_scale_inv)
+        if not reduce_dx:
+            dx = _gemm(gq.data, gq.scale_inv, *dgrad, grad_y.new_empty((grad_y.shape[0], ctx.k)))
+        elif overlap:
+            dx = chunked_all_reduce(
+                grad_y.shape[0], ctx.k, grad_y, group, f"{op}.backward", ALL_REDUCE_CHUNKS,
+                lambda lo, hi, out: _gemm(gq.data[lo:hi], gq.scale_inv, *dgrad, out), after_issue=compute_wgrad,
+            )  # fmt: skip
+        else:
+            dx = all_reduce(_gemm(gq.data, gq.scale_inv, *dgrad, grad_y.new_empty((grad_y.shape[0], ctx.k))), group)[0]
+    if not dws:
+        compute_wgrad()
+    return dx, dws[0] if dws else None, db
+
+
+class _Fp8MatmulAllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, overlap, x, weight, bias):
+        xq = quantize_fp8(x, "e4m3", transpose=ctx.needs_input_grad[3])
+        wq = quantize_fp8(weight, "e4m3", transpose=ctx.needs_input_grad[2])
+        once = bias if group_rank(group) == 0 else None  # the whole bias, added once to the sum
+        args = (wq.data.t(), wq.scale_inv)
+        if overlap:
+            y = chunked_all_reduce(
+                x.shape[0], weight.shape[0], x, group, "matmul_all_reduce", ALL_REDUCE_CHUNKS,
+                lambda lo, hi, out: _gemm(xq.data[lo:hi], xq.scale_inv, *args, out, bias=once, forward=True),
+            )  # fmt: skip
+        else:
+            out = x.new_empty((x.shape[0], weight.shape[0]))
+            y = all_reduce(_gemm(xq.data, xq.scale_inv, *args, out, bias=once, forward=True), group)[0]
+        _save(ctx, group, overlap, x, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):  # dY is replicated: dX = dY·W and dW = dYᵀ·X need no communication
+        return None, None, *_replicated_grads(ctx, grad_y, op="matmul_all_reduce")
+
+
+def fp8_matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
+    """``AR(x @ weightᵀ) + bias`` in fp8 (a row-parallel layer), chunked along tokens, each chunk all-reduced in
+    flight: ``x [T, K_local]``, ``weight [N, K_local]``, ``bias [N]`` whole and added once; returns ``[T, N]``."""
+    check_operands("fp8_matmul_all_reduce", "x", x, [weight], [bias])
+    return _Fp8MatmulAllReduce.apply(group, bool(overlap), x, weight, bias)
+
+
+class Fp8Linear(torch.autograd.Function):
+    """``Y = X·Wᵀ + b`` in fp8 on one rank (:func:`tessel.layers.fp8_linear`): no communication either way.
+    ``apply(group, overlap, x, weight, bias)``, the group and overlap unused."""
+
+    @staticmethod
+    def forward(ctx, group, overlap, x, weight, bias):
+        xq = quantize_fp8(x, "e4m3", transpose=ctx.needs_input_grad[3])
+        wq = quantize_fp8(weight, "e4m3", transpose=ctx.needs_input_grad[2])
+        y = _gemm(xq.data, xq.scale_inv, wq.data.t(), wq.scale_inv, x.new_empty((x.shape[0], weight.shape[0])),
+                  bias=bias, forward=True)  # fmt: skip
+        _save(ctx, group, overlap, x, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        return None, None, *_replicated_grads(ctx, grad_y, op="fp8_linear")
+
+
+class _Fp8MatmulGradAllReduce(Fp8Linear):
+    @staticmethod
+    def backward(ctx, grad_y):
+        grads = _replicated_grads(ctx, grad_y, ctx.group, ctx.overlap, "matmul_grad_all_reduce", reduce_dx=True)
+        return None, None, *grads
+
+
+def fp8_matmul_grad_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
+    """``x @ weightᵀ + bias`` in fp8 whose input gradient is all-reduced (a column-parallel layer on a replicated
+    input): no communication forward; backward ``dX = AR(dY·W)`` chunked, the weight gradient computed while the
+    chunks travel."""
+    check_operands("fp8_matmul_grad_all_reduce", "x", x, [weight], [bias])
+    return _Fp8MatmulGradAllReduce.apply(group, bool(overlap), x, weight, bias)
