@@ -27,8 +27,8 @@ import torch
 from torch import nn
 
 from ..parallel.collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
-from ..parallel.overlap_fp8 import Fp8Linear as Fp8LinearFunction
 from ..parallel.overlap_fp8 import (
+    Fp8LinearFunction,
     fp8_all_gather_matmul,
     fp8_matmul_all_reduce,
     fp8_matmul_grad_all_reduce,

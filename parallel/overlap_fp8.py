@@ -284,7 +284,7 @@ def fp8_matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
     return _Fp8MatmulAllReduce.apply(group, bool(overlap), x, weight, bias)
 
 
-class Fp8Linear(torch.autograd.Function):
+class Fp8LinearFunction(torch.autograd.Function):
     """``Y = X·Wᵀ + b`` in fp8 on one rank (:func:`tessel.layers.fp8_linear`): no communication either way.
     ``apply(group, overlap, x, weight, bias)``, the group and overlap unused."""
 
@@ -302,7 +302,7 @@ class Fp8Linear(torch.autograd.Function):
         return None, None, *_replicated_grads(ctx, grad_y, op="fp8_linear")
 
 
-class _Fp8MatmulGradAllReduce(Fp8Linear):
+class _Fp8MatmulGradAllReduce(Fp8LinearFunction):
     @staticmethod
     def backward(ctx, grad_y):
         grads = _replicated_grads(ctx, grad_y, ctx.group, ctx.overlap, "matmul_grad_all_reduce", reduce_dx=True)
