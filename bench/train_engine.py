@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..layers.fp8 import convert_to_fp8
+from ..layers.fp8 import convert_to_fp8, fp8_layers
 from ..layers.gpt import GPT, GPTConfig, TransformerBlock
 from ..layers.moe import update_expert_biases
 from ..parallel.comm import group_size
@@ -78,6 +78,7 @@ class Engine:
     _microbatch_losses: list[torch.Tensor] = field(default_factory=list)
     _target_weight: torch.Tensor | None = None  # with documents: dp·cp / the global batch's counted targets
     model_config: GPTConfig | None = None  # the model's shape (the GPT's own config; a Hugging Face model's source)
+    fp8_layers: int = 0  # linear layers whose GEMMs run in fp8 (--fp8)
 
     @property
     def config(self) -> GPTConfig:
@@ -439,6 +440,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         num_params, flops_per_token, unit = gpt.num_params(), gpt.flops_per_token(args.seq_len), TransformerBlock
     if args.fp8:  # every linear layer but the head (tessel's and Hugging Face's: their weights stay as they are)
         convert_to_fp8(gpt)
+    fp8_count = len(fp8_layers(gpt))
     if args.compile:
         compile_blocks(decoder_layers(gpt) if args.hf else gpt.blocks, args.compile)
     if args.pp == 1:
@@ -462,4 +464,5 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         engine.is_first, engine.is_last = 0 in ids, n - 1 in ids
         engine.schedule = _schedule(args, wrapper, stages, dims, engine._pipeline_loss)
     assert group_size(dims.tp_group) == args.tp
+    engine.fp8_layers = fp8_count
     return engine

@@ -35,7 +35,7 @@ from ..parallel.overlap_fp8 import (
     fp8_matmul_reduce_scatter,
 )
 
-__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_linear"]
+__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_layers", "fp8_linear"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Skipped by convert_to_fp8 unless asked for: output heads, whose logits feed a softmax over the vocabulary, and
@@ -124,6 +124,11 @@ class Fp8Linear(nn.Linear):
         layer.weight, layer.bias = linear.weight, linear.bias
         layer.train(linear.training)
         return layer
+
+
+def fp8_layers(model: nn.Module) -> list[str]:
+    """The names of ``model``'s linear layers whose GEMMs run in fp8 (``""`` for the model itself)."""
+    return [name for name, m in model.named_modules() if isinstance(m, Fp8Linear) or getattr(m, "fp8", False) is True]
 
 
 def _fits(module: nn.Module) -> bool:

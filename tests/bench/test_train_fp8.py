@@ -6,7 +6,8 @@ Hugging Face Llama) and still differs from it by more than 1e-4 at some step (fp
 agree to fp32 rounding, ~1e-6). Across layouts the fp8 runs are not bitwise equal either: each tensor-parallel rank
 quantises its own weight shard and each data-parallel rank or microbatch its own activations, each with its own
 scale, so a layout changes the rounding; they agree within 2e-3 (measured: 2e-5 for the GPT's layouts, 2.7e-4
-for the Llama at tp=2). The runs use tessel's PyTorch references of the kernels (``tests/bench/test_train.py``);
+for the Llama at tp=2). In fp16 with a dynamic loss scale fp8 stays as near the fp16 curve (measured 0.07%; fp16
+itself is 0.9% from fp32 here). The runs use tessel's PyTorch references of the kernels (``tests/bench/test_train.py``);
 the Triton kernels' fp8 arithmetic is checked in ``tests/kernels/test_fp8.py``.
 """
 
@@ -33,7 +34,7 @@ def _near(got, want) -> bool:
 def test_fp8_training_follows_the_curve_under_every_layout(tmp_path):
     _ok(_train(tmp_path / "fp32", *BASE))
     proc = _ok(_train(tmp_path / "fp8", *BASE, "--fp8"))
-    assert "zero=0 fp8" in proc.stdout
+    assert "zero=0 fp8" in proc.stdout and "fp8 GEMMs in 16 linear layers" in proc.stdout  # 4 blocks × 4
     fp32, fp8 = _losses(tmp_path / "fp32"), _losses(tmp_path / "fp8")
     assert fp8[-1] < fp8[0] and _near(fp8, fp32)
     layouts = {
@@ -44,6 +45,11 @@ def test_fp8_training_follows_the_curve_under_every_layout(tmp_path):
     for name, layout in layouts.items():
         _ok(_train(tmp_path / name, *BASE, "--fp8", *layout, nproc=2))
         assert _deviation(_losses(tmp_path / name), fp8) < 2e-3, name
+    # fp16 under ZeRO-2 with a dynamic loss scale (dY is quantised with the scale in it): the fp16 curve.
+    fp16 = ["--dtype", "fp16", "--dp", "2", "--zero", "2"]
+    _ok(_train(tmp_path / "fp16", *BASE, *fp16, nproc=2))
+    _ok(_train(tmp_path / "fp16-fp8", *BASE, *fp16, "--fp8", nproc=2))
+    assert _near(_losses(tmp_path / "fp16-fp8"), _losses(tmp_path / "fp16"))
 
 
 @pytest.mark.slow
