@@ -96,19 +96,25 @@ def _round_to_grid(y, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr):
     spacing = tl.maximum(binade, MIN_NORMAL) * (2.0**-MANTISSA_BITS)  # subnormals share the smallest spacing
     shift = spacing * 8388608.0  # 2**23
     rounded = (magnitude + shift) - shift
-    return tl.where(y < 0, -rounded, rounded)
+    sign = y.to(tl.int32, bitcast=True) & -2147483648  # y's sign bit: -0.0 stays -0.0, as PyTorch's cast keeps it
+    return (rounded.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
 
 
 @triton.jit
 def _quantize_kernel(
-    x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, M, N, stride_xm, stride_xn,
+    x_ptr, amax_ptr, q_ptr, qt_ptr, scale_inv_ptr, M, N, stride_xb, stride_xm, stride_xn,
     FP8_MAX: tl.constexpr, MANTISSA_BITS: tl.constexpr, MIN_NORMAL: tl.constexpr, TRANSPOSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_M x BLOCK_N block of x: scale, saturate, round to fp8; store it and, with TRANSPOSE, its transpose."""
+    """One BLOCK_M x BLOCK_N block of matrix ``program_id(2)`` of x: scale (by that matrix's amax), saturate, round
+    to fp8; store it and, with TRANSPOSE, its transpose."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    scale = _power_of_two_scale(tl.load(amax_ptr), FP8_MAX)
+    pid_b = tl.program_id(2)
+    x_ptr += pid_b.to(tl.int64) * stride_xb
+    q_ptr += pid_b.to(tl.int64) * M * N
+    qt_ptr += pid_b.to(tl.int64) * M * N
+    scale = _power_of_two_scale(tl.load(amax_ptr + pid_b), FP8_MAX)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask = (offs_m[:, None] < M) & (offs_n[None, :] < N)
@@ -123,7 +129,7 @@ def _quantize_kernel(
     if TRANSPOSE:
         tl.store(qt_ptr + offs_n[:, None] * M + offs_m[None, :], tl.trans(q), mask=tl.trans(mask))
     if (pid_m == 0) & (pid_n == 0):
-        tl.store(scale_inv_ptr, 1.0 / scale)
+        tl.store(scale_inv_ptr + pid_b, 1.0 / scale)
 
 
 # ---- Host side ---------------------------------------------------------------------------------------
@@ -140,29 +146,36 @@ def _check_format(fn: str, fmt) -> None:
 def _check_source(fn: str, x) -> None:
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, received {type(x).__name__}")
-    if x.dim() != 2:
-        raise ValueError(f"{fn}: x must be 2-D, received shape {tuple(x.shape)}")
+    if x.dim() not in (2, 3):
+        raise ValueError(f"{fn}: x must be 2-D (or 3-D: a batch of matrices), received shape {tuple(x.shape)}")
     if x.dtype not in _SOURCE_DTYPES:
         raise TypeError(f"{fn}: x must be float32, float16 or bfloat16, received {x.dtype}")
 
 
 def absmax(x: torch.Tensor) -> torch.Tensor:
-    """max |x| as a one-element fp32 tensor on x's device (NaN when x holds one; 0 for an empty x): what
-    :func:`quantize_fp8` scales by, to be reduced over ranks (a maximum) when shards must share one scale."""
+    """max |x| as a one-element fp32 tensor on x's device (NaN when x holds one; 0 for an empty x), of each matrix
+    for a 3-D x (``[B]``): what :func:`quantize_fp8` scales by, to be reduced over ranks (a maximum) when shards
+    must share one scale."""
+    batch = x.shape[0] if x.dim() == 3 else 1
     if x.numel() == 0:
-        return torch.zeros(1, dtype=torch.float32, device=x.device)
-    return torch.linalg.vector_norm(x, float("inf"), dtype=torch.float32).reshape(1)
+        return torch.zeros(batch, dtype=torch.float32, device=x.device)
+    dims = (1, 2) if x.dim() == 3 else None
+    return torch.linalg.vector_norm(x, float("inf"), dim=dims, dtype=torch.float32).reshape(batch)
 
 
 def _check_amax(fn: str, amax, x: torch.Tensor) -> None:
+    batch = x.shape[0] if x.dim() == 3 else 1
     if amax is not None and (
         not isinstance(amax, torch.Tensor)
-        or amax.numel() != 1
+        or amax.numel() != batch
         or amax.dtype != torch.float32
         or amax.device != x.device
     ):
         got = f"{tuple(amax.shape)} {amax.dtype} on {amax.device}" if isinstance(amax, torch.Tensor) else type(amax)
-        raise ValueError(f"{fn}: amax must be None or a one-element float32 tensor on {x.device}, received {got}")
+        raise ValueError(
+            f"{fn}: amax must be None or a {batch}-element float32 tensor on {x.device} (one per matrix of x), "
+            f"received {got}"
+        )
 
 
 def quantize_fp8_reference(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False, amax=None) -> Fp8Tensor:
@@ -171,11 +184,13 @@ def quantize_fp8_reference(x: torch.Tensor, fmt: str = "e4m3", *, transpose: boo
     _check_source("quantize_fp8_reference", x)
     _check_amax("quantize_fp8_reference", amax, x)
     fp8_max = _FP8_MAX[fmt]
-    amax = absmax(x) if amax is None else amax.reshape(1)
+    batch = x.shape[0] if x.dim() == 3 else 1
+    amax = absmax(x) if amax is None else amax.reshape(batch)
     ratio = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)).clamp(max=_MAX_SCALE)
     scale = (ratio.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
-    data = (x.float() * scale).clamp(-fp8_max, fp8_max).to(FP8_FORMATS[fmt])
-    return Fp8Tensor(data, (1.0 / scale).reshape(1), data.t().contiguous() if transpose else None)
+    per_matrix = scale.view(batch, 1, 1) if x.dim() == 3 else scale
+    data = (x.float() * per_matrix).clamp(-fp8_max, fp8_max).to(FP8_FORMATS[fmt])
+    return Fp8Tensor(data, 1.0 / scale, data.transpose(-1, -2).contiguous() if transpose else None)
 
 
 @opaque_to_compile
@@ -183,14 +198,16 @@ def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False,
     """``x`` (2-D, any strides, fp32/fp16/bf16) scaled and rounded to fp8 (see the module's docstring).
 
     Args:
-        x: the tensor to quantise.
+        x: the tensor to quantise; a 3-D ``x`` is a batch of matrices (experts' weights), each with its own scale.
         fmt: ``"e4m3"`` or ``"e5m2"``.
         transpose: also write ``data_t``, the quantised transpose (for the GEMMs that contract x's rows).
-        amax: the magnitude to scale by instead of x's own :func:`absmax` (a one-element fp32 tensor): the
-            largest over several ranks' shards, so that each quantises its shard as the whole would be.
+        amax: the magnitude to scale by instead of x's own :func:`absmax` (a one-element fp32 tensor, one per
+            matrix for a 3-D x): the largest over several ranks' shards, so that each quantises its shard as the
+            whole would be.
 
     Returns:
-        An :class:`Fp8Tensor` with row-major ``data`` (and ``data_t``) and a one-element ``scale_inv``.
+        An :class:`Fp8Tensor` with row-major ``data`` (and ``data_t``, each matrix transposed) and ``scale_inv``:
+        one element, or one per matrix.
     """
     _check_format("quantize_fp8", fmt)
     _check_source("quantize_fp8", x)
@@ -200,18 +217,20 @@ def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False,
     backend = backend_for(x)
     if backend == Backend.REFERENCE:
         return quantize_fp8_reference(x, fmt, transpose=transpose, amax=amax)
-    m, n = x.shape
+    *lead, m, n = x.shape
+    batch = lead[0] if lead else 1
     dtype = FP8_FORMATS[fmt]
-    data = torch.empty((m, n), dtype=dtype, device=x.device)
-    data_t = torch.empty((n, m), dtype=dtype, device=x.device) if transpose else None
-    scale_inv = torch.ones(1, dtype=torch.float32, device=x.device)
-    if m == 0 or n == 0:
+    data = torch.empty((*lead, m, n), dtype=dtype, device=x.device)
+    data_t = torch.empty((*lead, n, m), dtype=dtype, device=x.device) if transpose else None
+    scale_inv = torch.ones(batch, dtype=torch.float32, device=x.device)
+    if x.numel() == 0:
         return Fp8Tensor(data, scale_inv, data_t)
     amax = absmax(x) if amax is None else amax
     block_m, block_n = _BLOCKS[backend]
+    strides = x.stride() if lead else (0, *x.stride())
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _quantize_kernel[(cdiv(m, block_m), cdiv(n, block_n))](
-            x, amax, data, data_t if transpose else data, scale_inv, m, n, *x.stride(),
+        _quantize_kernel[(cdiv(m, block_m), cdiv(n, block_n), batch)](
+            x, amax, data, data_t if transpose else data, scale_inv, m, n, *strides,
             FP8_MAX=_FP8_MAX[fmt], MANTISSA_BITS=_GRID[fmt][0], MIN_NORMAL=_GRID[fmt][1], TRANSPOSE=transpose,
             BLOCK_M=block_m, BLOCK_N=block_n,
         )  # fmt: skip

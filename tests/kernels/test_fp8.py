@@ -57,6 +57,22 @@ def test_quantize_equals_the_reference_bit_for_bit(fmt, dtype, shape):
         assert quantize_fp8(x, fmt).data_t is None
 
 
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+def test_a_batch_of_matrices_has_a_scale_each(fmt):
+    """A 3-D x (experts' weights) is quantised matrix by matrix: each as quantize_fp8 quantises it alone, bit for
+    bit, however far apart the matrices' magnitudes; the transposes are each matrix's."""
+    x = _random((5, 37, 53), torch.bfloat16, seed=4) * torch.tensor([1e-3, 1.0, 30.0, 0.0, 2e4]).view(5, 1, 1)
+    x = x.to(torch.bfloat16).transpose(1, 2).contiguous().transpose(1, 2)  # non-contiguous matrices
+    q = quantize_fp8(x, fmt, transpose=True)
+    assert q.data.shape == (5, 37, 53) and q.data_t.shape == (5, 53, 37) and q.scale_inv.shape == (5,)
+    for e in range(5):
+        alone = quantize_fp8_reference(x[e], fmt, transpose=True)
+        assert torch.equal(_bits(q.data[e]), _bits(alone.data)) and torch.equal(_bits(q.data_t[e]), _bits(alone.data_t))
+        assert q.scale_inv[e] == alone.scale_inv[0]
+    want = quantize_fp8_reference(x, fmt, transpose=True)
+    assert torch.equal(_bits(q.data), _bits(want.data)) and torch.equal(q.scale_inv, want.scale_inv)
+
+
 def test_quantize_rounds_ties_to_even_and_across_binades():
     """Values exactly between two e4m3 neighbours go to the even one; rounding up may carry into the next power of
     two (Triton's interpreter's own cast gets that wrong: 127.7 came out as 64)."""
@@ -107,8 +123,10 @@ def test_quantize_refuses_bad_input():
     x = torch.randn(4, 4)
     with pytest.raises(ValueError, match=r"fmt must be one of \('e4m3', 'e5m2'\), received 'e3m4'"):
         quantize_fp8(x, "e3m4")
-    with pytest.raises(ValueError, match=r"x must be 2-D, received shape \(4,\)"):
+    with pytest.raises(ValueError, match=r"x must be 2-D \(or 3-D: a batch of matrices\), received shape \(4,\)"):
         quantize_fp8(torch.randn(4))
+    with pytest.raises(ValueError, match=r"amax must be None or a 3-element float32 tensor on cpu .*received \(1,\)"):
+        quantize_fp8(torch.randn(3, 4, 4), amax=torch.ones(1))
     with pytest.raises(TypeError, match=r"x must be float32, float16 or bfloat16, received torch\.float64"):
         quantize_fp8(x.double())
     with pytest.raises(TypeError, match=r"x must be a torch\.Tensor, received list"):
