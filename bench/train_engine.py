@@ -78,7 +78,7 @@ class Engine:
     _microbatch_losses: list[torch.Tensor] = field(default_factory=list)
     _target_weight: torch.Tensor | None = None  # with documents: dp·cp / the global batch's counted targets
     model_config: GPTConfig | None = None  # the model's shape (the GPT's own config; a Hugging Face model's source)
-    fp8_layers: int = 0  # linear layers whose GEMMs run in fp8 (--fp8)
+    fp8_layers: int = 0  # layers whose GEMMs run in fp8 (--fp8): linear layers and mixtures of experts
 
     @property
     def config(self) -> GPTConfig:

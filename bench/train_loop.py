@@ -260,7 +260,7 @@ def _banner(args, engine: Engine) -> str:
         f"{args.dtype} on "
         f"{engine.device.type} ({dist.get_backend()}, kernels: {_kernels(engine.device)}); "
         f"{args.steps} steps of {args.batch_size}×{args.seq_len} tokens"
-        + (f", fp8 GEMMs in {engine.fp8_layers} linear layers" if args.fp8 else "")
+        + (f", fp8 GEMMs in {engine.fp8_layers} layers" if args.fp8 else "")
         + ("" if args.tokens == "bytes" else f", {args.tokens} token ids from {args.data.name}")
         + (f", vocabulary {args.vocab_size}" if args.vocab_size != 256 else "")
         + ("" if args.doc_sep is None else f", packed documents ending with {_jsonable(args.doc_sep)!r}")

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from ._dispatch import Backend, backend_for, cdiv, next_power_of_2, opaque_to_compile, upcast_dot_operands
 from ._tuned import launch_tuned
-from .matmul import _input_precision  # TF32 for fp32 exactly when torch.matmul would use it
+from .matmul import _dot, _input_precision  # TF32 for fp32 exactly when torch.matmul would use it
 
 __all__ = ["grouped_matmul", "grouped_matmul_reference", "grouped_weight_grad", "grouped_weight_grad_reference"]
 
@@ -50,12 +50,13 @@ def _expert_of_tile(offsets_ptr, pid_m, X, BLOCK_X: tl.constexpr, BLOCK_M: tl.co
 
 @triton.jit
 def _grouped_kernel(
-    a_ptr, b_ptr, out_ptr, offsets_ptr, N, K, X,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, a_scale_ptr, b_scale_ptr, N, K, X,
     stride_am, stride_ak, stride_bx, stride_bk, stride_bn, stride_om, stride_on,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, BLOCK_X: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr,
+    BLOCK_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One ``BLOCK_M x BLOCK_N`` tile of one expert's rows of ``out``."""
+    """One ``BLOCK_M x BLOCK_N`` tile of one expert's rows of ``out``. SCALED (fp8 operands): the product times
+    a's inverse scale and the expert's own (``b_scale_ptr[expert]``)."""
     expert, row0, row_end = _expert_of_tile(offsets_ptr, tl.program_id(0), X, BLOCK_X, BLOCK_M)
     if expert < X:
         offs_m = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
@@ -72,21 +73,24 @@ def _grouped_kernel(
             if DOT_FP32:
                 a = a.to(tl.float32)
                 b = b.to(tl.float32)
-            acc = tl.dot(a, b, acc, input_precision=INPUT_PRECISION)
+            acc = _dot(a, b, acc, INPUT_PRECISION, SPLIT_ACC)
             a_ptrs += BLOCK_K * stride_ak
             b_ptrs += BLOCK_K * stride_bk
+        if SCALED:
+            acc *= tl.load(a_scale_ptr) * tl.load(b_scale_ptr + expert)
         out_ptrs = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :] * stride_on
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=rows[:, None] & cols[None, :])
 
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, g_ptr, out_ptr, offsets_ptr, K, N,
+    a_ptr, g_ptr, out_ptr, offsets_ptr, a_scale_ptr, g_scale_ptr, K, N,
     stride_am, stride_ak, stride_gm, stride_gn, stride_ox, stride_ok, stride_on,
-    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
-    """One ``BLOCK_K x BLOCK_N`` tile of ``out[e] = a_eᵀ · g_e``, summed over the expert's rows."""
+    """One ``BLOCK_K x BLOCK_N`` tile of ``out[e] = a_eᵀ · g_e``, summed over the expert's rows (SCALED: times both
+    operands' one-element inverse scales)."""
     expert = tl.program_id(0)
     tiles_n = tl.cdiv(N, BLOCK_N)
     offs_k = (tl.program_id(1) // tiles_n).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -104,7 +108,9 @@ def _grouped_wgrad_kernel(
         if DOT_FP32:
             at = at.to(tl.float32)
             g = g.to(tl.float32)
-        acc = tl.dot(at, g, acc, input_precision=INPUT_PRECISION)
+        acc = _dot(at, g, acc, INPUT_PRECISION, SPLIT_ACC)
+    if SCALED:
+        acc *= tl.load(a_scale_ptr) * tl.load(g_scale_ptr)
     out_ptrs = out_ptr + expert.to(tl.int64) * stride_ox + offs_k[:, None] * stride_ok + offs_n[None, :] * stride_on
     tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=(offs_k[:, None] < K) & (offs_n[None, :] < N))
 
@@ -114,27 +120,31 @@ _CONFIGS = [
     triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
     for bm, bn, bk, w, s in [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
 ]
-_grouped_tuned = triton.autotune(_CONFIGS, key=["N", "K", "X"])(_grouped_kernel)
+_grouped_tuned = triton.autotune(_CONFIGS, key=["N", "K", "X", "SCALED", "SPLIT_ACC"])(_grouped_kernel)
 # Every program of the weight-gradient kernel writes its whole tile (zeros for an expert without rows).
-_wgrad_tuned = triton.autotune(_CONFIGS, key=["N", "K"])(_grouped_wgrad_kernel)
+_wgrad_tuned = triton.autotune(_CONFIGS, key=["N", "K", "SCALED", "SPLIT_ACC"])(_grouped_wgrad_kernel)
 _INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 
 
-def _flags(dtype: torch.dtype, backend: str) -> dict:
-    return {"DOT_FP32": upcast_dot_operands(backend), "INPUT_PRECISION": _input_precision(dtype, backend)}
+def _flags(dtype: torch.dtype, backend: str, scales, split_acc: bool) -> dict:
+    return {
+        "DOT_FP32": upcast_dot_operands(backend), "INPUT_PRECISION": _input_precision(dtype, backend),
+        "SCALED": scales is not None, "SPLIT_ACC": split_acc and backend == Backend.TRITON,
+    }  # fmt: skip
 
 
 @opaque_to_compile
-def _launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+def _launch(a, b, offsets, out, scales=None, split_acc=False) -> None:
+    """``out = grouped(a, b)``; ``scales``: fp8 operands' inverse scales (a's one, b's one per expert)."""
     (rows, k), (experts, _, n) = a.shape, b.shape
     if rows == 0 or n == 0:
         return
     backend = backend_for(a)
     if backend == Backend.REFERENCE:
-        out.copy_(grouped_matmul_reference(a, b, offsets))
+        out.copy_(_reference(a, b, offsets, scales, out.dtype))
         return
-    args = (a, b, out, offsets, n, k, experts, *a.stride(), *b.stride(), *out.stride())
-    meta = {**_flags(a.dtype, backend), "BLOCK_X": next_power_of_2(experts)}
+    args = (a, b, out, offsets, *(scales or (out, out)), n, k, experts, *a.stride(), *b.stride(), *out.stride())
+    meta = {**_flags(a.dtype, backend, scales, split_acc), "BLOCK_X": next_power_of_2(experts)}
     grid = lambda m: (cdiv(rows, m["BLOCK_M"]) + experts, cdiv(n, m["BLOCK_N"]))
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if backend == Backend.INTERPRETER:
@@ -144,21 +154,23 @@ def _launch(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor, out: torch.
 
 
 @opaque_to_compile
-def _launch_wgrad(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, out: torch.Tensor) -> None:
+def _launch_wgrad(a, g, offsets, out, scales=None, split_acc=False) -> None:
+    """``out[e] = a_eᵀ · g_e``; ``scales``: fp8 operands' one-element inverse scales."""
     experts, k, n = out.shape
     if experts == 0 or k == 0 or n == 0:
         return
     backend = backend_for(a)
     if backend == Backend.REFERENCE:
-        out.copy_(_wgrad_reference(a, g, offsets, out.shape))
+        out.copy_(_wgrad_reference(a, g, offsets, out.shape, scales, out.dtype))
         return
-    args = (a, g, out, offsets, k, n, *a.stride(), *g.stride(), *out.stride())
+    args = (a, g, out, offsets, *(scales or (out, out)), k, n, *a.stride(), *g.stride(), *out.stride())
     grid = lambda m: (experts, cdiv(k, m["BLOCK_K"]) * cdiv(n, m["BLOCK_N"]))
+    flags = _flags(a.dtype, backend, scales, split_acc)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if backend == Backend.INTERPRETER:
-            _grouped_wgrad_kernel[grid(_INTERPRETER_BLOCKS)](*args, **_flags(a.dtype, backend), **_INTERPRETER_BLOCKS)
+            _grouped_wgrad_kernel[grid(_INTERPRETER_BLOCKS)](*args, **flags, **_INTERPRETER_BLOCKS)
         else:
-            launch_tuned(_wgrad_tuned, grid, args, _flags(a.dtype, backend))
+            launch_tuned(_wgrad_tuned, grid, args, flags)
 
 
 class _GroupedMatmul(torch.autograd.Function):
@@ -244,15 +256,25 @@ def grouped_weight_grad_reference(a: torch.Tensor, g: torch.Tensor, offsets: tor
 def grouped_matmul_reference(a: torch.Tensor, b: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Plain-PyTorch definition of :func:`grouped_matmul`: fp32 products (float64 for float64 inputs), one
     rounding to ``a``'s dtype; reads ``offsets`` on the host."""
+    return _reference(a, b, offsets, None, a.dtype)
+
+
+def _reference(a, b, offsets, scales, dtype) -> torch.Tensor:
+    """The grouped product in fp32 (float64 for float64 inputs), times fp8 operands' ``scales``, in ``dtype``."""
     bounds = offsets.tolist()
     work = torch.float64 if a.dtype == torch.float64 else torch.float32
     out = a.new_empty((a.shape[0], b.shape[2]), dtype=work)
     for e in range(b.shape[0]):
         out[bounds[e] : bounds[e + 1]] = a[bounds[e] : bounds[e + 1]].to(work) @ b[e].to(work)
-    return out.to(a.dtype)
+        if scales is not None:
+            out[bounds[e] : bounds[e + 1]] *= (scales[0][0] * scales[1][e]).to(work)
+    return out.to(dtype)
 
 
-def _wgrad_reference(a: torch.Tensor, g: torch.Tensor, offsets: torch.Tensor, shape) -> torch.Tensor:
+def _wgrad_reference(a, g, offsets, shape, scales=None, dtype=None) -> torch.Tensor:
     bounds = offsets.tolist()
-    return torch.stack([a[bounds[e] : bounds[e + 1]].float().T @ g[bounds[e] : bounds[e + 1]].float()
-                        for e in range(shape[0])]).to(a.dtype)  # fmt: skip
+    out = torch.stack([a[bounds[e] : bounds[e + 1]].float().T @ g[bounds[e] : bounds[e + 1]].float()
+                       for e in range(shape[0])])  # fmt: skip
+    if scales is not None:
+        out = out * (scales[0][0] * scales[1][0])
+    return out.to(a.dtype if dtype is None else dtype)

@@ -3,7 +3,7 @@
 from .attention import ParallelAttention
 from .cross_entropy import vocab_parallel_cross_entropy
 from .embedding import VocabParallelEmbedding
-from .fp8 import Fp8Linear, convert_to_fp8, fp8_layers, fp8_linear
+from .fp8 import Fp8Linear, convert_to_fp8, fp8_grouped_linear, fp8_layers, fp8_linear
 from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .hf_balance import track_expert_loads
@@ -31,6 +31,7 @@ __all__ = [
     "TransformerBlock",
     "VocabParallelEmbedding",
     "convert_to_fp8",
+    "fp8_grouped_linear",
     "fp8_layers",
     "fp8_linear",
     "fuse_lm_loss",

@@ -14,8 +14,9 @@ sum each K block in full fp32 (``split_accumulator``), as their long reductions 
 
 The layers take it with ``fp8=True`` (:class:`~tessel.layers.ColumnParallelLinear`,
 :class:`~tessel.layers.RowParallelLinear`: their overlapped rings and chunks with fp8 GEMMs, the sequence-parallel
-activations and gradients gathered in fp8, :mod:`tessel.parallel.overlap_fp8`) and :func:`convert_to_fp8` turns
-it on across a model: tessel's layers and ``nn.Linear`` alike.
+activations and gradients gathered in fp8, :mod:`tessel.parallel.overlap_fp8`), a mixture of experts
+(:class:`~tessel.layers.ParallelMoE`) runs its experts' grouped GEMMs in fp8 (:func:`fp8_grouped_linear`, one
+scale per expert), and :func:`convert_to_fp8` turns it on across a model: tessel's layers and ``nn.Linear`` alike.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from ..kernels.fp8 import quantize_fp8
+from ..kernels.grouped_matmul import _check as grouped_check
+from ..kernels.grouped_matmul import _launch as grouped_launch
+from ..kernels.grouped_matmul import _launch_wgrad as grouped_launch_wgrad
 from ..parallel.collectives import copy_to_tp, gather_from_sequence, reduce_from_tp, reduce_scatter_to_sequence
 from ..parallel.overlap_fp8 import (
     Fp8LinearFunction,
@@ -35,7 +40,7 @@ from ..parallel.overlap_fp8 import (
     fp8_matmul_reduce_scatter,
 )
 
-__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_layers", "fp8_linear"]
+__all__ = ["Fp8Linear", "convert_to_fp8", "fp8_grouped_linear", "fp8_layers", "fp8_linear"]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # Skipped by convert_to_fp8 unless asked for: output heads, whose logits feed a softmax over the vocabulary, and
@@ -76,6 +81,52 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     _check(x, weight, bias)
     x2 = x.reshape(-1, weight.shape[1])
     return Fp8LinearFunction.apply(None, False, x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+class _Fp8GroupedLinear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, offsets):
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        xq = quantize_fp8(x, "e4m3", transpose=need_dw)
+        wq = quantize_fp8(weight, "e4m3", transpose=need_dx)  # one scale per expert
+        out = x.new_empty((x.shape[0], weight.shape[1]))
+        grouped_launch(xq.data, wq.data.transpose(1, 2), offsets, out, scales=(xq.scale_inv, wq.scale_inv))
+        ctx.save_for_backward(xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv, offsets)
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        x_t, x_scale_inv, w_t, w_scale_inv, offsets = ctx.saved_tensors
+        need_dx, need_dw = ctx.needs_input_grad[:2]
+        gq = quantize_fp8(grad.contiguous(), "e5m2", transpose=need_dw)
+        dx = dw = None
+        if need_dx:  # dX_e = dY_e · W_e, W_e read along N: its fp8 transpose
+            dx = grad.new_empty((grad.shape[0], ctx.weight_shape[2]))
+            grouped_launch(gq.data, w_t.transpose(1, 2), offsets, dx, scales=(gq.scale_inv, w_scale_inv),
+                           split_acc=True)  # fmt: skip
+        if need_dw:  # dW_e = dY_eᵀ · X_e, both read along the tokens: their fp8 transposes
+            dw = grad.new_empty(ctx.weight_shape, dtype=ctx.weight_dtype)
+            grouped_launch_wgrad(gq.data_t.t(), x_t.t(), offsets, dw, scales=(gq.scale_inv, x_scale_inv),
+                                 split_acc=True)  # fmt: skip
+        return dx, dw, None
+
+
+def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Every expert's rows times its own weight in fp8, in one grouped launch, forward and backward: ``out
+    [R, N]`` with ``out[offsets[e]:offsets[e+1]] = x[offsets[e]:offsets[e+1]] @ weight[e]ᵀ``.
+
+    ``x`` ``[R, K]`` rows grouped by expert; ``weight`` ``[X, N, K]`` (each expert an ``nn.Linear`` layout) in x's
+    dtype, each expert quantised with its own scale; ``offsets`` ``[X+1]`` as for
+    :func:`~tessel.kernels.grouped_matmul`. The recipe of :func:`fp8_linear`. Differentiable in x and weight.
+    """
+    if not isinstance(weight, torch.Tensor) or weight.dim() != 3:
+        got = tuple(weight.shape) if isinstance(weight, torch.Tensor) else type(weight).__name__
+        raise ValueError(
+            f"fp8_grouped_linear: weight must be [X, N, K] (one nn.Linear layout per expert), received {got}"
+        )
+    grouped_check(x, weight.transpose(1, 2), offsets)
+    return _Fp8GroupedLinear.apply(x, weight, offsets)
 
 
 def column_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool, regather: bool = False):
@@ -127,14 +178,16 @@ class Fp8Linear(nn.Linear):
 
 
 def fp8_layers(model: nn.Module) -> list[str]:
-    """The names of ``model``'s linear layers whose GEMMs run in fp8 (``""`` for the model itself)."""
+    """The names of ``model``'s layers whose GEMMs run in fp8, linear layers and mixtures of experts (``""`` for
+    the model itself)."""
     return [name for name, m in model.named_modules() if isinstance(m, Fp8Linear) or getattr(m, "fp8", False) is True]
 
 
 def _fits(module: nn.Module) -> bool:
-    """Whether both feature counts are multiples of 16: what fp8 tensor cores and their copy engine read whole."""
-    weight = module.weight
-    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+    """Whether every feature count is a multiple of 16: what fp8 tensor cores and their copy engine read whole
+    (a mixture of experts: its experts' two projections)."""
+    weights = (module.fc, module.proj) if hasattr(module, "fc") and hasattr(module, "proj") else (module.weight,)
+    return all(w.shape[-2] % 16 == 0 and w.shape[-1] % 16 == 0 for w in weights)
 
 
 def convert_to_fp8(
@@ -145,12 +198,14 @@ def convert_to_fp8(
 ) -> nn.Module:
     """Turn on fp8 GEMMs across ``model`` in place and return it.
 
-    tessel's :class:`~tessel.layers.ColumnParallelLinear` and :class:`~tessel.layers.RowParallelLinear` get
-    ``fp8 = True``; each ``nn.Linear`` is replaced by an :class:`Fp8Linear` holding the same parameters. A layer
-    is left as it is when its name matches a glob of ``skip`` (the output head by default), when ``include`` (a
-    ``(name, module) -> bool``) refuses it, or when its local weight's dimensions are not multiples of 16.
+    tessel's :class:`~tessel.layers.ColumnParallelLinear`, :class:`~tessel.layers.RowParallelLinear` and
+    :class:`~tessel.layers.ParallelMoE` (its experts; the router stays as it is) get ``fp8 = True``; each
+    ``nn.Linear`` is replaced by an :class:`Fp8Linear` holding the same parameters. A layer is left as it is when
+    its name matches a glob of ``skip`` (the output head by default), when ``include`` (a ``(name, module) ->
+    bool``) refuses it, or when its local weights' dimensions are not multiples of 16.
     """
     from .linear import ColumnParallelLinear, RowParallelLinear
+    from .moe import ParallelMoE
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"convert_to_fp8: model must be an nn.Module, received {type(model).__name__}")
@@ -168,7 +223,7 @@ def convert_to_fp8(
         return Fp8Linear.from_linear(model) if wanted("", model) else model
     swaps = []
     for name, module in model.named_modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)) and wanted(name, module):
+        if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelMoE)) and wanted(name, module):
             module.fp8 = True
         elif type(module) is nn.Linear and wanted(name, module):
             swaps.append(name)

@@ -68,6 +68,7 @@ from ..parallel.collectives import (
 )
 from ..parallel.comm import all_gather, all_reduce, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.sharding import shard_like
+from .fp8 import fp8_grouped_linear
 from .hf_balance import expert_loads
 from .mlp import MLP_ACTIVATIONS
 
@@ -268,6 +269,7 @@ class ParallelMoE(nn.Module):
         self.n_embd, self.hidden, self.n_expert, self.top_k = n_embd, hidden, n_expert, top_k
         self.activation, self.sequence_parallel, self.router_score = activation, sequence_parallel, router_score
         self.expert_groups, self.top_groups = expert_groups, top_groups
+        self.fp8 = False  # the experts' GEMMs in fp8 (convert_to_fp8)
         self.tp_group, self.ep_group, self.cp_group = tp_group, ep_group, cp_group
         self.per_rank, self.first_expert = n_expert // e, group_rank(ep_group) * (n_expert // e) if e > 1 else 0
         kw = dict(device=device, dtype=dtype)
@@ -315,6 +317,7 @@ class ParallelMoE(nn.Module):
             if moe.expert_bias is not None:
                 layer.expert_bias.copy_(moe.expert_bias)
                 layer.expert_load.copy_(moe.expert_load)
+        layer.fp8 = moe.fp8
         return layer
 
     def extra_repr(self) -> str:
@@ -324,7 +327,8 @@ class ParallelMoE(nn.Module):
                 f"here, ep={e}), {self.activation}, tp={group_size(self.tp_group)}, "
                 f"sequence_parallel={self.sequence_parallel}"
                 + (f", groups={self.expert_groups} (top {self.top_groups})" if self.expert_groups > 1 else "")
-                + (", expert_bias=True" if self.expert_bias is not None else ""))  # fmt: skip
+                + (", expert_bias=True" if self.expert_bias is not None else "")
+                + (", fp8=True" if self.fp8 else ""))  # fmt: skip
 
     def _router(self) -> torch.Tensor:
         shared = self.sequence_parallel and group_size(self.tp_group) > 1  # each rank scores its own tokens
@@ -383,10 +387,15 @@ class ParallelMoE(nn.Module):
         """``[R, E]``: each local expert's MLP on its consecutive rows (partial sums over the ``F/t`` features),
         every expert's GEMM in one grouped launch."""
         offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
-        h = grouped_matmul(rows, self.fc.transpose(1, 2), offsets)
+        if self.fp8:  # each expert's GEMMs in fp8 (tessel.layers.fp8; convert_to_fp8 turns it on)
+            h = fp8_grouped_linear(rows, self.fc, offsets)
+        else:
+            h = grouped_matmul(rows, self.fc.transpose(1, 2), offsets)
         if self.activation == "swiglu":
             gate, up = h.chunk(2, dim=-1)
             h = F.silu(gate) * up
         else:
             h = F.gelu(h)
+        if self.fp8:
+            return fp8_grouped_linear(h, self.proj, offsets)
         return grouped_matmul(h, self.proj.transpose(1, 2), offsets)

@@ -34,7 +34,7 @@ def _near(got, want) -> bool:
 def test_fp8_training_follows_the_curve_under_every_layout(tmp_path):
     _ok(_train(tmp_path / "fp32", *BASE))
     proc = _ok(_train(tmp_path / "fp8", *BASE, "--fp8"))
-    assert "zero=0 fp8" in proc.stdout and "fp8 GEMMs in 16 linear layers" in proc.stdout  # 4 blocks × 4
+    assert "zero=0 fp8" in proc.stdout and "fp8 GEMMs in 16 layers" in proc.stdout  # 4 blocks × 4
     fp32, fp8 = _losses(tmp_path / "fp32"), _losses(tmp_path / "fp8")
     assert fp8[-1] < fp8[0] and _near(fp8, fp32)
     layouts = {
@@ -50,6 +50,12 @@ def test_fp8_training_follows_the_curve_under_every_layout(tmp_path):
     _ok(_train(tmp_path / "fp16", *BASE, *fp16, nproc=2))
     _ok(_train(tmp_path / "fp16-fp8", *BASE, *fp16, "--fp8", nproc=2))
     assert _near(_losses(tmp_path / "fp16-fp8"), _losses(tmp_path / "fp16"))
+    # A mixture of experts: each expert's GEMMs in fp8 too (one scale per expert), the router in fp32.
+    moe = ["--experts", "4", "--top-k", "2"]
+    _ok(_train(tmp_path / "moe", *BASE, *moe))
+    proc = _ok(_train(tmp_path / "moe-fp8", *BASE, *moe, "--fp8"))
+    assert "fp8 GEMMs in 12 layers" in proc.stdout  # 4 blocks: qkv, proj and the mixture
+    assert _near(_losses(tmp_path / "moe-fp8"), _losses(tmp_path / "moe"))
 
 
 @pytest.mark.slow

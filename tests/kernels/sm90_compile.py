@@ -504,7 +504,8 @@ def grouped_matmul_cases():
     """Every autotuner configuration of the experts' grouped GEMM (bf16): the forward with ``b`` a transposed
     view of ``[X, N, K]`` weights (unit stride along K), and the weight gradient ``a_eᵀ · g_e``."""
     gm = importlib.import_module("tessel.kernels.grouped_matmul")
-    flags = dict(DOT_FP32=False, INPUT_PRECISION="tf32")
+    flags = dict(DOT_FP32=False, INPUT_PRECISION="tf32", SCALED=False, SPLIT_ACC=False)
+    scales = {"a_scale_ptr": "fp32", "b_scale_ptr": "fp32", "g_scale_ptr": "fp32"}
     cases = []
     for config in gm._CONFIGS:
         tile = {k: config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
@@ -512,16 +513,34 @@ def grouped_matmul_cases():
         meta = {"dtype": "bf16", "stages": config.num_stages, "tile_bytes": _tile_bytes("bf16", **tile)}
         cases.append((
             f"grouped matmul bf16 {label}", gm._grouped_kernel,
-            {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64"},
+            {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
             {**flags, **tile, "BLOCK_X": 64, "stride_ak": 1, "stride_bk": 1, "stride_on": 1}, (), (),
             config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul"},
         ))  # fmt: skip
         cases.append((
             f"grouped matmul wgrad bf16 {label}", gm._grouped_wgrad_kernel,
-            {"a_ptr": "bf16", "g_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64"},
+            {"a_ptr": "bf16", "g_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
             {**flags, **tile, "stride_ak": 1, "stride_gn": 1, "stride_on": 1}, (), (),
             config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad"},
         ))  # fmt: skip
+    # fp8 (the largest tile): the forward's operands K-major; the backward's, split-accumulated, read along tokens
+    # (the weight gradient's operands are transposed copies, unit stride along the rows).
+    config = gm._CONFIGS[0]
+    tile = {k: config.kwargs[k] for k in ("BLOCK_M", "BLOCK_N", "BLOCK_K")}
+    fp8 = {**flags, **tile, "SCALED": True}
+    meta = {"dtype": "fp8e4nv", "stages": config.num_stages, "tile_bytes": _tile_bytes("fp8e4nv", **tile)}
+    cases.append((
+        "grouped matmul fp8", gm._grouped_kernel,
+        {"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
+        {**fp8, "BLOCK_X": 64, "stride_ak": 1, "stride_bk": 1, "stride_on": 1}, (), (),
+        config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul"},
+    ))  # fmt: skip
+    cases.append((
+        "grouped matmul wgrad fp8 split-acc", gm._grouped_wgrad_kernel,
+        {"a_ptr": "fp8e5", "g_ptr": "fp8e4nv", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
+        {**fp8, "SPLIT_ACC": True, "stride_am": 1, "stride_gm": 1, "stride_on": 1}, (), (),
+        config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad"},
+    ))  # fmt: skip
     return cases
 
 

@@ -175,3 +175,76 @@ def test_fp8_linear_on_the_gpu():
     assert ((y.reshape(-1, 768).cpu().double() - out).abs() <= allowed).all()
     _close(xr.grad.reshape(-1, 1024).cpu(), gq, wq, gq @ wq, torch.bfloat16, "input grad")
     _close(wr.grad.cpu(), gq.t(), xq, gq.t() @ xq, torch.bfloat16, "weight grad")
+
+
+# ------------------------------------------------------------------------------------------------ experts in fp8
+
+
+def _grouped_case(counts, k, n, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    rows = sum(counts)
+    x = (torch.randn(rows, k, generator=g) * 2).to(dtype)
+    # The experts' magnitudes far apart: each expert's own scale must be the one applied to its rows.
+    w = (torch.randn(len(counts), n, k, generator=g) * torch.logspace(-3, 2, len(counts)).view(-1, 1, 1)).to(dtype)
+    gy = torch.randn(rows, n, generator=g).to(dtype)
+    offsets = torch.tensor([0, *torch.tensor(counts).cumsum(0).tolist()])
+    return x, w, gy, offsets
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("counts, k, n", [([5, 0, 17, 3], 24, 19), ([1], 37, 5), ([9, 2, 0, 21, 4, 1], 33, 16)])
+def test_fp8_grouped_linear_is_the_exact_product_of_its_fp8_operands(dtype, counts, k, n):
+    """Every expert's rows (none, fewer than a tile, several tiles) times its own weight: x and each expert's weight
+    in e4m3 (one scale per expert), dY in e5m2, each GEMM the float64 product of those values to fp32 rounding;
+    an expert without rows gets a zero weight gradient."""
+    from tessel.layers import fp8_grouped_linear
+
+    x, w, gy, offsets = _grouped_case(counts, k, n, dtype, seed=len(counts) + k)
+    xr, wr = x.clone().requires_grad_(), w.clone().requires_grad_()
+    y = fp8_grouped_linear(xr, wr, offsets)
+    assert y.shape == (sum(counts), n) and y.dtype == dtype
+    y.backward(gy)
+    xq, gq = _deq(x, "e4m3"), _deq(gy, "e5m2")
+    q = quantize_fp8_reference(w, "e4m3")
+    wq = q.data.double() * q.scale_inv.double().view(-1, 1, 1)
+    for e, (lo, hi) in enumerate(zip(offsets[:-1].tolist(), offsets[1:].tolist(), strict=True)):
+        xe, ge = xq[lo:hi], gq[lo:hi]
+        _close(y[lo:hi], xe, wq[e].t(), xe @ wq[e].t(), dtype, f"expert {e} output")
+        _close(xr.grad[lo:hi], ge, wq[e], ge @ wq[e], dtype, f"expert {e} input grad")
+        _close(wr.grad[e], ge.t(), xe, ge.t() @ xe, dtype, f"expert {e} weight grad")
+
+
+def test_fp8_grouped_linear_refuses_bad_input():
+    from tessel.layers import fp8_grouped_linear
+
+    x, w, _, offsets = _grouped_case([3, 4], 16, 8, torch.float32)
+    with pytest.raises(
+        ValueError, match=r"weight must be \[X, N, K\] \(one nn\.Linear layout per expert\), received \(8, 16\)"
+    ):
+        fp8_grouped_linear(x, w[0], offsets)
+    with pytest.raises(ValueError, match=r"expected a \[R, K\] and b \[X, K, N\]"):
+        fp8_grouped_linear(x[:, :8], w, offsets)
+
+
+def test_convert_to_fp8_turns_on_the_experts_of_a_mixture():
+    """A ParallelMoE's experts run fp8_grouped_linear once converted (the router stays in the model's dtype), and
+    from_module keeps the setting."""
+    from tessel.layers.moe import ParallelMoE
+
+    torch.manual_seed(0)
+    moe = ParallelMoE(32, 48, 4, 2)
+    assert not moe.fp8
+    convert_to_fp8(moe)
+    assert moe.fp8 and "fp8=True" in repr(moe) and ParallelMoE.from_module(moe).fp8
+    x = torch.randn(2, 5, 32, requires_grad=True)
+    y = moe(x)
+    y.sum().backward()
+    dense = ParallelMoE.from_module(moe)
+    dense.fp8 = False
+    xd = x.detach().clone().requires_grad_()
+    yd = dense(xd)
+    rel = ((y - yd).norm() / yd.norm()).item()
+    assert 1e-4 < rel < 0.1, rel  # fp8's rounding (a few %), but not the higher-precision result
+    assert moe.fc.grad is not None and moe.proj.grad is not None and moe.router.grad is not None
+    odd = ParallelMoE(32, 40, 4, 2)  # 40 hidden features: not a multiple of 16, left as it is
+    assert not convert_to_fp8(odd).fp8
