@@ -8,6 +8,11 @@ by :func:`~tessel.kernels.quantize_fp8` (e4m3, per-tensor scales; ``b`` K-major,
 - ``linear``:      ``fp8_linear`` forward and backward (quantising x, W and dY included) vs ``F.linear`` in bf16
   (cuBLAS) forward and backward, on ``x [M, K]`` and ``W [N, K]``: what a layer gains end to end.
 
+and for every shape of the experts suite (``M`` rows routed at random over the experts, each expert ``[N, K]``):
+
+- ``experts``:     ``fp8_grouped_linear`` forward and backward vs tessel's bf16 grouped GEMM forward and backward
+  (torch has no grouped fp8 GEMM to compare with; the experts suite compares the bf16 one with torch).
+
 Each case is first checked against its baseline (the GEMMs multiply the same fp8 values, so they agree to the
 output's rounding and the accumulators' order; the linear layer agrees with bf16 to fp8's precision), then both
 are timed. A row reports TFLOP/s for both (the linear rows count their three GEMMs: ``6·M·N·K``), the ratio
@@ -23,15 +28,18 @@ from collections.abc import Callable
 import torch
 
 from ..kernels.fp8 import fp8_matmul, quantize_fp8
+from ..kernels.grouped_matmul import grouped_matmul
 from ..kernels.matmul import last_program
-from ..layers.fp8 import fp8_linear
+from ..layers.fp8 import fp8_grouped_linear, fp8_linear
+from .experts import ExpertShape, expert_shapes
+from .experts import make_inputs as make_expert_inputs
 from .matmul import BenchmarkError, make_inputs, max_rel_error
 from .runner import geomean_rows, peak_tflops, time_fn
 from .shapes import MatmulShape, matmul_shapes
 
 __all__ = ["COLUMNS", "OPS", "fp8_cases", "run_fp8_suite"]
 
-OPS = ("gemm", "gemm split", "linear")
+OPS = ("gemm", "gemm split", "linear", "experts")
 COLUMNS = (
     "case", "op", "M", "N", "K", "max_rel_err", "tessel_ms", "torch_ms", "tessel_tflops", "torch_tflops",
     "tessel/torch", "tessel_of_peak", "program",
@@ -40,7 +48,7 @@ COLUMNS = (
 # accumulation and the split one add in different orders and precisions, hence 3%. The linear layer against bf16:
 # e4m3 keeps 3 mantissa bits (6% per value), e5m2 2; over K products the errors average to a few percent of the
 # largest output, checked at 15%.
-_TOLERANCE = {"gemm": 3e-2, "gemm split": 3e-2, "linear": 0.15}
+_TOLERANCE = {"gemm": 3e-2, "gemm split": 3e-2, "linear": 0.15, "experts": 0.15}
 
 
 def _scaled_mm(a, b, a_scale_inv, b_scale_inv, fast: bool) -> torch.Tensor:
@@ -89,11 +97,21 @@ def fp8_cases(shape: MatmulShape, device: str) -> dict[str, tuple[Callable, Call
     }
 
 
+def _expert_cases(shape: ExpertShape, device: str) -> dict[str, tuple[Callable, Callable]]:
+    a, w, g, offsets, _ = make_expert_inputs(shape, torch.bfloat16, device)
+    x, w = a.requires_grad_(), w.requires_grad_()
+    fp8 = lambda x, w: fp8_grouped_linear(x, w, offsets)
+    bf16 = lambda x, w: grouped_matmul(x, w.transpose(1, 2), offsets)
+    return {"experts": (_LinearStep(fp8, x, w, g), _LinearStep(bf16, x, w, g))}
+
+
 def _row(shape, op, err, tessel_ms, baseline_ms, peak, program) -> dict:
-    flops = shape.flops * (3 if op == "linear" else 1)
+    """One measured case; the linear and experts rows count their three GEMMs."""
+    m = shape.rows if isinstance(shape, ExpertShape) else shape.m
+    flops = 2 * m * shape.n * shape.k * (3 if op in ("linear", "experts") else 1)
     tessel_tflops, baseline_tflops = flops / tessel_ms / 1e9, flops / baseline_ms / 1e9
     values = (
-        shape.label, op, shape.m, shape.n, shape.k, err, tessel_ms, baseline_ms, tessel_tflops, baseline_tflops,
+        shape.label, op, m, shape.n, shape.k, err, tessel_ms, baseline_ms, tessel_tflops, baseline_tflops,
         tessel_tflops / baseline_tflops, tessel_tflops / peak if peak else None, program,
     )  # fmt: skip
     return dict(zip(COLUMNS, values, strict=True))
@@ -106,10 +124,9 @@ def run_fp8_suite(dtype: torch.dtype | None = None, quick: bool = False) -> list
     device = "cuda" if cuda else "cpu"
     peak = peak_tflops(torch.cuda.get_device_name(), torch.float8_e4m3fn) if cuda else None
     rows = []
-    for shape in matmul_shapes(cuda, quick):
-        if shape.m < 16:
-            continue  # decode-sized: cuBLAS's fp8 GEMM needs 16 rows
-        for op, (tessel_fn, baseline_fn) in fp8_cases(shape, device).items():
+    gemms = [(s, fp8_cases) for s in matmul_shapes(cuda, quick) if s.m >= 16]  # cuBLAS's fp8 GEMM needs 16 rows
+    for shape, cases in gemms + [(s, _expert_cases) for s in expert_shapes(cuda, quick)]:
+        for op, (tessel_fn, baseline_fn) in cases(shape, device).items():
             err = _error(tessel_fn, baseline_fn)
             if not err <= _TOLERANCE[op]:  # also catches NaN
                 raise BenchmarkError(
@@ -117,7 +134,7 @@ def run_fp8_suite(dtype: torch.dtype | None = None, quick: bool = False) -> list
                     f"{err:.3g}, above the tolerance {_TOLERANCE[op]:.3g}"
                 )
             tessel_ms = time_fn(tessel_fn, cuda=cuda, reps=1 if quick else 3)
-            program = last_program() if op != "linear" else None
+            program = last_program() if op.startswith("gemm") else None
             baseline_ms = time_fn(baseline_fn, cuda=cuda, reps=1 if quick else 3)
             rows.append(_row(shape, op, err, tessel_ms, baseline_ms, peak, program))
     return rows + geomean_rows(rows, COLUMNS, "op", OPS)
