@@ -32,8 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._dispatch import Backend, backend_for, cdiv, memory_overlaps, opaque_to_compile
-from .matmul import _launch, check_operands_agree
+from ._dispatch import Backend, backend_for, cdiv, opaque_to_compile
+from .matmul import _launch, check_operands_agree, check_out_apart
 
 __all__ = [
     "FP8_FORMATS",
@@ -152,11 +152,16 @@ def _check_source(fn: str, x) -> None:
         raise TypeError(f"{fn}: x must be float32, float16 or bfloat16, received {x.dtype}")
 
 
+def _batch(x: torch.Tensor) -> int:
+    """How many matrices ``x`` holds (and so how many scales): its first dimension when 3-D, else one."""
+    return x.shape[0] if x.dim() == 3 else 1
+
+
 def absmax(x: torch.Tensor) -> torch.Tensor:
     """max |x| as a one-element fp32 tensor on x's device (NaN when x holds one; 0 for an empty x), of each matrix
     for a 3-D x (``[B]``): what :func:`quantize_fp8` scales by, to be reduced over ranks (a maximum) when shards
     must share one scale."""
-    batch = x.shape[0] if x.dim() == 3 else 1
+    batch = _batch(x)
     if x.numel() == 0:
         return torch.zeros(batch, dtype=torch.float32, device=x.device)
     dims = (1, 2) if x.dim() == 3 else None
@@ -164,7 +169,7 @@ def absmax(x: torch.Tensor) -> torch.Tensor:
 
 
 def _check_amax(fn: str, amax, x: torch.Tensor) -> None:
-    batch = x.shape[0] if x.dim() == 3 else 1
+    batch = _batch(x)
     if amax is not None and (
         not isinstance(amax, torch.Tensor)
         or amax.numel() != batch
@@ -184,7 +189,7 @@ def quantize_fp8_reference(x: torch.Tensor, fmt: str = "e4m3", *, transpose: boo
     _check_source("quantize_fp8_reference", x)
     _check_amax("quantize_fp8_reference", amax, x)
     fp8_max = _FP8_MAX[fmt]
-    batch = x.shape[0] if x.dim() == 3 else 1
+    batch = _batch(x)
     amax = absmax(x) if amax is None else amax.reshape(batch)
     ratio = torch.where(amax > 0, fp8_max / amax, torch.ones_like(amax)).clamp(max=_MAX_SCALE)
     scale = (ratio.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
@@ -218,7 +223,7 @@ def quantize_fp8(x: torch.Tensor, fmt: str = "e4m3", *, transpose: bool = False,
     if backend == Backend.REFERENCE:
         return quantize_fp8_reference(x, fmt, transpose=transpose, amax=amax)
     *lead, m, n = x.shape
-    batch = lead[0] if lead else 1
+    batch = _batch(x)
     dtype = FP8_FORMATS[fmt]
     data = torch.empty((*lead, m, n), dtype=dtype, device=x.device)
     data_t = torch.empty((*lead, n, m), dtype=dtype, device=x.device) if transpose else None
@@ -289,11 +294,7 @@ def _validate(a, b, a_scale_inv, b_scale_inv, bias, out, accumulate, out_dtype, 
             f"fp8_matmul: out must be a ({m}, {n}) {out_dtype} tensor on {a.device}, received "
             f"{tuple(out.shape)} {out.dtype} on {out.device}"
         )
-    if any(st == 0 and s > 1 for s, st in zip(out.shape, out.stride())):
-        raise ValueError(f"fp8_matmul: out must not be a broadcast view (stride 0), received strides {out.stride()}")
-    for name, t in (("a", a), ("b", b)):
-        if memory_overlaps(out, t):
-            raise ValueError(f"fp8_matmul: out must not share memory with {name}")
+    check_out_apart(a, b, out, "fp8_matmul")
 
 
 def fp8_matmul(
@@ -329,7 +330,8 @@ def fp8_matmul(
     _validate(a, b, a_scale_inv, b_scale_inv, bias, out, accumulate, out_dtype, split_accumulator)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=out_dtype)
-    _launch(a, b, bias, None, out, accumulate, scales=(a_scale_inv, b_scale_inv), split_acc=split_accumulator)
+    fp8_matmul_unchecked(a, b, a_scale_inv, b_scale_inv, bias, out=out, accumulate=accumulate,
+                         split_accumulator=split_accumulator)  # fmt: skip
     return out
 
 

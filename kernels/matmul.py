@@ -362,16 +362,19 @@ def _validate_out(a, b, out) -> None:
         raise TypeError(f"matmul: out must be {a.dtype} (the inputs' dtype) or float32, received {out.dtype}")
     if out.device != a.device:
         raise ValueError(f"matmul: out must be on the inputs' device {a.device}, received {out.device}")
+    # A graph has no addresses: under compile the node checks the overlap when it runs.
+    compiling = torch.compiler.is_compiling()
+    check_out_apart(None if compiling else a, None if compiling else b, out)
+
+
+def check_out_apart(a, b, out, fn: str = "matmul") -> None:
+    """``out`` is no broadcast view and shares no memory with ``a`` or ``b`` (None: not checked), which the
+    kernel's stores would corrupt."""
     if any(st == 0 and s > 1 for s, st in zip(out.shape, out.stride())):
-        raise ValueError(f"matmul: out must not be a broadcast view (stride 0), received strides {out.stride()}")
-    if not torch.compiler.is_compiling():  # a graph has no addresses: its node checks when it runs
-        check_out_apart(a, b, out)
-
-
-def check_out_apart(a, b, out) -> None:
+        raise ValueError(f"{fn}: out must not be a broadcast view (stride 0), received strides {out.stride()}")
     for name, t in (("a", a), ("b", b)):
-        if memory_overlaps(out, t):
-            raise ValueError(f"matmul: out must not share memory with {name}")
+        if t is not None and memory_overlaps(out, t):
+            raise ValueError(f"{fn}: out must not share memory with {name}")
 
 
 def _input_precision(dtype: torch.dtype, backend: str) -> str:

@@ -73,10 +73,10 @@ def _bias_grad(grad_y: torch.Tensor, dtype: torch.dtype, group=None, *, over_ran
     return (all_reduce(total, group)[0] if over_ranks else total).to(dtype)
 
 
-def _save(ctx, group, overlap, x, weight, bias, saved) -> None:
+def _save(ctx, group, overlap, weight, bias, saved) -> None:
     ctx.save_for_backward(*saved)
     ctx.group, ctx.overlap, ctx.weight_param = group, overlap, weight
-    ctx.dtypes, ctx.has_bias, ctx.k = (x.dtype, weight.dtype), bias is not None, weight.shape[1]  # (x, W) dtypes
+    ctx.w_dtype, ctx.has_bias, ctx.k = weight.dtype, bias is not None, weight.shape[1]
 
 
 # ------------------------------------------------------------------------------------------------------ AG + GEMM
@@ -97,7 +97,7 @@ class _Fp8AllGatherMatmul(torch.autograd.Function):
         x_full = _gather(xq, group, "all_gather_matmul", gemm if overlap else None)
         if not overlap:
             _gemm(x_full, xq.scale_inv, *args, y, bias=bias, forward=True)
-        _save(ctx, group, overlap, x_shard, weight, bias, (xq.data if regather else x_full, xq.scale_inv, wq.data_t,
+        _save(ctx, group, overlap, weight, bias, (xq.data if regather else x_full, xq.scale_inv, wq.data_t,
                                                           wq.scale_inv))  # fmt: skip
         ctx.regather, ctx.m = regather, m
         return y
@@ -105,7 +105,7 @@ class _Fp8AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_y):
         saved_x, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
-        group, m, w_dtype = ctx.group, ctx.m, ctx.dtypes[1]
+        group, m, w_dtype = ctx.group, ctx.m, ctx.w_dtype
         need_dx, need_dw, need_db = ctx.needs_input_grad[3:6]
         grad_y = grad_y.contiguous()
         gq = quantize_fp8(grad_y, "e5m2", transpose=need_dw)
@@ -169,13 +169,13 @@ class _Fp8MatmulReduceScatter(torch.autograd.Function):
             once = bias if group_rank(group) == 0 else None  # the whole bias, added once to the sum
             y = reduce_scatter(_gemm(xq.data, xq.scale_inv, *args, x.new_empty((t * m, n)), bias=once, forward=True),
                                group)[0]  # fmt: skip
-        _save(ctx, group, overlap, x, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
+        _save(ctx, group, overlap, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
         return y
 
     @staticmethod
     def backward(ctx, grad_y):
         x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
-        group, w_dtype = ctx.group, ctx.dtypes[1]
+        group, w_dtype = ctx.group, ctx.w_dtype
         need_dx, need_dw, need_db = ctx.needs_input_grad[2:5]
         grad_y = grad_y.contiguous()
         m = grad_y.shape[0]
@@ -223,7 +223,7 @@ def _replicated_grads(ctx, grad_y, group=None, overlap=False, op="", reduce_dx=F
     """``(dx, dw, db)`` of ``Y = X·Wᵀ + b`` in fp8 from the saved transposes; with ``reduce_dx``, ``dX`` all-reduced
     over ``group`` (chunked while the weight gradient is computed, with ``overlap``)."""
     x_t, x_scale_inv, w_t, w_scale_inv = ctx.saved_tensors
-    w_dtype = ctx.dtypes[1]
+    w_dtype = ctx.w_dtype
     need_dx, need_dw, need_db = ctx.needs_input_grad[2:5]
     grad_y = grad_y.contiguous()
     gq = quantize_fp8(grad_y, "e5m2", transpose=need_dw)
@@ -269,7 +269,7 @@ class _Fp8MatmulAllReduce(torch.autograd.Function):
         else:
             out = x.new_empty((x.shape[0], weight.shape[0]))
             y = all_reduce(_gemm(xq.data, xq.scale_inv, *args, out, bias=once, forward=True), group)[0]
-        _save(ctx, group, overlap, x, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
+        _save(ctx, group, overlap, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
         return y
 
     @staticmethod
@@ -294,7 +294,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         wq = quantize_fp8(weight, "e4m3", transpose=ctx.needs_input_grad[2])
         y = _gemm(xq.data, xq.scale_inv, wq.data.t(), wq.scale_inv, x.new_empty((x.shape[0], weight.shape[0])),
                   bias=bias, forward=True)  # fmt: skip
-        _save(ctx, group, overlap, x, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
+        _save(ctx, group, overlap, weight, bias, (xq.data_t, xq.scale_inv, wq.data_t, wq.scale_inv))
         return y
 
     @staticmethod
