@@ -39,6 +39,7 @@ PTX_COUNTS = {
     "mma": "mma.sync",  # Ampere-style tensor-core instruction: tiles too small for a warpgroup
     "cp_async": "cp.async.c",  # cp.async.ca / cp.async.cg
     "tma": "cp.async.bulk.tensor",
+    "acquire": ".acquire",  # acquire-ordered loads or atomics: a consumer waiting for a flag
 }
 # Global atomics in the SASS: REDG (fire-and-forget reductions) and ATOMG (atomics that return the old value).
 # Triton 3.6 writes a relaxed atomic add whose result is unused as PTX ``atom``, which ptxas turns into REDG.
@@ -544,10 +545,24 @@ def grouped_matmul_cases():
     return cases
 
 
+def gated_matmul_cases():
+    """The one-launch GEMM over chunks that arrive while it runs (bf16, the plain GEMM's largest tile): its flag
+    wait is an acquire atomic in a loop, which must compile to a global atomic, and its loads must still pipeline."""
+    gm = importlib.import_module("tessel.kernels.gated_matmul")
+    constants = dict(
+        HAS_BIAS=True, ACTIVATION="none", ACCUMULATE=False, DOT_FP32=False, INPUT_PRECISION="tf32", INDEX_64=False,
+        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_bn=1, stride_on=1,
+    )  # fmt: skip
+    ptrs = {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "bias_ptr": "bf16", "ready_ptr": "i32"}
+    meta = {"kernel": "gated matmul", "dtype": "bf16", "stages": 3, "tile_bytes": _tile_bytes("bf16", 128, 256, 64)}
+    return [("gated matmul bf16 128x256x64", gm._gated_matmul_kernel, ptrs, constants, (), ("FIRST", "STEP", "CHUNKS"),
+             8, 3, meta)]  # fmt: skip
+
+
 def all_cases():
     return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_wide_head_cases()
             + attention_segment_cases() + attention_window_cases() + attention_softcap_cases() + adam_cases()
-            + norm_cases() + grouped_matmul_cases() + fp8_quantize_cases())  # fmt: skip
+            + norm_cases() + grouped_matmul_cases() + fp8_quantize_cases() + gated_matmul_cases())  # fmt: skip
 
 
 _CASES = None

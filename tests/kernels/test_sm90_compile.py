@@ -57,7 +57,7 @@ def test_every_kernel_compiles_and_fits_in_shared_memory(compiled):
         "matmul", "attention fwd", "attention split-kv", "attention combine", "attention dkdv",
         "attention dkdv atomic-dq", "attention dq",
         "attention preprocess", "adam", "adam stats", "norm fwd", "norm bwd", "grouped matmul",
-        "grouped matmul wgrad", "fp8 quantize",
+        "grouped matmul wgrad", "fp8 quantize", "gated matmul",
     }  # fmt: skip
     for name, record in compiled.items():
         assert record["shared"] > 0, name
@@ -108,6 +108,15 @@ def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
             # autotuner prunes with (kernels/matmul.py _shared_bytes) is what the compiler allocates.
             assert r["shared"] == r["stages"] * r["tile_bytes"], name
         assert r["shared"] >= r["stages"] * r["tile_bytes"], name
+
+
+def test_gated_matmul_waits_with_one_acquire_load_and_keeps_the_gemm_pipeline(compiled):
+    """The one-launch GEMM over arriving chunks: its wait for a chunk's flag is one acquire-ordered global load (no
+    read-modify-write hammering the flag), and its main loop is the plain GEMM's, pipelined, without spills."""
+    (r,) = [r for r in compiled.values() if r["kernel"] == "gated matmul"]
+    assert r["acquire"] == 1 and r["atom"] == 0 and r["red"] == 0, r
+    assert r["wgmma"] > 0 and r["cp_async"] > 0 and r["spill_bytes"] == 0, r
+    assert r["shared"] == r["stages"] * r["tile_bytes"], r
 
 
 def test_attention_programs_use_tensor_cores_and_pipelines(compiled):

@@ -1,0 +1,257 @@
+"""One GEMM launch over rows that arrive while it runs: the consumer half of a fused all-gather GEMM.
+
+    out[M, N] (+)= activation(a[M, K] @ b[K, N] + bias[N]),   a's rows in ``chunks`` blocks of ``m = M / chunks``
+
+Chunk ``c`` of ``a`` (rows ``[c·m, (c+1)·m)``) is written by someone else while the kernel runs (a peer's transfer,
+a copy on another stream), which then sets ``ready[c]`` (int32) to a nonzero value. The chunks arrive in ring
+order: position ``p`` holds chunk ``(first + p·step) mod chunks``, so ``first`` is this rank's own chunk (never
+waited for: it is in place when the kernel is launched) and ``step = chunks - 1`` is tessel's all-gather ring.
+
+Why one launch: the per-chunk rings of :mod:`tessel.parallel.rings` launch one GEMM per chunk. On a GPU each launch
+costs host time (tens of microseconds of Python and driver work), and a chunk of ``m`` rows fills fewer SMs than
+the whole GEMM would. Where a chunk's GEMM is shorter than that, the ring waits for the host, and the chunked
+schedule costs more than the transfer it hides. Here persistent programs (one per SM, less ``reserve_sms``) walk
+the tiles chunk by chunk in arrival order. A program about to read a chunk it has not seen yet spins on the
+chunk's flag with an acquire load, then reads the rows. So arrived chunks are multiplied while later ones are in
+flight, tiles of consecutive chunks fill the SMs together, and the host launches one kernel, not ``chunks``.
+
+Who sets the flags must not need the SMs the kernel holds: a copy engine (``Tensor.copy_`` between contiguous
+tensors), or a small kernel on another stream (``ready[c].fill_(1)``), which runs on the SMs left free by
+``reserve_sms``. Every producer must be enqueued without the host waiting on the device in between, since the
+kernel only finishes once every flag is set. The caller clears the flags before the launch (``ready.zero_()``
+on the launching stream), which keeps a captured CUDA graph correct on every replay.
+
+On a CPU (the interpreter, or the PyTorch reference) nothing runs concurrently: the flags are checked on the
+host before the launch, and a chunk that is not ready raises instead of waiting forever.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from ._dispatch import Backend, backend_for, cdiv, opaque_to_compile, upcast_dot_operands
+from .matmul import (
+    _INTERPRETER_BLOCKS,
+    _INTERPRETER_PROGRAMS,
+    _SHARED_SLACK,
+    _TILE_SHAPES,
+    _input_precision,
+    _matmul_tile,
+    _needs_int64,
+    _num_sms,
+    _shared_bytes,
+    _shared_limit,
+    _validate,
+)
+from .matmul_reference import _reference_into
+
+__all__ = ["gated_matmul", "gated_matmul_unchecked"]
+
+
+@triton.jit
+def _gated_matmul_kernel(
+    a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr,
+    CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP,
+    stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_FP32: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):  # fmt: skip
+    """Persistent programs walk the tiles position by position (each chunk's tiles in the plain kernel's grouped
+    order), so a program's positions never decrease: ``seen`` (the next position it has not waited for) spares
+    it the flag of a chunk it already read."""
+    tiles_per_chunk = tl.cdiv(CHUNK_ROWS, BLOCK_M) * tl.cdiv(N, BLOCK_N)
+    seen = 1  # position 0, the caller's own chunk, is in place at launch
+    for tile in range(tl.program_id(0), CHUNKS * tiles_per_chunk, tl.num_programs(0)):
+        position = tile // tiles_per_chunk
+        chunk = (FIRST + position * STEP) % CHUNKS
+        if position >= seen:
+            # acquire: the rows written before the flag are visible to the loads below
+            while tl.atomic_add(ready_ptr + chunk, 0, sem="acquire", scope="gpu") == 0:
+                pass
+            seen = position + 1
+        row0 = chunk * CHUNK_ROWS
+        if INDEX_64:
+            row0 = row0.to(tl.int64)
+        # The chunk is a GEMM of its own (M = CHUNK_ROWS): rows past it wrap around inside it, never read further.
+        _matmul_tile(
+            tile % tiles_per_chunk, a_ptr + row0 * stride_am, b_ptr, a_ptr, b_ptr, out_ptr + row0 * stride_om,
+            bias_ptr, out_ptr, out_ptr, out_ptr, CHUNK_ROWS, N, K,
+            stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_om, stride_on,
+            HAS_BIAS, ACTIVATION, ACCUMULATE, False, DOT_FP32, INPUT_PRECISION, INDEX_64, False, False,
+            False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+        )  # fmt: skip
+
+
+# Candidate tiles on sm_90, timed once per problem (see _tuned_config): the plain GEMM's large tiles.
+_CANDIDATES = _TILE_SHAPES[:6]
+
+
+def _check_int(name: str, value, low: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"gated_matmul: {name} must be an int, received {type(value).__name__}")
+    if value < low:
+        raise ValueError(f"gated_matmul: {name} must be at least {low}, received {value}")
+
+
+def _validate_gating(a, ready, chunks, first, step, reserve_sms) -> None:
+    _check_int("chunks", chunks, 1)
+    if a.shape[0] % chunks:
+        raise ValueError(
+            f"gated_matmul: a's rows must split into chunks={chunks} equal blocks, received {a.shape[0]} rows"
+        )
+    _check_int("first", first, 0)
+    if first >= chunks:
+        raise ValueError(f"gated_matmul: first must be a chunk index below chunks={chunks}, received {first}")
+    _check_int("step", step, 1)
+    if math.gcd(step, chunks) != 1:
+        raise ValueError(
+            f"gated_matmul: step must be coprime with chunks={chunks} (so the order visits every chunk once), "
+            f"received {step}"
+        )
+    _check_int("reserve_sms", reserve_sms, 0)
+    if not isinstance(ready, torch.Tensor):
+        raise TypeError(f"gated_matmul: ready must be a torch.Tensor, received {type(ready).__name__}")
+    if ready.dtype != torch.int32 or tuple(ready.shape) != (chunks,) or ready.stride() != (1,):
+        raise ValueError(
+            f"gated_matmul: ready must be a contiguous ({chunks},) int32 tensor (one flag per chunk), received "
+            f"{tuple(ready.shape)} {ready.dtype} with strides {ready.stride()}"
+        )
+    if ready.device != a.device:
+        raise ValueError(f"gated_matmul: ready must be on a's device {a.device}, received {ready.device}")
+
+
+def _check_ready_on_host(ready: torch.Tensor, chunks: int, first: int, step: int) -> None:
+    """CPU backends run nothing concurrently: a chunk not ready at launch would never become ready."""
+    flags = ready.tolist()
+    missing = [(first + p * step) % chunks for p in range(1, chunks) if flags[(first + p * step) % chunks] == 0]
+    if missing:
+        raise RuntimeError(
+            f"gated_matmul: chunks {missing} are not ready (ready[c] == 0) and, on a CPU, nothing else runs "
+            "while the kernel does to set them"
+        )
+
+
+@functools.cache
+def _programs_for(device: torch.device, reserve_sms: int) -> int:
+    return max(1, _num_sms(device) - reserve_sms)
+
+
+def _flags(a, b, bias, activation, accumulate, out, backend: str) -> dict:
+    return {
+        "HAS_BIAS": bias is not None,
+        "ACTIVATION": activation or "none",
+        "ACCUMULATE": accumulate,
+        "DOT_FP32": upcast_dot_operands(backend),
+        "INPUT_PRECISION": _input_precision(a.dtype, backend),
+        "INDEX_64": _needs_int64(a, b, out),
+    }
+
+
+def _args(a, b, out, bias, ready, chunks, first, step) -> tuple:
+    return (
+        a, b, out, bias if bias is not None else out, ready, a.shape[0] // chunks, b.shape[1], a.shape[1],
+        chunks, first, step, *a.stride(), *b.stride(), *out.stride(),
+    )  # fmt: skip
+
+
+_tuned: dict[tuple, triton.Config] = {}
+
+
+def _tuning_key(a, b, chunks, flags, programs) -> tuple:
+    unit = lambda t: tuple(s == 1 for s in t.stride())
+    return (a.shape[0] // chunks, chunks, b.shape[1], a.shape[1], a.dtype, unit(a), unit(b), programs,
+            *sorted(flags.items()))  # fmt: skip
+
+
+def _tuned_config(a, b, out, bias, chunks, flags, programs) -> triton.Config:
+    """The fastest candidate tile for this problem, timed once with every chunk ready and into a scratch output,
+    so tuning neither waits for the caller's producers nor touches the caller's ``out``."""
+    key = _tuning_key(a, b, chunks, flags, programs)
+    config = _tuned.get(key)
+    if config is not None:
+        return config
+    limit = _shared_limit(a.device)
+    candidates = []
+    for bm, bn, bk, stages, warps in _CANDIDATES:
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+        if _shared_bytes(meta, stages, a.element_size()) + _SHARED_SLACK <= limit:
+            candidates.append(triton.Config(meta, num_stages=stages, num_warps=warps))
+    ready = torch.ones(chunks, dtype=torch.int32, device=a.device)
+    scratch = torch.zeros_like(out)
+    args = _args(a, b, scratch, bias, ready, chunks, 0, 1)
+    best, best_ms = candidates[-1], float("inf")
+    for config in candidates:
+        grid = (min(programs, chunks * cdiv(a.shape[0] // chunks, config.kwargs["BLOCK_M"])
+                    * cdiv(b.shape[1], config.kwargs["BLOCK_N"])),)  # fmt: skip
+        launch = lambda c=config, g=grid: _gated_matmul_kernel[g](*args, **flags, **c.all_kwargs())
+        ms = triton.testing.do_bench(launch, warmup=5, rep=20)
+        if ms < best_ms:
+            best, best_ms = config, ms
+    _tuned[key] = best
+    return best
+
+
+@opaque_to_compile
+def gated_matmul(
+    a, b, ready, *, chunks, first=0, step=1, bias=None, activation=None, out=None, accumulate=False, reserve_sms=2
+) -> torch.Tensor:
+    """``out (+)= activation(a @ b + bias)`` in one launch, each chunk of ``a``'s rows read once ``ready`` says so.
+
+    Args:
+        a: ``[M, K]``, any strides, float32/float16/bfloat16; ``M`` a multiple of ``chunks``.
+        b: ``[K, N]``, a's dtype and device, any strides.
+        ready: a contiguous ``[chunks]`` int32 tensor on a's device: ``ready[c] != 0`` once chunk ``c`` is
+            written. Chunk ``first`` is not waited for. Set by another stream or a copy engine while the kernel
+            runs (see the module's notes on what may set it).
+        chunks: how many row blocks ``a`` has.
+        first, step: the arrival order, position ``p`` being chunk ``(first + p·step) mod chunks``; ``step``
+            coprime with ``chunks``. ``first=r, step=chunks-1`` is tessel's all-gather ring on rank ``r``.
+        bias, activation, out, accumulate: as for :func:`tessel.kernels.matmul.matmul` (no autograd here).
+        reserve_sms: SMs the persistent programs leave free for what sets the flags (a kernel needs one).
+
+    Returns:
+        ``out`` when given, otherwise a new ``[M, N]`` tensor of a's dtype. On a GPU the call returns at once and
+        the kernel finishes when the last chunk has arrived and been multiplied.
+    """
+    _validate(a, b, bias, activation, out, accumulate)
+    _validate_gating(a, ready, chunks, first, step, reserve_sms)
+    if out is None:
+        out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
+    if backend_for(a) != Backend.TRITON and a.shape[0] and b.shape[1]:
+        _check_ready_on_host(ready, chunks, first, step)
+    gated_matmul_unchecked(a, b, ready, chunks, first, step, out, bias, activation, accumulate, reserve_sms)
+    return out
+
+
+def gated_matmul_unchecked(
+    a, b, ready, chunks, first, step, out, bias=None, activation=None, accumulate=False, reserve_sms=2
+) -> None:
+    """:func:`gated_matmul` into ``out`` without its argument checks (nor, on a CPU, the check of the flags): for
+    callers that checked their operands once and launch it at every step of a training run, where the checks'
+    tens of microseconds of host time would show beside a short GEMM."""
+    if a.shape[0] == 0 or b.shape[1] == 0:
+        return
+    backend = backend_for(a)
+    if backend == Backend.REFERENCE:
+        _reference_into(a, b, bias, activation, out, accumulate, None)
+        return
+    flags = _flags(a, b, bias, activation, accumulate, out, backend)
+    args = _args(a, b, out, bias, ready, chunks, first, step)
+    rows = a.shape[0] // chunks
+    if backend == Backend.INTERPRETER:
+        meta = _INTERPRETER_BLOCKS
+        tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
+        _gated_matmul_kernel[(min(tiles, _INTERPRETER_PROGRAMS),)](*args, **flags, **meta)
+        return
+    with torch.cuda.device(a.device):
+        programs = _programs_for(a.device, reserve_sms)
+        config = _tuned_config(a, b, out, bias, chunks, flags, programs)
+        meta = config.kwargs
+        tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
+        _gated_matmul_kernel[(min(tiles, programs),)](*args, **flags, **config.all_kwargs())

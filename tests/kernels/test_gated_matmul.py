@@ -1,0 +1,187 @@
+"""tessel.kernels.gated_matmul: one GEMM launch over row chunks that arrive while it runs.
+
+On a CPU nothing runs beside the kernel, so the chunks are in place (flags set) before the launch: these tests
+check the arithmetic against float64 (odd shapes, every arrival order, epilogues, strided views), that only the
+output's own elements are written, and that a chunk which is not ready is refused instead of waited for forever.
+The GPU tests make the flags arrive late, from another stream, after the kernel has started.
+"""
+
+import pytest
+import torch
+
+from tessel.kernels.gated_matmul import gated_matmul
+from tests.kernels.test_matmul import assert_gemm_close, reference
+
+# (chunks, rows per chunk, N, K): rows and N not multiples of the interpreter's 32-wide tiles, K spanning blocks.
+SHAPES = [(4, 19, 45, 37), (3, 40, 70, 33), (1, 7, 5, 3), (2, 33, 1, 64)]
+
+
+def _operands(chunks, rows, n, k, dtype, transposed_b=True):
+    a = torch.randn(chunks * rows, k, dtype=dtype)
+    b = torch.randn(n, k, dtype=dtype).t() if transposed_b else torch.randn(k, n, dtype=dtype)
+    return a, b
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_against_float64(seed, shape, dtype):
+    chunks, rows, n, k = shape
+    a, b = _operands(chunks, rows, n, k, dtype)
+    bias = torch.randn(n, dtype=dtype)
+    ready = torch.ones(chunks, dtype=torch.int32)
+    out = gated_matmul(a, b, ready, chunks=chunks, first=chunks - 1, step=max(1, chunks - 1), bias=bias)
+    expected, magnitude = reference(a, b, bias)
+    assert out.dtype == dtype
+    assert_gemm_close(out, expected, magnitude, dtype)
+
+
+def test_every_arrival_order_gives_the_same_bits(seed):
+    """The order decides when a chunk's tiles run, never how: each tile is the same computation whatever the order."""
+    chunks, rows, n, k = 5, 21, 40, 35
+    a, b = _operands(chunks, rows, n, k, torch.float32)
+    ready = torch.ones(chunks, dtype=torch.int32)
+    first = gated_matmul(a, b, ready, chunks=chunks)
+    for start, step in [(3, 1), (2, 4), (4, 2), (1, 3)]:
+        other = gated_matmul(a, b, ready, chunks=chunks, first=start, step=step)
+        assert torch.equal(other, first), (start, step)
+
+
+def test_epilogue_accumulates_into_a_strided_view_and_touches_nothing_else(seed):
+    chunks, rows, n, k = 3, 13, 30, 20
+    a, b = _operands(chunks, rows, n, k, torch.float32, transposed_b=False)
+    bias = torch.randn(n)
+    big = torch.randn(chunks * rows + 4, n + 9)
+    before = big.clone()
+    view = big[2 : 2 + chunks * rows, 5 : 5 + n]  # a row block and a column band of a larger buffer
+    ready = torch.ones(chunks, dtype=torch.int32)
+    gated_matmul(a, b, ready, chunks=chunks, first=1, step=2, bias=bias, activation="gelu", out=view, accumulate=True)
+    z, magnitude = reference(a, b, bias, "gelu")
+    assert_gemm_close(view, z + before[2 : 2 + chunks * rows, 5 : 5 + n].double(), magnitude + view.abs().double(),
+                      torch.float32)  # fmt: skip
+    outside = torch.ones_like(big, dtype=torch.bool)
+    outside[2 : 2 + chunks * rows, 5 : 5 + n] = False
+    assert torch.equal(big[outside], before[outside])
+
+
+def test_float32_output_for_half_operands(seed):
+    a, b = _operands(2, 16, 24, 40, torch.float16)
+    out = torch.empty(32, 24)
+    gated_matmul(a, b, torch.ones(2, dtype=torch.int32), chunks=2, out=out)
+    expected, magnitude = reference(a, b)
+    assert_gemm_close(out, expected, magnitude, torch.float32)
+
+
+def test_own_chunk_is_never_waited_for(seed):
+    """Position 0 (chunk ``first``: the caller's own rows) is in place at launch: its flag is not read."""
+    chunks, rows, n, k = 3, 10, 12, 8
+    a, b = _operands(chunks, rows, n, k, torch.float32)
+    ready = torch.tensor([1, 0, 1], dtype=torch.int32)  # chunk 1's flag never set
+    out = gated_matmul(a, b, ready, chunks=chunks, first=1, step=1)
+    expected, magnitude = reference(a, b)
+    assert_gemm_close(out, expected, magnitude, torch.float32)
+    single = gated_matmul(a, b, torch.zeros(1, dtype=torch.int32), chunks=1)
+    assert_gemm_close(single, expected, magnitude, torch.float32)
+
+
+def test_a_chunk_not_ready_on_a_cpu_is_refused_and_nothing_is_written(seed):
+    chunks, rows, n, k = 4, 6, 8, 8
+    a, b = _operands(chunks, rows, n, k, torch.float32)
+    out = torch.full((chunks * rows, n), 7.0)
+    ready = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
+    with pytest.raises(RuntimeError, match=r"chunks \[3, 1\] are not ready"):
+        gated_matmul(a, b, ready, chunks=chunks, first=0, step=3, out=out)  # order 0, 3, 2, 1
+    assert torch.equal(out, torch.full_like(out, 7.0))
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(chunks=5), ValueError, r"a's rows must split into chunks=5 equal blocks, received 12 rows"),
+        (dict(chunks=0), ValueError, r"chunks must be at least 1, received 0"),
+        (dict(chunks=True), TypeError, r"chunks must be an int, received bool"),
+        (dict(chunks=4, first=4), ValueError, r"first must be a chunk index below chunks=4, received 4"),
+        (dict(chunks=4, first=-1), ValueError, r"first must be at least 0, received -1"),
+        (dict(chunks=4, step=2), ValueError, r"step must be coprime with chunks=4 .*received 2"),
+        (dict(chunks=4, step=0), ValueError, r"step must be at least 1, received 0"),
+        (dict(chunks=4, reserve_sms=-1), ValueError, r"reserve_sms must be at least 0, received -1"),
+        (dict(chunks=4, ready=torch.ones(4)), ValueError, r"ready must be a contiguous \(4,\) int32 tensor.*float32"),
+        (dict(chunks=4, ready=torch.ones(3, dtype=torch.int32)), ValueError, r"received \(3,\) torch.int32"),
+        (dict(chunks=4, ready=torch.ones(8, dtype=torch.int32)[::2]), ValueError, r"with strides \(2,\)"),
+        (dict(chunks=4, ready=[1, 1, 1, 1]), TypeError, r"ready must be a torch.Tensor, received list"),
+        (dict(chunks=4, ready=torch.ones(4, dtype=torch.int32, device="meta")), ValueError, r"ready must be on a's"),
+        (dict(chunks=4, b=torch.randn(9, 5)), ValueError, r"inner dimensions differ"),
+        (dict(chunks=4, activation="tanh"), ValueError, r"activation must be one of"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(kwargs, error, match):
+    args = dict(a=torch.randn(12, 8), b=torch.randn(8, 5), ready=torch.ones(4, dtype=torch.int32))
+    args.update(kwargs)
+    with pytest.raises(error, match=match):
+        gated_matmul(args.pop("a"), args.pop("b"), args.pop("ready"), **args)
+
+
+# ------------------------------------------------------------------------------------------------------------- GPU
+
+
+def _late_chunks(a, chunks, order, side, delay_cycles):
+    """A buffer whose chunks other than ``order[0]`` hold NaN until ``side`` (after sleeping) copies each chunk in
+    and sets its flag, chunk by chunk in ``order``; returns (buffer, flags, enqueue), enqueue issuing the copies."""
+    rows = a.shape[0] // chunks
+    buf = torch.full_like(a, float("nan"))
+    buf[order[0] * rows : (order[0] + 1) * rows] = a[order[0] * rows : (order[0] + 1) * rows]
+    ready = torch.zeros(chunks, dtype=torch.int32, device=a.device)
+
+    def enqueue():
+        with torch.cuda.stream(side):
+            for c in order[1:]:
+                torch.cuda._sleep(delay_cycles)  # the GEMM has started long before this chunk arrives
+                buf[c * rows : (c + 1) * rows].copy_(a[c * rows : (c + 1) * rows])
+                ready[c : c + 1].fill_(1)
+
+    return buf, ready, enqueue
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_gpu_waits_for_chunks_that_arrive_late(seed, dtype):
+    chunks, rows, n, k = 4, 1000, 1536, 1024  # rows not a multiple of any tile
+    a = torch.randn(chunks * rows, k, device="cuda", dtype=dtype)
+    b = torch.randn(n, k, device="cuda", dtype=dtype).t()
+    bias = torch.randn(n, device="cuda", dtype=dtype)
+    expected, magnitude = reference(a.cpu(), b.cpu(), bias.cpu())
+    gated_matmul(a, b, torch.ones(chunks, dtype=torch.int32, device="cuda"), chunks=chunks, bias=bias)  # tunes
+    side = torch.cuda.Stream()
+    for first in range(chunks):
+        order = [(first + p * (chunks - 1)) % chunks for p in range(chunks)]  # the all-gather ring on rank `first`
+        buf, ready, enqueue = _late_chunks(a, chunks, order, side, delay_cycles=20_000_000)
+        side.wait_stream(torch.cuda.current_stream())  # the buffer and flags are written before the copies run
+        out = gated_matmul(buf, b, ready, chunks=chunks, first=first, step=chunks - 1, bias=bias)
+        enqueue()  # after the launch, as a ring enqueues its transfers
+        torch.cuda.synchronize()
+        tol = torch.bfloat16 if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32 else dtype
+        assert_gemm_close(out.cpu(), expected, magnitude, tol)
+
+
+@pytest.mark.gpu
+def test_gpu_flags_cleared_on_the_stream_serve_every_call(seed):
+    """Calls back to back on one flag tensor, cleared by ``ready.zero_()`` on the launching stream each time, never
+    read a previous call's flags (the next call's chunks hold other values)."""
+    chunks, rows, n, k = 3, 512, 768, 512
+    b = torch.randn(k, n, device="cuda", dtype=torch.bfloat16)
+    ready = torch.zeros(chunks, dtype=torch.int32, device="cuda")
+    buf = torch.empty(chunks * rows, k, device="cuda", dtype=torch.bfloat16)
+    side = torch.cuda.Stream()
+    for _ in range(3):
+        a = torch.randn(chunks * rows, k, device="cuda", dtype=torch.bfloat16)
+        ready.zero_()
+        buf[:rows].copy_(a[:rows])
+        side.wait_stream(torch.cuda.current_stream())
+        out = gated_matmul(buf, b, ready, chunks=chunks)
+        with torch.cuda.stream(side):
+            for c in range(1, chunks):
+                torch.cuda._sleep(10_000_000)
+                buf[c * rows : (c + 1) * rows].copy_(a[c * rows : (c + 1) * rows])
+                ready[c : c + 1].fill_(1)
+        torch.cuda.current_stream().wait_stream(side)
+        expected, magnitude = reference(a.cpu(), b.cpu())
+        assert_gemm_close(out.cpu(), expected, magnitude, torch.bfloat16)
