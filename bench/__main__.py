@@ -26,6 +26,7 @@ from .fp8 import run_fp8_suite
 from .loss import run_loss_suite
 from .matmul import BenchmarkError, run_matmul_suite
 from .overlap import run_overlap_suite
+from .overlap_gated import run_overlap_gated_suite
 from .pipeline import run_pipeline_suite
 from .runner import environment, report
 from .summary import write_summary
@@ -45,12 +46,13 @@ SUITES = {
     "overlap": run_overlap_suite,
     "pipeline": run_pipeline_suite,
     "attention-tiles": run_attention_tiles_suite,
+    "overlap-gated": run_overlap_gated_suite,
 }
 # Diagnostics that run only when named: the whole suite (no SUITE given) leaves them out.
-ON_REQUEST = {"attention-tiles"}
+ON_REQUEST = {"attention-tiles", "overlap-gated"}
 # Suites whose figures are exact counts, the same on every machine (not timings); on a CPU the overlap
 # suite reports bytes and schedules only.
-HARDWARE_INDEPENDENT = {"pipeline"} | (set() if torch.cuda.is_available() else {"overlap"})
+HARDWARE_INDEPENDENT = {"pipeline"} | (set() if torch.cuda.is_available() else {"overlap", "overlap-gated"})
 # Suites that write files of their own (plots) next to the tables.
 WRITES_FILES = {"pipeline"}
 

@@ -15,9 +15,7 @@ Three settings, chosen by what is present:
   ``ring_host_ms`` is the host time of one ring issued without waiting for the GPU: where it reaches
   ``emulated_ring_ms`` the GPU waits for the host's launches. ``graph_gemm_ms`` / ``graph_ring_ms`` replay
   both captured in CUDA graphs (as a captured training step runs them: the steps' launches cost no host
-  time), and ``graph ring/gemm`` is what chunking costs the GPU itself. ``gated_ring_ms`` runs the same ring
-  as one GEMM launch (:mod:`tessel.kernels.gated_matmul`) whose programs wait on each chunk's flag, set by the
-  side stream after its copy: no launch per chunk, and the tiles of arrived chunks fill the SMs together.
+  time), and ``graph ring/gemm`` is what chunking costs the GPU itself.
 - **Several GPUs under torchrun** (``torchrun --nproc_per_node=N -m tessel.bench overlap``): the real
   ops on NCCL. Overlap efficiency ``(T_gemm + T_comm − T_overlapped) / min(T_gemm, T_comm)`` (1: the
   shorter of the two is fully hidden; 0: nothing is) and the speed-up over the plain path (one
@@ -34,7 +32,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..kernels.gated_matmul import gated_matmul_unchecked
 from ..kernels.matmul import matmul, matmul_unchecked
 from ..parallel.comm import all_gather, count_bytes, record_events
 from ..parallel.overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
@@ -199,32 +196,6 @@ def _emulated_ring(x_full: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t: 
     return run
 
 
-def _gated_emulated_ring(x_full: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t: int) -> Callable[[], None]:
-    """The same ring in one GEMM launch (:mod:`tessel.kernels.gated_matmul`): the kernel starts on shard 0 while
-    the side stream copies shards 1.. into their rows (from a buffer standing for the peers), setting each one's
-    flag after its copy; the kernel's programs wait for a shard's flag before reading it."""
-    m = x_full.shape[0] // t
-    peers = x_full.clone()
-    rows = [(x_full[s * m : (s + 1) * m], peers[s * m : (s + 1) * m]) for s in range(t)]
-    ready = torch.zeros(t, dtype=torch.int32, device=x_full.device)
-    flags = [ready[s : s + 1] for s in range(t)]
-    b = w.t()
-    side = torch.cuda.Stream()
-
-    def run():
-        compute = torch.cuda.current_stream()
-        ready.zero_()
-        side.wait_stream(compute)  # flags cleared; the previous call's GEMM has read the rows the copies rewrite
-        gated_matmul_unchecked(x_full, b, ready, t, 0, 1, out)
-        with torch.cuda.stream(side):  # enqueued after the launch, as a ring issues its transfers
-            for s in range(1, t):
-                rows[s][0].copy_(rows[s][1], non_blocking=True)
-                flags[s].fill_(1)
-        compute.wait_stream(side)
-
-    return run
-
-
 def _gpu_emulated_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
     rows = []
     for shape in matmul_shapes(True, quick):
@@ -242,16 +213,9 @@ def _gpu_emulated_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
                 "case": shape.name, "tp": t, "gemm_ms": t_gemm, "emulated_ring_ms": t_ring,
                 "ring/gemm": t_ring / t_gemm, "ring_host_ms": host_time(ring), "graph_gemm_ms": g_gemm,
                 "graph_ring_ms": g_ring, "graph ring/gemm": None if None in (g_gemm, g_ring) else g_ring / g_gemm,
-                **_gated_columns(x_full, w, out, t, t_gemm), "target": "<= 1.05",
+                "target": "<= 1.05",
             })  # fmt: skip
     return rows
-
-
-def _gated_columns(x_full, w, out, t: int, t_gemm: float) -> dict:
-    """The one-launch ring's time, its host time, and its time relative to the unchunked GEMM."""
-    gated = _gated_emulated_ring(x_full, w, out, t)
-    t_gated = time_fn(gated)
-    return {"gated_ring_ms": t_gated, "gated ring/gemm": t_gated / t_gemm, "gated_host_ms": host_time(gated)}
 
 
 # ------------------------------------------------------------------------------------------------ GPUs under torchrun

@@ -18,8 +18,8 @@ flight, tiles of consecutive chunks fill the SMs together, and the host launches
 Who sets the flags must not need the SMs the kernel holds: a copy engine (``Tensor.copy_`` between contiguous
 tensors), or a small kernel on another stream (``ready[c].fill_(1)``), which runs on the SMs left free by
 ``reserve_sms``. Every producer must be enqueued without the host waiting on the device in between, since the
-kernel only finishes once every flag is set. The caller clears the flags before the launch (``ready.zero_()``
-on the launching stream), which keeps a captured CUDA graph correct on every replay.
+kernel only finishes once every flag is set. The caller clears the flags before each launch (``ready.zero_()`` on
+the launching stream, ordered before the producers' writes).
 
 On a CPU (the interpreter, or the PyTorch reference) nothing runs concurrently: the flags are checked on the
 host before the launch, and a chunk that is not ready raises instead of waiting forever.
