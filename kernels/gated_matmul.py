@@ -28,6 +28,7 @@ host before the launch, and a chunk that is not ready raises instead of waiting 
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import torch
@@ -40,12 +41,14 @@ from .matmul import (
     _INTERPRETER_PROGRAMS,
     _SHARED_SLACK,
     _TILE_SHAPES,
+    _ensure_scratch_allocator,
     _input_precision,
     _matmul_tile,
     _needs_int64,
     _num_sms,
     _shared_bytes,
     _shared_limit,
+    _tma_flags,
     _validate,
 )
 from .matmul_reference import _reference_into
@@ -59,12 +62,31 @@ def _gated_matmul_kernel(
     CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, TMA: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """Persistent programs walk the tiles position by position (each chunk's tiles in the plain kernel's grouped
     order), so a program's positions never decrease: ``seen`` (the next position it has not waited for) spares
-    it the flag of a chunk it already read."""
+    it the flag of a chunk it already read.
+
+    TMA (a row-major): one descriptor over all of ``a``, each tile reading from its chunk's first row. A tile
+    that ends past its chunk reads the next chunk's first rows, ready or not, into rows it never stores (each
+    output row depends on its own row of ``a`` alone); past the last row the copy engine fills zeros."""
+    if TMA:
+        a_desc = tl.make_tensor_descriptor(
+            a_ptr, shape=[CHUNKS * CHUNK_ROWS, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+        )
+        if B_T:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K]
+            )
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N]
+            )
+    else:
+        a_desc = a_ptr
+        b_desc = b_ptr
     tiles_per_chunk = tl.cdiv(CHUNK_ROWS, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     seen = 1  # position 0, the caller's own chunk, is in place at launch
     for tile in range(tl.program_id(0), CHUNKS * tiles_per_chunk, tl.num_programs(0)):
@@ -75,21 +97,24 @@ def _gated_matmul_kernel(
             while tl.atomic_add(ready_ptr + chunk, 0, sem="acquire", scope="gpu") == 0:
                 pass
             seen = position + 1
-        row0 = chunk * CHUNK_ROWS
+        first_row = chunk * CHUNK_ROWS  # int32: a descriptor's coordinate
+        row0 = first_row
         if INDEX_64:
             row0 = row0.to(tl.int64)
-        # The chunk is a GEMM of its own (M = CHUNK_ROWS): rows past it wrap around inside it, never read further.
+        # The chunk is a GEMM of its own (M = CHUNK_ROWS): through pointers, rows past it wrap around inside it.
         _matmul_tile(
-            tile % tiles_per_chunk, a_ptr + row0 * stride_am, b_ptr, a_ptr, b_ptr, out_ptr + row0 * stride_om,
-            bias_ptr, out_ptr, out_ptr, out_ptr, CHUNK_ROWS, N, K,
+            tile % tiles_per_chunk, a_ptr + row0 * stride_am, b_ptr, a_desc, b_desc, first_row,
+            out_ptr + row0 * stride_om, bias_ptr, out_ptr, out_ptr, out_ptr, CHUNK_ROWS, N, K,
             stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_om, stride_on,
             HAS_BIAS, ACTIVATION, ACCUMULATE, False, DOT_FP32, INPUT_PRECISION, INDEX_64, False, False,
-            False, False, False, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
+            TMA, False, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
 
 
 # Candidate tiles on sm_90, timed once per problem (see _tuned_config): the plain GEMM's large tiles.
 _CANDIDATES = _TILE_SHAPES[:6]
+# The interpreter runs the pointer variant unless a test picks the descriptor one.
+_INTERPRETER_TMA = False
 
 
 def _check_int(name: str, value, low: int) -> None:
@@ -142,15 +167,20 @@ def _programs_for(device: torch.device, reserve_sms: int) -> int:
     return max(1, _num_sms(device) - reserve_sms)
 
 
-def _flags(a, b, bias, activation, accumulate, out, backend: str) -> dict:
-    return {
+def _flags(a, b, bias, activation, accumulate, out, backend: str) -> tuple[dict, bool]:
+    """The kernel's flags, and whether its descriptor variant can read the operands (a row-major; see
+    :func:`~tessel.kernels.matmul._tma_flags`)."""
+    tma = _tma_flags(a, b, backend)
+    flags = {
         "HAS_BIAS": bias is not None,
         "ACTIVATION": activation or "none",
         "ACCUMULATE": accumulate,
         "DOT_FP32": upcast_dot_operands(backend),
         "INPUT_PRECISION": _input_precision(a.dtype, backend),
         "INDEX_64": _needs_int64(a, b, out),
+        "B_T": tma["B_T"],
     }
+    return flags, tma["TMA_OK"] and not tma["A_T"]
 
 
 def _args(a, b, out, bias, ready, chunks, first, step) -> tuple:
@@ -163,23 +193,24 @@ def _args(a, b, out, bias, ready, chunks, first, step) -> tuple:
 _tuned: dict[tuple, triton.Config] = {}
 
 
-def _tuning_key(a, b, chunks, flags, programs) -> tuple:
+def _tuning_key(a, b, chunks, flags, tma_ok, programs) -> tuple:
     unit = lambda t: tuple(s == 1 for s in t.stride())
-    return (a.shape[0] // chunks, chunks, b.shape[1], a.shape[1], a.dtype, unit(a), unit(b), programs,
+    return (a.shape[0] // chunks, chunks, b.shape[1], a.shape[1], a.dtype, unit(a), unit(b), tma_ok, programs,
             *sorted(flags.items()))  # fmt: skip
 
 
-def _tuned_config(a, b, out, bias, chunks, flags, programs) -> triton.Config:
-    """The fastest candidate tile for this problem, timed once with every chunk ready and into a scratch output,
-    so tuning neither waits for the caller's producers nor touches the caller's ``out``."""
-    key = _tuning_key(a, b, chunks, flags, programs)
+def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Config:
+    """The fastest candidate tile and variant (pointers, or descriptors where ``tma_ok``) for this problem, timed
+    once with every chunk ready and into a scratch output, so tuning neither waits for the caller's producers
+    nor touches the caller's ``out``."""
+    key = _tuning_key(a, b, chunks, flags, tma_ok, programs)
     config = _tuned.get(key)
     if config is not None:
         return config
     limit = _shared_limit(a.device)
     candidates = []
-    for bm, bn, bk, stages, warps in _CANDIDATES:
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8}
+    for (bm, bn, bk, stages, warps), tma in itertools.product(_CANDIDATES, (False, True) if tma_ok else (False,)):
+        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TMA": tma}
         if _shared_bytes(meta, stages, a.element_size()) + _SHARED_SLACK <= limit:
             candidates.append(triton.Config(meta, num_stages=stages, num_warps=warps))
     ready = torch.ones(chunks, dtype=torch.int32, device=a.device)
@@ -241,17 +272,18 @@ def gated_matmul_unchecked(
     if backend == Backend.REFERENCE:
         _reference_into(a, b, bias, activation, out, accumulate, None)
         return
-    flags = _flags(a, b, bias, activation, accumulate, out, backend)
+    flags, tma_ok = _flags(a, b, bias, activation, accumulate, out, backend)
     args = _args(a, b, out, bias, ready, chunks, first, step)
     rows = a.shape[0] // chunks
     if backend == Backend.INTERPRETER:
-        meta = _INTERPRETER_BLOCKS
+        meta = {**_INTERPRETER_BLOCKS, "TMA": _INTERPRETER_TMA and tma_ok}
         tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
         _gated_matmul_kernel[(min(tiles, _INTERPRETER_PROGRAMS),)](*args, **flags, **meta)
         return
+    _ensure_scratch_allocator()  # device-built descriptors (see matmul)
     with torch.cuda.device(a.device):
         programs = _programs_for(a.device, reserve_sms)
-        config = _tuned_config(a, b, out, bias, chunks, flags, programs)
+        config = _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs)
         meta = config.kwargs
         tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
         _gated_matmul_kernel[(min(tiles, programs),)](*args, **flags, **config.all_kwargs())

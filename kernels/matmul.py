@@ -63,7 +63,7 @@ def _dot(a, b, acc, INPUT_PRECISION: tl.constexpr, SPLIT_ACC: tl.constexpr):
 
 @triton.jit
 def _matmul_tile(
-    tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
+    tile_id, a_ptr, b_ptr, a_desc, b_desc, a_row0, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, STORE_PREACT: tl.constexpr,
@@ -71,7 +71,8 @@ def _matmul_tile(
     SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr, TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
-    """One BLOCK_M x BLOCK_N tile of out: main loop over K, then the epilogue."""
+    """One BLOCK_M x BLOCK_N tile of out: main loop over K, then the epilogue. ``a_row0``: where a's rows start in
+    ``a_desc`` (the pointers start at them)."""
     # Grouped tile order: GROUP_M row-tiles share each column of B while it is hot in L2.
     num_pid_m = tl.cdiv(M, BLOCK_M)
     num_pid_n = tl.cdiv(N, BLOCK_N)
@@ -91,10 +92,10 @@ def _matmul_tile(
         # The copy engine zero-fills blocks past every edge, so nothing is masked.
         for k in range(0, tl.cdiv(K, BLOCK_K)):
             off_k = k * BLOCK_K
-            if A_T:  # noqa: SIM108 - a constexpr branch: only one side is compiled
-                a = a_desc.load([off_k, pid_m * BLOCK_M]).T
+            if A_T:  # a constexpr branch: only one side is compiled
+                a = a_desc.load([off_k, a_row0 + pid_m * BLOCK_M]).T
             else:
-                a = a_desc.load([pid_m * BLOCK_M, off_k])
+                a = a_desc.load([a_row0 + pid_m * BLOCK_M, off_k])
             if B_T:  # noqa: SIM108
                 b = b_desc.load([pid_n * BLOCK_N, off_k]).T
             else:
@@ -184,14 +185,14 @@ def _matmul_kernel(
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
         for tile_id in range(pid, num_tiles, tl.num_programs(0)):
             _matmul_tile(
-                tile_id, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
+                tile_id, a_ptr, b_ptr, a_desc, b_desc, 0, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
                 M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
                 HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, SCALED, SPLIT_ACC,
                 TMA, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
             )  # fmt: skip
     else:
         _matmul_tile(
-            pid, a_ptr, b_ptr, a_desc, b_desc, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
+            pid, a_ptr, b_ptr, a_desc, b_desc, 0, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
             M, N, K, stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_pm, stride_pn,
             HAS_BIAS, ACTIVATION, ACCUMULATE, STORE_PREACT, DOT_FP32, INPUT_PRECISION, INDEX_64, SCALED, SPLIT_ACC,
             TMA, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,

@@ -39,7 +39,6 @@ PTX_COUNTS = {
     "mma": "mma.sync",  # Ampere-style tensor-core instruction: tiles too small for a warpgroup
     "cp_async": "cp.async.c",  # cp.async.ca / cp.async.cg
     "tma": "cp.async.bulk.tensor",
-    "acquire": ".acquire",  # acquire-ordered loads or atomics: a consumer waiting for a flag
 }
 # Global atomics in the SASS: REDG (fire-and-forget reductions) and ATOMG (atomics that return the old value).
 # Triton 3.6 writes a relaxed atomic add whose result is unused as PTX ``atom``, which ptxas turns into REDG.
@@ -49,6 +48,7 @@ SASS_ATOMICS = {"red": re.compile(r"\bREDG?\.E\."), "atom": re.compile(r"\bATOMG
 PTX_INSTRUCTIONS = {
     "red": re.compile(r"^\s*(?:@!?%p\d+\s+)?red\.", re.M),  # atomic reductions whose result is unused
     "atom": re.compile(r"^\s*(?:@!?%p\d+\s+)?atom\.", re.M),  # atomics that return the old value
+    "acquire_load": re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.[\w.:]*\.acquire\.", re.M),  # waiting for a flag
 }
 
 
@@ -546,17 +546,23 @@ def grouped_matmul_cases():
 
 
 def gated_matmul_cases():
-    """The one-launch GEMM over chunks that arrive while it runs (bf16, the plain GEMM's largest tile): its flag
-    wait is an acquire atomic in a loop, which must compile to a global atomic, and its loads must still pipeline."""
+    """The one-launch GEMM over chunks that arrive while it runs (bf16, the plain GEMM's largest tile), through
+    pointers and through descriptors: its flag wait must compile to one acquire-ordered load, and its loads must
+    still pipeline (cp.async) or arrive by TMA."""
     gm = importlib.import_module("tessel.kernels.gated_matmul")
-    constants = dict(
+    flags = dict(
         HAS_BIAS=True, ACTIVATION="none", ACCUMULATE=False, DOT_FP32=False, INPUT_PRECISION="tf32", INDEX_64=False,
-        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_bn=1, stride_on=1,
+        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_on=1,
     )  # fmt: skip
     ptrs = {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "bias_ptr": "bf16", "ready_ptr": "i32"}
     meta = {"kernel": "gated matmul", "dtype": "bf16", "stages": 3, "tile_bytes": _tile_bytes("bf16", 128, 256, 64)}
-    return [("gated matmul bf16 128x256x64", gm._gated_matmul_kernel, ptrs, constants, (), ("FIRST", "STEP", "CHUNKS"),
-             8, 3, meta)]  # fmt: skip
+    odd = ("FIRST", "STEP", "CHUNKS")
+    return [
+        ("gated matmul bf16 128x256x64", gm._gated_matmul_kernel, ptrs, {**flags, "TMA": False, "B_T": False,
+         "stride_bn": 1}, (), odd, 8, 3, meta),
+        ("gated matmul bf16 128x256x64 tma B_T", gm._gated_matmul_kernel, ptrs, {**flags, "TMA": True, "B_T": True,
+         "stride_bk": 1}, (), odd, 8, 3, meta),
+    ]  # fmt: skip
 
 
 def all_cases():

@@ -9,11 +9,20 @@ The GPU tests make the flags arrive late, from another stream, after the kernel 
 import pytest
 import torch
 
+import tessel.kernels.gated_matmul as gated_module
 from tessel.kernels.gated_matmul import gated_matmul
 from tests.kernels.test_matmul import assert_gemm_close, reference
 
 # (chunks, rows per chunk, N, K): rows and N not multiples of the interpreter's 32-wide tiles, K spanning blocks.
 SHAPES = [(4, 19, 45, 37), (3, 40, 70, 33), (1, 7, 5, 3), (2, 33, 1, 64)]
+
+
+@pytest.fixture(params=[False, True], ids=["pointers", "descriptors"])
+def variant(request, monkeypatch):
+    """The kernel's two ways of reading: pointer loads, or descriptors (TMA on sm_90; emulated by the interpreter)
+    over all of ``a``, where a tile that ends past its chunk reads the next chunk's rows into rows it never stores."""
+    monkeypatch.setattr(gated_module, "_INTERPRETER_TMA", request.param)
+    return request.param
 
 
 def _operands(chunks, rows, n, k, dtype, transposed_b=True):
@@ -24,7 +33,7 @@ def _operands(chunks, rows, n, k, dtype, transposed_b=True):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("shape", SHAPES)
-def test_against_float64(seed, shape, dtype):
+def test_against_float64(seed, shape, dtype, variant):
     chunks, rows, n, k = shape
     a, b = _operands(chunks, rows, n, k, dtype)
     bias = torch.randn(n, dtype=dtype)
@@ -35,7 +44,7 @@ def test_against_float64(seed, shape, dtype):
     assert_gemm_close(out, expected, magnitude, dtype)
 
 
-def test_every_arrival_order_gives_the_same_bits(seed):
+def test_every_arrival_order_gives_the_same_bits(seed, variant):
     """The order decides when a chunk's tiles run, never how: each tile is the same computation whatever the order."""
     chunks, rows, n, k = 5, 21, 40, 35
     a, b = _operands(chunks, rows, n, k, torch.float32)
@@ -46,7 +55,7 @@ def test_every_arrival_order_gives_the_same_bits(seed):
         assert torch.equal(other, first), (start, step)
 
 
-def test_epilogue_accumulates_into_a_strided_view_and_touches_nothing_else(seed):
+def test_epilogue_accumulates_into_a_strided_view_and_touches_nothing_else(seed, variant):
     chunks, rows, n, k = 3, 13, 30, 20
     a, b = _operands(chunks, rows, n, k, torch.float32, transposed_b=False)
     bias = torch.randn(n)
@@ -63,10 +72,22 @@ def test_epilogue_accumulates_into_a_strided_view_and_touches_nothing_else(seed)
     assert torch.equal(big[outside], before[outside])
 
 
-def test_float32_output_for_half_operands(seed):
+def test_float32_output_for_half_operands(seed, variant):
     a, b = _operands(2, 16, 24, 40, torch.float16)
     out = torch.empty(32, 24)
     gated_matmul(a, b, torch.ones(2, dtype=torch.int32), chunks=2, out=out)
+    expected, magnitude = reference(a, b)
+    assert_gemm_close(out, expected, magnitude, torch.float32)
+
+
+def test_a_read_through_its_transpose_takes_the_pointer_variant(seed, variant):
+    """Descriptors read ``a`` by rows only: a column-major ``a`` (a transposed view) is read through pointers."""
+    chunks, rows, n, k = 3, 11, 20, 36
+    a = torch.randn(k, chunks * rows).t()
+    b = torch.randn(k, n)
+    _, tma_ok = gated_module._flags(a, b, None, None, False, torch.empty(chunks * rows, n), "interpreter")
+    assert not tma_ok
+    out = gated_matmul(a, b, torch.ones(chunks, dtype=torch.int32), chunks=chunks, first=2, step=2)
     expected, magnitude = reference(a, b)
     assert_gemm_close(out, expected, magnitude, torch.float32)
 
