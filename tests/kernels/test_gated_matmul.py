@@ -1,15 +1,19 @@
 """tessel.kernels.gated_matmul: one GEMM launch over row chunks that arrive while it runs.
 
-On a CPU nothing runs beside the kernel, so the chunks are in place (flags set) before the launch: these tests
-check the arithmetic against float64 (odd shapes, every arrival order, epilogues, strided views), that only the
-output's own elements are written, and that a chunk which is not ready is refused instead of waited for forever.
-The GPU tests make the flags arrive late, from another stream, after the kernel has started.
+On a CPU the arithmetic is checked against float64 with every chunk in place (odd shapes, every arrival order,
+epilogues, strided views, both ways of reading), and the waiting with chunks that another thread writes while
+the kernel runs (Triton's interpreter shares the tensors' memory with that thread). The GPU tests make the
+chunks arrive late from another stream, after the kernel has started.
 """
+
+import threading
+import time
 
 import pytest
 import torch
 
 import tessel.kernels.gated_matmul as gated_module
+from tessel.kernels._dispatch import Backend
 from tessel.kernels.gated_matmul import gated_matmul
 from tests.kernels.test_matmul import assert_gemm_close, reference
 
@@ -104,14 +108,50 @@ def test_own_chunk_is_never_waited_for(seed):
     assert_gemm_close(single, expected, magnitude, torch.float32)
 
 
-def test_a_chunk_not_ready_on_a_cpu_is_refused_and_nothing_is_written(seed):
-    chunks, rows, n, k = 4, 6, 8, 8
-    a, b = _operands(chunks, rows, n, k, torch.float32)
-    out = torch.full((chunks * rows, n), 7.0)
-    ready = torch.tensor([1, 0, 1, 0], dtype=torch.int32)
-    with pytest.raises(RuntimeError, match=r"chunks \[3, 1\] are not ready"):
-        gated_matmul(a, b, ready, chunks=chunks, first=0, step=3, out=out)  # order 0, 3, 2, 1
-    assert torch.equal(out, torch.full_like(out, 7.0))
+@pytest.mark.parametrize("backend", ["interpreter", "reference"])
+@pytest.mark.parametrize("rank", [0, 2])
+def test_starts_on_its_own_rows_and_waits_for_each_chunk_another_thread_writes(seed, monkeypatch, backend, rank):
+    """A producer thread stands for the ring: once the kernel has written some of this rank's own rows, it copies
+    the other chunks in, in ring order, each followed by its flag. Before a chunk arrives none of its output rows
+    is written (the kernel waited for its flag; its rows of ``a`` held NaN until then), and the result is the
+    plain GEMM's. The interpreter's programs spin on flags in memory this thread writes; the PyTorch reference
+    waits on the host."""
+    if backend == "reference":
+        monkeypatch.setattr(gated_module, "backend_for", lambda *tensors: Backend.REFERENCE)
+    chunks, rows, n, k = 3, 40, 48, 32  # 2 x 2 tiles of the interpreter's 32 per chunk
+    order = [(rank - p) % chunks for p in range(chunks)]
+    span = lambda c: slice(c * rows, (c + 1) * rows)
+    a, b = _operands(chunks, rows, n, k, torch.float32, transposed_b=False)
+    buf = torch.full_like(a, float("nan"))
+    buf[span(rank)] = a[span(rank)]
+    ready = torch.zeros(chunks, dtype=torch.int32)
+    out = torch.full((chunks * rows, n), float("nan"))
+    snapshots, started = [], []
+
+    def producer():
+        deadline = time.monotonic() + 30
+        while not torch.isfinite(out[span(rank)]).any() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        started.append(torch.isfinite(out[span(rank)]).any().item())
+        for c in order[1:]:  # whatever happened, every chunk arrives, so the call returns
+            time.sleep(0.05)
+            snapshots.append(out.clone())
+            buf[span(c)] = a[span(c)]
+            ready[c] = 1
+        ready.fill_(1)  # the own chunk's flag too: a kernel waiting for it by mistake fails below instead of hanging
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    try:
+        gated_matmul(buf, b, ready, chunks=chunks, first=rank, step=chunks - 1, out=out)
+    finally:
+        thread.join()
+    assert started == [True]  # the own chunk's tiles ran before any other chunk had arrived
+    for p, snapshot in enumerate(snapshots, start=1):
+        for c in order[p:]:
+            assert snapshot[span(c)].isnan().all(), (p, c)
+    expected, magnitude = reference(a, b)
+    assert_gemm_close(out, expected, magnitude, torch.float32)
 
 
 @pytest.mark.parametrize(
