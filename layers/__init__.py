@@ -7,6 +7,7 @@ from .fp8 import Fp8Linear, convert_to_fp8, fp8_grouped_linear, fp8_layers, fp8_
 from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .hf_balance import track_expert_loads
+from .hf_grouped_experts import register_hf_experts
 from .hf_loss import fuse_lm_loss
 from .hf_pipeline import HFPipelineStage, hf_pipeline_stage
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -39,6 +40,7 @@ __all__ = [
     "linear_cross_entropy",
     "parallelize",
     "register_hf_attention",
+    "register_hf_experts",
     "track_expert_loads",
     "update_expert_biases",
     "vocab_parallel_cross_entropy",

@@ -183,11 +183,34 @@ def fp8_layers(model: nn.Module) -> list[str]:
     return [name for name, m in model.named_modules() if isinstance(m, Fp8Linear) or getattr(m, "fp8", False) is True]
 
 
+def _hf_experts_weights(module: nn.Module) -> tuple[torch.Tensor, ...] | None:
+    """A Hugging Face experts module's 3-d weights (its class decorated by transformers'
+    ``use_experts_implementation``: the layout flags and a config), or None for any other module."""
+    down = getattr(module, "down_proj", None)
+    if not (isinstance(down, torch.Tensor) and down.dim() == 3 and hasattr(module, "has_gate")):
+        return None
+    if not hasattr(module, "config"):
+        return None
+    first = getattr(module, "gate_up_proj" if module.has_gate else "up_proj", None)
+    return (first, down) if isinstance(first, torch.Tensor) and first.dim() == 3 else None
+
+
 def _fits(module: nn.Module) -> bool:
     """Whether every feature count is a multiple of 16: what fp8 tensor cores and their copy engine read whole
     (a mixture of experts: its experts' two projections)."""
-    weights = (module.fc, module.proj) if hasattr(module, "fc") and hasattr(module, "proj") else (module.weight,)
+    weights = _hf_experts_weights(module)
+    if weights is None:
+        weights = (module.fc, module.proj) if hasattr(module, "fc") and hasattr(module, "proj") else (module.weight,)
     return all(w.shape[-2] % 16 == 0 and w.shape[-1] % 16 == 0 for w in weights)
+
+
+def _hf_experts_in_fp8(module: nn.Module) -> None:
+    """A Hugging Face experts module's GEMMs in fp8: through tessel's experts implementation, which its config (the
+    model's, shared by every experts module of it) then names."""
+    from .hf_grouped_experts import register_hf_experts
+
+    module.fp8 = True
+    module.config._experts_implementation = register_hf_experts()
 
 
 def convert_to_fp8(
@@ -200,7 +223,10 @@ def convert_to_fp8(
 
     tessel's :class:`~tessel.layers.ColumnParallelLinear`, :class:`~tessel.layers.RowParallelLinear` and
     :class:`~tessel.layers.ParallelMoE` (its experts; the router stays as it is) get ``fp8 = True``; each
-    ``nn.Linear`` is replaced by an :class:`Fp8Linear` holding the same parameters. A layer is left as it is when
+    ``nn.Linear`` is replaced by an :class:`Fp8Linear` holding the same parameters; a Hugging Face experts module
+    (3-d weights, ``use_experts_implementation``) gets ``fp8 = True`` and its model's config names tessel's experts
+    implementation (:mod:`~tessel.layers.hf_grouped_experts`; the other experts modules of the model run it too,
+    in their own precision). A layer is left as it is when
     its name matches a glob of ``skip`` (the output head by default), when ``include`` (a ``(name, module) ->
     bool``) refuses it, or when its local weights' dimensions are not multiples of 16.
     """
@@ -225,6 +251,8 @@ def convert_to_fp8(
     for name, module in model.named_modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear, ParallelMoE)) and wanted(name, module):
             module.fp8 = True
+        elif _hf_experts_weights(module) is not None and wanted(name, module):
+            _hf_experts_in_fp8(module)
         elif type(module) is nn.Linear and wanted(name, module):
             swaps.append(name)
     for name in swaps:
