@@ -8,7 +8,9 @@ A mixture-of-experts layer multiplies each expert's rows by its own weight. One 
   kernel over the other operand).
 
 The baseline (``torch``) runs one ``torch.matmul`` per expert on slices cut with host-side offsets, what a layer
-without a grouped kernel does (its row counts read on the host beforehand, not timed). The rows are spread over
+without a grouped kernel does (its row counts read on the host beforehand, not timed). ``grouped_mm`` is torch's own
+grouped GEMM (``torch._grouped_mm``; what transformers' ``grouped_mm`` experts call), where this torch takes the
+operands (None where it refuses them: on a CPU, strides that are not multiples of 16 bytes). The rows are spread over
 the experts by a seeded multinomial draw, as a router with a load-balancing loss spreads them: uneven,
 none empty at these sizes. Both are checked against :func:`grouped_matmul_reference` (fp32 products) before
 timing; a disagreement stops the suite with :class:`BenchmarkError`. TFLOP/s count ``2·R·K·N``.
@@ -38,7 +40,7 @@ __all__ = ["COLUMNS", "ExpertShape", "check_pass", "expert_cases", "expert_shape
            "run_experts_suite"]  # fmt: skip
 
 COLUMNS = ("case", "pass", "rows", "experts", "k", "n", "dtype", "max_rel_err", "tessel_ms", "torch_ms",
-           "tessel_TFLOPs", "torch_TFLOPs", "tessel/torch")  # fmt: skip
+           "tessel_TFLOPs", "torch_TFLOPs", "tessel/torch", "grouped_mm_ms", "tessel/grouped_mm")  # fmt: skip
 _TOLERANCE = {torch.float32: 1e-4, torch.float16: 2e-3, torch.bfloat16: 1e-2}
 
 
@@ -94,6 +96,25 @@ def expert_cases(a, w, g, offsets, bounds) -> dict[str, dict[str, Callable[[], t
     }
 
 
+def grouped_mm_cases(a, w, g, offsets) -> dict[str, Callable[[], torch.Tensor]]:
+    """``{pass: fn}`` running torch's grouped GEMM, for the passes this torch takes these operands for: ``fwd`` as
+    2-d rows times 3-d weights, ``wgrad`` as 2-d times 2-d grouped along the tokens (a's transpose made once,
+    untimed, as that layout asks)."""
+    grouped = getattr(torch.nn.functional, "grouped_mm", None) or getattr(torch, "_grouped_mm", None)
+    if grouped is None:
+        return {}
+    ends, b, at = offsets[1:].to(torch.int32), w.transpose(1, 2), a.t().contiguous()
+    cases = {"fwd": lambda: grouped(a, b, offs=ends), "wgrad": lambda: grouped(at, g, offs=ends)}
+    usable = {}
+    for name, fn in cases.items():
+        try:
+            fn()
+        except RuntimeError:  # a dtype, device or layout this torch's grouped GEMM does not take
+            continue
+        usable[name] = fn
+    return usable
+
+
 def references(a, w, g, offsets) -> dict[str, torch.Tensor]:
     """Each pass's result by the kernels' plain-PyTorch definitions (fp32 products)."""
     return {"fwd": grouped_matmul_reference(a, w.transpose(1, 2), offsets),
@@ -116,17 +137,23 @@ def run_experts_suite(dtype: torch.dtype | None = None, quick: bool = False) -> 
     for shape in expert_shapes(cuda, quick):
         a, w, g, offsets, bounds = make_inputs(shape, dtype, device)
         want = references(a, w, g, offsets)
+        baselines = grouped_mm_cases(a, w, g, offsets)
         for name, impls in expert_cases(a, w, g, offsets, bounds).items():
+            if name in baselines:
+                impls = {**impls, "grouped_mm": baselines[name]}
             err = check_pass(shape.label, name, impls, want[name], dtype)
             ms = {impl: time_fn(fn, cuda=cuda, reps=1 if quick else 3) for impl, fn in impls.items()}
+            grouped_ms = ms.get("grouped_mm")
             flops = 2 * shape.rows * shape.k * shape.n
             values = (
                 shape.label, name, shape.rows, shape.experts, shape.k, shape.n, str(dtype).removeprefix("torch."),
                 err, ms["tessel"], ms["torch"], flops / ms["tessel"] / 1e9, flops / ms["torch"] / 1e9,
-                ms["torch"] / ms["tessel"],
+                ms["torch"] / ms["tessel"], grouped_ms, None if grouped_ms is None else grouped_ms / ms["tessel"],
             )  # fmt: skip
             rows.append(dict(zip(COLUMNS, values, strict=True)))
         del a, w, g, want
+    grouped = [r["tessel/grouped_mm"] for r in rows if r["tessel/grouped_mm"] is not None]
     summary = {**dict.fromkeys(COLUMNS), "case": "geomean", "dtype": str(dtype).removeprefix("torch."),
-               "tessel/torch": geomean([r["tessel/torch"] for r in rows])}  # fmt: skip
+               "tessel/torch": geomean([r["tessel/torch"] for r in rows]),
+               "tessel/grouped_mm": geomean(grouped) if grouped else None}  # fmt: skip
     return [*rows, summary]
