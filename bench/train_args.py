@@ -112,7 +112,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     )
     add(
         "--hf",
-        choices=("llama", "mistral", "qwen2", "qwen3"),
+        choices=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe"),
         default=None,
         help="train this Hugging Face family's causal LM (needs transformers) instead of tessel's GPT: the preset's "
         "shape, parallelize()d, tessel's attention and fused loss, hf_pipeline_stage() under --pp",
@@ -137,7 +137,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="a mixture of this many experts in every block instead of the MLP (each the preset's MLP width; "
-        "default: 0, dense)",
+        "default: 0, dense); with --hf, of a mixture family (mixtral, qwen3_moe)",
     )
     add("--top-k", type=int, default=2, help="experts per token with --experts (default: %(default)s)")
     add(

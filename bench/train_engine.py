@@ -77,6 +77,7 @@ class Engine:
     is_last: bool = True
     _microbatch_losses: list[torch.Tensor] = field(default_factory=list)
     _target_weight: torch.Tensor | None = None  # with documents: dp·cp / the global batch's counted targets
+    _hf_router: torch.Tensor | None = None  # a Hugging Face mixture's weighted balancing loss, of the latest forward
     model_config: GPTConfig | None = None  # the model's shape (the GPT's own config; a Hugging Face model's source)
     fp8_layers: int = 0  # layers whose GEMMs run in fp8 (--fp8): linear layers and mixtures of experts
 
@@ -193,11 +194,14 @@ class Engine:
         """The mean loss of next-token targets ``y`` through the wrapped model, without logits: the GPT's
         ``forward(x, targets=)``, or a Hugging Face model's fused forward."""
         if self.args.hf:  # documents as Hugging Face packs them: position ids restarting at each one
-            return hf_loss(self.wrapper, x, y, docs.get("segment_ids"))
+            loss, self._hf_router = hf_loss(self.wrapper, x, y, docs.get("segment_ids"), self.args.aux_loss_coef)
+            return loss
         return self.wrapper(x, targets=y, **docs)
 
     def _router_loss(self) -> torch.Tensor | None:
-        return None if self.args.hf else self.gpt.router_loss()
+        """The experts' load balancing (and z-loss) of the latest forward: the GPT's, or the one a Hugging Face
+        mixture's forward returned beside its loss."""
+        return self._hf_router if self.args.hf else self.gpt.router_loss()
 
     def _global_target_weight(self, y: torch.Tensor) -> torch.Tensor:
         """``dp·cp / global count`` of the targets that are not ignored, over the data-parallel ranks."""

@@ -9,6 +9,12 @@ under pipeline parallelism :func:`~tessel.layers.hf_pipeline_stage`. The engine 
 the GPT (``train_engine.py``). ``--hf-baseline`` trains the same model as Hugging Face makes it (its ``sdpa``
 attention, its head and loss from the logits; one tensor- and pipeline-parallel rank): what tessel's layers
 are measured against.
+
+Mixtures of experts (``--hf mixtral`` or ``qwen3_moe`` with ``--experts N --top-k k``): every block's MLP is N
+experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
+:func:`~tessel.layers.register_hf_experts`; the baseline keeps Hugging Face's default). Their load-balancing loss
+(``--aux-loss-coef``, as Hugging Face weighs it: ``router_aux_loss_coef``) is trained and, as for tessel's GPT,
+left out of the reported loss. FLOPs count the active parameters: each token runs k of the N experts.
 """
 
 from __future__ import annotations
@@ -18,12 +24,13 @@ import importlib.util
 import torch
 from torch import nn
 
-from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention
+from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention, register_hf_experts
 from ..layers.gpt import GPTConfig
 from ..layers.hf import base_model
 
 __all__ = [
     "HF_FAMILIES",
+    "MOE_FAMILIES",
     "build_hf",
     "decoder_layer_class",
     "decoder_layers",
@@ -34,17 +41,32 @@ __all__ = [
     "refused_options",
 ]
 
-HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
+               "qwen3_moe": "Qwen3Moe"}  # fmt: skip
+# The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
+MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size"}
 
 
-def _hf_config(family: str, c: GPTConfig, attention: str):
+def _experts_config(args, c: GPTConfig) -> dict:
+    """A mixture's fields of the config: --experts of the preset's MLP width each, --top-k of them per token."""
+    if args.hf not in MOE_FAMILIES:
+        return {}
+    count = "num_local_experts" if args.hf == "mixtral" else "num_experts"
+    return {count: args.experts, "num_experts_per_tok": args.top_k, MOE_FAMILIES[args.hf]: c.mlp_hidden,
+            "router_aux_loss_coef": args.aux_loss_coef, "output_router_logits": args.aux_loss_coef > 0}  # fmt: skip
+
+
+def _hf_config(args, c: GPTConfig, attention: str):
     import transformers
 
     kw = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,
               num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
               head_dim=c.n_embd // c.n_head, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
               initializer_range=c.init_std, tie_word_embeddings=False, attn_implementation=attention)  # fmt: skip
-    config = getattr(transformers, f"{HF_FAMILIES[family]}Config")(**kw)
+    kw.update(_experts_config(args, c))
+    if args.hf in MOE_FAMILIES and not args.hf_baseline:
+        kw["experts_implementation"] = register_hf_experts()
+    config = getattr(transformers, f"{HF_FAMILIES[args.hf]}Config")(**kw)
     if hasattr(config, "rope_parameters"):  # transformers 5: the rotary base lives in rope_parameters
         config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": c.rope_theta}
     else:
@@ -61,9 +83,9 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     torch.manual_seed(args.seed)
     attention = "sdpa" if args.hf_baseline else register_hf_attention()
     with torch.device(dims.device):
-        model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args.hf, config, attention))
+        model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
-    flops = hf_flops_per_token(num_params, config, args.seq_len)
+    flops = hf_flops_per_token(_active_params(model, args), config, args.seq_len)
     model = model.to(dtype=dtype)
     if args.recompute:  # Hugging Face's activation checkpointing: each decoder layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -72,6 +94,15 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     cp = {"cp_group": dims.cp_group} if dims.cp > 1 else {}  # each rank its zigzag share of every sequence
     parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, **cp)
     return fuse_lm_loss(model), num_params, flops
+
+
+def _active_params(model: nn.Module, args) -> int:
+    """The parameters a token runs through: all but the experts it is not routed to (k of every block's N)."""
+    total = sum(p.numel() for p in model.parameters())
+    if args.hf not in MOE_FAMILIES:
+        return total
+    experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
+    return total - experts * (args.experts - args.top_k) // args.experts
 
 
 def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int) -> float:
@@ -94,13 +125,21 @@ def decoder_layer_class(model: nn.Module) -> type:
     return type(decoder_layers(model)[0])
 
 
-def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None):
-    """The mean cross entropy of next-token targets ``y`` (already shifted) through the model's forward: fused
-    (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``. Packed documents
-    (``segment_ids``) reach the model as Hugging Face packs them: position ids restarting at each document."""
+def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None,
+            aux_loss_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """``(loss, router loss)``: the mean cross entropy of next-token targets ``y`` (already shifted) through the
+    model's forward: fused (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``; and a
+    mixture's load-balancing loss times ``aux_loss_coef`` (its config's ``router_aux_loss_coef``), which Hugging
+    Face adds into its loss (None without one). Packed documents (``segment_ids``) reach the model as Hugging Face
+    packs them: position ids restarting at each document."""
     y = y.contiguous()  # a window of the batch (Hugging Face views it flat)
     packed = {} if segment_ids is None else {"position_ids": document_positions(segment_ids)}
-    return wrapper(x, labels=y, shift_labels=y, **packed).loss
+    out = wrapper(x, labels=y, shift_labels=y, **packed)
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        return out.loss, None
+    router = aux_loss_coef * aux
+    return out.loss - router, router
 
 
 def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -122,9 +161,16 @@ def refused_options(args) -> str | None:
                 "(tessel's layers and stages)")  # fmt: skip
     if importlib.util.find_spec("transformers") is None:
         return f"--hf {args.hf} needs transformers (pip install transformers)"
+    moe = args.hf in MOE_FAMILIES
+    if moe != (args.experts > 0):
+        return (f"--hf {args.hf} is a mixture of experts: it needs --experts N" if moe else
+                f"--hf {args.hf} is dense: --experts needs a mixture family ({', '.join(MOE_FAMILIES)})")  # fmt: skip
     documents = args.doc_sep is not None or args.doc_token is not None
     unsupported = {
-        "--cp with --pp": args.cp > 1 and args.pp > 1, "--experts": args.experts > 0,
+        "--cp with --pp": args.cp > 1 and args.pp > 1,
+        **({"--ep, --pp, --cp and --compile (not yet with experts)": args.ep * args.pp * args.cp > 1 or args.compile,
+            "--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
+            "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
         "documents with --pp or --cp": documents and args.pp * args.cp > 1,
         "--sliding-window": args.sliding_window is not None,
         "--label-smoothing": args.label_smoothing > 0,

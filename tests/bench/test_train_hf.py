@@ -153,7 +153,7 @@ def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
-        (["--experts", "4"], "--hf llama trains without --experts: those are tessel's GPT's options"),
+        (["--experts", "4"], "--hf llama is dense: --experts needs a mixture family (mixtral, qwen3_moe)"),
         (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
     ],
 )

@@ -1,0 +1,128 @@
+"""``python -m tessel.bench.train --hf mixtral|qwen3_moe --experts N``: a Hugging Face mixture of experts trained
+through tessel (parallelize, tessel's experts implementation over its grouped GEMM, fp8 through convert_to_fp8).
+
+As for the dense families, the initial weights are drawn whole from the seed on every rank and split afterwards, so
+a layout trains the same model on the same batches: tensor parallelism follows the single process to fp32 rounding.
+Data parallelism does too without the load-balancing loss; with it each rank balances its own tokens (a loss
+nonlinear in the batch's routing statistics), as for tessel's GPT.
+"""
+
+import importlib.util
+import json
+from types import SimpleNamespace
+
+import pytest
+
+from tests.bench.test_train import PREFIX, _losses, _ok, _train
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+NOT_YET = "--hf mixtral trains without --ep, --pp, --cp and --compile (not yet with experts)"
+RUN = ["--hf", "mixtral", "--experts", "4", "--top-k", "2", "--steps", "3", "--seq-len", "32", "--batch-size", "8"]
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("hf-moe-one")
+    proc = _ok(_train(out, *RUN))
+    assert "Hugging Face Mixtral tiny: 0.69M parameters, dp=1 pp=1 tp=1 zero=0 experts=4 top-k=2" in proc.stdout
+    record = json.loads((out / "run.json").read_text())
+    assert record["model"]["hf"] == "mixtral" and record["model"]["n_expert"] == 4
+    return out
+
+
+def _experts_implementation(rank, world_size):
+    """The model the job builds runs its experts through tessel's implementation (the baseline: Hugging Face's)."""
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import build_hf
+    from tessel.layers.gpt import GPTConfig
+    from tessel.parallel import init_parallel
+
+    dims = init_parallel()
+    seen = []
+    for extra in ([], ["--hf-baseline"]):
+        args = parse_args([*RUN, *extra])
+        config = GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=64, mlp_hidden=96)
+        model, _, _ = build_hf(args, config, dims, __import__("torch").float32)
+        seen.append(model.config._experts_implementation)
+    return seen
+
+
+def test_the_job_runs_the_experts_through_tessels_implementation():
+    [seen] = run_ranks(_experts_implementation, 1, timeout=120, env=REFERENCE_KERNELS)
+    assert seen[0] == "tessel" and seen[1] != "tessel"
+
+
+def test_flops_count_the_active_experts_only():
+    """Each token runs k of N experts: the FLOPs per token count the parameters outside the experts and k/N of
+    theirs."""
+    import transformers
+
+    from tessel.bench.train_hf import _active_params
+
+    model = transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, num_local_experts=8, num_experts_per_tok=2))  # fmt: skip
+    total = sum(p.numel() for p in model.parameters())
+    experts = 2 * 8 * 3 * 32 * 48  # layers x experts x (gate, up, down) x hidden x width
+    args = SimpleNamespace(hf="mixtral", experts=8, top_k=2)
+    assert _active_params(model, args) == total - experts * 6 // 8
+    assert _active_params(model, SimpleNamespace(hf="llama", experts=0, top_k=2)) == total
+
+
+def test_the_load_balancing_loss_is_trained_not_reported(one_process, tmp_path):
+    """The first step's reported loss is the language model's alone, with or without the balancing loss; the
+    balancing loss changes what is learned (the later losses)."""
+    _ok(_train(tmp_path, *RUN, "--aux-loss-coef", "0"))
+    with_aux, without = _losses(one_process), _losses(tmp_path)
+    assert with_aux[0] == without[0] and with_aux[1:] != without[1:]
+    assert without[-1] < without[0]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tensor_parallel_experts_train_the_same_model(one_process, tmp_path):
+    _ok(_train(tmp_path, *RUN, "--tp", "2", "--sequence-parallel", nproc=2))
+    assert _losses(tmp_path) == pytest.approx(_losses(one_process), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fully_sharded_data_parallel_trains_the_same_model_without_the_balancing_loss(tmp_path):
+    _ok(_train(tmp_path / "one", *RUN, "--aux-loss-coef", "0"))
+    _ok(_train(tmp_path / "fsdp", *RUN, "--aux-loss-coef", "0", "--dp", "2", "--zero", "3", nproc=2))
+    assert _losses(tmp_path / "fsdp") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_fp8_experts_follow_the_curve_and_the_baseline_computes_the_same(one_process, tmp_path):
+    """--fp8 runs every projection and the experts in fp8 (4 layers x 5), within 1% of the curve but not on it;
+    --hf-baseline (Hugging Face's own experts, attention and loss) trains the same curve as tessel's."""
+    proc = _ok(_train(tmp_path / "fp8", *RUN, "--fp8"))
+    assert "fp8 GEMMs in 20 layers" in proc.stdout
+    fp8, base = _losses(tmp_path / "fp8"), _losses(one_process)
+    assert fp8 == pytest.approx(base, rel=1e-2) and fp8 != pytest.approx(base, rel=1e-6)
+    _ok(_train(tmp_path / "baseline", *RUN, "--hf-baseline"))
+    assert _losses(tmp_path / "baseline") == pytest.approx(base, rel=1e-5)
+
+
+def test_qwen3_moe_trains(tmp_path):
+    proc = _ok(_train(tmp_path, "--hf", "qwen3_moe", *RUN[2:]))
+    assert "Hugging Face Qwen3Moe tiny" in proc.stdout and len(_losses(tmp_path)) == 3
+
+
+@pytest.mark.parametrize(
+    ("extra", "nproc", "words"),
+    [
+        (["--experts", "0"], 1, "--hf mixtral is a mixture of experts: it needs --experts N"),
+        (["--ep", "2", "--dp", "2"], 2, NOT_YET),
+        (["--pp", "2", "--microbatches", "2"], 2, NOT_YET),
+        (["--compile"], 1, NOT_YET),
+        (["--router-score", "sigmoid"], 1, "--hf mixtral trains without --router-score sigmoid"),
+        (["--expert-bias-rate", "0.001"], 1, "--hf mixtral trains without --expert-bias-rate"),
+    ],
+)
+def test_options_without_a_counterpart_are_refused(tmp_path, extra, nproc, words):
+    proc = _train(tmp_path, *RUN, *extra, nproc=nproc)
+    assert proc.returncode == 2 and PREFIX in proc.stderr and words in proc.stderr, proc.stderr
