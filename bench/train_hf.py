@@ -14,7 +14,8 @@ Mixtures of experts (``--hf mixtral`` or ``qwen3_moe`` with ``--experts N --top-
 experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
 :func:`~tessel.layers.register_hf_experts`; the baseline keeps Hugging Face's default). Their load-balancing loss
 (``--aux-loss-coef``, as Hugging Face weighs it: ``router_aux_loss_coef``) is trained and, as for tessel's GPT,
-left out of the reported loss. FLOPs count the active parameters: each token runs k of the N experts.
+left out of the reported loss. FLOPs count the active parameters: each token runs k of the N experts. With
+``--ep`` the experts are split over expert-parallel groups of data-parallel ranks (``parallelize(ep_group=)``).
 """
 
 from __future__ import annotations
@@ -92,7 +93,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     if args.hf_baseline:
         return model, num_params, flops
     cp = {"cp_group": dims.cp_group} if dims.cp > 1 else {}  # each rank its zigzag share of every sequence
-    parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, **cp)
+    ep = {"ep_group": dims.ep_group} if dims.ep > 1 else {}  # each rank of an ep group its share of the experts
+    parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, **cp, **ep)
     return fuse_lm_loss(model), num_params, flops
 
 
@@ -168,7 +170,7 @@ def refused_options(args) -> str | None:
     documents = args.doc_sep is not None or args.doc_token is not None
     unsupported = {
         "--cp with --pp": args.cp > 1 and args.pp > 1,
-        **({"--ep, --pp, --cp and --compile (not yet with experts)": args.ep * args.pp * args.cp > 1 or args.compile,
+        **({"--pp, --cp and --compile (not yet with experts)": args.pp * args.cp > 1 or args.compile,
             "--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
         "documents with --pp or --cp": documents and args.pp * args.cp > 1,
