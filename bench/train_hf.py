@@ -15,7 +15,9 @@ experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_imple
 :func:`~tessel.layers.register_hf_experts`; the baseline keeps Hugging Face's default). Their load-balancing loss
 (``--aux-loss-coef``, as Hugging Face weighs it: ``router_aux_loss_coef``) is trained and, as for tessel's GPT,
 left out of the reported loss. FLOPs count the active parameters: each token runs k of the N experts. With
-``--ep`` the experts are split over expert-parallel groups of data-parallel ranks (``parallelize(ep_group=)``).
+``--ep`` the experts are split over expert-parallel groups of data-parallel ranks (``parallelize(ep_group=)``);
+under ``--cp`` the routers' logits are gathered over the context-parallel group for the balancing loss. Pipeline
+stages would each hold a share of the routers' logits: ``--pp`` is refused for them.
 """
 
 from __future__ import annotations
@@ -170,7 +172,7 @@ def refused_options(args) -> str | None:
     documents = args.doc_sep is not None or args.doc_token is not None
     unsupported = {
         "--cp with --pp": args.cp > 1 and args.pp > 1,
-        **({"--pp, --cp and --compile (not yet with experts)": args.pp * args.cp > 1 or args.compile,
+        **({"--pp (not yet with experts)": args.pp > 1,
             "--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
         "documents with --pp or --cp": documents and args.pp * args.cp > 1,

@@ -18,7 +18,7 @@ from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
-NOT_YET = "--hf mixtral trains without --pp, --cp and --compile (not yet with experts)"
+NOT_YET = "--hf mixtral trains without --pp (not yet with experts)"
 RUN = ["--hf", "mixtral", "--experts", "4", "--top-k", "2", "--steps", "3", "--seq-len", "32", "--batch-size", "8"]
 
 
@@ -92,8 +92,8 @@ def test_tensor_parallel_experts_train_the_same_model(one_process, tmp_path):
 @pytest.mark.parametrize(
     ("layout", "nproc"),
     [(["--dp", "2", "--zero", "3"], 2), (["--dp", "2", "--ep", "2", "--zero", "3"], 2),
-     (["--dp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel"], 4)],
-    ids=["dp2-fsdp", "dp2-ep2-fsdp", "dp2-ep2-tp2-sp"],
+     (["--dp", "2", "--ep", "2", "--tp", "2", "--sequence-parallel"], 4), (["--cp", "2"], 2)],
+    ids=["dp2-fsdp", "dp2-ep2-fsdp", "dp2-ep2-tp2-sp", "cp2"],
 )  # fmt: skip
 def test_data_and_expert_parallel_layouts_train_the_same_model_without_the_balancing_loss(tmp_path, layout, nproc):
     """Each data-parallel rank its own tokens; with --ep each rank of an expert-parallel group holds half the
@@ -101,6 +101,21 @@ def test_data_and_expert_parallel_layouts_train_the_same_model_without_the_balan
     _ok(_train(tmp_path / "one", *RUN, "--aux-loss-coef", "0"))
     _ok(_train(tmp_path / "layout", *RUN, "--aux-loss-coef", "0", *layout, nproc=nproc))
     assert _losses(tmp_path / "layout") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_context_parallel_ranks_balance_the_whole_sequence(one_process, tmp_path):
+    """Under --cp each rank routes its share of every sequence; the routers' logits are gathered over the group,
+    so the balancing loss is the single process's and so is the curve."""
+    _ok(_train(tmp_path, *RUN, "--cp", "2", nproc=2))
+    assert _losses(tmp_path) == pytest.approx(_losses(one_process), rel=1e-5)
+
+
+@pytest.mark.slow
+def test_compiled_decoder_layers_train_alike(one_process, tmp_path):
+    _ok(_train(tmp_path, *RUN, "--compile"))
+    assert _losses(tmp_path) == pytest.approx(_losses(one_process), rel=1e-5)
 
 
 @pytest.mark.slow
@@ -125,7 +140,6 @@ def test_qwen3_moe_trains(tmp_path):
     [
         (["--experts", "0"], 1, "--hf mixtral is a mixture of experts: it needs --experts N"),
         (["--pp", "2", "--microbatches", "2"], 2, NOT_YET),
-        (["--compile"], 1, NOT_YET),
         (["--router-score", "sigmoid"], 1, "--hf mixtral trains without --router-score sigmoid"),
         (["--expert-bias-rate", "0.001"], 1, "--hf mixtral trains without --expert-bias-rate"),
     ],
