@@ -116,11 +116,17 @@ def _grouped_wgrad_kernel(
 
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages): Hopper-sized tiles; which wins is the autotuner's measurement.
-_CONFIGS = [
-    triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
-    for bm, bn, bk, w, s in [(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)]
-]
-_grouped_tuned = triton.autotune(_CONFIGS, key=["N", "K", "X", "SCALED", "SPLIT_ACC"])(_grouped_kernel)
+def _configs(shapes) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, num_warps=w, num_stages=s)
+            for bm, bn, bk, w, s in shapes]  # fmt: skip
+
+
+_CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4, 4), (64, 64, 64, 4, 4)])
+# The forward also tries the dense GEMM's widest tiles, for few experts of many rows each (Mixtral's shapes). The
+# weight gradient's programs hold a BLOCK_M x BLOCK_N block of g per stage as well: those tiles overflow its shared
+# memory.
+_FORWARD_CONFIGS = _CONFIGS + _configs([(128, 256, 64, 8, 3), (256, 128, 64, 8, 3)])
+_grouped_tuned = triton.autotune(_FORWARD_CONFIGS, key=["N", "K", "X", "SCALED", "SPLIT_ACC"])(_grouped_kernel)
 # Every program of the weight-gradient kernel writes its whole tile (zeros for an expert without rows).
 _wgrad_tuned = triton.autotune(_CONFIGS, key=["N", "K", "SCALED", "SPLIT_ACC"])(_grouped_wgrad_kernel)
 _INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
