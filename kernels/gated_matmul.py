@@ -18,8 +18,10 @@ flight, tiles of consecutive chunks fill the SMs together, and the host launches
 Who sets the flags must not need the SMs the kernel holds: a copy engine (``Tensor.copy_`` between contiguous
 tensors), or a small kernel on another stream (``ready[c].fill_(1)``), which runs on the SMs left free by
 ``reserve_sms``. Every producer must be enqueued without the host waiting on the device in between, since the
-kernel only finishes once every flag is set. The caller clears the flags before each launch (``ready.zero_()`` on
-the launching stream, ordered before the producers' writes).
+kernel only finishes once every flag is set, and a producer kernel must have run once before (CUDA loads a kernel
+at its first launch, lazily by default, and loading one may wait for the running kernels: for this one, forever).
+The caller clears the flags before each launch (``ready.zero_()`` on the launching stream, ordered before the
+producers' writes).
 
 On a CPU the call waits the same way, for flags that another thread sets: Triton's interpreter runs the programs
 one after another in the calling thread, each spinning on the flags in memory it shares with that thread; the

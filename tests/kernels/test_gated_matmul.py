@@ -184,6 +184,14 @@ def test_bad_arguments_are_refused_naming_them(kwargs, error, match):
 # ------------------------------------------------------------------------------------------------------------- GPU
 
 
+def _load_producer_kernels():
+    """Run the producers' kernels once: CUDA loads a kernel at its first launch, and loading may wait for the
+    running kernels, among them a gated GEMM spinning on the flags those producers set."""
+    torch.cuda._sleep(1)
+    torch.ones(1, dtype=torch.int32, device="cuda").fill_(1)
+    torch.cuda.synchronize()
+
+
 def _late_chunks(a, chunks, order, side, delay_cycles):
     """A buffer whose chunks other than ``order[0]`` hold NaN until ``side`` (after sleeping) copies each chunk in
     and sets its flag, chunk by chunk in ``order``; returns (buffer, flags, enqueue), enqueue issuing the copies."""
@@ -213,6 +221,7 @@ def test_gpu_waits_for_chunks_that_arrive_late(seed, dtype):
     expected, magnitude = reference(a.cpu(), b.cpu(), bias.cpu())
     gated_matmul(a, b, torch.ones(chunks, dtype=torch.int32, device="cuda"), chunks=chunks, bias=bias)  # tunes
     side = torch.cuda.Stream()
+    _load_producer_kernels()
     for first in range(chunks):
         order = [(first + p * (chunks - 1)) % chunks for p in range(chunks)]  # the all-gather ring on rank `first`
         buf, ready, enqueue = _late_chunks(a, chunks, order, side, delay_cycles=20_000_000)
@@ -234,6 +243,7 @@ def test_gpu_flags_cleared_on_the_stream_serve_every_call(seed):
     ready = torch.zeros(chunks, dtype=torch.int32, device="cuda")
     buf = torch.empty(chunks * rows, k, device="cuda", dtype=torch.bfloat16)
     side = torch.cuda.Stream()
+    _load_producer_kernels()
     for _ in range(3):
         a = torch.randn(chunks * rows, k, device="cuda", dtype=torch.bfloat16)
         ready.zero_()
