@@ -46,9 +46,9 @@ def tessel_experts_forward(
     tokens, hidden = hidden_states.shape[0], hidden_states.shape[-1]
     ids, order = torch.sort(top_k_index.reshape(-1), stable=True)  # routes grouped by expert, in token order within
     rows = hidden_states[order // k]
-    # A sentinel (id == experts) counts for no expert: its rows sort past every expert's.
-    counts = torch.bincount(ids.clamp(max=experts), minlength=experts + 1)[:experts]
-    offsets = torch.cat((counts.new_zeros(1), counts.cumsum(0)))
+    # Each expert's first row, found in the sorted ids (no host synchronisation, as bincount has on a GPU); a
+    # sentinel (id == experts) sorts past every expert's rows and belongs to none.
+    offsets = torch.searchsorted(ids, torch.arange(experts + 1, device=ids.device, dtype=ids.dtype))
     skipped = (ids >= experts).unsqueeze(-1) if getattr(self, "_is_expert_parallel", False) else None
     if skipped is not None:
         rows = rows.masked_fill(skipped, 0.0)

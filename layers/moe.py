@@ -79,6 +79,7 @@ __all__ = [
     "load_balancing_loss",
     "route_top_k",
     "router_z_loss",
+    "sorted_counts",
     "update_expert_biases",
 ]
 
@@ -203,6 +204,13 @@ class _Routes:
         self.order, self.token, self.send, self.recv, self.perm, self.tokens = order, token, send, recv, perm, tokens
 
 
+def sorted_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
+    """How many of the non-decreasing ``ids`` equal each of ``0 … n-1`` (ids of ``n`` and above count for none), as
+    int64: ``torch.bincount`` without its host synchronisation (on a GPU it reads the ids' minimum and maximum on
+    the host to size its output), by binary search of each value's first position."""
+    return torch.searchsorted(ids, torch.arange(n + 1, device=ids.device, dtype=ids.dtype)).diff()
+
+
 def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple[torch.Tensor, torch.Tensor, _Routes]:
     """The rows ``[R, E]`` this rank's experts compute, grouped by local expert, the row count of each local
     expert (a device tensor), and the routes. Without a group (or one of one rank) the rows are ``x``'s, sorted
@@ -211,7 +219,7 @@ def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # routes by expert (so by rank), in token order within one
     token = torch.div(order, ids.shape[-1], rounding_mode="floor")
-    counts = torch.bincount(flat, minlength=e * per_rank).view(e, per_rank)
+    counts = sorted_counts(flat[order], e * per_rank).view(e, per_rank)
     if e == 1:
         return x[token], counts[0], _Routes(order, token, None, None, None, x.shape[0])
     received = all_to_all(counts, group, [1] * e, [1] * e)[0]  # [source rank, local expert]
@@ -337,7 +345,7 @@ class ParallelMoE(nn.Module):
     def _router_losses(self, logits: torch.Tensor, ids: torch.Tensor, probs: torch.Tensor):
         """(load-balancing loss, z-loss) over the dense model's tokens: the sums of probabilities and of squared
         log-sum-exps travel together, one collective per group."""
-        counts = torch.bincount(ids.reshape(-1), minlength=self.n_expert)
+        counts = sorted_counts(torch.sort(ids.reshape(-1)).values, self.n_expert)
         sums, tokens = torch.cat((probs.sum(0), _squared_log_sum_exp(logits).sum()[None])), probs.shape[0]
         groups = []
         if self.sequence_parallel and group_size(self.tp_group) > 1:

@@ -155,6 +155,23 @@ def test_sentinel_routes_of_expert_parallelism_contribute_nothing(monkeypatch):
         _close(got, want)
 
 
+@pytest.mark.gpu
+def test_forward_on_cuda_never_synchronises_the_host():
+    """Sorting the routes, each expert's first row (a binary search, where torch.bincount would read the ids on
+    the host) and the grouped GEMMs, under ``torch.cuda.set_sync_debug_mode("error")``, after a first call that
+    autotunes the GEMMs."""
+    experts = _moe("mixtral").model.layers[0].mlp.experts.cuda()
+    x = torch.randn(13, 64, device="cuda")
+    ids, w = (t.cuda() for t in _routes())
+    tessel_experts_forward(experts, x, ids, w)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        tessel_experts_forward(experts, x, ids, w)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
 def _emulated_fp8(x, weight, offsets):
     """fp8_grouped_linear's forward in float64: x in e4m3 with one scale, each expert's weight with its own."""
     qx = quantize_fp8_reference(x, "e4m3")

@@ -156,6 +156,34 @@ def test_moe_on_cuda_matches_the_float64_definition(activation):
         assert ((g.cpu().double() - w).abs().max() / w.abs().max()).item() < 1e-4
 
 
+@pytest.mark.gpu
+def test_moe_forward_on_cuda_never_synchronises_the_host():
+    """Routing, the counts per expert (binary search in the sorted ids: torch.bincount reads the ids' extremes on
+    the host) and the grouped GEMMs, under ``torch.cuda.set_sync_debug_mode("error")``. The first call autotunes
+    the GEMMs (timing them does synchronise) and runs outside the check."""
+    moe = _layer().cuda()
+    x = torch.randn(3, 37, 32, device="cuda")
+    moe(x)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        moe(x)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_counts_per_expert_are_bincounts_of_the_sorted_ids():
+    from tessel.layers.moe import sorted_counts
+
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 7, (50,), generator=gen)
+    got = sorted_counts(torch.sort(ids).values, 7)
+    assert got.dtype == torch.int64 and torch.equal(got, torch.bincount(ids, minlength=7))
+    beyond = torch.sort(torch.cat((ids, torch.tensor([7, 9])))).values  # ids of n and above count for none
+    assert torch.equal(sorted_counts(beyond, 7), got)
+    assert torch.equal(sorted_counts(torch.tensor([3, 3]), 2), torch.zeros(2, dtype=torch.int64))
+
+
 def test_routing_weights_sum_to_one_and_choose_the_most_probable():
     logits = torch.tensor([[0.0, 2.0, 1.0, -1.0], [3.0, 0.0, 0.0, 3.5]])
     weights, ids, probs = route_top_k(logits, 2)
