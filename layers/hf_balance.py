@@ -31,6 +31,7 @@ from torch import nn
 
 from ..parallel.comm import group_size
 from .hf_experts import _routing_names
+from .routes import sorted_counts
 
 __all__ = ["ExpertLoad", "balanced_blocks", "expert_loads", "track_expert_loads", "track_split_loads"]
 
@@ -142,10 +143,13 @@ def _counter(ids_name: str, load: ExpertLoad):
             return None
         ids = args[1] if len(args) > 1 else kwargs[ids_name]  # the forward's second argument
         n = load.counts.numel()
-        routes = torch.bincount(ids.reshape(-1).long(), minlength=n)
-        if torch.compiler.is_compiling():  # the length is data's: a route beyond n fails when the graph runs
-            torch._check(routes.shape[0] == n)
-        elif routes.numel() != n:
+        flat = ids.reshape(-1).long()
+        if ids.is_cuda or torch.compiler.is_compiling():  # counted and checked on the device: no host sync
+            torch._assert_async(flat.max() < n, f"a route chose an expert beyond the {n} values of its {BIAS_NAME}")
+            load.counts += sorted_counts(torch.sort(flat).values, n)
+            return None
+        routes = torch.bincount(flat, minlength=n)
+        if routes.numel() != n:
             raise ValueError(f"{type(module).__name__}: a route chose expert {routes.numel() - 1}, beyond the "
                              f"{n} values of its {BIAS_NAME}")  # fmt: skip
         load.counts += routes

@@ -71,6 +71,7 @@ from ..parallel.sharding import shard_like
 from .fp8 import fp8_grouped_linear
 from .hf_balance import expert_loads
 from .mlp import MLP_ACTIVATIONS
+from .routes import sorted_counts
 
 __all__ = [
     "ROUTER_SCORES",
@@ -79,7 +80,6 @@ __all__ = [
     "load_balancing_loss",
     "route_top_k",
     "router_z_loss",
-    "sorted_counts",
     "update_expert_biases",
 ]
 
@@ -202,13 +202,6 @@ class _Routes:
 
     def __init__(self, order, token, send, recv, perm, tokens):
         self.order, self.token, self.send, self.recv, self.perm, self.tokens = order, token, send, recv, perm, tokens
-
-
-def sorted_counts(ids: torch.Tensor, n: int) -> torch.Tensor:
-    """How many of the non-decreasing ``ids`` equal each of ``0 … n-1`` (ids of ``n`` and above count for none), as
-    int64: ``torch.bincount`` without its host synchronisation (on a GPU it reads the ids' minimum and maximum on
-    the host to size its output), by binary search of each value's first position."""
-    return torch.searchsorted(ids, torch.arange(n + 1, device=ids.device, dtype=ids.dtype)).diff()
 
 
 def _dispatch(x: torch.Tensor, ids: torch.Tensor, per_rank: int, group) -> tuple[torch.Tensor, torch.Tensor, _Routes]:

@@ -173,7 +173,7 @@ def test_moe_forward_on_cuda_never_synchronises_the_host():
 
 
 def test_counts_per_expert_are_bincounts_of_the_sorted_ids():
-    from tessel.layers.moe import sorted_counts
+    from tessel.layers.routes import sorted_counts
 
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 7, (50,), generator=gen)
