@@ -109,6 +109,29 @@ def test_models_without_routing_biases_track_nothing():
         track_expert_loads("model")
 
 
+@needs_hf
+def test_a_route_beyond_the_biases_is_refused_and_the_device_path_counts_alike(monkeypatch):
+    """A route to an expert the bias has no value for is refused on a CPU (ValueError naming it); the path taken on a
+    GPU and under compile (sorted ids, binary search, a device-side assertion: no host sync) counts the same."""
+    model = _moe("glm4_moe")
+    track_expert_loads(model)
+    experts = next(m.experts for m in model.modules() if hasattr(m, "experts") and any(True for _ in _biases(m)))
+    model.train()
+    hidden = torch.randn(5, 64)
+    weights = torch.full((5, 2), 0.5)
+    with pytest.raises(ValueError, match=r"a route chose expert 4, beyond the 4 values of its e_score_correction_bias"):
+        experts(hidden, torch.tensor([[0, 1]] * 4 + [[2, 4]]), weights)
+    ids = torch.tensor([[0, 1], [3, 1], [2, 0], [1, 1], [3, 3]])
+    load = expert_loads(model)[0]
+    load.counts.zero_()
+    experts(hidden, ids, weights)
+    on_host = load.counts.clone()
+    load.counts.zero_()
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    experts(hidden, ids, weights)
+    assert torch.equal(load.counts, on_host) and on_host.tolist() == [2, 4, 1, 3]
+
+
 # ---------------------------------------------------------------------------------------------------- ranks
 
 
