@@ -372,6 +372,25 @@ def test_gpt_on_cuda_matches_the_cpu_model(seed, dtype):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n_expert", [0, 4], ids=["dense", "experts"])
+def test_gpt_forward_and_backward_on_cuda_never_synchronise_the_host(seed, n_expert):
+    """Every kernel of a training forward and backward (GEMMs, flash attention, norms, embedding, the fused head
+    and loss; the experts' routing and grouped GEMMs) under ``torch.cuda.set_sync_debug_mode("error")``, which
+    raises at any call that waits for the device. The first step autotunes the kernels (timing them does
+    synchronise) and runs outside the check."""
+    cfg = GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=128, n_expert=n_expert)
+    model = GPT(cfg, device="cuda", dtype=torch.bfloat16)
+    idx, targets = (t.cuda() for t in _batch(cfg, b=2, s=128))
+    model.loss(idx, targets).backward()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        model.loss(idx, targets).backward()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.gpu
 def test_recompute_holds_a_fraction_of_the_activation_memory_on_cuda(seed):
     """bf16 on a GPU: the memory a forward leaves allocated for backward, with and without recomputation
     (8 blocks of [4, 1024, 512]: the plain model keeps each block's norm outputs, q/k/v, attention output,
