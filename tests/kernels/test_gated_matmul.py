@@ -211,7 +211,8 @@ def _late_chunks(a, chunks, order, side, delay_cycles):
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(120, method="thread")  # the kernel spins on flags: a missed one would hang, not fail
+# the kernel spins on flags: a missed one would hang, not fail (the first call also compiles its candidate tiles)
+@pytest.mark.timeout(300, method="thread")
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_gpu_waits_for_chunks_that_arrive_late(seed, dtype):
     chunks, rows, n, k = 4, 1000, 1536, 1024  # rows not a multiple of any tile
@@ -234,7 +235,7 @@ def test_gpu_waits_for_chunks_that_arrive_late(seed, dtype):
 
 
 @pytest.mark.gpu
-@pytest.mark.timeout(120, method="thread")
+@pytest.mark.timeout(300, method="thread")
 def test_gpu_flags_cleared_on_the_stream_serve_every_call(seed):
     """Calls back to back on one flag tensor, cleared by ``ready.zero_()`` on the launching stream each time, never
     read a previous call's flags (the next call's chunks hold other values)."""
