@@ -117,9 +117,10 @@ def _gated_matmul_kernel(
         )  # fmt: skip
 
 
-# Candidate tiles on sm_90, timed once per problem (see _tuned_config): the plain GEMM's large tiles, each through
-# pointers and through descriptors (eight compiles per dtype at the first call).
-_CANDIDATES = _TILE_SHAPES[:4]
+# Candidate tiles on sm_90, timed once per problem (see _tuned_config): the plain GEMM's largest tiles whose pipeline
+# fits in shared memory for the operands' dtype, this many, each through pointers and through descriptors (eight
+# compiles per dtype at the first call).
+_CANDIDATES = 4
 # The interpreter runs the pointer variant unless a test picks the descriptor one.
 _INTERPRETER_TMA = False
 # How often the PyTorch reference looks at a flag that is not set yet.
@@ -209,6 +210,18 @@ def _tuning_key(a, b, chunks, flags, tma_ok, programs) -> tuple:
             *sorted(flags.items()))  # fmt: skip
 
 
+def _candidates(element_size: int, shared_limit: int, tma_ok: bool) -> list[triton.Config]:
+    """The ``_CANDIDATES`` largest of the plain GEMM's tiles whose pipeline fits in ``shared_limit`` bytes for
+    operands of ``element_size``, each through pointers and, where ``tma_ok``, through descriptors."""
+    fits = lambda bm, bn, bk, st: _shared_bytes({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, st, element_size)
+    shapes = [shape for shape in _TILE_SHAPES if fits(*shape[:4]) + _SHARED_SLACK <= shared_limit][:_CANDIDATES]
+    return [
+        triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TMA": tma}, num_stages=st,
+                      num_warps=w)
+        for (bm, bn, bk, st, w), tma in itertools.product(shapes, (False, True) if tma_ok else (False,))
+    ]  # fmt: skip
+
+
 def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Config:
     """The fastest candidate tile and variant (pointers, or descriptors where ``tma_ok``) for this problem, timed
     once with every chunk ready and into a scratch output, so tuning neither waits for the caller's producers
@@ -217,12 +230,7 @@ def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Co
     config = _tuned.get(key)
     if config is not None:
         return config
-    limit = _shared_limit(a.device)
-    candidates = []
-    for (bm, bn, bk, stages, warps), tma in itertools.product(_CANDIDATES, (False, True) if tma_ok else (False,)):
-        meta = {"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TMA": tma}
-        if _shared_bytes(meta, stages, a.element_size()) + _SHARED_SLACK <= limit:
-            candidates.append(triton.Config(meta, num_stages=stages, num_warps=warps))
+    candidates = _candidates(a.element_size(), _shared_limit(a.device), tma_ok)
     ready = torch.ones(chunks, dtype=torch.int32, device=a.device)
     scratch = torch.zeros_like(out)
     args = _args(a, b, scratch, bias, ready, chunks, 0, 1)

@@ -154,6 +154,19 @@ def test_starts_on_its_own_rows_and_waits_for_each_chunk_another_thread_writes(s
     assert_gemm_close(out, expected, magnitude, torch.float32)
 
 
+@pytest.mark.parametrize("element_size", [4, 2])
+def test_every_dtype_has_candidate_tiles_that_fit_in_shared_memory(element_size):
+    """Tuning times the largest tiles whose pipeline fits in sm_90's shared memory for the operands' dtype (fp32's
+    widest tiles do not fit), both variants where descriptors can read the operands."""
+    limit = 232448
+    configs = gated_module._candidates(element_size, limit, tma_ok=True)
+    assert len(configs) == 2 * gated_module._CANDIDATES
+    for config in configs:
+        assert gated_module._shared_bytes(config.kwargs, config.num_stages, element_size) <= limit
+    assert [c.kwargs["TMA"] for c in configs[:2]] == [False, True]
+    assert len(gated_module._candidates(element_size, limit, tma_ok=False)) == gated_module._CANDIDATES
+
+
 @pytest.mark.parametrize(
     "kwargs, error, match",
     [
