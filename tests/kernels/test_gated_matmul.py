@@ -226,7 +226,7 @@ def _late_chunks(a, chunks, order, side, delay_cycles):
 @pytest.mark.gpu
 # the kernel spins on flags: a missed one would hang, not fail (the first call also compiles its candidate tiles)
 @pytest.mark.timeout(300, method="thread")
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_waits_for_chunks_that_arrive_late(seed, dtype):
     chunks, rows, n, k = 4, 1000, 1536, 1024  # rows not a multiple of any tile
     a = torch.randn(chunks * rows, k, device="cuda", dtype=dtype)
