@@ -127,6 +127,10 @@ def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
     from tests.layers.test_hf_experts import _moe
 
     dense = _moe(family).train()
+    if impl == "tessel":  # tessel's experts implementation (tessel.layers.hf_grouped_experts)
+        from tessel.layers import register_hf_experts
+
+        register_hf_experts()
     if impl is not None:  # Hugging Face's "eager" loop over the experts hit does not compile whole
         dense.set_experts_implementation(impl)
     batch = 0
@@ -176,6 +180,8 @@ def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
         ("mixtral", False, "ep", "grouped_mm"),
         ("qwen2_moe", True, "features", "batched_mm"),
         ("llama4", True, "features", None),  # its experts take every token once per expert, in batched GEMMs
+        ("mixtral", True, "features", "tessel"),
+        ("deepseek_v3", False, "experts", "tessel"),  # the other rank's routes as sentinels; load counts on device
     ],
     ids=[
         "mixtral-tp2-ep2",
@@ -187,6 +193,8 @@ def _hf_step(rank, world_size, family, sequence_parallel, split, impl):
         "mixtral-ep2",
         "qwen2_moe-tp2-sp",
         "llama4-tp2-sp",
+        "mixtral-tp2-sp-tessel",
+        "deepseek_v3-experts-tessel",
     ],
 )
 def test_parallelized_hugging_face_experts_compile_whole(family, sequence_parallel, split, impl):
@@ -195,7 +203,7 @@ def test_parallelized_hugging_face_experts_compile_whole(family, sequence_parall
     forward and backward in one graph,
     equal to the eager run: Mixtral, Qwen2-MoE (a shared expert beside the experts), Llama 4 (experts taking
     every token), DeepSeek-V3, whose routing biases' load counts are the eager ones; Hugging Face's grouped_mm
-    and batched_mm experts."""
+    and batched_mm experts, and tessel's."""
     world_size = 4 if split == "tp-ep" else 2
     counted = run_ranks(_hf_step, world_size, family, sequence_parallel, split, impl, timeout=600,
                         env=REFERENCE_KERNELS)  # fmt: skip
