@@ -273,7 +273,7 @@ def gated_matmul(
         ``out`` when given, otherwise a new ``[M, N]`` tensor of a's dtype. On a GPU the call returns at once and
         the kernel finishes when the last chunk has arrived and been multiplied; on a CPU the call returns then.
     """
-    _validate(a, b, bias, activation, out, accumulate)
+    _validate(a, b, bias, activation, out, accumulate, "gated_matmul")
     _validate_gating(a, ready, chunks, first, step, reserve_sms)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)

@@ -309,13 +309,13 @@ _interpreter_program: dict = {}
 # ---- Host side: validation, dispatch, launch ---------------------------------------------------------
 
 
-def _check_tensor(name: str, t, ndim: int) -> None:
+def _check_tensor(name: str, t, ndim: int, fn: str = "matmul") -> None:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"matmul: {name} must be a torch.Tensor, received {type(t).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, received {type(t).__name__}")
     if t.dim() != ndim:
-        raise ValueError(f"matmul: {name} must be {ndim}-D, received shape {tuple(t.shape)}")
+        raise ValueError(f"{fn}: {name} must be {ndim}-D, received shape {tuple(t.shape)}")
     if t.dtype not in _DTYPES:
-        raise TypeError(f"matmul: {name} must be float32, float16 or bfloat16, received {t.dtype}")
+        raise TypeError(f"{fn}: {name} must be float32, float16 or bfloat16, received {t.dtype}")
 
 
 def check_operands_agree(fn: str, a, b) -> None:
@@ -329,43 +329,44 @@ def check_operands_agree(fn: str, a, b) -> None:
         raise ValueError(f"{fn}: b must be on a's device {a.device}, received {b.device}")
 
 
-def _validate(a, b, bias, activation, out, accumulate) -> None:
-    _check_tensor("a", a, 2)
-    _check_tensor("b", b, 2)
-    check_operands_agree("matmul", a, b)
+def _validate(a, b, bias, activation, out, accumulate, fn: str = "matmul") -> None:
+    """matmul's arguments (and those of the GEMMs that take the same ones: ``fn`` names the caller)."""
+    _check_tensor("a", a, 2, fn)
+    _check_tensor("b", b, 2, fn)
+    check_operands_agree(fn, a, b)
     if b.dtype != a.dtype:
-        raise TypeError(f"matmul: b must have a's dtype {a.dtype}, received {b.dtype}")
+        raise TypeError(f"{fn}: b must have a's dtype {a.dtype}, received {b.dtype}")
     if activation not in ACTIVATIONS:
-        raise ValueError(f"matmul: activation must be one of {ACTIVATIONS}, received {activation!r}")
+        raise ValueError(f"{fn}: activation must be one of {ACTIVATIONS}, received {activation!r}")
     if not isinstance(accumulate, bool):
-        raise TypeError(f"matmul: accumulate must be a bool, received {type(accumulate).__name__}")
+        raise TypeError(f"{fn}: accumulate must be a bool, received {type(accumulate).__name__}")
     n = b.shape[1]
     if bias is not None:
-        _check_tensor("bias", bias, 1)
+        _check_tensor("bias", bias, 1, fn)
         if bias.shape[0] != n or bias.dtype != a.dtype or bias.device != a.device:
             raise ValueError(
-                f"matmul: bias must be a ({n},) {a.dtype} tensor on {a.device}, received "
+                f"{fn}: bias must be a ({n},) {a.dtype} tensor on {a.device}, received "
                 f"{tuple(bias.shape)} {bias.dtype} on {bias.device}"
             )
     if out is None:
         if accumulate:
-            raise ValueError("matmul: accumulate=True needs out= (the tensor to add onto), received out=None")
+            raise ValueError(f"{fn}: accumulate=True needs out= (the tensor to add onto), received out=None")
         return
-    _validate_out(a, b, out)
+    _validate_out(a, b, out, fn)
 
 
-def _validate_out(a, b, out) -> None:
-    _check_tensor("out", out, 2)
+def _validate_out(a, b, out, fn: str = "matmul") -> None:
+    _check_tensor("out", out, 2, fn)
     expected = (a.shape[0], b.shape[1])
     if tuple(out.shape) != expected:
-        raise ValueError(f"matmul: out must have shape {expected}, received {tuple(out.shape)}")
+        raise ValueError(f"{fn}: out must have shape {expected}, received {tuple(out.shape)}")
     if out.dtype not in (a.dtype, torch.float32):
-        raise TypeError(f"matmul: out must be {a.dtype} (the inputs' dtype) or float32, received {out.dtype}")
+        raise TypeError(f"{fn}: out must be {a.dtype} (the inputs' dtype) or float32, received {out.dtype}")
     if out.device != a.device:
-        raise ValueError(f"matmul: out must be on the inputs' device {a.device}, received {out.device}")
+        raise ValueError(f"{fn}: out must be on the inputs' device {a.device}, received {out.device}")
     # A graph has no addresses: under compile the node checks the overlap when it runs.
     compiling = torch.compiler.is_compiling()
-    check_out_apart(None if compiling else a, None if compiling else b, out)
+    check_out_apart(None if compiling else a, None if compiling else b, out, fn)
 
 
 def check_out_apart(a, b, out, fn: str = "matmul") -> None:

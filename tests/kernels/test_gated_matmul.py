@@ -183,8 +183,10 @@ def test_every_dtype_has_candidate_tiles_that_fit_in_shared_memory(element_size)
         (dict(chunks=4, ready=torch.ones(8, dtype=torch.int32)[::2]), ValueError, r"with strides \(2,\)"),
         (dict(chunks=4, ready=[1, 1, 1, 1]), TypeError, r"ready must be a torch.Tensor, received list"),
         (dict(chunks=4, ready=torch.ones(4, dtype=torch.int32, device="meta")), ValueError, r"ready must be on a's"),
-        (dict(chunks=4, b=torch.randn(9, 5)), ValueError, r"inner dimensions differ"),
-        (dict(chunks=4, activation="tanh"), ValueError, r"activation must be one of"),
+        (dict(chunks=4, b=torch.randn(9, 5)), ValueError, r"^gated_matmul: inner dimensions differ"),
+        (dict(chunks=4, activation="tanh"), ValueError, r"^gated_matmul: activation must be one of"),
+        (dict(chunks=4, out=torch.empty(12, 4)), ValueError, r"^gated_matmul: out must have shape \(12, 5\)"),
+        (dict(chunks=4, b=torch.randn(8, 5).half()), TypeError, r"^gated_matmul: b must have a's dtype"),
     ],
 )
 def test_bad_arguments_are_refused_naming_them(kwargs, error, match):
