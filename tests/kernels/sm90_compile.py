@@ -548,23 +548,15 @@ def grouped_matmul_cases():
 
 
 def gated_matmul_cases():
-    """The one-launch GEMM over chunks that arrive while it runs (bf16, the plain GEMM's largest tile), through
-    pointers and through descriptors: its flag wait must compile to one acquire-ordered load, and its loads must
-    still pipeline (cp.async) or arrive by TMA."""
+    """The one-launch GEMM over arriving chunks (bf16, 128x256x64), through pointers and through descriptors."""
     gm = importlib.import_module("tessel.kernels.gated_matmul")
-    flags = dict(
-        HAS_BIAS=True, ACTIVATION="none", ACCUMULATE=False, DOT_FP32=False, INPUT_PRECISION="tf32", INDEX_64=False,
-        BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_on=1,
-    )  # fmt: skip
+    flags = dict(HAS_BIAS=True, ACTIVATION="none", ACCUMULATE=False, DOT_FP32=False, INPUT_PRECISION="tf32",
+                 INDEX_64=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_on=1)  # fmt: skip
     ptrs = {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "bias_ptr": "bf16", "ready_ptr": "i32"}
     meta = {"kernel": "gated matmul", "dtype": "bf16", "stages": 3, "tile_bytes": _tile_bytes("bf16", 128, 256, 64)}
-    odd = ("FIRST", "STEP", "CHUNKS")
-    return [
-        ("gated matmul bf16 128x256x64", gm._gated_matmul_kernel, ptrs, {**flags, "TMA": False, "B_T": False,
-         "stride_bn": 1}, (), odd, 8, 3, meta),
-        ("gated matmul bf16 128x256x64 tma B_T", gm._gated_matmul_kernel, ptrs, {**flags, "TMA": True, "B_T": True,
-         "stride_bk": 1}, (), odd, 8, 3, meta),
-    ]  # fmt: skip
+    return [(f"gated matmul bf16 128x256x64{' tma B_T' * tma}", gm._gated_matmul_kernel, ptrs,
+             {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1}, (), ("FIRST", "STEP", "CHUNKS"),
+             8, 3, meta) for tma in (False, True)]  # fmt: skip
 
 
 def all_cases():
