@@ -196,14 +196,19 @@ def _emulated_ring(x_full: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t: 
     return run
 
 
-def _gpu_emulated_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
-    rows = []
+def emulated_inputs(dtype: torch.dtype, quick: bool):
+    """``(shape, x_full [M, K], w [N, K], out [M, N])`` on the GPU for each matmul-suite shape the ops chunk."""
     for shape in matmul_shapes(True, quick):
         if shape.m < 64:
             continue  # decode-sized GEMMs are not chunked by the ops
         x_full = torch.randn(shape.m, shape.k, device="cuda", dtype=dtype)
         w = torch.randn(shape.n, shape.k, device="cuda", dtype=dtype)
-        out = torch.empty(shape.m, shape.n, device="cuda", dtype=dtype)
+        yield shape, x_full, w, torch.empty(shape.m, shape.n, device="cuda", dtype=dtype)
+
+
+def _gpu_emulated_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
+    rows = []
+    for shape, x_full, w, out in emulated_inputs(dtype, quick):
         gemm = lambda x_full=x_full, w=w, out=out: matmul(x_full, w.t(), out=out)
         t_gemm, g_gemm = time_fn(gemm), graph_time(gemm, label=f"gemm {shape.name}")
         for t in (2, 4, 8):

@@ -24,9 +24,9 @@ import torch
 
 from ..kernels.gated_matmul import gated_matmul, gated_matmul_unchecked
 from ..kernels.matmul import matmul
-from .overlap import CPU_SHAPE, _emulated_ring
+from .matmul import max_rel_error
+from .overlap import CPU_SHAPE, _emulated_ring, emulated_inputs
 from .runner import host_time, time_fn
-from .shapes import matmul_shapes
 
 __all__ = ["gated_emulated_ring", "run_overlap_gated_suite"]
 
@@ -61,18 +61,9 @@ def gated_emulated_ring(x_full: torch.Tensor, w: torch.Tensor, out: torch.Tensor
     return run
 
 
-def _max_rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.double() - expected.double()).abs().max() / expected.double().abs().max().clamp_min(1e-30)).item()
-
-
 def _gpu_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
     rows = []
-    for shape in matmul_shapes(True, quick):
-        if shape.m < 64:
-            continue  # decode-sized GEMMs are not chunked by the ops
-        x_full = torch.randn(shape.m, shape.k, device="cuda", dtype=dtype)
-        w = torch.randn(shape.n, shape.k, device="cuda", dtype=dtype)
-        out = torch.empty(shape.m, shape.n, device="cuda", dtype=dtype)
+    for shape, x_full, w, out in emulated_inputs(dtype, quick):
         t_gemm = time_fn(lambda x_full=x_full, w=w, out=out: matmul(x_full, w.t(), out=out))
         expected = out.clone()
         for t in (2, 4, 8):
@@ -82,7 +73,7 @@ def _gpu_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
             out.fill_(float("nan"))
             gated()
             torch.cuda.synchronize()
-            err = _max_rel_err(out, expected)
+            err = max_rel_error(out, expected)
             t_ring, t_gated = time_fn(ring), time_fn(gated)
             rows.append({
                 "case": shape.name, "tp": t, "gemm_ms": t_gemm, "ring_ms": t_ring, "gated_ring_ms": t_gated,
@@ -108,7 +99,8 @@ def _cpu_rows(dtype: torch.dtype) -> list[dict]:
                 x_full[c * m : (c + 1) * m] = peers[c * m : (c + 1) * m]
                 ready[c] = 1
             out = gated_matmul(x_full, w.t(), ready, chunks=t, first=rank, step=t - 1)
-            rows.append({"case": f"{t * m}x{n}x{k}", "tp": t, "rank": rank, "max_rel_err": _max_rel_err(out, expected)})
+            err = max_rel_error(out, expected)
+            rows.append({"case": f"{t * m}x{n}x{k}", "tp": t, "rank": rank, "max_rel_err": err})
     return rows
 
 

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-import tessel.bench.overlap_gated as gated_bench
+import tessel.bench.overlap as overlap_bench
 from tessel.bench.__main__ import ON_REQUEST, SUITES
 from tessel.bench.overlap_gated import run_overlap_gated_suite
 from tessel.bench.shapes import MatmulShape
@@ -24,7 +24,7 @@ def test_cpu_rows_cover_every_ranks_arrival_order_and_match_the_plain_gemm():
 @pytest.mark.timeout(240, method="thread")  # the kernel spins on flags: a missed one would hang, not fail
 def test_gpu_rows_time_both_rings_and_the_gated_one_matches_the_gemm(monkeypatch):
     shape = MatmulShape("small", 1000, 384, 256)
-    monkeypatch.setattr(gated_bench, "matmul_shapes", lambda cuda, quick=False: (shape,))
+    monkeypatch.setattr(overlap_bench, "matmul_shapes", lambda cuda, quick=False: (shape,))
     rows = run_overlap_gated_suite(torch.bfloat16, quick=True)
     assert [r["tp"] for r in rows] == [2, 4, 8]
     for row in rows:

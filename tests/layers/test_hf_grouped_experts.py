@@ -19,7 +19,7 @@ from tessel.kernels import quantize_fp8_reference
 from tessel.layers import convert_to_fp8, fp8_layers
 from tessel.layers.hf_grouped_experts import register_hf_experts, tessel_experts_forward
 from tests.layers.test_hf import REFERENCE_KERNELS, _batch, _close, _forward_backward, needs_hf
-from tests.layers.test_hf_experts import _moe
+from tests.layers.test_hf_experts import _moe, _UpDownExperts
 from tests.multiprocess import run_ranks
 
 pytestmark = needs_hf
@@ -68,29 +68,15 @@ class _Config:
 
 
 def _up_down_experts():
-    """Experts without a gate (``has_gate=False``: ``down(act(up(x)))``), with biases, decorated as transformers
-    decorates its own experts classes."""
+    """test_hf_experts' experts without a gate (``down(relu(up(x)))``, with biases), decorated as transformers
+    decorates its own experts classes (``has_gate=False``: its ``act_fn`` runs between the projections)."""
     from transformers.integrations.moe import use_experts_implementation
 
     @use_experts_implementation(has_gate=False, has_bias=True)
-    class UpDownExperts(nn.Module):
-        def __init__(self, config, experts=4, hidden=24, inter=32):
-            super().__init__()
-            self.num_experts = experts
-            self.up_proj = nn.Parameter(torch.randn(experts, inter, hidden) / hidden**0.5)
-            self.up_proj_bias = nn.Parameter(torch.randn(experts, inter))
-            self.down_proj = nn.Parameter(torch.randn(experts, hidden, inter) / inter**0.5)
-            self.down_proj_bias = nn.Parameter(torch.randn(experts, hidden))
+    class UpDownExperts(_UpDownExperts):
+        def __init__(self, config):
+            super().__init__(hidden=24, inter=32)
             self.act_fn = nn.ReLU()
-
-        def forward(self, hidden_states, top_k_index, top_k_weights):
-            out = torch.zeros_like(hidden_states)
-            for slot in range(top_k_index.shape[1]):
-                e = top_k_index[:, slot]
-                h = self.act_fn(torch.einsum("ti,toi->to", hidden_states, self.up_proj[e]) + self.up_proj_bias[e])
-                y = torch.einsum("ti,toi->to", h, self.down_proj[e]) + self.down_proj_bias[e]
-                out = out + top_k_weights[:, slot, None] * y
-            return out
 
     torch.manual_seed(0)
     return UpDownExperts(_Config())
