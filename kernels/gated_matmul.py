@@ -56,6 +56,7 @@ from .matmul import (
     _shared_limit,
     _tma_flags,
     _validate,
+    operand_descriptors,
 )
 from .matmul_reference import _reference_into
 
@@ -78,21 +79,10 @@ def _gated_matmul_kernel(
     TMA (a row-major): one descriptor over all of ``a``, each tile reading from its chunk's first row. A tile
     that ends past its chunk reads the next chunk's first rows, ready or not, into rows it never stores (each
     output row depends on its own row of ``a`` alone); past the last row the copy engine fills zeros."""
-    if TMA:
-        a_desc = tl.make_tensor_descriptor(
-            a_ptr, shape=[CHUNKS * CHUNK_ROWS, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
-        )
-        if B_T:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K]
-            )
-        else:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N]
-            )
-    else:
-        a_desc = a_ptr
-        b_desc = b_ptr
+    a_desc, b_desc = operand_descriptors(
+        a_ptr, b_ptr, CHUNKS * CHUNK_ROWS, N, K, stride_am, stride_ak, stride_bk, stride_bn, TMA, False, B_T,
+        BLOCK_M, BLOCK_N, BLOCK_K,
+    )  # fmt: skip
     tiles_per_chunk = tl.cdiv(CHUNK_ROWS, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     seen = 1  # position 0, the caller's own chunk, is in place at launch
     for tile in range(tl.program_id(0), CHUNKS * tiles_per_chunk, tl.num_programs(0)):

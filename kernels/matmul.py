@@ -139,6 +139,37 @@ def _matmul_tile(
 
 
 @triton.jit
+def operand_descriptors(
+    a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn,
+    TMA: tl.constexpr, A_T: tl.constexpr, B_T: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """``(a_desc, b_desc)`` for :func:`_matmul_tile`: with TMA, descriptors of ``a [M, K]`` and ``b [K, N]`` built on
+    the device (A_T/B_T: read through the transpose, whose rows are contiguous); otherwise the pointers."""
+    if TMA:
+        if A_T:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[K, M], strides=[stride_ak, 1], block_shape=[BLOCK_K, BLOCK_M]
+            )
+        else:
+            a_desc = tl.make_tensor_descriptor(
+                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
+            )
+        if B_T:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K]
+            )
+        else:
+            b_desc = tl.make_tensor_descriptor(
+                b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N]
+            )
+    else:
+        a_desc = a_ptr
+        b_desc = b_ptr
+    return a_desc, b_desc
+
+
+@triton.jit
 def _matmul_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, preact_ptr, a_scale_ptr, b_scale_ptr,
     M, N, K,
@@ -160,26 +191,9 @@ def _matmul_kernel(
 
     The epilogue always stores through pointers, so ``out`` keeps any strides.
     """
-    if TMA:
-        if A_T:
-            a_desc = tl.make_tensor_descriptor(
-                a_ptr, shape=[K, M], strides=[stride_ak, 1], block_shape=[BLOCK_K, BLOCK_M]
-            )
-        else:
-            a_desc = tl.make_tensor_descriptor(
-                a_ptr, shape=[M, K], strides=[stride_am, 1], block_shape=[BLOCK_M, BLOCK_K]
-            )
-        if B_T:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[N, K], strides=[stride_bn, 1], block_shape=[BLOCK_N, BLOCK_K]
-            )
-        else:
-            b_desc = tl.make_tensor_descriptor(
-                b_ptr, shape=[K, N], strides=[stride_bk, 1], block_shape=[BLOCK_K, BLOCK_N]
-            )
-    else:
-        a_desc = a_ptr
-        b_desc = b_ptr
+    a_desc, b_desc = operand_descriptors(
+        a_ptr, b_ptr, M, N, K, stride_am, stride_ak, stride_bk, stride_bn, TMA, A_T, B_T, BLOCK_M, BLOCK_N, BLOCK_K
+    )
     pid = tl.program_id(0)
     if PERSISTENT:
         num_tiles = tl.cdiv(M, BLOCK_M) * tl.cdiv(N, BLOCK_N)
