@@ -3,7 +3,8 @@
     out[M, N] (+)= activation(a[M, K] @ b[K, N] + bias[N]),   a's rows in ``chunks`` blocks of ``m = M / chunks``
 
 Chunk ``c`` of ``a`` (rows ``[c·m, (c+1)·m)``) is written by someone else while the kernel runs (a peer's transfer,
-a copy on another stream), which then sets ``ready[c]`` (int32) to a nonzero value. The chunks arrive in ring
+a copy on another stream), which then sets ``ready[c]`` (int32) to ``epoch`` (1 unless the caller counts its calls)
+or more. The chunks arrive in ring
 order: position ``p`` holds chunk ``(first + p·step) mod chunks``, so ``first`` is this rank's own chunk (never
 waited for: it is in place when the kernel is launched) and ``step = chunks - 1`` is tessel's all-gather ring.
 
@@ -20,8 +21,9 @@ tensors), or a small kernel on another stream (``ready[c].fill_(1)``), which run
 ``reserve_sms``. Every producer must be enqueued without the host waiting on the device in between, since the
 kernel only finishes once every flag is set, and a producer kernel must have run once before (CUDA loads a kernel
 at its first launch, lazily by default, and loading one may wait for the running kernels: for this one, forever).
-The caller clears the flags before each launch (``ready.zero_()`` on the launching stream, ordered before the
-producers' writes).
+Between launches the flags must fall below ``epoch`` again: the caller clears them (``ready.zero_()`` on the
+launching stream, ordered before the producers' writes), or, where the producers are other processes that cannot
+be ordered after a clear, passes a larger ``epoch`` at each call (:mod:`tessel.parallel.peer`).
 
 On a CPU the call waits the same way, for flags that another thread sets: Triton's interpreter runs the programs
 one after another in the calling thread, each spinning on the flags in memory it shares with that thread; the
@@ -66,7 +68,7 @@ __all__ = ["gated_matmul", "gated_matmul_unchecked"]
 @triton.jit
 def _gated_matmul_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr,
-    CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP,
+    CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP, EPOCH,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_FP32: tl.constexpr,
     INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, TMA: tl.constexpr, B_T: tl.constexpr,
@@ -89,8 +91,9 @@ def _gated_matmul_kernel(
         position = tile // tiles_per_chunk
         chunk = (FIRST + position * STEP) % CHUNKS
         if position >= seen:
-            # acquire: the rows written before the flag are visible to the loads below
-            while tl.atomic_add(ready_ptr + chunk, 0, sem="acquire", scope="gpu") == 0:
+            # acquire at system scope: the rows written before the flag (by this GPU, a peer GPU or a copy
+            # engine) are visible to the loads below
+            while tl.atomic_add(ready_ptr + chunk, 0, sem="acquire", scope="sys") < EPOCH:
                 pass
             seen = position + 1
         first_row = chunk * CHUNK_ROWS  # int32: a descriptor's coordinate
@@ -124,7 +127,7 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"gated_matmul: {name} must be at least {low}, received {value}")
 
 
-def _validate_gating(a, ready, chunks, first, step, reserve_sms) -> None:
+def _validate_gating(a, ready, chunks, first, step, reserve_sms, epoch) -> None:
     _check_int("chunks", chunks, 1)
     if a.shape[0] % chunks:
         raise ValueError(
@@ -140,6 +143,9 @@ def _validate_gating(a, ready, chunks, first, step, reserve_sms) -> None:
             f"received {step}"
         )
     _check_int("reserve_sms", reserve_sms, 0)
+    _check_int("epoch", epoch, 1)
+    if epoch >= 2**31:
+        raise ValueError(f"gated_matmul: epoch must fit an int32 flag (below 2**31), received {epoch}")
     if not isinstance(ready, torch.Tensor):
         raise TypeError(f"gated_matmul: ready must be a torch.Tensor, received {type(ready).__name__}")
     if ready.dtype != torch.int32 or tuple(ready.shape) != (chunks,) or ready.stride() != (1,):
@@ -151,13 +157,13 @@ def _validate_gating(a, ready, chunks, first, step, reserve_sms) -> None:
         raise ValueError(f"gated_matmul: ready must be on a's device {a.device}, received {ready.device}")
 
 
-def _reference_gated(a, b, ready, chunks, first, step, out, bias, activation, accumulate) -> None:
+def _reference_gated(a, b, ready, chunks, first, step, out, bias, activation, accumulate, epoch) -> None:
     """The kernel's contract in PyTorch: chunk by chunk in arrival order, each once its flag is set (by another
     thread: a CPU tensor's flags are read from the memory that thread writes)."""
     rows = a.shape[0] // chunks
     for position in range(chunks):
         c = (first + position * step) % chunks
-        while position and int(ready[c]) == 0:
+        while position and int(ready[c]) < epoch:
             time.sleep(_REFERENCE_POLL_S)
         lo, hi = c * rows, (c + 1) * rows
         _reference_into(a[lo:hi], b, bias, activation, out[lo:hi], accumulate, None)
@@ -184,10 +190,10 @@ def _flags(a, b, bias, activation, accumulate, out, backend: str) -> tuple[dict,
     return flags, tma["TMA_OK"] and not tma["A_T"]
 
 
-def _args(a, b, out, bias, ready, chunks, first, step) -> tuple:
+def _args(a, b, out, bias, ready, chunks, first, step, epoch) -> tuple:
     return (
         a, b, out, bias if bias is not None else out, ready, a.shape[0] // chunks, b.shape[1], a.shape[1],
-        chunks, first, step, *a.stride(), *b.stride(), *out.stride(),
+        chunks, first, step, epoch, *a.stride(), *b.stride(), *out.stride(),
     )  # fmt: skip
 
 
@@ -223,7 +229,7 @@ def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Co
     candidates = _candidates(a.element_size(), _shared_limit(a.device), tma_ok)
     ready = torch.ones(chunks, dtype=torch.int32, device=a.device)
     scratch = torch.zeros_like(out)
-    args = _args(a, b, scratch, bias, ready, chunks, 0, 1)
+    args = _args(a, b, scratch, bias, ready, chunks, 0, 1, 1)
     best, best_ms = None, float("inf")
     for config in candidates:
         grid = (min(programs, chunks * cdiv(a.shape[0] // chunks, config.kwargs["BLOCK_M"])
@@ -243,14 +249,15 @@ def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Co
 
 @opaque_to_compile
 def gated_matmul(
-    a, b, ready, *, chunks, first=0, step=1, bias=None, activation=None, out=None, accumulate=False, reserve_sms=2
-) -> torch.Tensor:
+    a, b, ready, *, chunks, first=0, step=1, bias=None, activation=None, out=None, accumulate=False, reserve_sms=2,
+    epoch=1,
+) -> torch.Tensor:  # fmt: skip
     """``out (+)= activation(a @ b + bias)`` in one launch, each chunk of ``a``'s rows read once ``ready`` says so.
 
     Args:
         a: ``[M, K]``, any strides, float32/float16/bfloat16; ``M`` a multiple of ``chunks``.
         b: ``[K, N]``, a's dtype and device, any strides.
-        ready: a contiguous ``[chunks]`` int32 tensor on a's device: ``ready[c] != 0`` once chunk ``c`` is
+        ready: a contiguous ``[chunks]`` int32 tensor on a's device: ``ready[c] >= epoch`` once chunk ``c`` is
             written. Chunk ``first`` is not waited for. Set by another stream or a copy engine while the kernel
             runs (see the module's notes on what may set it); on a CPU, by another thread.
         chunks: how many row blocks ``a`` has.
@@ -258,21 +265,22 @@ def gated_matmul(
             coprime with ``chunks``. ``first=r, step=chunks-1`` is tessel's all-gather ring on rank ``r``.
         bias, activation, out, accumulate: as for :func:`tessel.kernels.matmul.matmul` (no autograd here).
         reserve_sms: SMs the persistent programs leave free for what sets the flags (a kernel needs one).
+        epoch: the flag value (or more) that marks a chunk written, ``1 <= epoch < 2**31``.
 
     Returns:
         ``out`` when given, otherwise a new ``[M, N]`` tensor of a's dtype. On a GPU the call returns at once and
         the kernel finishes when the last chunk has arrived and been multiplied; on a CPU the call returns then.
     """
     _validate(a, b, bias, activation, out, accumulate, "gated_matmul")
-    _validate_gating(a, ready, chunks, first, step, reserve_sms)
+    _validate_gating(a, ready, chunks, first, step, reserve_sms, epoch)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
-    gated_matmul_unchecked(a, b, ready, chunks, first, step, out, bias, activation, accumulate, reserve_sms)
+    gated_matmul_unchecked(a, b, ready, chunks, first, step, out, bias, activation, accumulate, reserve_sms, epoch)
     return out
 
 
 def gated_matmul_unchecked(
-    a, b, ready, chunks, first, step, out, bias=None, activation=None, accumulate=False, reserve_sms=2
+    a, b, ready, chunks, first, step, out, bias=None, activation=None, accumulate=False, reserve_sms=2, epoch=1
 ) -> None:
     """:func:`gated_matmul` into ``out`` without its argument checks: for callers that checked their operands once
     and launch it at every step of a training run, where the checks' tens of microseconds of host time would show
@@ -281,10 +289,10 @@ def gated_matmul_unchecked(
         return
     backend = backend_for(a)
     if backend == Backend.REFERENCE:
-        _reference_gated(a, b, ready, chunks, first, step, out, bias, activation, accumulate)
+        _reference_gated(a, b, ready, chunks, first, step, out, bias, activation, accumulate, epoch)
         return
     flags, tma_ok = _flags(a, b, bias, activation, accumulate, out, backend)
-    args = _args(a, b, out, bias, ready, chunks, first, step)
+    args = _args(a, b, out, bias, ready, chunks, first, step, epoch)
     rows = a.shape[0] // chunks
     if backend == Backend.INTERPRETER:
         meta = {**_INTERPRETER_BLOCKS, "TMA": _INTERPRETER_TMA and tma_ok}

@@ -49,6 +49,8 @@ PTX_INSTRUCTIONS = {
     "red": re.compile(r"^\s*(?:@!?%p\d+\s+)?red\.", re.M),  # atomic reductions whose result is unused
     "atom": re.compile(r"^\s*(?:@!?%p\d+\s+)?atom\.", re.M),  # atomics that return the old value
     "acquire_load": re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.[\w.:]*\.acquire\.", re.M),  # waiting for a flag
+    # the same, ordered at system scope: after writes by peer GPUs and copy engines too
+    "sys_acquire_load": re.compile(r"^\s*(?:@!?%p\d+\s+)?ld\.[\w.:]*\bsys\.acquire\.", re.M),
 }
 
 
@@ -555,8 +557,8 @@ def gated_matmul_cases():
     ptrs = {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "bias_ptr": "bf16", "ready_ptr": "i32"}
     meta = {"kernel": "gated matmul", "dtype": "bf16", "stages": 3, "tile_bytes": _tile_bytes("bf16", 128, 256, 64)}
     return [(f"gated matmul bf16 128x256x64{' tma B_T' * tma}", gm._gated_matmul_kernel, ptrs,
-             {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1}, (), ("FIRST", "STEP", "CHUNKS"),
-             8, 3, meta) for tma in (False, True)]  # fmt: skip
+             {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1}, (),
+             ("FIRST", "STEP", "CHUNKS", "EPOCH"), 8, 3, meta) for tma in (False, True)]  # fmt: skip
 
 
 def all_cases():

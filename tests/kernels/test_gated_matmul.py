@@ -109,13 +109,13 @@ def test_own_chunk_is_never_waited_for(seed):
 
 
 @pytest.mark.parametrize("backend", ["interpreter", "reference"])
-@pytest.mark.parametrize("rank", [0, 2])
-def test_starts_on_its_own_rows_and_waits_for_each_chunk_another_thread_writes(seed, monkeypatch, backend, rank):
+@pytest.mark.parametrize("rank, epoch", [(0, 1), (2, 1), (1, 7)])
+def test_starts_on_its_own_rows_and_waits_for_each_chunk_another_thread_writes(seed, monkeypatch, backend, rank, epoch):
     """A producer thread stands for the ring: once the kernel has written some of this rank's own rows, it copies
     the other chunks in, in ring order, each followed by its flag. Before a chunk arrives none of its output rows
     is written (the kernel waited for its flag; its rows of ``a`` held NaN until then), and the result is the
     plain GEMM's. The interpreter's programs spin on flags in memory this thread writes; the PyTorch reference
-    waits on the host."""
+    waits on the host. With ``epoch`` > 1 the flags start at the previous call's value, which marks nothing."""
     if backend == "reference":
         monkeypatch.setattr(gated_module, "backend_for", lambda *tensors: Backend.REFERENCE)
     chunks, rows, n, k = 3, 40, 48, 32  # 2 x 2 tiles of the interpreter's 32 per chunk
@@ -124,7 +124,7 @@ def test_starts_on_its_own_rows_and_waits_for_each_chunk_another_thread_writes(s
     a, b = _operands(chunks, rows, n, k, torch.float32, transposed_b=False)
     buf = torch.full_like(a, float("nan"))
     buf[span(rank)] = a[span(rank)]
-    ready = torch.zeros(chunks, dtype=torch.int32)
+    ready = torch.full((chunks,), epoch - 1, dtype=torch.int32)
     out = torch.full((chunks * rows, n), float("nan"))
     snapshots, started = [], []
 
@@ -137,13 +137,13 @@ def test_starts_on_its_own_rows_and_waits_for_each_chunk_another_thread_writes(s
             time.sleep(0.05)
             snapshots.append(out.clone())
             buf[span(c)] = a[span(c)]
-            ready[c] = 1
-        ready.fill_(1)  # the own chunk's flag too: a kernel waiting for it by mistake fails below instead of hanging
+            ready[c] = epoch
+        ready.fill_(epoch)  # the own chunk's too: a kernel waiting for it by mistake fails below instead of hanging
 
     thread = threading.Thread(target=producer)
     thread.start()
     try:
-        gated_matmul(buf, b, ready, chunks=chunks, first=rank, step=chunks - 1, out=out)
+        gated_matmul(buf, b, ready, chunks=chunks, first=rank, step=chunks - 1, out=out, epoch=epoch)
     finally:
         thread.join()
     assert started == [True]  # the own chunk's tiles ran before any other chunk had arrived
@@ -178,6 +178,9 @@ def test_every_dtype_has_candidate_tiles_that_fit_in_shared_memory(element_size)
         (dict(chunks=4, step=2), ValueError, r"step must be coprime with chunks=4 .*received 2"),
         (dict(chunks=4, step=0), ValueError, r"step must be at least 1, received 0"),
         (dict(chunks=4, reserve_sms=-1), ValueError, r"reserve_sms must be at least 0, received -1"),
+        (dict(chunks=4, epoch=0), ValueError, r"epoch must be at least 1, received 0"),
+        (dict(chunks=4, epoch=2**31), ValueError, r"epoch must fit an int32 flag .*received 2147483648"),
+        (dict(chunks=4, epoch=1.0), TypeError, r"epoch must be an int, received float"),
         (dict(chunks=4, ready=torch.ones(4)), ValueError, r"ready must be a contiguous \(4,\) int32 tensor.*float32"),
         (dict(chunks=4, ready=torch.ones(3, dtype=torch.int32)), ValueError, r"received \(3,\) torch.int32"),
         (dict(chunks=4, ready=torch.ones(8, dtype=torch.int32)[::2]), ValueError, r"with strides \(2,\)"),

@@ -111,12 +111,13 @@ def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
 
 
 def test_gated_matmul_waits_with_one_acquire_load_and_keeps_the_gemm_pipeline(compiled):
-    """The one-launch GEMM over arriving chunks: its wait for a chunk's flag is one acquire-ordered global load (no
-    read-modify-write hammering the flag), and its main loop is the plain GEMM's, pipelined, without spills."""
+    """The one-launch GEMM over arriving chunks: its wait for a chunk's flag is one acquire-ordered global load at
+    system scope (so rows a peer GPU or a copy engine wrote before the flag are seen; no read-modify-write hammering
+    the flag), and its main loop is the plain GEMM's, pipelined, without spills."""
     gated = {n: r for n, r in compiled.items() if r["kernel"] == "gated matmul"}
     assert len(gated) == 2
     for name, r in gated.items():
-        assert r["acquire_load"] == 1 and r["atom"] == 0 and r["red"] == 0, name
+        assert r["acquire_load"] == 1 and r["sys_acquire_load"] == 1 and r["atom"] == 0 and r["red"] == 0, name
         assert r["wgmma"] > 0 and r["spill_bytes"] == 0, name
         if "tma" in name:
             assert r["tma"] > 0 and r["cp_async"] == 0, name
