@@ -19,13 +19,17 @@ Three settings, chosen by what is present:
 - **Several GPUs under torchrun** (``torchrun --nproc_per_node=N -m tessel.bench overlap``): the real
   ops on NCCL. Overlap efficiency ``(T_gemm + T_comm − T_overlapped) / min(T_gemm, T_comm)`` (1: the
   shorter of the two is fully hidden; 0: nothing is) and the speed-up over the plain path (one
-  collective, then one GEMM).
+  collective, then one GEMM); the same two for the device-signalled transport (``peer_*``:
+  :func:`~tessel.parallel.peer.peer_all_gather_matmul`, writes into the peers' memory and one gated GEMM launch).
+  Every rank times the same number of calls.
 """
 
 from __future__ import annotations
 
 import os
 import socket
+import statistics
+import time
 from collections.abc import Callable
 
 import torch
@@ -35,6 +39,7 @@ import torch.multiprocessing as mp
 from ..kernels.matmul import matmul, matmul_unchecked
 from ..parallel.comm import all_gather, count_bytes, record_events
 from ..parallel.overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
+from ..parallel.peer import PeerAllGather, peer_all_gather_matmul
 from .runner import graph_time, host_time, time_fn
 from .shapes import matmul_shapes
 
@@ -226,12 +231,40 @@ def _gpu_emulated_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
 # ------------------------------------------------------------------------------------------------ GPUs under torchrun
 
 
+def _time_together(fn: Callable[[], object], warmup: int = 5, calls: int = 20, reps: int = 3) -> float:
+    """Milliseconds per ``fn()``: the median over ``reps`` runs of ``calls`` calls (timed by CUDA events on a GPU,
+    by the host's clock on a CPU). Every rank
+    makes the same number of calls: an adaptive count (``do_bench``'s) would leave ranks waiting in collectives
+    their peers never issue."""
+    cuda = torch.cuda.is_available()
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        began = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        if cuda:
+            end.record()
+            end.synchronize()
+        ms = start.elapsed_time(end) if cuda else (time.perf_counter() - began) * 1e3
+        times.append(ms / calls)
+    return statistics.median(times)
+
+
 def _time_ops(x_shard, x_full, w, group) -> dict[str, float]:
+    peer = PeerAllGather(x_shard.shape[0], x_shard.shape[1], x_shard.dtype, group)
     return {
-        "gemm": time_fn(lambda: matmul(x_full, w.t())),
-        "comm": time_fn(lambda: all_gather(x_shard, group, out=x_full)),
-        "overlapped": time_fn(lambda: all_gather_matmul(x_shard, w, group, overlap=True)),
-        "plain": time_fn(lambda: all_gather_matmul(x_shard, w, group, overlap=False)),
+        "gemm": _time_together(lambda: matmul(x_full, w.t())),
+        "comm": _time_together(lambda: all_gather(x_shard, group, out=x_full)),
+        "overlapped": _time_together(lambda: all_gather_matmul(x_shard, w, group, overlap=True)),
+        "plain": _time_together(lambda: all_gather_matmul(x_shard, w, group, overlap=False)),
+        "peer": _time_together(lambda: peer_all_gather_matmul(x_shard, w, peer)),
     }
 
 
@@ -248,12 +281,14 @@ def _multi_gpu_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
         w = torch.randn(shape.n, shape.k, device="cuda", dtype=dtype)
         x_full = torch.empty(shape.m, shape.k, device="cuda", dtype=dtype)
         times = _time_ops(x_shard, x_full, w, group)
-        hidden = times["gemm"] + times["comm"] - times["overlapped"]
+        efficiency = lambda op, times=times: (
+            (times["gemm"] + times["comm"] - times[op]) / min(times["gemm"], times["comm"])
+        )
         rows.append({
             "case": shape.name, "op": "all_gather_matmul", "tp": t,
             **{f"{k}_ms": v for k, v in times.items()},
-            "efficiency": hidden / min(times["gemm"], times["comm"]),
-            "speedup_vs_plain": times["plain"] / times["overlapped"],
+            "efficiency": efficiency("overlapped"), "speedup_vs_plain": times["plain"] / times["overlapped"],
+            "peer_efficiency": efficiency("peer"), "peer_speedup_vs_plain": times["plain"] / times["peer"],
         })  # fmt: skip
     return rows if dims.rank == 0 else None
 

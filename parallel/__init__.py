@@ -7,6 +7,7 @@ from .dims import ParallelDims, init_parallel, shutdown
 from .fsdp import FSDP
 from .memory import MemoryAccount, memory_account, zero_memory_bytes, zero_traffic_bytes
 from .overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
+from .peer import PeerAllGather, PeerBuffer, peer_all_gather_matmul
 from .zero import ZeroAdam
 
 __all__ = [
@@ -16,6 +17,8 @@ __all__ = [
     "EventLog",
     "MemoryAccount",
     "ParallelDims",
+    "PeerAllGather",
+    "PeerBuffer",
     "ZeroAdam",
     "all_gather_matmul",
     "count_bytes",
@@ -25,6 +28,7 @@ __all__ = [
     "matmul_grad_all_reduce",
     "matmul_reduce_scatter",
     "memory_account",
+    "peer_all_gather_matmul",
     "record_events",
     "ring_attention",
     "shutdown",

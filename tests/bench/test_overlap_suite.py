@@ -1,5 +1,7 @@
 """The overlap suite on a CPU: measured bytes equal the ring formulas and every communicating pass overlaps."""
 
+import time
+
 import pytest
 import torch
 
@@ -59,3 +61,14 @@ def test_emulated_ring_rows_on_a_gpu(monkeypatch):
     want = x.double() @ w.double().t()
     assert torch.isfinite(out).all()
     assert (out.double() - want).abs().max() / want.abs().max() < 2e-2
+
+
+def test_ranks_time_the_same_number_of_calls():
+    """Under torchrun every rank must issue the same collectives: the timer's call count is fixed, never adapted to
+    how fast the calls were on one rank (which would leave the others waiting for collectives never issued)."""
+    counts = []
+    for delay in (0.0, 0.002):  # a fast rank and a slow one
+        calls = []
+        overlap_bench._time_together(lambda calls=calls, delay=delay: (calls.append(1), time.sleep(delay)))
+        counts.append(len(calls))
+    assert counts[0] == counts[1] == 5 + 3 * 20

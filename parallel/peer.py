@@ -1,0 +1,311 @@
+"""The device-signalled transport: buffers every rank of a group writes directly, and flags that say what arrived.
+
+The rings of :mod:`.rings` move each chunk with a message (NCCL or gloo ``isend``/``irecv``) and learn on the host
+that it arrived, so each chunk costs a GEMM launch of its own. Here the sender writes straight into the receiver's
+memory and then raises a flag there; the receiver runs one :func:`~tessel.kernels.gated_matmul.gated_matmul` launch
+over every chunk, whose programs wait on the flags on the device. Nothing waits on the host.
+
+Memory (:class:`PeerBuffer`): each rank allocates a buffer and ``t + 1`` int32 flags, and maps every peer's.
+
+- GPUs of one node: torch's symmetric memory (``torch.distributed._symmetric_memory``, what torch's own fused
+  all-gather GEMM uses): each rank's allocation is mapped into every peer's address space, so a peer's buffer is a
+  tensor on this rank's device, and writes to it go over NVLink (or PCIe).
+- CPU: files in shared memory (``/dev/shm``), mapped by every rank. The gloo tests run the same protocol with
+  real concurrency between processes; x86 keeps a process's stores in order, so a flag is seen after its rows.
+
+Protocol of one all-gather (:class:`PeerAllGather`), the ``e``-th through this transport (``e`` its epoch):
+
+1. Rank ``r`` copies its shard into its own rows of its buffer.
+2. For ``j = 1 … t-1`` (``p = r + j``: so rank ``p`` receives from ``p-1``, ``p-2``, …, the ring's order), rank ``r``
+   waits until ``p`` has finished reading call ``e-1`` (``p``'s flag ``t`` reaches ``e-1``), writes its shard into
+   ``p``'s rows ``r`` and sets ``p``'s flag ``r`` to ``e``. Writes then flag, in one stream's order: the flag is
+   seen only after the rows.
+3. The consumer's GEMMs wait for flags ``>= e`` (never cleared: a flag from call ``e-1`` is below ``e``), then
+   :meth:`PeerAllGather.finish` sets the rank's own flag ``t`` to ``e`` after them, releasing the buffer for the
+   next call.
+
+On CUDA steps 1–2 run on a side stream, ordered after the shard's producer, while the GEMM runs on the caller's
+stream: the waits of step 2 are a one-program kernel, the rows a copy, the flag a 4-byte copy from a device
+scalar. Every kernel the side stream needs has run once when the transport is built (CUDA loads kernels lazily,
+and loading one may wait for the running kernels: a spinning GEMM among them).
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+import triton
+import triton.language as tl
+
+from ..kernels.gated_matmul import gated_matmul_unchecked
+from .comm import _account, group_rank, group_size, record_event
+
+__all__ = ["PeerAllGather", "PeerBuffer", "peer_all_gather_matmul", "wait_at_least"]
+
+# How often the host looks at a peer's flag that is not there yet (CPU).
+_POLL_S = 2e-5
+
+
+@triton.jit
+def _wait_at_least_kernel(flag_ptr, value):
+    while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < value:
+        pass
+
+
+def wait_at_least(flag: torch.Tensor, value: int) -> None:
+    """Wait until the int32 ``flag`` (one element, possibly a peer's) reaches ``value``.
+
+    On CUDA a one-program kernel spins on the current stream, so work enqueued after it waits and the host does
+    not; on a CPU the host polls."""
+    if flag.is_cuda:
+        _wait_at_least_kernel[(1,)](flag, value, num_warps=1)
+        return
+    while int(flag) < value:
+        time.sleep(_POLL_S)
+
+
+def _shared_file_tensor(path: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_file(path, shared=True, size=numel, dtype=dtype)
+
+
+class PeerBuffer:
+    """A ``shape`` buffer and ``t + 1`` int32 flags on every rank of ``group``, each rank able to write all of them.
+
+    Collective: every rank of the group builds it with the same arguments. ``peer(p)`` and ``peer_flags(p)`` are
+    rank ``p``'s (``p`` counted in the group), views this rank writes into; ``local`` and ``flags`` are its own.
+    Flags start at zero.
+
+    Args:
+        shape: the buffer's shape, the same on every rank.
+        dtype: its element type.
+        group: the ranks; ``None``: the default group (a world of one without one).
+        device: ``"cpu"`` or a CUDA device of this node (default: the current CUDA device where the group's
+            backend is NCCL, else the CPU).
+    """
+
+    def __init__(self, shape, dtype: torch.dtype, group: dist.ProcessGroup | None = None, *, device=None):
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"PeerBuffer: dtype must be a torch.dtype, received {type(dtype).__name__}")
+        shape = tuple(shape)
+        if not shape or any(isinstance(s, bool) or not isinstance(s, int) or s <= 0 for s in shape):
+            raise ValueError(f"PeerBuffer: shape must be positive ints, received {shape}")
+        self.group, self.size, self.rank = group, group_size(group), group_rank(group)
+        self.device = torch.device(device) if device is not None else _default_device(group)
+        if self.device.type not in ("cpu", "cuda"):
+            raise ValueError(f"PeerBuffer: device must be the CPU or a CUDA device, received {self.device}")
+        self.shape, self.dtype = shape, dtype
+        numel = 1
+        for s in shape:
+            numel *= s
+        if self.device.type == "cuda" and self.size == 1:
+            self.local = torch.zeros(shape, dtype=dtype, device=self.device)
+            self.flags = torch.zeros(self.size + 1, dtype=torch.int32, device=self.device)
+            self._peers, self._peer_flags = [self.local], [self.flags]
+        elif self.device.type == "cuda":
+            self._peers, self._peer_flags = self._open_symmetric()
+            self.local, self.flags = self._peers[self.rank], self._peer_flags[self.rank]
+        else:
+            self._peers, self._peer_flags = self._open_files(numel)
+            self.local, self.flags = self._peers[self.rank], self._peer_flags[self.rank]
+
+    def peer(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s buffer (this rank's own for ``rank == self.rank``)."""
+        return self._peers[rank]
+
+    def peer_flags(self, rank: int) -> torch.Tensor:
+        """Rank ``rank``'s ``t + 1`` flags."""
+        return self._peer_flags[rank]
+
+    def _exchange(self, mine) -> list:
+        if self.size == 1:
+            return [mine]
+        gathered = [None] * self.size
+        dist.all_gather_object(gathered, mine, group=self.group)
+        return gathered
+
+    def _open_files(self, numel: int):
+        directory = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+        stem = os.path.join(directory, f"tessel-peer-{os.getpid()}-{secrets.token_hex(8)}")
+        mine = (f"{stem}-data", f"{stem}-flags")
+        for path, nbytes in zip(mine, (numel * _element_size(self.dtype), (self.size + 1) * 4)):
+            with open(path, "wb") as f:
+                f.truncate(nbytes)  # zero-filled
+        try:
+            paths = self._exchange(mine)
+            peers = [_shared_file_tensor(data, numel, self.dtype).view(self.shape) for data, _ in paths]
+            flags = [_shared_file_tensor(f, self.size + 1, torch.int32) for _, f in paths]
+            if self.size > 1:
+                dist.barrier(group=self.group)  # every rank has mapped every file
+        finally:
+            for path in mine:  # the mappings keep the memory; nothing is left behind in the file system
+                os.unlink(path)
+        return peers, flags
+
+    def _open_symmetric(self):
+        import torch.distributed._symmetric_memory as symmetric
+
+        name = (self.group if self.group is not None else dist.group.WORLD).group_name
+        enabled = getattr(symmetric, "is_symm_mem_enabled_for_group", None)
+        if enabled is not None and not enabled(name):  # needed by older torch; a deprecated no-op in newer
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)
+                symmetric.enable_symm_mem_for_group(name)
+        views, self._handles = [], []  # the handles keep the peers' mappings
+        for shape, dtype in ((self.shape, self.dtype), ((self.size + 1,), torch.int32)):
+            local = symmetric.empty(shape, dtype=dtype, device=self.device).zero_()
+            torch.cuda.synchronize(self.device)  # zeroed before any peer can write
+            handle = symmetric.rendezvous(local, name)
+            self._handles.append(handle)
+            views.append([local if p == self.rank else handle.get_buffer(p, shape, dtype) for p in range(self.size)])
+        dist.barrier(group=self.group)
+        return views[0], views[1]
+
+
+def _element_size(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def _default_device(group) -> torch.device:
+    if dist.is_initialized() and dist.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class PeerAllGather:
+    """All-gather of ``[rows, features]`` shards into every rank's ``[t·rows, features]`` buffer, by writes into the
+    peers' memory, each followed by its flag (see the module's protocol). Collective to build, like
+    :class:`PeerBuffer`; reused call after call (each call's epoch is one more than the last).
+
+    Use: ``x_full, ready, epoch = transport.start(x_shard)``, then GEMMs that wait on ``ready`` for ``epoch``
+    (:func:`peer_all_gather_matmul`), then ``transport.finish()`` after them. ``x_full`` is overwritten by the
+    next call: copy what must outlive it.
+    """
+
+    def __init__(self, rows: int, features: int, dtype: torch.dtype, group=None, *, device=None):
+        for name, value in (("rows", rows), ("features", features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ValueError(f"PeerAllGather: {name} must be a positive int, received {value!r}")
+        self.rows, self.features = rows, features
+        self.buffer = PeerBuffer((group_size(group) * rows, features), dtype, group, device=device)
+        self.epoch = 0
+        self._stream = None
+        if self.buffer.device.type == "cuda":
+            self._stream = torch.cuda.Stream(self.buffer.device)
+            self._epoch_value = torch.zeros(1, dtype=torch.int32, device=self.buffer.device)
+            self._load_kernels()
+
+    @property
+    def size(self) -> int:
+        return self.buffer.size
+
+    @property
+    def rank(self) -> int:
+        return self.buffer.rank
+
+    def _load_kernels(self) -> None:
+        """Every kernel the side stream launches, run once before any GEMM spins (see the module's notes)."""
+        with torch.cuda.device(self.buffer.device), torch.cuda.stream(self._stream):
+            self._epoch_value.fill_(0)
+            wait_at_least(self.buffer.flags[self.size :], 0)
+            self.buffer.flags[self.size :].copy_(self._epoch_value)
+            self.buffer.local[:1].copy_(self.buffer.local[-1:])
+        self._stream.synchronize()
+
+    def _check(self, x_shard) -> None:
+        if not isinstance(x_shard, torch.Tensor):
+            raise TypeError(f"PeerAllGather: x_shard must be a torch.Tensor, received {type(x_shard).__name__}")
+        want = ((self.rows, self.features), self.buffer.dtype, self.buffer.device)
+        got = (tuple(x_shard.shape), x_shard.dtype, x_shard.device)
+        if got != want:
+            raise ValueError(
+                f"PeerAllGather: x_shard must be {want[0]} {want[1]} on {want[2]} (as the transport was built), "
+                f"received {got[0]} {got[1]} on {got[2]}"
+            )
+
+    def start(self, x_shard: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """Send ``x_shard`` to every peer and return ``(x_full, ready, epoch)``: this rank's gathered buffer, whose
+        rows ``[c·rows, (c+1)·rows)`` hold rank ``c``'s shard once ``ready[c] >= epoch`` (this rank's own rows at
+        once, in the caller's stream order)."""
+        self._check(x_shard)
+        if self.epoch + 1 >= 2**31:
+            raise RuntimeError("PeerAllGather: the int32 epoch counter is exhausted; build a new transport")
+        self.epoch += 1
+        epoch, t, r, m = self.epoch, self.size, self.rank, self.rows
+        own = slice(r * m, (r + 1) * m)
+        self.buffer.local[own].copy_(x_shard)
+        record_event("send", "peer_all_gather", epoch)
+        if self._stream is None:
+            for j in range(1, t):
+                self._push(x_shard, (r + j) % t, epoch, own)
+        else:
+            caller = torch.cuda.current_stream(self.buffer.device)
+            self._stream.wait_stream(caller)  # the shard is written
+            with torch.cuda.stream(self._stream):
+                self._epoch_value.fill_(epoch)
+                for j in range(1, t):
+                    self._push(x_shard, (r + j) % t, epoch, own)
+            x_shard.record_stream(self._stream)
+        sent = (t - 1) * x_shard.numel() * x_shard.element_size()
+        _account(sent, sent)
+        return self.buffer.local, self.buffer.flags[:t], epoch
+
+    def _push(self, x_shard, p: int, epoch: int, own: slice) -> None:
+        flags = self.buffer.peer_flags(p)
+        wait_at_least(flags[self.size :], epoch - 1)  # p has read the previous call's rows
+        self.buffer.peer(p)[own].copy_(x_shard, non_blocking=True)
+        if self._stream is None:
+            flags[self.rank] = epoch  # after the rows: this process's stores land in order
+        else:
+            flags[self.rank : self.rank + 1].copy_(self._epoch_value, non_blocking=True)
+
+    def finish(self) -> None:
+        """After the GEMMs that read this call's ``x_full`` (in the caller's stream order): release it to the peers'
+        next call."""
+        record_event("wait", "peer_all_gather", self.epoch)
+        if self._stream is None:
+            self.buffer.flags[self.size] = self.epoch
+        else:
+            self.buffer.flags[self.size :].fill_(self.epoch)
+
+
+def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases=None, reserve_sms=2):
+    """``[AG(x_shard) @ W_iᵀ + b_i for each W_i]`` through ``transport``: the gather's writes into the peers' memory,
+    and one :func:`~tessel.kernels.gated_matmul.gated_matmul` launch per weight over every chunk, each chunk's tiles
+    waiting on the device for its flag. No autograd (a forward building block, as for inference and the
+    benchmarks).
+
+    Args:
+        x_shard: ``[rows, K]``, this rank's rows, as ``transport`` was built.
+        weights: a ``[N_i, K]`` weight or a list of them (nn.Linear's layout), x_shard's dtype and device.
+        transport: a :class:`PeerAllGather` over the tensor-parallel group.
+        biases: ``None`` or one (optional) ``[N_i]`` bias per weight.
+        reserve_sms: SMs the GEMMs leave to the transport's side stream (see gated_matmul).
+
+    Returns:
+        One ``[t·rows, N_i]`` output per weight (a list, even for one weight).
+    """
+    from .overlap import check_operands
+
+    weights = [weights] if isinstance(weights, torch.Tensor) else list(weights)
+    check_operands("peer_all_gather_matmul", "x_shard", x_shard, weights, biases)
+    if not isinstance(transport, PeerAllGather):
+        raise TypeError(
+            f"peer_all_gather_matmul: transport must be a PeerAllGather, received {type(transport).__name__}"
+        )
+    biases = biases if biases is not None else [None] * len(weights)
+    x_full, ready, epoch = transport.start(x_shard)
+    t, r = transport.size, transport.rank
+    outs = []
+    for i, (w, b) in enumerate(zip(weights, biases)):
+        out = x_full.new_empty((x_full.shape[0], w.shape[0]))
+        record_event("gemm", "peer_all_gather", i)
+        gated_matmul_unchecked(x_full, w.t(), ready, t, r, max(1, t - 1), out, b, None, False, reserve_sms, epoch)
+        outs.append(out)
+    transport.finish()
+    return outs

@@ -1,0 +1,179 @@
+"""tessel.parallel.peer: buffers the ranks write into each other, and the all-gather GEMM whose chunks wait on flags.
+
+On gloo ranks the buffers are shared-memory files every rank maps, so the protocol runs with real concurrency
+between processes: a rank's gated GEMM spins on flags its peers raise while it runs (Triton's interpreter, or
+the PyTorch reference waiting on the host). Results are checked against float64 over calls back to back, with a
+rank held back while the others run ahead (the back-pressure of the protocol), and the bytes against the ring
+formula. On a GPU, two processes share it through torch's symmetric memory.
+"""
+
+import glob
+import os
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tessel.kernels.gated_matmul import gated_matmul
+from tessel.parallel.comm import count_bytes, record_events
+from tessel.parallel.peer import PeerAllGather, PeerBuffer, peer_all_gather_matmul, wait_at_least
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+M, K = 19, 13  # rows per rank, features: odd, not multiples of the interpreter's tiles
+NS = (21, 6)  # two weights sharing one gather (fused QKV-style)
+
+
+def _leftover_files() -> list[str]:
+    return glob.glob(f"/dev/shm/tessel-peer-{os.getpid()}-*")
+
+
+def _buffer_rank(rank, t):
+    buf = PeerBuffer((t, 3), torch.float32)
+    assert buf.local.shape == (t, 3) and buf.flags.shape == (t + 1,)  # (peers may be writing already)
+    for p in range(t):  # write this rank's row of every peer's buffer, then raise its flag there
+        buf.peer(p)[rank] = torch.tensor([rank, p, rank * 10 + p], dtype=torch.float32)
+        buf.peer_flags(p)[rank] = 100 + rank
+    dist.barrier()
+    return buf.local.clone(), buf.flags.clone(), _leftover_files()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("t", [2, 3])
+def test_every_rank_writes_every_peers_buffer_and_flags(t):
+    for rank, (local, flags, leftover) in enumerate(run_ranks(_buffer_rank, t)):
+        expected = torch.tensor([[q, rank, q * 10 + rank] for q in range(t)], dtype=torch.float32)
+        assert torch.equal(local, expected)
+        assert flags.tolist() == [100 + q for q in range(t)] + [0]
+        assert leftover == []  # the files are unlinked once mapped: nothing is left behind
+
+
+def _expected(shards, weights, biases):
+    x = torch.cat(shards).double()
+    return [x @ w.double().t() + (b.double() if b is not None else 0) for w, b in zip(weights, biases)]
+
+
+def _operands(t, call, dtype, m=M, k=K):
+    gen = torch.Generator().manual_seed(1000 * call)
+    shards = [torch.randn(m, k, generator=gen, dtype=dtype) for _ in range(t)]
+    weights = [torch.randn(n, k, generator=gen, dtype=dtype) for n in NS]
+    biases = [torch.randn(NS[0], generator=gen, dtype=dtype), None]
+    return shards, weights, biases
+
+
+def _gather_rank(rank, t, calls, dtype, slow_rank):
+    transport = PeerAllGather(M, K, dtype)
+    errors = []
+    for call in range(calls):
+        shards, weights, biases = _operands(t, call, dtype)
+        if rank == slow_rank and call == 1:
+            # Held back between sending and multiplying: the others run ahead to the next call, whose writes into
+            # this rank's buffer must wait until it has read this call's rows.
+            x_full, ready, epoch = transport.start(shards[rank])
+            time.sleep(1.0)
+            outs = [gated_matmul(x_full, w.t(), ready, chunks=t, first=rank, step=max(1, t - 1), bias=b,
+                                 epoch=epoch) for w, b in zip(weights, biases)]  # fmt: skip
+            transport.finish()
+        else:
+            outs = peer_all_gather_matmul(shards[rank], weights, transport, biases=biases)
+        for out, ref in zip(outs, _expected(shards, weights, biases)):
+            errors.append(((out.double() - ref).abs().max() / ref.abs().max()).item())
+    return errors, transport.epoch
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kernels", ["interpreter", "reference"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_calls_back_to_back_equal_float64_with_a_rank_held_back(t, kernels):
+    env = REFERENCE_KERNELS if kernels == "reference" else None
+    results = run_ranks(_gather_rank, t, 4, torch.float32, t - 1, env=env, timeout=240)
+    for errors, epoch in results:
+        assert epoch == 4
+        assert max(errors) < 1e-5, errors
+
+
+def _bytes_rank(rank, t):
+    transport = PeerAllGather(M, K, torch.float32)
+    shards, weights, _ = _operands(t, 0, torch.float32)
+    with count_bytes() as counted, record_events() as log:
+        peer_all_gather_matmul(shards[rank], weights[0], transport)
+    return counted.sent, counted.received, log.events
+
+
+@pytest.mark.multiprocess
+def test_bytes_are_the_rings_and_the_gemm_runs_after_the_sends():
+    t = 3
+    for sent, received, events in run_ranks(_bytes_rank, t, env=REFERENCE_KERNELS):
+        assert sent == received == (t - 1) * M * K * 4  # (t-1)/t of the gathered input
+        assert events == [("send", "peer_all_gather", 1), ("gemm", "peer_all_gather", 0),
+                          ("wait", "peer_all_gather", 1)]  # fmt: skip
+
+
+def test_a_world_of_one_gathers_its_own_shard():
+    transport = PeerAllGather(M, K, torch.float32)
+    shards, weights, biases = _operands(1, 0, torch.float32)
+    for _ in range(2):
+        outs = peer_all_gather_matmul(shards[0], weights, transport, biases=biases)
+        for out, ref in zip(outs, _expected(shards, weights, biases)):
+            assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4)
+    assert transport.epoch == 2 and transport.buffer.flags.tolist() == [0, 2]  # its own flag is never read
+
+
+def test_wait_at_least_returns_once_the_flag_is_reached():
+    flag = torch.tensor([3], dtype=torch.int32)
+    wait_at_least(flag, 3)
+    wait_at_least(flag, -1)
+
+
+@pytest.mark.parametrize(
+    "build, error, match",
+    [
+        (lambda: PeerBuffer((0, 3), torch.float32), ValueError, r"PeerBuffer: shape must be positive ints, .*\(0, 3\)"),
+        (lambda: PeerBuffer((2, 3), "float32"), TypeError, r"PeerBuffer: dtype must be a torch.dtype, received str"),
+        (lambda: PeerBuffer((2,), torch.float32, device="meta"), ValueError, r"device must be the CPU or a CUDA"),
+        (lambda: PeerAllGather(0, 4, torch.float32), ValueError, r"rows must be a positive int, received 0"),
+        (lambda: PeerAllGather(3, True, torch.float32), ValueError, r"features must be a positive int, received True"),
+    ],
+)
+def test_bad_arguments_are_refused_naming_them(build, error, match):
+    with pytest.raises(error, match=match):
+        build()
+
+
+def test_a_shard_unlike_the_transports_is_refused_before_anything_moves():
+    transport = PeerAllGather(4, 3, torch.float32)
+    with pytest.raises(ValueError, match=r"x_shard must be \(4, 3\) torch.float32 on cpu .*received \(5, 3\)"):
+        transport.start(torch.zeros(5, 3))
+    with pytest.raises(ValueError, match=r"received \(4, 3\) torch.float16"):
+        peer_all_gather_matmul(torch.zeros(4, 3, dtype=torch.float16), torch.zeros(2, 3, dtype=torch.float16),
+                               transport)  # fmt: skip
+    with pytest.raises(TypeError, match=r"transport must be a PeerAllGather, received str"):
+        peer_all_gather_matmul(torch.zeros(4, 3), torch.zeros(2, 3), "nccl")
+    with pytest.raises(ValueError, match=r"weight must be \[out_features, 3\]"):
+        peer_all_gather_matmul(torch.zeros(4, 3), torch.zeros(2, 5), transport)
+    assert transport.epoch == 0 and (transport.buffer.flags == 0).all()
+
+
+# ------------------------------------------------------------------------------------------------------------- GPU
+
+
+def _gpu_rank(rank, t, calls):
+    torch.cuda.set_device(0)  # both processes on the one GPU, their buffers mapped into each other's
+    transport = PeerAllGather(512, 384, torch.bfloat16, device="cuda:0")
+    errors = []
+    for call in range(calls):
+        shards, weights, biases = _operands(t, call, torch.bfloat16, 512, 384)
+        on_gpu = [None if b is None else b.cuda() for b in biases]
+        shards, weights = [s.cuda() for s in shards], [w.cuda() for w in weights]
+        outs = peer_all_gather_matmul(shards[rank], weights, transport, biases=on_gpu)
+        torch.cuda.synchronize()
+        for out, ref in zip(outs, _expected([s.cpu() for s in shards], [w.cpu() for w in weights], biases)):
+            errors.append(((out.double().cpu() - ref).abs().max() / ref.abs().max()).item())
+    return errors
+
+
+@pytest.mark.gpu
+@pytest.mark.multiprocess
+def test_gpu_two_processes_share_one_gpu_through_symmetric_memory():
+    for errors in run_ranks(_gpu_rank, 2, 3, timeout=300):
+        assert max(errors) < 2e-2, errors
