@@ -49,13 +49,16 @@ def _check_fp8(name: str, fp8) -> bool:
 
 
 def _check_overlap(name: str, overlap) -> None:
-    if overlap not in ("auto", True, False):
-        raise ValueError(f"{name}: overlap must be 'auto', True or False, received {overlap!r}")
+    if overlap not in ("auto", True, False, "peer"):
+        raise ValueError(f"{name}: overlap must be 'auto', True, False or 'peer', received {overlap!r}")
 
 
-def _use_overlap(overlap, t: int, tokens: int, k: int, n: int, steps: int | None = None) -> bool:
+def _use_overlap(overlap, t: int, tokens: int, k: int, n: int, steps: int | None = None) -> bool | str:
     """Whether to chunk: ``tokens × k × n`` multiply-adds cut into ``steps`` GEMMs (the ring's ``t`` by
-    default; the all-reduce ops' ``ALL_REDUCE_CHUNKS``)."""
+    default; the all-reduce ops' ``ALL_REDUCE_CHUNKS``). ``"peer"`` stays ``"peer"`` (on more than one rank):
+    the all-gather GEMMs take the device-signalled transport, the other ops (which read it as true) their rings."""
+    if overlap == "peer":
+        return "peer" if t > 1 else False
     if overlap == "auto":
         return t > 1 and tokens // (steps or t) * k * n >= AUTO_OVERLAP_MIN_STEP_MACS
     return bool(overlap)

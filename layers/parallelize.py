@@ -154,7 +154,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
 
     ``tp_group=None`` is the default group (a world of one without a process group). Every rank of the
     group must call this on identical models (same weights): rank ``r`` keeps its shards. ``overlap``
-    (``"auto"``, ``True``, ``False``) is given to every split linear layer; ``None`` keeps the setting
+    (``"auto"``, ``True``, ``False``, ``"peer"``) is given to every split linear layer; ``None`` keeps the setting
     of tessel's own layers and uses ``"auto"`` for ``nn.Linear``.
 
     ``expert_split`` (mixtures of experts, :mod:`~tessel.layers.hf_experts`): ``"features"`` gives every rank
@@ -176,8 +176,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"parallelize: model must be an nn.Module, received {type(model).__name__}")
-    if overlap not in (None, "auto", True, False):
-        raise ValueError(f"parallelize: overlap must be None, 'auto', True or False, received {overlap!r}")
+    if overlap not in (None, "auto", True, False, "peer"):
+        raise ValueError(f"parallelize: overlap must be None, 'auto', True, False or 'peer', received {overlap!r}")
     if expert_split not in ("features", "experts"):
         raise ValueError(f"parallelize: expert_split must be 'features' or 'experts', received {expert_split!r}")
     t = group_size(tp_group)

@@ -108,8 +108,10 @@ class _AllGatherMatmul(torch.autograd.Function):
         weights, biases = params[:n_w], params[n_w:]
         outs, x_full = all_gather_matmul_forward(group, overlap, x_shard, weights, biases)
         ctx.regather = regather and group_size(group) > 1
+        if overlap == "peer" and not ctx.regather and any(ctx.needs_input_grad[5 : 5 + n_w]):
+            x_full = x_full.clone()  # the transport's buffer: the next call through it overwrites it
         ctx.save_for_backward(x_shard if ctx.regather else x_full, *weights)
-        ctx.group, ctx.overlap, ctx.has_bias = group, overlap, [b is not None for b in biases]
+        ctx.group, ctx.overlap, ctx.has_bias = group, bool(overlap), [b is not None for b in biases]
         ctx.weight_params = weights
         return tuple(outs)
 
@@ -132,7 +134,11 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
         x_shard: ``[m, K]``, this rank's rows (rank r holds rows ``[r·m, (r+1)·m)`` of the gathered input).
         weights: a ``[N_i, K]`` weight or a list of them (fused QKV, gate/up) sharing one gather.
         biases: ``None`` or one (optional) ``[N_i]`` bias per weight.
-        overlap: ``True`` for the ring, ``False`` for one all-gather then the GEMMs.
+        overlap: ``True`` for the ring, ``False`` for one all-gather then the GEMMs, ``"peer"`` for the
+            device-signalled transport (:mod:`.peer`: the shards written into the peers' memory, one GEMM launch per
+            weight whose tiles wait on the device for their chunk; the backward runs the rings). ``"peer"`` keeps
+            one buffer per input shape and group for the process's lifetime, and needs every rank of the group
+            to make the same calls in the same order (as tensor parallelism does).
 
         regather: save only ``x_shard`` for backward and all-gather ``X`` again there (Megatron's
             sequence-parallel default; Korthikanti et al. 2022, §4.2.2): ``1/t`` of the activation
@@ -146,6 +152,8 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
+    if overlap not in (True, False, "peer"):
+        raise ValueError(f"all_gather_matmul: overlap must be True, False or 'peer', received {overlap!r}")
     if torch.compiler.is_compiling():
         if _ring_in_graph(overlap, group):
             outs = overlap_ops.all_gather_matmul(x_shard, weights, biases, group, bool(regather))
@@ -153,7 +161,8 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
             x_full = gather_from_sequence(x_shard, group, dim=0)
             outs = [matmul(x_full, w.t(), b) for w, b in zip(weights, biases)]
         return outs[0] if single else outs
-    outs = _AllGatherMatmul.apply(group, bool(overlap), bool(regather), len(weights), x_shard, *weights, *biases)
+    overlap = overlap if overlap == "peer" and group_size(group) > 1 else bool(overlap)
+    outs = _AllGatherMatmul.apply(group, overlap, bool(regather), len(weights), x_shard, *weights, *biases)
     return outs[0] if single else list(outs)
 
 

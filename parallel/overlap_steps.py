@@ -13,6 +13,7 @@ import torch
 from ..kernels.matmul import matmul, matmul_unchecked
 from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
 from .ddp import OWNER_ATTR
+from .peer import peer_all_gather_matmul, transport_for
 from .pipeline.weight_grad import is_deferring, submit
 from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
 
@@ -77,8 +78,12 @@ def bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- AG + GEMM
 
 
-def all_gather_matmul_forward(group, overlap: bool, x_shard, weights, biases):
-    """``(outs, x_full)``: ``outs[i] = AG(x_shard)·W_iᵀ + b_i``, and the gathered input."""
+def all_gather_matmul_forward(group, overlap: bool | str, x_shard, weights, biases):
+    """``(outs, x_full)``: ``outs[i] = AG(x_shard)·W_iᵀ + b_i``, and the gathered input (with ``overlap="peer"``, the
+    transport's buffer, valid until its next call)."""
+    if overlap == "peer":
+        transport = transport_for(group, x_shard)
+        return peer_all_gather_matmul(x_shard.contiguous(), weights, transport, biases=biases), transport.buffer.local
     t, m = group_size(group), x_shard.shape[0]
     outs = [x_shard.new_empty((t * m, w.shape[0])) for w in weights]
 

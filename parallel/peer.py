@@ -46,7 +46,7 @@ import triton.language as tl
 from ..kernels.gated_matmul import gated_matmul_unchecked
 from .comm import _account, group_rank, group_size, record_event
 
-__all__ = ["PeerAllGather", "PeerBuffer", "peer_all_gather_matmul", "wait_at_least"]
+__all__ = ["PeerAllGather", "PeerBuffer", "peer_all_gather_matmul", "transport_for", "wait_at_least"]
 
 # How often the host looks at a peer's flag that is not there yet (CPU).
 _POLL_S = 2e-5
@@ -272,6 +272,23 @@ class PeerAllGather:
             self.buffer.flags[self.size] = self.epoch
         else:
             self.buffer.flags[self.size :].fill_(self.epoch)
+
+
+# One transport per (group, shard shape, dtype, device), built at the first call that needs it: collectively, since
+# the ranks of a tensor-parallel group make the same calls in the same order.
+_transports: dict[tuple, tuple[object, PeerAllGather]] = {}
+
+
+def transport_for(group, x_shard: torch.Tensor) -> PeerAllGather:
+    """The process's :class:`PeerAllGather` for ``x_shard``'s shape, dtype and device over ``group`` (built at the
+    first call: a collective)."""
+    owner = group if group is not None else dist.group.WORLD
+    key = (id(owner), *x_shard.shape, x_shard.dtype, x_shard.device)
+    entry = _transports.get(key)
+    if entry is None or entry[0] is not owner:  # (an id can be reused once a group is gone)
+        rows, features = x_shard.shape
+        entry = _transports[key] = (owner, PeerAllGather(rows, features, x_shard.dtype, group, device=x_shard.device))
+    return entry[1]
 
 
 def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases=None, reserve_sms=2):

@@ -196,7 +196,7 @@ def _errors_worker(rank, t):
     cases = [
         (lambda: ColumnParallelLinear(8, 30), ValueError, "out_features=30 is not divisible by the tensor-parallel"),
         (lambda: RowParallelLinear(30, 8), ValueError, "in_features=30 is not divisible by the tensor-parallel size 4"),
-        (lambda: ColumnParallelLinear(8, 8, overlap="yes"), ValueError, "overlap must be 'auto', True or False"),
+        (lambda: ColumnParallelLinear(8, 8, overlap="yes"), ValueError, "True, False or 'peer', received 'yes'"),
         (lambda: ColumnParallelLinear(8, 8)(torch.randn(2, 3, 7)), ValueError, "must be in_features = 8"),
         (lambda: RowParallelLinear(8, 8)(torch.randn(2, 3, 8)), ValueError, "must be in_features / tp = 2"),
         (lambda: RowParallelLinear(8, 8, sequence_parallel=True)(torch.randn(2, 6, 2)), ValueError,

@@ -156,7 +156,7 @@ def test_models_without_a_plan_are_refused():
     with pytest.raises(TypeError, match=r"model must be an nn\.Module"):
         parallelize({"layer": 1}, None)
     model = _toy()
-    with pytest.raises(ValueError, match=r"overlap must be None, 'auto', True or False, received 'always'"):
+    with pytest.raises(ValueError, match=r"overlap must be None, 'auto', True, False or 'peer', received 'always'"):
         parallelize(model, None, plan=TOY_PLAN, overlap="always")
     assert type(model.attn.q_proj) is nn.Linear
 

@@ -17,7 +17,7 @@ import torch.distributed as dist
 
 from tessel.kernels.gated_matmul import gated_matmul
 from tessel.parallel.comm import count_bytes, record_events
-from tessel.parallel.peer import PeerAllGather, PeerBuffer, peer_all_gather_matmul, wait_at_least
+from tessel.parallel.peer import PeerAllGather, PeerBuffer, _transports, peer_all_gather_matmul, wait_at_least
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 M, K = 19, 13  # rows per rank, features: odd, not multiples of the interpreter's tiles
@@ -177,3 +177,67 @@ def _gpu_rank(rank, t, calls):
 def test_gpu_two_processes_share_one_gpu_through_symmetric_memory():
     for errors in run_ranks(_gpu_rank, 2, 3, timeout=300):
         assert max(errors) < 2e-2, errors
+
+
+# --------------------------------------------------------------------------------------- the op and the layers
+
+
+def _op_rank(rank, t, regather):
+    from tessel.parallel.overlap import all_gather_matmul
+
+    def run(overlap):
+        torch.manual_seed(0)  # the same weights on every rank
+        ws = [torch.randn(n, K, requires_grad=True) for n in NS]
+        bs = [torch.randn(NS[0], requires_grad=True), None]
+        gen = torch.Generator().manual_seed(rank)
+        xs = [torch.randn(M, K, generator=gen, requires_grad=True) for _ in range(2)]
+        # two forwards before either backward: the second call through the transport rewrites its buffer
+        outs = [all_gather_matmul(x, ws, biases=bs, overlap=overlap, regather=regather) for x in xs]
+        loss = sum(((o * (i + 1 + j)) ** 2).sum() for i, pair in enumerate(outs) for j, o in enumerate(pair))
+        loss.backward()
+        return [o.detach() for pair in outs for o in pair], [x.grad for x in xs] + [w.grad for w in ws] + [bs[0].grad]
+
+    peer = run("peer")
+    assert [transport.epoch for _, transport in _transports.values()] == [2]  # both calls went through it
+    return peer, run(True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("t, regather", [(2, False), (4, False), (2, True)])
+def test_all_gather_matmul_through_the_transport_equals_the_ring_forward_and_backward(t, regather):
+    for (peer_outs, peer_grads), (ring_outs, ring_grads) in run_ranks(_op_rank, t, regather, env=REFERENCE_KERNELS):
+        for a, b in zip(peer_outs + peer_grads, ring_outs + ring_grads):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def _layer_rank(rank, t):
+    from tessel.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    torch.manual_seed(0)
+    dense_up, dense_down = torch.nn.Linear(K, 16), torch.nn.Linear(16, K)
+    x = torch.randn(2, 6 * t, K)  # [batch, sequence, features]; each rank holds 6 positions
+    shard = x[:, 6 * rank : 6 * (rank + 1)].clone().requires_grad_()
+    results = []
+    for overlap in ("peer", False):
+        up = ColumnParallelLinear.from_linear(dense_up, sequence_parallel=True, overlap=overlap)
+        down = RowParallelLinear.from_linear(dense_down, sequence_parallel=True, overlap=overlap)
+        y = down(torch.nn.functional.gelu(up(shard)))
+        y.pow(2).sum().backward()
+        results.append([y.detach(), shard.grad.clone(), up.weight.grad, up.bias.grad, down.weight.grad])
+        shard.grad = None
+        assert len(_transports) == 1  # the column layer's gather took the transport (first, with "peer")
+    return results
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_layers_take_the_transport_with_overlap_peer():
+    for peer, plain in run_ranks(_layer_rank, 2, env=REFERENCE_KERNELS):
+        for a, b in zip(peer, plain):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_all_gather_matmul_refuses_an_unknown_overlap():
+    from tessel.parallel.overlap import all_gather_matmul
+
+    with pytest.raises(ValueError, match=r"overlap must be True, False or 'peer', received 'ring'"):
+        all_gather_matmul(torch.zeros(3, 4), torch.zeros(2, 4), overlap="ring")
