@@ -65,7 +65,9 @@ from .matmul_reference import _reference_into
 __all__ = ["gated_matmul", "gated_matmul_unchecked"]
 
 
-@triton.jit
+# EPOCH changes at every call of a caller counting its calls: one compiled kernel serves them all (a new
+# specialisation would compile and load a kernel mid-run, and loading may wait for a gated kernel still spinning).
+@triton.jit(do_not_specialize=["EPOCH"])
 def _gated_matmul_kernel(
     a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr,
     CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP, EPOCH,

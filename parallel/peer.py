@@ -52,7 +52,7 @@ __all__ = ["PeerAllGather", "PeerBuffer", "peer_all_gather_matmul", "transport_f
 _POLL_S = 2e-5
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["value"])  # one kernel for every value (see gated_matmul's EPOCH)
 def _wait_at_least_kernel(flag_ptr, value):
     while tl.atomic_add(flag_ptr, 0, sem="acquire", scope="sys") < value:
         pass
