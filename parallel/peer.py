@@ -24,9 +24,9 @@ Protocol of one all-gather (:class:`PeerAllGather`), the ``e``-th through this t
    :meth:`PeerAllGather.finish` sets the rank's own flag ``t`` to ``e`` after them, releasing the buffer for the
    next call.
 
-On CUDA steps 1–2 run on a side stream, ordered after the shard's producer, while the GEMM runs on the caller's
-stream: the waits of step 2 are a one-program kernel, the rows a copy, the flag a 4-byte copy from a device
-scalar. Every kernel the side stream needs has run once when the transport is built (CUDA loads kernels lazily,
+On CUDA step 1 runs on the caller's stream and step 2 on a side stream, ordered after the shard's producer, while
+the GEMM runs on the caller's stream: the waits of step 2 are a one-program kernel (on one of the SMs the GEMM
+leaves free, its ``reserve_sms``), the rows a copy, the flag a 4-byte copy from a device scalar. Every kernel the side stream needs has run once when the transport is built (CUDA loads kernels lazily,
 and loading one may wait for the running kernels: a spinning GEMM among them).
 """
 
