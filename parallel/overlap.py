@@ -106,10 +106,9 @@ class _AllGatherMatmul(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, overlap, regather, n_w, x_shard, *params):
         weights, biases = params[:n_w], params[n_w:]
-        outs, x_full = all_gather_matmul_forward(group, overlap, x_shard, weights, biases)
         ctx.regather = regather and group_size(group) > 1
-        if overlap == "peer" and not ctx.regather and any(ctx.needs_input_grad[5 : 5 + n_w]):
-            x_full = x_full.clone()  # the transport's buffer: the next call through it overwrites it
+        keep = not ctx.regather and any(ctx.needs_input_grad[5 : 5 + n_w])  # (the weights' gradients read X)
+        outs, x_full = all_gather_matmul_forward(group, overlap, x_shard, weights, biases, keep_input=keep)
         ctx.save_for_backward(x_shard if ctx.regather else x_full, *weights)
         ctx.group, ctx.overlap, ctx.has_bias = group, bool(overlap), [b is not None for b in biases]
         ctx.weight_params = weights

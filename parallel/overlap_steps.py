@@ -78,12 +78,13 @@ def bias_grad(g: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- AG + GEMM
 
 
-def all_gather_matmul_forward(group, overlap: bool | str, x_shard, weights, biases):
-    """``(outs, x_full)``: ``outs[i] = AG(x_shard)·W_iᵀ + b_i``, and the gathered input (with ``overlap="peer"``, the
-    transport's buffer, valid until its next call)."""
+def all_gather_matmul_forward(group, overlap: bool | str, x_shard, weights, biases, keep_input: bool = True):
+    """``(outs, x_full)``: ``outs[i] = AG(x_shard)·W_iᵀ + b_i``, and the gathered input (with ``overlap="peer"``, a
+    copy of the transport's buffer taken before the peers may write it again, or None without ``keep_input``)."""
     if overlap == "peer":
         transport = transport_for(group, x_shard)
-        return peer_all_gather_matmul(x_shard.contiguous(), weights, transport, biases=biases), transport.buffer.local
+        result = peer_all_gather_matmul(x_shard.contiguous(), weights, transport, biases=biases, keep_input=keep_input)
+        return result if keep_input else (result, None)
     t, m = group_size(group), x_shard.shape[0]
     outs = [x_shard.new_empty((t * m, w.shape[0])) for w in weights]
 

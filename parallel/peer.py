@@ -26,8 +26,9 @@ Protocol of one all-gather (:class:`PeerAllGather`), the ``e``-th through this t
 
 On CUDA step 1 runs on the caller's stream and step 2 on a side stream, ordered after the shard's producer, while
 the GEMM runs on the caller's stream: the waits of step 2 are a one-program kernel (on one of the SMs the GEMM
-leaves free, its ``reserve_sms``), the rows a copy, the flag a 4-byte copy from a device scalar. Every kernel the side stream needs has run once when the transport is built (CUDA loads kernels lazily,
-and loading one may wait for the running kernels: a spinning GEMM among them).
+leaves free, its ``reserve_sms``), the rows a copy, the flag a 4-byte copy from a device scalar. Every kernel the
+side stream needs has run once when the transport is built (CUDA loads kernels lazily, and loading one may wait
+for the running kernels: a spinning GEMM among them).
 """
 
 from __future__ import annotations
@@ -291,7 +292,7 @@ def transport_for(group, x_shard: torch.Tensor) -> PeerAllGather:
     return entry[1]
 
 
-def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases=None, reserve_sms=2):
+def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases=None, reserve_sms=2, keep_input=False):
     """``[AG(x_shard) @ W_iᵀ + b_i for each W_i]`` through ``transport``: the gather's writes into the peers' memory,
     and one :func:`~tessel.kernels.gated_matmul.gated_matmul` launch per weight over every chunk, each chunk's tiles
     waiting on the device for its flag. No autograd (a forward building block, as for inference and the
@@ -303,9 +304,12 @@ def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases
         transport: a :class:`PeerAllGather` over the tensor-parallel group.
         biases: ``None`` or one (optional) ``[N_i]`` bias per weight.
         reserve_sms: SMs the GEMMs leave to the transport's side stream (see gated_matmul).
+        keep_input: also return a copy of the gathered input, taken after the GEMMs and before the buffer is
+            released to the peers (who may write their next call's shards into it at once).
 
     Returns:
-        One ``[t·rows, N_i]`` output per weight (a list, even for one weight).
+        One ``[t·rows, N_i]`` output per weight (a list, even for one weight); with ``keep_input``,
+        ``(outputs, x_full)``.
     """
     from .overlap import check_operands
 
@@ -324,5 +328,6 @@ def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases
         record_event("gemm", "peer_all_gather", i)
         gated_matmul_unchecked(x_full, w.t(), ready, t, r, max(1, t - 1), out, b, None, False, reserve_sms, epoch)
         outs.append(out)
+    kept = x_full.clone() if keep_input else None
     transport.finish()
-    return outs
+    return (outs, kept) if keep_input else outs

@@ -185,13 +185,18 @@ def test_gpu_two_processes_share_one_gpu_through_symmetric_memory():
 def _op_rank(rank, t, regather):
     from tessel.parallel.overlap import all_gather_matmul
 
+    if rank == t - 1:  # slow right after releasing its buffer: the others' next shards land in it meanwhile
+        finish = PeerAllGather.finish
+        PeerAllGather.finish = lambda self: (finish(self), time.sleep(0.3))[0]
+
     def run(overlap):
         torch.manual_seed(0)  # the same weights on every rank
         ws = [torch.randn(n, K, requires_grad=True) for n in NS]
         bs = [torch.randn(NS[0], requires_grad=True), None]
         gen = torch.Generator().manual_seed(rank)
         xs = [torch.randn(M, K, generator=gen, requires_grad=True) for _ in range(2)]
-        # two forwards before either backward: the second call through the transport rewrites its buffer
+        # two forwards before either backward: the second call through the transport rewrites its buffer (the
+        # gathered input the weights' gradients read is copied before the buffer is released)
         outs = [all_gather_matmul(x, ws, biases=bs, overlap=overlap, regather=regather) for x in xs]
         loss = sum(((o * (i + 1 + j)) ** 2).sum() for i, pair in enumerate(outs) for j, o in enumerate(pair))
         loss.backward()
