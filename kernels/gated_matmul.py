@@ -69,16 +69,22 @@ __all__ = ["gated_matmul", "gated_matmul_unchecked"]
 # specialisation would compile and load a kernel mid-run, and loading may wait for a gated kernel still spinning).
 @triton.jit(do_not_specialize=["EPOCH"])
 def _gated_matmul_kernel(
-    a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr,
+    a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr, done_ptr, count_ptr,
     CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP, EPOCH,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
-    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr, ACCUMULATE: tl.constexpr, DOT_FP32: tl.constexpr,
-    INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr, TMA: tl.constexpr, B_T: tl.constexpr,
+    WAIT: tl.constexpr, SIGNAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    ACCUMULATE: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    TMA: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """Persistent programs walk the tiles position by position (each chunk's tiles in the plain kernel's grouped
     order), so a program's positions never decrease: ``seen`` (the next position it has not waited for) spares
     it the flag of a chunk it already read.
+
+    SIGNAL: after storing a tile, a program counts it in ``count[chunk]`` (zeros at launch; after a barrier, so
+    the count follows every thread's stores); the program whose tile completes the chunk sets ``done[chunk]`` to
+    EPOCH, with release semantics at system scope. The count's acquire-release chains the other tiles' stores
+    into that release.
 
     TMA (a row-major): one descriptor over all of ``a``, each tile reading from its chunk's first row. A tile
     that ends past its chunk reads the next chunk's first rows, ready or not, into rows it never stores (each
@@ -92,7 +98,7 @@ def _gated_matmul_kernel(
     for tile in range(tl.program_id(0), CHUNKS * tiles_per_chunk, tl.num_programs(0)):
         position = tile // tiles_per_chunk
         chunk = (FIRST + position * STEP) % CHUNKS
-        if position >= seen:
+        if WAIT and position >= seen:
             # acquire at system scope: the rows written before the flag (by this GPU, a peer GPU or a copy
             # engine) are visible to the loads below
             while tl.atomic_add(ready_ptr + chunk, 0, sem="acquire", scope="sys") < EPOCH:
@@ -110,6 +116,11 @@ def _gated_matmul_kernel(
             HAS_BIAS, ACTIVATION, ACCUMULATE, False, DOT_FP32, INPUT_PRECISION, INDEX_64, False, False,
             TMA, False, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
+        if SIGNAL:
+            tl.debug_barrier()  # every thread's stores of this tile come before its count
+            counted = tl.atomic_add(count_ptr + chunk, 1, sem="acq_rel", scope="sys")
+            if counted == tiles_per_chunk - 1:
+                tl.atomic_xchg(done_ptr + chunk, EPOCH, sem="release", scope="sys")
 
 
 # Candidate tiles on sm_90, timed once per problem (see _tuned_config): the plain GEMM's largest tiles whose pipeline
@@ -118,6 +129,8 @@ def _gated_matmul_kernel(
 _CANDIDATES = 4
 # The interpreter runs the pointer variant unless a test picks the descriptor one.
 _INTERPRETER_TMA = False
+# Tuning launches neither wait nor signal.
+_SILENT = {"WAIT": False, "SIGNAL": False}
 # How often the PyTorch reference looks at a flag that is not set yet.
 _REFERENCE_POLL_S = 1e-4
 
@@ -129,7 +142,19 @@ def _check_int(name: str, value, low: int) -> None:
         raise ValueError(f"gated_matmul: {name} must be at least {low}, received {value}")
 
 
-def _validate_gating(a, ready, chunks, first, step, reserve_sms, epoch) -> None:
+def _check_flags(name: str, flags, a, chunks) -> None:
+    if not isinstance(flags, torch.Tensor):
+        raise TypeError(f"gated_matmul: {name} must be a torch.Tensor, received {type(flags).__name__}")
+    if flags.dtype != torch.int32 or tuple(flags.shape) != (chunks,) or flags.stride() != (1,):
+        raise ValueError(
+            f"gated_matmul: {name} must be a contiguous ({chunks},) int32 tensor (one flag per chunk), received "
+            f"{tuple(flags.shape)} {flags.dtype} with strides {flags.stride()}"
+        )
+    if flags.device != a.device:
+        raise ValueError(f"gated_matmul: {name} must be on a's device {a.device}, received {flags.device}")
+
+
+def _validate_gating(a, ready, done, chunks, first, step, reserve_sms, epoch) -> None:
     _check_int("chunks", chunks, 1)
     if a.shape[0] % chunks:
         raise ValueError(
@@ -148,27 +173,25 @@ def _validate_gating(a, ready, chunks, first, step, reserve_sms, epoch) -> None:
     _check_int("epoch", epoch, 1)
     if epoch >= 2**31:
         raise ValueError(f"gated_matmul: epoch must fit an int32 flag (below 2**31), received {epoch}")
-    if not isinstance(ready, torch.Tensor):
-        raise TypeError(f"gated_matmul: ready must be a torch.Tensor, received {type(ready).__name__}")
-    if ready.dtype != torch.int32 or tuple(ready.shape) != (chunks,) or ready.stride() != (1,):
-        raise ValueError(
-            f"gated_matmul: ready must be a contiguous ({chunks},) int32 tensor (one flag per chunk), received "
-            f"{tuple(ready.shape)} {ready.dtype} with strides {ready.stride()}"
-        )
-    if ready.device != a.device:
-        raise ValueError(f"gated_matmul: ready must be on a's device {a.device}, received {ready.device}")
+    if ready is not None:
+        _check_flags("ready", ready, a, chunks)
+    if done is not None:
+        _check_flags("done", done, a, chunks)
 
 
-def _reference_gated(a, b, ready, chunks, first, step, out, bias, activation, accumulate, epoch) -> None:
+def _reference_gated(a, b, ready, done, chunks, first, step, out, bias, activation, accumulate, epoch) -> None:
     """The kernel's contract in PyTorch: chunk by chunk in arrival order, each once its flag is set (by another
-    thread: a CPU tensor's flags are read from the memory that thread writes)."""
+    thread: a CPU tensor's flags are read from the memory that thread writes), each chunk's ``done`` flag set
+    once its rows are written."""
     rows = a.shape[0] // chunks
     for position in range(chunks):
         c = (first + position * step) % chunks
-        while position and int(ready[c]) < epoch:
+        while ready is not None and position and int(ready[c]) < epoch:
             time.sleep(_REFERENCE_POLL_S)
         lo, hi = c * rows, (c + 1) * rows
         _reference_into(a[lo:hi], b, bias, activation, out[lo:hi], accumulate, None)
+        if done is not None:
+            done[c] = epoch
 
 
 @functools.cache
@@ -192,10 +215,12 @@ def _flags(a, b, bias, activation, accumulate, out, backend: str) -> tuple[dict,
     return flags, tma["TMA_OK"] and not tma["A_T"]
 
 
-def _args(a, b, out, bias, ready, chunks, first, step, epoch) -> tuple:
+def _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch) -> tuple:
+    unused = ready if ready is not None else (done if done is not None else a)  # any tensor: never read
     return (
-        a, b, out, bias if bias is not None else out, ready, a.shape[0] // chunks, b.shape[1], a.shape[1],
-        chunks, first, step, epoch, *a.stride(), *b.stride(), *out.stride(),
+        a, b, out, bias if bias is not None else out, ready if ready is not None else unused,
+        done if done is not None else unused, count if count is not None else unused, a.shape[0] // chunks,
+        b.shape[1], a.shape[1], chunks, first, step, epoch, *a.stride(), *b.stride(), *out.stride(),
     )  # fmt: skip
 
 
@@ -222,21 +247,20 @@ def _candidates(element_size: int, shared_limit: int, tma_ok: bool) -> list[trit
 
 def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Config:
     """The fastest candidate tile and variant (pointers, or descriptors where ``tma_ok``) for this problem, timed
-    once with every chunk ready and into a scratch output, so tuning neither waits for the caller's producers
-    nor touches the caller's ``out``."""
+    once without waiting or signalling and into a scratch output, so tuning neither waits for the caller's
+    producers nor touches the caller's ``out`` and flags."""
     key = _tuning_key(a, b, chunks, flags, tma_ok, programs)
     config = _tuned.get(key)
     if config is not None:
         return config
     candidates = _candidates(a.element_size(), _shared_limit(a.device), tma_ok)
-    ready = torch.ones(chunks, dtype=torch.int32, device=a.device)
     scratch = torch.zeros_like(out)
-    args = _args(a, b, scratch, bias, ready, chunks, 0, 1, 1)
+    args = _args(a, b, scratch, bias, None, None, None, chunks, 0, 1, 1)
     best, best_ms = None, float("inf")
     for config in candidates:
         grid = (min(programs, chunks * cdiv(a.shape[0] // chunks, config.kwargs["BLOCK_M"])
                     * cdiv(b.shape[1], config.kwargs["BLOCK_N"])),)  # fmt: skip
-        launch = lambda c=config, g=grid: _gated_matmul_kernel[g](*args, **flags, **c.all_kwargs())
+        launch = lambda c=config, g=grid: _gated_matmul_kernel[g](*args, **flags, **_SILENT, **c.all_kwargs())
         try:
             ms = triton.testing.do_bench(launch, warmup=5, rep=20)
         except OutOfResources:  # more registers or shared memory than this device has: as Triton's autotuner does
@@ -252,7 +276,7 @@ def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Co
 @opaque_to_compile
 def gated_matmul(
     a, b, ready, *, chunks, first=0, step=1, bias=None, activation=None, out=None, accumulate=False, reserve_sms=2,
-    epoch=1,
+    epoch=1, done=None,
 ) -> torch.Tensor:  # fmt: skip
     """``out (+)= activation(a @ b + bias)`` in one launch, each chunk of ``a``'s rows read once ``ready`` says so.
 
@@ -261,29 +285,37 @@ def gated_matmul(
         b: ``[K, N]``, a's dtype and device, any strides.
         ready: a contiguous ``[chunks]`` int32 tensor on a's device: ``ready[c] >= epoch`` once chunk ``c`` is
             written. Chunk ``first`` is not waited for. Set by another stream or a copy engine while the kernel
-            runs (see the module's notes on what may set it); on a CPU, by another thread.
+            runs (see the module's notes on what may set it); on a CPU, by another thread. ``None``: every chunk is
+            in place at launch (nothing is waited for).
         chunks: how many row blocks ``a`` has.
         first, step: the arrival order, position ``p`` being chunk ``(first + p·step) mod chunks``; ``step``
             coprime with ``chunks``. ``first=r, step=chunks-1`` is tessel's all-gather ring on rank ``r``.
         bias, activation, out, accumulate: as for :func:`tessel.kernels.matmul.matmul` (no autograd here).
         reserve_sms: SMs the persistent programs leave free for what sets the flags (a kernel needs one).
         epoch: the flag value (or more) that marks a chunk written, ``1 <= epoch < 2**31``.
+        done: ``None``, or a contiguous ``[chunks]`` int32 tensor on a's device that the kernel sets to ``epoch``
+            for chunk ``c`` once all of ``out``'s rows of ``c`` are written (release ordered at system scope: a
+            stream or a peer that sees the flag with an acquire load sees the rows). Chunks finish roughly in
+            the order above.
 
     Returns:
         ``out`` when given, otherwise a new ``[M, N]`` tensor of a's dtype. On a GPU the call returns at once and
         the kernel finishes when the last chunk has arrived and been multiplied; on a CPU the call returns then.
     """
     _validate(a, b, bias, activation, out, accumulate, "gated_matmul")
-    _validate_gating(a, ready, chunks, first, step, reserve_sms, epoch)
+    _validate_gating(a, ready, done, chunks, first, step, reserve_sms, epoch)
     if out is None:
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
-    gated_matmul_unchecked(a, b, ready, chunks, first, step, out, bias, activation, accumulate, reserve_sms, epoch)
+    gated_matmul_unchecked(
+        a, b, ready, chunks, first, step, out, bias, activation, accumulate, reserve_sms, epoch, done
+    )  # fmt: skip
     return out
 
 
 def gated_matmul_unchecked(
-    a, b, ready, chunks, first, step, out, bias=None, activation=None, accumulate=False, reserve_sms=2, epoch=1
-) -> None:
+    a, b, ready, chunks, first, step, out, bias=None, activation=None, accumulate=False, reserve_sms=2, epoch=1,
+    done=None,
+) -> None:  # fmt: skip
     """:func:`gated_matmul` into ``out`` without its argument checks: for callers that checked their operands once
     and launch it at every step of a training run, where the checks' tens of microseconds of host time would show
     beside a short GEMM."""
@@ -291,15 +323,18 @@ def gated_matmul_unchecked(
         return
     backend = backend_for(a)
     if backend == Backend.REFERENCE:
-        _reference_gated(a, b, ready, chunks, first, step, out, bias, activation, accumulate, epoch)
+        _reference_gated(a, b, ready, done, chunks, first, step, out, bias, activation, accumulate, epoch)
         return
     flags, tma_ok = _flags(a, b, bias, activation, accumulate, out, backend)
-    args = _args(a, b, out, bias, ready, chunks, first, step, epoch)
+    # each chunk's count of stored tiles, a new one per launch (launches on other streams may run meanwhile)
+    count = torch.zeros(chunks, dtype=torch.int32, device=a.device) if done is not None else None
+    args = _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch)
+    gating = {"WAIT": ready is not None, "SIGNAL": done is not None}
     rows = a.shape[0] // chunks
     if backend == Backend.INTERPRETER:
         meta = {**_INTERPRETER_BLOCKS, "TMA": _INTERPRETER_TMA and tma_ok}
         tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
-        _gated_matmul_kernel[(min(tiles, _INTERPRETER_PROGRAMS),)](*args, **flags, **meta)
+        _gated_matmul_kernel[(min(tiles, _INTERPRETER_PROGRAMS),)](*args, **flags, **gating, **meta)
         return
     _ensure_scratch_allocator()  # device-built descriptors (see matmul)
     with torch.cuda.device(a.device):
@@ -307,4 +342,4 @@ def gated_matmul_unchecked(
         config = _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs)
         meta = config.kwargs
         tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
-        _gated_matmul_kernel[(min(tiles, programs),)](*args, **flags, **config.all_kwargs())
+        _gated_matmul_kernel[(min(tiles, programs),)](*args, **flags, **gating, **config.all_kwargs())

@@ -550,15 +550,17 @@ def grouped_matmul_cases():
 
 
 def gated_matmul_cases():
-    """The one-launch GEMM over arriving chunks (bf16, 128x256x64), through pointers and through descriptors."""
+    """The one-launch GEMM over arriving chunks (bf16, 128x256x64): pointers, descriptors, pointers signalling."""
     gm = importlib.import_module("tessel.kernels.gated_matmul")
     flags = dict(HAS_BIAS=True, ACTIVATION="none", ACCUMULATE=False, DOT_FP32=False, INPUT_PRECISION="tf32",
                  INDEX_64=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_on=1)  # fmt: skip
-    ptrs = {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "bias_ptr": "bf16", "ready_ptr": "i32"}
+    ptrs = {f"{n}_ptr": "bf16" for n in ("a", "b", "out", "bias")}
+    ptrs.update({f"{n}_ptr": "i32" for n in ("ready", "done", "count")})
     meta = {"kernel": "gated matmul", "dtype": "bf16", "stages": 3, "tile_bytes": _tile_bytes("bf16", 128, 256, 64)}
-    return [(f"gated matmul bf16 128x256x64{' tma B_T' * tma}", gm._gated_matmul_kernel, ptrs,
-             {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1}, (),
-             ("FIRST", "STEP", "CHUNKS", "EPOCH"), 8, 3, meta) for tma in (False, True)]  # fmt: skip
+    return [(f"gated matmul bf16 128x256x64{' tma B_T' * tma}{' signal' * signal}", gm._gated_matmul_kernel, ptrs,
+             {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1, "WAIT": True, "SIGNAL": signal},
+             (), ("FIRST", "STEP", "CHUNKS", "EPOCH"), 8, 3, meta)
+            for tma, signal in ((False, False), (True, False), (False, True))]  # fmt: skip
 
 
 def all_cases():
@@ -567,14 +569,13 @@ def all_cases():
             + norm_cases() + grouped_matmul_cases() + fp8_quantize_cases() + gated_matmul_cases())  # fmt: skip
 
 
-_CASES = None
+_CASES = None  # built once per worker process
 
 
 def compile_indexed(index: int) -> dict:
     """Compile case ``index`` of :func:`all_cases` (in a worker process, which builds the list once)."""
     global _CASES
-    if _CASES is None:
-        _CASES = all_cases()
+    _CASES = _CASES or all_cases()
     name, fn, ptrs, constants, floats, odd, warps, stages, meta = _CASES[index]
     try:
         return compile_case(name, fn, ptrs, constants, floats, odd, warps, stages, **meta)

@@ -6,6 +6,7 @@ the kernel runs (Triton's interpreter shares the tensors' memory with that threa
 chunks arrive late from another stream, after the kernel has started.
 """
 
+import sys
 import threading
 import time
 
@@ -154,6 +155,45 @@ def test_starts_on_its_own_rows_and_waits_for_each_chunk_another_thread_writes(s
     assert_gemm_close(out, expected, magnitude, torch.float32)
 
 
+@pytest.mark.parametrize("backend", ["interpreter", "reference"])
+def test_done_flags_are_raised_once_each_chunks_rows_are_final(seed, monkeypatch, variant, backend):
+    """``done[c]`` becomes ``epoch`` only after every row of chunk ``c`` is written: a thread watching the flags
+    copies a chunk's rows the moment its flag is up, and each copy equals the final result (the output started as
+    NaN, so a flag raised after the chunk's first tile would catch unwritten rows). ``ready=None``: nothing is
+    waited for."""
+    if backend == "reference":
+        monkeypatch.setattr(gated_module, "backend_for", lambda *tensors: Backend.REFERENCE)
+    chunks, rows, n, k, epoch = 3, 40, 80, 32, 5  # 2 x 3 tiles of the interpreter's 32 per chunk
+    span = lambda c: slice(c * rows, (c + 1) * rows)
+    a, b = _operands(chunks, rows, n, k, torch.float32)
+    out = torch.full((chunks * rows, n), float("nan"))
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # the watcher gets the interpreter's lock between the kernel's block operations
+    done = torch.full((chunks,), epoch - 1, dtype=torch.int32)  # the previous call's flags
+    seen, finished = {}, threading.Event()
+
+    def watcher():
+        while len(seen) < chunks and not finished.is_set():
+            for c in range(chunks):
+                if c not in seen and int(done[c]) == epoch:
+                    seen[c] = out[span(c)].clone()
+
+    thread = threading.Thread(target=watcher)
+    thread.start()
+    try:
+        gated_matmul(a, b, None, chunks=chunks, first=1, step=1, out=out, done=done, epoch=epoch)
+    finally:
+        finished.set()
+        thread.join()
+        sys.setswitchinterval(switch)
+    assert done.tolist() == [epoch] * chunks
+    assert seen  # (every chunk, unless the watcher was not scheduled in time)
+    for c, rows_then in seen.items():
+        assert torch.equal(rows_then, out[span(c)]), c
+    expected, magnitude = reference(a, b)
+    assert_gemm_close(out, expected, magnitude, torch.float32)
+
+
 @pytest.mark.parametrize("element_size", [4, 2])
 def test_every_dtype_has_candidate_tiles_that_fit_in_shared_memory(element_size):
     """Tuning times the largest tiles whose pipeline fits in sm_90's shared memory for the operands' dtype (fp32's
@@ -181,6 +221,8 @@ def test_every_dtype_has_candidate_tiles_that_fit_in_shared_memory(element_size)
         (dict(chunks=4, epoch=0), ValueError, r"epoch must be at least 1, received 0"),
         (dict(chunks=4, epoch=2**31), ValueError, r"epoch must fit an int32 flag .*received 2147483648"),
         (dict(chunks=4, epoch=1.0), TypeError, r"epoch must be an int, received float"),
+        (dict(chunks=4, done=torch.ones(4, dtype=torch.int64)), ValueError, r"done must be a contiguous \(4,\) int32"),
+        (dict(chunks=4, done=(1, 1, 1, 1)), TypeError, r"done must be a torch.Tensor, received tuple"),
         (dict(chunks=4, ready=torch.ones(4)), ValueError, r"ready must be a contiguous \(4,\) int32 tensor.*float32"),
         (dict(chunks=4, ready=torch.ones(3, dtype=torch.int32)), ValueError, r"received \(3,\) torch.int32"),
         (dict(chunks=4, ready=torch.ones(8, dtype=torch.int32)[::2]), ValueError, r"with strides \(2,\)"),

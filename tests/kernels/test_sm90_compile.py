@@ -113,11 +113,14 @@ def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
 def test_gated_matmul_waits_with_one_acquire_load_and_keeps_the_gemm_pipeline(compiled):
     """The one-launch GEMM over arriving chunks: its wait for a chunk's flag is one acquire-ordered global load at
     system scope (so rows a peer GPU or a copy engine wrote before the flag are seen; no read-modify-write hammering
-    the flag), and its main loop is the plain GEMM's, pipelined, without spills."""
+    the flag), and its main loop is the plain GEMM's, pipelined, without spills; signalling each finished chunk
+    adds one atomic count per tile and one atomic at each chunk's last tile, outside the main loop."""
     gated = {n: r for n, r in compiled.items() if r["kernel"] == "gated matmul"}
-    assert len(gated) == 2
+    assert len(gated) == 3
     for name, r in gated.items():
-        assert r["acquire_load"] == 1 and r["sys_acquire_load"] == 1 and r["atom"] == 0 and r["red"] == 0, name
+        assert r["acquire_load"] == 1 and r["sys_acquire_load"] == 1 and r["red"] == 0, name
+        # signalling: a tile's count (acq_rel), and the chunk's last tile releases the done flag
+        assert r["atom"] == (2 if "signal" in name else 0), name
         assert r["wgmma"] > 0 and r["spill_bytes"] == 0, name
         if "tma" in name:
             assert r["tma"] > 0 and r["cp_async"] == 0, name
