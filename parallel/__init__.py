@@ -7,7 +7,7 @@ from .dims import ParallelDims, init_parallel, shutdown
 from .fsdp import FSDP
 from .memory import MemoryAccount, memory_account, zero_memory_bytes, zero_traffic_bytes
 from .overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
-from .peer import PeerAllGather, PeerBuffer, peer_all_gather_matmul
+from .peer import PeerAllGather, PeerBuffer, PeerReduceScatter, peer_all_gather_matmul, peer_matmul_reduce_scatter
 from .zero import ZeroAdam
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ParallelDims",
     "PeerAllGather",
     "PeerBuffer",
+    "PeerReduceScatter",
     "ZeroAdam",
     "all_gather_matmul",
     "count_bytes",
@@ -29,6 +30,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "memory_account",
     "peer_all_gather_matmul",
+    "peer_matmul_reduce_scatter",
     "record_events",
     "ring_attention",
     "shutdown",

@@ -172,7 +172,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, overlap, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.overlap, ctx.has_bias, ctx.weight_param = group, overlap, bias is not None, weight
+        ctx.group, ctx.overlap, ctx.has_bias, ctx.weight_param = group, bool(overlap), bias is not None, weight
         return matmul_reduce_scatter_forward(group, overlap, x, weight, bias)
 
     @staticmethod
@@ -191,8 +191,13 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     ``x [t·m, K_local]`` (all tokens, this rank's input features), ``weight [N, K_local]``, ``bias [N]``
     (whole, added once). Returns this rank's rows ``[m, N]``. Backward: ``dX = AG(dY_shard)·W`` by the
     all-gather ring with ``dW = dYᵀ·X`` slices inside its steps; ``db = Σ dY`` over all tokens.
+    ``overlap``: ``True`` (the ring), ``False`` (one GEMM, one reduce-scatter) or ``"peer"`` (the forward through
+    the device-signalled transport, :func:`~tessel.parallel.peer.peer_matmul_reduce_scatter`; see
+    :func:`all_gather_matmul`).
     """
     check_operands("matmul_reduce_scatter", "x", x, [weight], [bias])
+    if overlap not in (True, False, "peer"):
+        raise ValueError(f"matmul_reduce_scatter: overlap must be True, False or 'peer', received {overlap!r}")
     t = group_size(group)
     if x.shape[0] % t:
         raise ValueError(f"matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
@@ -201,7 +206,8 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     if torch.compiler.is_compiling():  # the whole bias, added once; its gradient summed over every rank's tokens
         y = reduce_scatter_to_sequence(matmul(x, weight.t()), group, dim=0)
         return y if bias is None else y + copy_to_tp(bias, group)
-    return _MatmulReduceScatter.apply(group, bool(overlap), x, weight, bias)
+    overlap = overlap if overlap == "peer" and t > 1 else bool(overlap)
+    return _MatmulReduceScatter.apply(group, overlap, x, weight, bias)
 
 
 # ---------------------------------------------------------------------------------------------------- GEMM + AR

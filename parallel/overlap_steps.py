@@ -13,7 +13,7 @@ import torch
 from ..kernels.matmul import matmul, matmul_unchecked
 from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
 from .ddp import OWNER_ATTR
-from .peer import peer_all_gather_matmul, transport_for
+from .peer import peer_all_gather_matmul, peer_matmul_reduce_scatter, reduce_transport_for, transport_for
 from .pipeline.weight_grad import is_deferring, submit
 from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
 
@@ -152,10 +152,13 @@ def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, we
 # ---------------------------------------------------------------------------------------------------- GEMM + RS
 
 
-def matmul_reduce_scatter_forward(group, overlap: bool, x, weight, bias):
+def matmul_reduce_scatter_forward(group, overlap: bool | str, x, weight, bias):
     """``RS(x·Wᵀ) + bias`` (the whole bias, added once): this rank's rows."""
     t, r = group_size(group), group_rank(group)
     m, n = x.shape[0] // t, weight.shape[0]
+    if overlap == "peer":
+        transport = reduce_transport_for(group, m, n, x)
+        return peer_matmul_reduce_scatter(x.contiguous(), weight, transport, bias=bias)
     if not overlap:
         return reduce_scatter(matmul(x, weight.t(), bias if r == 0 else None), group)[0]
 

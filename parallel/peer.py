@@ -47,7 +47,16 @@ import triton.language as tl
 from ..kernels.gated_matmul import gated_matmul_unchecked
 from .comm import _account, group_rank, group_size, record_event
 
-__all__ = ["PeerAllGather", "PeerBuffer", "peer_all_gather_matmul", "transport_for", "wait_at_least"]
+__all__ = [
+    "PeerAllGather",
+    "PeerBuffer",
+    "PeerReduceScatter",
+    "peer_all_gather_matmul",
+    "peer_matmul_reduce_scatter",
+    "reduce_transport_for",
+    "transport_for",
+    "wait_at_least",
+]
 
 # How often the host looks at a peer's flag that is not there yet (CPU).
 _POLL_S = 2e-5
@@ -188,12 +197,17 @@ class PeerAllGather:
     next call: copy what must outlive it.
     """
 
+    _op = "peer_all_gather"  # the name of its events (see record_events)
+
     def __init__(self, rows: int, features: int, dtype: torch.dtype, group=None, *, device=None):
+        self._init_buffers(rows, features, dtype, group, device, (group_size(group) * rows, features))
+
+    def _init_buffers(self, rows, features, dtype, group, device, shape) -> None:
         for name, value in (("rows", rows), ("features", features)):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"PeerAllGather: {name} must be a positive int, received {value!r}")
+                raise ValueError(f"{type(self).__name__}: {name} must be a positive int, received {value!r}")
         self.rows, self.features = rows, features
-        self.buffer = PeerBuffer((group_size(group) * rows, features), dtype, group, device=device)
+        self.buffer = PeerBuffer(shape, dtype, group, device=device)
         self.epoch = 0
         self._stream = None
         if self.buffer.device.type == "cuda":
@@ -234,62 +248,180 @@ class PeerAllGather:
         rows ``[c·rows, (c+1)·rows)`` hold rank ``c``'s shard once ``ready[c] >= epoch`` (this rank's own rows at
         once, in the caller's stream order)."""
         self._check(x_shard)
-        if self.epoch + 1 >= 2**31:
-            raise RuntimeError("PeerAllGather: the int32 epoch counter is exhausted; build a new transport")
-        self.epoch += 1
-        epoch, t, r, m = self.epoch, self.size, self.rank, self.rows
-        own = slice(r * m, (r + 1) * m)
-        self.buffer.local[own].copy_(x_shard)
-        record_event("send", "peer_all_gather", epoch)
+        epoch, t, r, m = self.next_epoch(), self.size, self.rank, self.rows
+        self.buffer.local[r * m : (r + 1) * m].copy_(x_shard)
+        record_event("send", self._op, epoch)
         if self._stream is None:
             for j in range(1, t):
-                self._push(x_shard, (r + j) % t, epoch, own)
+                self._write((r + j) % t, x_shard, epoch)
         else:
             caller = torch.cuda.current_stream(self.buffer.device)
             self._stream.wait_stream(caller)  # the shard is written
             with torch.cuda.stream(self._stream):
                 self._epoch_value.fill_(epoch)
                 for j in range(1, t):
-                    self._push(x_shard, (r + j) % t, epoch, own)
+                    self._write((r + j) % t, x_shard, epoch)
             x_shard.record_stream(self._stream)
         sent = (t - 1) * x_shard.numel() * x_shard.element_size()
         _account(sent, sent)
         return self.buffer.local, self.buffer.flags[:t], epoch
 
-    def _push(self, x_shard, p: int, epoch: int, own: slice) -> None:
+    def next_epoch(self) -> int:
+        """The next call's epoch (one more than the last)."""
+        if self.epoch + 1 >= 2**31:
+            raise RuntimeError(f"{type(self).__name__}: the int32 epoch counter is exhausted; build a new transport")
+        self.epoch += 1
+        return self.epoch
+
+    def _write(self, p: int, rows: torch.Tensor, epoch: int) -> None:
+        """Once rank ``p`` has finished the previous call, write ``rows`` into its slot for this rank (its buffer
+        seen as ``[t, rows, features]``), then raise its flag for this rank to ``epoch``."""
         flags = self.buffer.peer_flags(p)
-        wait_at_least(flags[self.size :], epoch - 1)  # p has read the previous call's rows
-        self.buffer.peer(p)[own].copy_(x_shard, non_blocking=True)
+        wait_at_least(flags[self.size :], epoch - 1)  # p has read the previous call's slot
+        self.buffer.peer(p).view(self.size, self.rows, self.features)[self.rank].copy_(rows, non_blocking=True)
         if self._stream is None:
             flags[self.rank] = epoch  # after the rows: this process's stores land in order
         else:
             flags[self.rank : self.rank + 1].copy_(self._epoch_value, non_blocking=True)
 
     def finish(self) -> None:
-        """After the GEMMs that read this call's ``x_full`` (in the caller's stream order): release it to the peers'
-        next call."""
-        record_event("wait", "peer_all_gather", self.epoch)
+        """After the work that read this call's buffer (in the caller's stream order): release it to the peers' next
+        call."""
+        record_event("wait", self._op, self.epoch)
         if self._stream is None:
             self.buffer.flags[self.size] = self.epoch
         else:
             self.buffer.flags[self.size :].fill_(self.epoch)
 
 
-# One transport per (group, shard shape, dtype, device), built at the first call that needs it: collectively, since
+class PeerReduceScatter(PeerAllGather):
+    """Reduce-scatter of each rank's partial ``[t·rows, features]`` into every rank's ``[rows, features]`` share of
+    their sum, by writes into the peers' memory (collective to build, reused call after call, as
+    :class:`PeerAllGather`).
+
+    Protocol of call ``e`` on rank ``r`` (:func:`peer_matmul_reduce_scatter`):
+
+    1. One GEMM launch writes this rank's partial of every chunk into a local buffer, chunk ``r+1`` first and its
+       own chunk ``r`` last, raising the local ``done[c]`` to ``e`` as each chunk's rows are final
+       (:func:`~tessel.kernels.gated_matmul.gated_matmul`'s ``done``).
+    2. For ``j = 1 … t-1`` (``c = r + j``): once ``done[c]`` is up and rank ``c`` has finished call ``e-1``, rank
+       ``r`` copies its partial of chunk ``c`` into ``c``'s slot ``r`` and sets ``c``'s flag ``r`` to ``e``. On CUDA
+       this runs on the side stream while the GEMM computes the next chunks.
+    3. Once every slot's flag is up, the rank's share is its own partial plus the ``t-1`` slots (summed in fp32,
+       the bias added once), and :meth:`finish` releases the slots to the peers' next call.
+    """
+
+    _op = "peer_reduce_scatter"
+
+    def __init__(self, rows: int, features: int, dtype: torch.dtype, group=None, *, device=None):
+        self._init_buffers(rows, features, dtype, group, device, (group_size(group), rows, features))
+        self.partial = torch.empty(self.size * rows, features, dtype=dtype, device=self.buffer.device)
+        self.done = torch.zeros(self.size, dtype=torch.int32, device=self.buffer.device)
+
+    def push(self, epoch: int) -> None:
+        """Step 2 for the partials of call ``epoch`` (after the GEMM's launch, in the caller's stream order)."""
+        t, r, m = self.size, self.rank, self.rows
+        record_event("send", self._op, epoch)
+        if self._stream is None:
+            for j in range(1, t):
+                self._push_partial((r + j) % t, epoch)
+        else:
+            self._stream.wait_stream(torch.cuda.current_stream(self.buffer.device))  # the GEMM is enqueued
+            with torch.cuda.stream(self._stream):
+                self._epoch_value.fill_(epoch)
+                for j in range(1, t):
+                    self._push_partial((r + j) % t, epoch)
+        sent = (t - 1) * m * self.features * self.partial.element_size()
+        _account(sent, sent)
+
+    def _push_partial(self, c: int, epoch: int) -> None:
+        m = self.rows
+        wait_at_least(self.done[c : c + 1], epoch)  # this rank's partial of chunk c is written
+        self._write(c, self.partial[c * m : (c + 1) * m], epoch)
+
+    def reduce(self, epoch: int, bias=None) -> torch.Tensor:
+        """Step 3: this rank's ``[rows, features]`` share of the sum (in the caller's stream order)."""
+        t, r, m = self.size, self.rank, self.rows
+        if self._stream is not None:
+            # the side stream's copies out of `partial` are done before a next call's GEMM rewrites it
+            torch.cuda.current_stream(self.buffer.device).wait_stream(self._stream)
+        for s in range(t):
+            if s != r:
+                wait_at_least(self.buffer.flags[s : s + 1], epoch)
+        total = self.partial[r * m : (r + 1) * m].to(torch.float32, copy=True)  # never a view of the buffer
+        for s in range(t):
+            if s != r:
+                total += self.buffer.local[s]
+        if bias is not None:
+            total += bias
+        return total.to(self.partial.dtype)
+
+
+# One transport per (kind, group, shape, dtype, device), built at the first call that needs it: collectively, since
 # the ranks of a tensor-parallel group make the same calls in the same order.
 _transports: dict[tuple, tuple[object, PeerAllGather]] = {}
+
+
+def _cached(kind: type, group, rows: int, features: int, dtype: torch.dtype, device: torch.device):
+    owner = group if group is not None else dist.group.WORLD
+    key = (kind, id(owner), rows, features, dtype, device)
+    entry = _transports.get(key)
+    if entry is None or entry[0] is not owner:  # (an id can be reused once a group is gone)
+        entry = _transports[key] = (owner, kind(rows, features, dtype, group, device=device))
+    return entry[1]
 
 
 def transport_for(group, x_shard: torch.Tensor) -> PeerAllGather:
     """The process's :class:`PeerAllGather` for ``x_shard``'s shape, dtype and device over ``group`` (built at the
     first call: a collective)."""
-    owner = group if group is not None else dist.group.WORLD
-    key = (id(owner), *x_shard.shape, x_shard.dtype, x_shard.device)
-    entry = _transports.get(key)
-    if entry is None or entry[0] is not owner:  # (an id can be reused once a group is gone)
-        rows, features = x_shard.shape
-        entry = _transports[key] = (owner, PeerAllGather(rows, features, x_shard.dtype, group, device=x_shard.device))
-    return entry[1]
+    return _cached(PeerAllGather, group, *x_shard.shape, x_shard.dtype, x_shard.device)
+
+
+def reduce_transport_for(group, rows: int, features: int, like: torch.Tensor) -> PeerReduceScatter:
+    """The process's :class:`PeerReduceScatter` for ``[rows, features]`` shares of ``like``'s dtype and device."""
+    return _cached(PeerReduceScatter, group, rows, features, like.dtype, like.device)
+
+
+def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=None, reserve_sms=2):
+    """``RS(x @ Wᵀ) + bias`` through ``transport``: one GEMM launch over every chunk of ``x``'s rows that raises a flag
+    as each chunk's partial is final, the partials written into the peers' memory as they are, and this rank's
+    share summed once they have all arrived. No autograd (a forward building block).
+
+    Args:
+        x: ``[t·rows, K]``: every token, this rank's input features.
+        weight: ``[features, K]`` (nn.Linear's layout), x's dtype and device.
+        transport: a :class:`PeerReduceScatter` over the tensor-parallel group.
+        bias: ``None`` or the whole ``[features]`` bias, added once.
+        reserve_sms: SMs the GEMM leaves to the transport's side stream (see gated_matmul).
+
+    Returns:
+        This rank's ``[rows, features]`` rows of the sum over ranks.
+    """
+    from .overlap import check_operands
+
+    check_operands("peer_matmul_reduce_scatter", "x", x, [weight], [bias])
+    if not isinstance(transport, PeerReduceScatter):
+        raise TypeError(
+            f"peer_matmul_reduce_scatter: transport must be a PeerReduceScatter, received {type(transport).__name__}"
+        )
+    t, r = transport.size, transport.rank
+    want = (t * transport.rows, transport.features, transport.partial.dtype, transport.partial.device)
+    got = (x.shape[0], weight.shape[0], x.dtype, x.device)
+    if got != want:
+        raise ValueError(
+            f"peer_matmul_reduce_scatter: x's rows, the weight's output features, the dtype and the device must be "
+            f"{want} (as the transport was built), received {got}"
+        )
+    epoch = transport.next_epoch()
+    record_event("gemm", transport._op, epoch)
+    gated_matmul_unchecked(
+        x, weight.t(), None, t, (r + 1) % t, 1, transport.partial, None, None, False, reserve_sms, epoch,
+        transport.done,
+    )  # fmt: skip
+    transport.push(epoch)
+    out = transport.reduce(epoch, bias)
+    transport.finish()
+    return out
 
 
 def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases=None, reserve_sms=2, keep_input=False):

@@ -17,7 +17,15 @@ import torch.distributed as dist
 
 from tessel.kernels.gated_matmul import gated_matmul
 from tessel.parallel.comm import count_bytes, record_events
-from tessel.parallel.peer import PeerAllGather, PeerBuffer, _transports, peer_all_gather_matmul, wait_at_least
+from tessel.parallel.peer import (
+    PeerAllGather,
+    PeerBuffer,
+    PeerReduceScatter,
+    _transports,
+    peer_all_gather_matmul,
+    peer_matmul_reduce_scatter,
+    wait_at_least,
+)
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 M, K = 19, 13  # rows per rank, features: odd, not multiples of the interpreter's tiles
@@ -92,21 +100,26 @@ def test_calls_back_to_back_equal_float64_with_a_rank_held_back(t, kernels):
         assert max(errors) < 1e-5, errors
 
 
-def _bytes_rank(rank, t):
-    transport = PeerAllGather(M, K, torch.float32)
-    shards, weights, _ = _operands(t, 0, torch.float32)
+def _bytes_rank(rank, t, op):
     with count_bytes() as counted, record_events() as log:
-        peer_all_gather_matmul(shards[rank], weights[0], transport)
-    return counted.sent, counted.received, log.events
+        if op == "all_gather":
+            shards, weights, _ = _operands(t, 0, torch.float32)
+            peer_all_gather_matmul(shards[rank], weights[0], PeerAllGather(M, K, torch.float32))
+        else:
+            xs, ws, _ = _rs_operands(t, 0, torch.float32)
+            peer_matmul_reduce_scatter(xs[rank], ws[rank], PeerReduceScatter(M, N, torch.float32))
+    return counted.sent, counted.received, [kind for kind, *_ in log.events]
 
 
 @pytest.mark.multiprocess
-def test_bytes_are_the_rings_and_the_gemm_runs_after_the_sends():
+@pytest.mark.parametrize("op", ["all_gather", "reduce_scatter"])
+def test_bytes_are_the_rings_and_the_events_in_order(op):
     t = 3
-    for sent, received, events in run_ranks(_bytes_rank, t, env=REFERENCE_KERNELS):
-        assert sent == received == (t - 1) * M * K * 4  # (t-1)/t of the gathered input
-        assert events == [("send", "peer_all_gather", 1), ("gemm", "peer_all_gather", 0),
-                          ("wait", "peer_all_gather", 1)]  # fmt: skip
+    for sent, received, events in run_ranks(_bytes_rank, t, op, env=REFERENCE_KERNELS):
+        # (t-1)/t of the gathered input, or of the partial output
+        assert sent == received == (t - 1) * M * (K if op == "all_gather" else N) * 4
+        # the gather is sent before its GEMM; the reduce-scatter's partials after theirs
+        assert events == (["send", "gemm", "wait"] if op == "all_gather" else ["gemm", "send", "wait"])
 
 
 def test_a_world_of_one_gathers_its_own_shard():
@@ -169,12 +182,21 @@ def _gpu_rank(rank, t, calls):
         torch.cuda.synchronize()
         for out, ref in zip(outs, _expected([s.cpu() for s in shards], [w.cpu() for w in weights], biases)):
             errors.append(((out.double().cpu() - ref).abs().max() / ref.abs().max()).item())
+    reduce = PeerReduceScatter(512, 384, torch.bfloat16, device="cuda:0")
+    for call in range(calls):
+        gen = torch.Generator().manual_seed(call)
+        xs = [torch.randn(t * 512, 256, generator=gen, dtype=torch.bfloat16) for _ in range(t)]
+        ws = [torch.randn(384, 256, generator=gen, dtype=torch.bfloat16) for _ in range(t)]
+        out = peer_matmul_reduce_scatter(xs[rank].cuda(), ws[rank].cuda(), reduce)
+        torch.cuda.synchronize()
+        ref = sum(x.double() @ w.double().t() for x, w in zip(xs, ws))[rank * 512 : (rank + 1) * 512]
+        errors.append(((out.double().cpu() - ref).abs().max() / ref.abs().max()).item())
     return errors
 
 
 @pytest.mark.gpu
 @pytest.mark.multiprocess
-def test_gpu_two_processes_share_one_gpu_through_symmetric_memory():
+def test_gpu_two_processes_share_one_gpu_through_symmetric_memory_both_ways():
     for errors in run_ranks(_gpu_rank, 2, 3, timeout=300):
         assert max(errors) < 2e-2, errors
 
@@ -230,7 +252,8 @@ def _layer_rank(rank, t):
         y.pow(2).sum().backward()
         results.append([y.detach(), shard.grad.clone(), up.weight.grad, up.bias.grad, down.weight.grad])
         shard.grad = None
-        assert len(_transports) == 1  # the column layer's gather took the transport (first, with "peer")
+        # the column layer's gather and the row layer's reduce-scatter took the transports (first, with "peer")
+        assert sorted(kind.__name__ for kind, *_ in _transports) == ["PeerAllGather", "PeerReduceScatter"]
     return results
 
 
@@ -241,8 +264,83 @@ def test_sequence_parallel_layers_take_the_transport_with_overlap_peer():
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
 
 
-def test_all_gather_matmul_refuses_an_unknown_overlap():
-    from tessel.parallel.overlap import all_gather_matmul
+# ------------------------------------------------------------------------------------------------ reduce-scatter
 
-    with pytest.raises(ValueError, match=r"overlap must be True, False or 'peer', received 'ring'"):
+N = 17  # output features of the reduce-scatter GEMM
+
+
+def _rs_operands(t, call, dtype):
+    gen = torch.Generator().manual_seed(500 + call)
+    xs = [torch.randn(t * M, K, generator=gen, dtype=dtype) for _ in range(t)]  # every rank's x (its K features)
+    ws = [torch.randn(N, K, generator=gen, dtype=dtype) for _ in range(t)]
+    bias = torch.randn(N, generator=gen, dtype=dtype)
+    return xs, ws, bias
+
+
+def _rs_rank(rank, t, calls, slow_rank):
+    transport = PeerReduceScatter(M, N, torch.float32)
+    if rank == slow_rank:  # held back before summing: the others' next partials must wait for its slots
+        reduce = PeerReduceScatter.reduce
+        PeerReduceScatter.reduce = lambda self, *args: (time.sleep(0.3), reduce(self, *args))[1]
+    errors = []
+    for call in range(calls):
+        xs, ws, bias = _rs_operands(t, call, torch.float32)
+        out = peer_matmul_reduce_scatter(xs[rank], ws[rank], transport, bias=bias)
+        total = sum(x.double() @ w.double().t() for x, w in zip(xs, ws)) + bias.double()
+        ref = total[rank * M : (rank + 1) * M]
+        errors.append(((out.double() - ref).abs().max() / ref.abs().max()).item())
+    return errors, transport.epoch, transport.done.tolist()
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("kernels", ["interpreter", "reference"])
+@pytest.mark.parametrize("t", [2, 4])
+def test_reduce_scatter_calls_back_to_back_equal_float64_with_a_rank_held_back(t, kernels):
+    env = REFERENCE_KERNELS if kernels == "reference" else None
+    for errors, epoch, done in run_ranks(_rs_rank, t, 3, 0, env=env, timeout=240):
+        assert max(errors) < 1e-5, errors
+        assert epoch == 3 and done == [3] * t  # every chunk's partial flagged by the GEMM at every call
+
+
+def _rs_op_rank(rank, t):
+    from tessel.parallel.overlap import matmul_reduce_scatter
+
+    def run(overlap):
+        torch.manual_seed(0)
+        w = torch.randn(N, K, requires_grad=True)
+        bias = torch.randn(N, requires_grad=True)
+        gen = torch.Generator().manual_seed(rank)
+        xs = [torch.randn(t * M, K, generator=gen, requires_grad=True) for _ in range(2)]
+        ys = [matmul_reduce_scatter(x, w, bias=bias, overlap=overlap) for x in xs]
+        sum(((y * (i + 1)) ** 2).sum() for i, y in enumerate(ys)).backward()
+        return [y.detach() for y in ys] + [x.grad for x in xs] + [w.grad, bias.grad]
+
+    peer = run("peer")
+    assert [kind.__name__ for kind, *_ in _transports] == ["PeerReduceScatter"]
+    return peer, run(True)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("t", [2, 4])
+def test_matmul_reduce_scatter_through_the_transport_equals_the_ring_forward_and_backward(t):
+    for peer, ring in run_ranks(_rs_op_rank, t, env=REFERENCE_KERNELS):
+        for a, b in zip(peer, ring):  # the partials summed in another order than the ring's
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def test_reduce_scatter_refuses_operands_unlike_its_transport():
+    transport = PeerReduceScatter(4, 3, torch.float32)
+    with pytest.raises(ValueError, match=r"must be \(4, 3, torch.float32, device\(type='cpu'\)\) .*received \(5, 3"):
+        peer_matmul_reduce_scatter(torch.zeros(5, 2), torch.zeros(3, 2), transport)
+    with pytest.raises(TypeError, match=r"transport must be a PeerReduceScatter, received PeerAllGather"):
+        peer_matmul_reduce_scatter(torch.zeros(4, 2), torch.zeros(3, 2), PeerAllGather(4, 2, torch.float32))
+    assert transport.epoch == 0
+
+
+def test_the_ops_refuse_an_unknown_overlap():
+    from tessel.parallel.overlap import all_gather_matmul, matmul_reduce_scatter
+
+    with pytest.raises(ValueError, match=r"all_gather_matmul: overlap must be True, False or 'peer', received 'ring'"):
         all_gather_matmul(torch.zeros(3, 4), torch.zeros(2, 4), overlap="ring")
+    with pytest.raises(ValueError, match=r"matmul_reduce_scatter: overlap must be True, False or 'peer', .*'auto'"):
+        matmul_reduce_scatter(torch.zeros(3, 4), torch.zeros(2, 4), overlap="auto")
