@@ -17,15 +17,16 @@ Three settings, chosen by what is present:
   both captured in CUDA graphs (as a captured training step runs them: the steps' launches cost no host
   time), and ``graph ring/gemm`` is what chunking costs the GPU itself.
 - **Several GPUs under torchrun** (``torchrun --nproc_per_node=N -m tessel.bench overlap``): the real
-  ops on NCCL. Overlap efficiency ``(T_gemm + T_comm − T_overlapped) / min(T_gemm, T_comm)`` (1: the
-  shorter of the two is fully hidden; 0: nothing is) and the speed-up over the plain path (one
-  collective, then one GEMM); the same two for the device-signalled transport (``peer_*``:
-  :func:`~tessel.parallel.peer.peer_all_gather_matmul`, writes into the peers' memory and one gated GEMM launch).
-  Every rank times the same number of calls.
+  ops on NCCL (``all_gather_matmul`` and ``matmul_reduce_scatter``). Overlap efficiency
+  ``(T_gemm + T_comm − T_overlapped) / min(T_gemm, T_comm)`` (1: the shorter of the two is fully hidden;
+  0: nothing is) and the speed-up over the plain path (one collective, then one GEMM); the same two for the
+  device-signalled transport (``peer_*``: the ops of :mod:`tessel.parallel.peer`, writes into the peers' memory
+  around one GEMM launch). Every rank times the same number of calls.
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import statistics
@@ -37,9 +38,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from ..kernels.matmul import matmul, matmul_unchecked
-from ..parallel.comm import all_gather, count_bytes, record_events
+from ..parallel.comm import all_gather, count_bytes, record_events, reduce_scatter
 from ..parallel.overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
-from ..parallel.peer import PeerAllGather, peer_all_gather_matmul
+from ..parallel.peer import PeerAllGather, PeerReduceScatter, peer_all_gather_matmul, peer_matmul_reduce_scatter
 from .runner import graph_time, host_time, time_fn
 from .shapes import matmul_shapes
 
@@ -257,15 +258,28 @@ def _time_together(fn: Callable[[], object], warmup: int = 5, calls: int = 20, r
     return statistics.median(times)
 
 
-def _time_ops(x_shard, x_full, w, group) -> dict[str, float]:
-    peer = PeerAllGather(x_shard.shape[0], x_shard.shape[1], x_shard.dtype, group)
-    return {
-        "gemm": _time_together(lambda: matmul(x_full, w.t())),
-        "comm": _time_together(lambda: all_gather(x_shard, group, out=x_full)),
-        "overlapped": _time_together(lambda: all_gather_matmul(x_shard, w, group, overlap=True)),
-        "plain": _time_together(lambda: all_gather_matmul(x_shard, w, group, overlap=False)),
-        "peer": _time_together(lambda: peer_all_gather_matmul(x_shard, w, peer)),
-    }
+def _time_ops(op: str, m: int, n: int, k: int, t: int, group, dtype: torch.dtype, device="cuda") -> dict[str, float]:
+    """Each way to run ``op`` at the gathered shape ``m×n×k`` on ``t`` ranks, and its parts alone."""
+    randn = lambda *shape: torch.randn(*shape, device=device, dtype=dtype)
+    if op == "all_gather_matmul":
+        x, w, x_full = randn(m // t, k), randn(n, k), randn(m, k)
+        peer = PeerAllGather(m // t, k, dtype, group, device=device)
+        calls = {
+            "gemm": lambda: matmul(x_full, w.t()), "comm": lambda: all_gather(x, group, out=x_full),
+            "overlapped": lambda: all_gather_matmul(x, w, group, overlap=True),
+            "plain": lambda: all_gather_matmul(x, w, group, overlap=False),
+            "peer": lambda: peer_all_gather_matmul(x, w, peer),
+        }  # fmt: skip
+    else:
+        x, w, y = randn(m, k // t), randn(n, k // t), randn(m, n)
+        peer = PeerReduceScatter(m // t, n, dtype, group, device=device)
+        calls = {
+            "gemm": lambda: matmul(x, w.t(), out=y), "comm": lambda: reduce_scatter(y, group),
+            "overlapped": lambda: matmul_reduce_scatter(x, w, group, overlap=True),
+            "plain": lambda: matmul_reduce_scatter(x, w, group, overlap=False),
+            "peer": lambda: peer_matmul_reduce_scatter(x, w, peer),
+        }  # fmt: skip
+    return {name: _time_together(call) for name, call in calls.items()}
 
 
 def _multi_gpu_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
@@ -274,19 +288,15 @@ def _multi_gpu_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
     dims = init_parallel(tp=int(os.environ["WORLD_SIZE"]))
     group, t = dims.tp_group, dims.tp
     rows = []
-    for shape in matmul_shapes(True, quick):
-        if shape.m < 64 or shape.m % t:
+    for shape, op in itertools.product(matmul_shapes(True, quick), ("all_gather_matmul", "matmul_reduce_scatter")):
+        if shape.m < 64 or shape.m % t or shape.k % t:
             continue
-        x_shard = torch.randn(shape.m // t, shape.k, device="cuda", dtype=dtype)
-        w = torch.randn(shape.n, shape.k, device="cuda", dtype=dtype)
-        x_full = torch.empty(shape.m, shape.k, device="cuda", dtype=dtype)
-        times = _time_ops(x_shard, x_full, w, group)
-        efficiency = lambda op, times=times: (
-            (times["gemm"] + times["comm"] - times[op]) / min(times["gemm"], times["comm"])
+        times = _time_ops(op, shape.m, shape.n, shape.k, t, group, dtype)
+        efficiency = lambda name, times=times: (
+            (times["gemm"] + times["comm"] - times[name]) / min(times["gemm"], times["comm"])
         )
         rows.append({
-            "case": shape.name, "op": "all_gather_matmul", "tp": t,
-            **{f"{k}_ms": v for k, v in times.items()},
+            "case": shape.name, "op": op, "tp": t, **{f"{k}_ms": v for k, v in times.items()},
             "efficiency": efficiency("overlapped"), "speedup_vs_plain": times["plain"] / times["overlapped"],
             "peer_efficiency": efficiency("peer"), "peer_speedup_vs_plain": times["plain"] / times["peer"],
         })  # fmt: skip

@@ -9,6 +9,7 @@ import tessel.bench.overlap as overlap_bench
 from tessel.bench.overlap import OPS, gemms_in_flight, ring_bytes, run_overlap_suite
 from tessel.bench.runner import capture_graph
 from tessel.bench.shapes import MatmulShape
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 
 def test_gemms_in_flight_counts_gemms_between_a_send_and_its_wait():
@@ -72,3 +73,18 @@ def test_ranks_time_the_same_number_of_calls():
         overlap_bench._time_together(lambda calls=calls, delay=delay: (calls.append(1), time.sleep(delay)))
         counts.append(len(calls))
     assert counts[0] == counts[1] == 5 + 3 * 20
+
+
+def _time_ops_rank(rank, t):
+    return {op: overlap_bench._time_ops(op, 8 * t, 12, 4 * t, t, None, torch.float32, device="cpu")
+            for op in ("all_gather_matmul", "matmul_reduce_scatter")}  # fmt: skip
+
+
+@pytest.mark.multiprocess
+def test_torchrun_rows_time_every_way_to_run_both_ops_on_every_rank():
+    """The several-GPU rows' timings run on gloo ranks too: the gathered GEMM, the collective, the ring, the plain
+    path and the device-signalled transport, for the all-gather and the reduce-scatter GEMM."""
+    for times in run_ranks(_time_ops_rank, 2, env=REFERENCE_KERNELS):
+        for op_times in times.values():
+            assert sorted(op_times) == ["comm", "gemm", "overlapped", "peer", "plain"]
+            assert all(ms > 0 for ms in op_times.values())
