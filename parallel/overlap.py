@@ -110,7 +110,7 @@ class _AllGatherMatmul(torch.autograd.Function):
         keep = not ctx.regather and any(ctx.needs_input_grad[5 : 5 + n_w])  # (the weights' gradients read X)
         outs, x_full = all_gather_matmul_forward(group, overlap, x_shard, weights, biases, keep_input=keep)
         ctx.save_for_backward(x_shard if ctx.regather else x_full, *weights)
-        ctx.group, ctx.overlap, ctx.has_bias = group, bool(overlap), [b is not None for b in biases]
+        ctx.group, ctx.overlap, ctx.has_bias = group, overlap, [b is not None for b in biases]
         ctx.weight_params = weights
         return tuple(outs)
 
@@ -135,7 +135,8 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
         biases: ``None`` or one (optional) ``[N_i]`` bias per weight.
         overlap: ``True`` for the ring, ``False`` for one all-gather then the GEMMs, ``"peer"`` for the
             device-signalled transport (:mod:`.peer`: the shards written into the peers' memory, one GEMM launch per
-            weight whose tiles wait on the device for their chunk; the backward runs the rings). ``"peer"`` keeps
+            weight whose tiles wait on the device for their chunk; the backward's reduce-scatter too, the weight
+            gradients computed while its partials travel). ``"peer"`` keeps
             one buffer per input shape and group for the process's lifetime, and needs every rank of the group
             to make the same calls in the same order (as tensor parallelism does).
 
@@ -172,7 +173,7 @@ class _MatmulReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(ctx, group, overlap, x, weight, bias):
         ctx.save_for_backward(x, weight)
-        ctx.group, ctx.overlap, ctx.has_bias, ctx.weight_param = group, bool(overlap), bias is not None, weight
+        ctx.group, ctx.overlap, ctx.has_bias, ctx.weight_param = group, overlap, bias is not None, weight
         return matmul_reduce_scatter_forward(group, overlap, x, weight, bias)
 
     @staticmethod
@@ -191,9 +192,9 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     ``x [t·m, K_local]`` (all tokens, this rank's input features), ``weight [N, K_local]``, ``bias [N]``
     (whole, added once). Returns this rank's rows ``[m, N]``. Backward: ``dX = AG(dY_shard)·W`` by the
     all-gather ring with ``dW = dYᵀ·X`` slices inside its steps; ``db = Σ dY`` over all tokens.
-    ``overlap``: ``True`` (the ring), ``False`` (one GEMM, one reduce-scatter) or ``"peer"`` (the forward through
-    the device-signalled transport, :func:`~tessel.parallel.peer.peer_matmul_reduce_scatter`; see
-    :func:`all_gather_matmul`).
+    ``overlap``: ``True`` (the ring), ``False`` (one GEMM, one reduce-scatter) or ``"peer"`` (the device-signalled
+    transport: :func:`~tessel.parallel.peer.peer_matmul_reduce_scatter` forward, the output gradient's gather
+    backward; see :func:`all_gather_matmul`).
     """
     check_operands("matmul_reduce_scatter", "x", x, [weight], [bias])
     if overlap not in (True, False, "peer"):

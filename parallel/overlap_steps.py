@@ -125,6 +125,14 @@ def all_gather_matmul_backward(group, overlap: bool, saved_x, regather: bool, we
     dws = [None] * len(weights)
     params = None if defer is None else [defer[i] for i in wanted]
     deferred = bool(wanted) and defer_weight_grads(params, lambda: [matmul(grads[i].t(), gathered()) for i in wanted])
+    if overlap == "peer" and not deferred:  # the weight gradients hide the partials' transfers
+
+        def wgrads():
+            record_event("wgrad", "all_gather_matmul.backward", -1)
+            for i in wanted:
+                dws[i] = matmul(grads[i].t(), gathered())
+
+        return _peer_dgrad_reduce_scatter(group, grads, weights, m, wgrads), dws
     if deferred or not wanted or not overlap:  # the plain path: dX whole, then its reduce-scatter
         dx_full = saved_x.new_empty(rows_x)
         _sum_dgrad(grads, weights, slice(None), dx_full, False)
@@ -169,10 +177,22 @@ def matmul_reduce_scatter_forward(group, overlap: bool | str, x, weight, bias):
     return ring_reduce_scatter(m, n, x, group, "matmul_reduce_scatter", gemm)
 
 
-def matmul_reduce_scatter_backward(group, overlap: bool, x, weight, grad_y, defer=None, need_dw=True):
+def _peer_dgrad_reduce_scatter(group, grads, weights, m: int, between) -> torch.Tensor:
+    """``RS(Σ_i dY_i·W_i)`` through the device-signalled transport, as one GEMM over ``[dY_1 | dY_2 …]`` and
+    ``[W_1; W_2 …]``; ``between()`` runs while the partials travel."""
+    g = grads[0] if len(grads) == 1 else torch.cat(grads, dim=1)
+    w = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)  # [Σ N_i, K]
+    transport = reduce_transport_for(group, m, w.shape[1], g)
+    return peer_matmul_reduce_scatter(g, w.t(), transport, between=between)
+
+
+def matmul_reduce_scatter_backward(group, overlap: bool | str, x, weight, grad_y, defer=None, need_dw=True):
     """``(dx, dw, g_full)``: ``g_full = AG(grad_y)`` (whose column sums are the bias gradient); ``dw`` is None
     when deferred or not needed (``need_dw`` False: a frozen weight costs no GEMM)."""
     m = grad_y.shape[0]
+    if overlap == "peer" and not (need_dw and defer is not None and is_deferring()):
+        (dx,), g_full = peer_all_gather_matmul(grad_y, [weight.t()], transport_for(group, grad_y), keep_input=True)
+        return dx, matmul(g_full.t(), x) if need_dw else None, g_full
     if not overlap or (need_dw and defer is not None and is_deferring()):
         g_full, _ = all_gather(grad_y, group)
         dx = matmul(g_full, weight)

@@ -382,7 +382,7 @@ def reduce_transport_for(group, rows: int, features: int, like: torch.Tensor) ->
     return _cached(PeerReduceScatter, group, rows, features, like.dtype, like.device)
 
 
-def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=None, reserve_sms=2):
+def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=None, reserve_sms=2, between=None):
     """``RS(x @ Wᵀ) + bias`` through ``transport``: one GEMM launch over every chunk of ``x``'s rows that raises a flag
     as each chunk's partial is final, the partials written into the peers' memory as they are, and this rank's
     share summed once they have all arrived. No autograd (a forward building block).
@@ -393,6 +393,9 @@ def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=
         transport: a :class:`PeerReduceScatter` over the tensor-parallel group.
         bias: ``None`` or the whole ``[features]`` bias, added once.
         reserve_sms: SMs the GEMM leaves to the transport's side stream (see gated_matmul).
+        between: ``None``, or a function called once the GEMM and the partials' transfers are enqueued and before
+            the sum waits for the peers' partials: work placed there (a backward's weight gradient) hides the
+            transfers.
 
     Returns:
         This rank's ``[rows, features]`` rows of the sum over ranks.
@@ -419,6 +422,8 @@ def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=
         transport.done,
     )  # fmt: skip
     transport.push(epoch)
+    if between is not None:
+        between()
     out = transport.reduce(epoch, bias)
     transport.finish()
     return out
