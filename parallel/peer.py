@@ -287,7 +287,6 @@ class PeerAllGather:
     def finish(self) -> None:
         """After the work that read this call's buffer (in the caller's stream order): release it to the peers' next
         call."""
-        record_event("wait", self._op, self.epoch)
         if self._stream is None:
             self.buffer.flags[self.size] = self.epoch
         else:
@@ -348,6 +347,7 @@ class PeerReduceScatter(PeerAllGather):
         for s in range(t):
             if s != r:
                 wait_at_least(self.buffer.flags[s : s + 1], epoch)
+        record_event("wait", self._op, epoch)
         total = self.partial[r * m : (r + 1) * m].to(torch.float32, copy=True)  # never a view of the buffer
         for s in range(t):
             if s != r:
@@ -465,6 +465,7 @@ def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases
         record_event("gemm", "peer_all_gather", i)
         gated_matmul_unchecked(x_full, w.t(), ready, t, r, max(1, t - 1), out, b, None, False, reserve_sms, epoch)
         outs.append(out)
+    record_event("wait", transport._op, epoch)  # (the GEMMs waited for every chunk)
     kept = x_full.clone() if keep_input else None
     transport.finish()
     return (outs, kept) if keep_input else outs
