@@ -141,11 +141,12 @@ def test_attention_programs_use_tensor_cores_and_pipelines(compiled):
 def test_only_the_atomic_dq_backward_uses_atomics(compiled):
     """The atomic dQ compiles to fire-and-forget reductions (REDG in the machine code, relaxed: nothing waits for
     an old value; read from the SASS, since Triton 3.6's PTX writes them as ``atom`` with an unused result, which
-    ptxas turns into REDG); every other kernel is free of atomics (none in its PTX)."""
+    ptxas turns into REDG); every other kernel is free of atomics (none in its PTX), but the gated GEMM that counts
+    its stored tiles to signal finished chunks (its atomics are checked above)."""
     for name, r in compiled.items():
         if r["kernel"] == "attention dkdv atomic-dq":
             assert r["sass_red"] > 0 and r["sass_atom"] == 0, name
-        else:
+        elif not name.endswith(" signal"):
             assert r["red"] == 0 and r["atom"] == 0, name
 
 
