@@ -22,6 +22,7 @@ __all__ = [
     "COMPILE_BACKENDS",
     "DTYPES",
     "LR_SCHEDULES",
+    "OVERLAPS",
     "PRESETS",
     "SCHEDULES",
     "ArgumentError",
@@ -35,6 +36,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 LR_SCHEDULES = ("cosine", "constant")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
+OVERLAPS = {"auto": "auto", "on": True, "off": False, "peer": "peer"}  # --overlap: the layers' `overlap`
 INTERLEAVED_CHUNKS = 2  # stages per pipeline rank under --schedule interleaved
 
 
@@ -217,6 +219,8 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "gradients are reduced once (default: 1)",
     )
     add("--sequence-parallel", action="store_true", help="split activations over the sequence between TP layers")
+    add("--overlap", choices=OVERLAPS, default="auto", help="the TP layers' communication: 'auto' (chunked where "
+        "that pays), 'on', 'off', or 'peer' (writes into the peers' memory; --sequence-parallel)")  # fmt: skip
     add(
         "--attention-backward",
         choices=("deterministic", "atomic"),
@@ -464,6 +468,9 @@ def _check_model(args, preset: Preset) -> None:
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
         what = f"--seq-len {args.seq_len}" if args.cp == 1 else f"the {args.seq_len // args.cp} tokens per cp rank"
         raise ArgumentError(f"--sequence-parallel needs {what} divisible by --tp {args.tp}")
+    if args.overlap == "peer" and (not args.sequence_parallel or args.fp8):
+        raise ArgumentError("--overlap peer moves the sequence-parallel GEMMs' traffic: it needs --sequence-parallel "
+                            "and not --fp8 (whose GEMMs keep their rings)")  # fmt: skip
 
 
 def _check_experts(args) -> None:

@@ -37,7 +37,7 @@ from ..parallel.comm import group_size
 from ..parallel.dims import ParallelDims
 from ..parallel.flat import is_expert
 from ..parallel.sharding import is_tp_sharded
-from .train_args import DTYPES, PRESETS, ArgumentError
+from .train_args import DTYPES, OVERLAPS, PRESETS, ArgumentError
 from .train_hf import build_hf, decoder_layer_class, decoder_layers, hf_loss, hf_stage
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
@@ -438,6 +438,7 @@ def build_engine(args, dims: ParallelDims) -> Engine:
             cp_group=dims.cp_group,
             ep_group=dims.ep_group,
             sequence_parallel=args.sequence_parallel,
+            overlap=OVERLAPS[args.overlap],
             device=dims.device,
             dtype=DTYPES[args.dtype],
         )

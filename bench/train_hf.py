@@ -30,6 +30,7 @@ from torch import nn
 from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention, register_hf_experts
 from ..layers.gpt import GPTConfig
 from ..layers.hf import base_model
+from .train_args import OVERLAPS
 
 __all__ = [
     "HF_FAMILIES",
@@ -96,7 +97,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
         return model, num_params, flops
     cp = {"cp_group": dims.cp_group} if dims.cp > 1 else {}  # each rank its zigzag share of every sequence
     ep = {"ep_group": dims.ep_group} if dims.ep > 1 else {}  # each rank of an ep group its share of the experts
-    parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, **cp, **ep)
+    overlap = OVERLAPS[args.overlap]
+    parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, overlap=overlap, **cp, **ep)
     return fuse_lm_loss(model), num_params, flops
 
 

@@ -71,6 +71,7 @@ def _layout(args) -> str:
         text += f" groups={args.expert_groups} top-groups={args.top_groups}" if args.expert_groups > 1 else ""
     text += " hf-baseline" if args.hf_baseline else ""
     text += " sequence-parallel" if args.sequence_parallel else ""
+    text += f" overlap={args.overlap}" if args.overlap != "auto" else ""
     text += " recompute" if args.recompute else ""
     text += " fp8" if args.fp8 else ""
     text += f" compile={args.compile}" if args.compile else ""

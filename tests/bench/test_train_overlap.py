@@ -1,0 +1,44 @@
+"""``python -m tessel.bench.train --overlap``: the tensor-parallel layers' communication, chosen for the whole run.
+
+``--overlap peer`` trains through the device-signalled transport (tessel.parallel.peer): on gloo ranks its buffers
+are shared-memory files the ranks write into each other's, and the loss curve is the single process's (the
+partials are summed in another order than one reduce-scatter's, hence 1e-4 rather than fp32's rounding).
+"""
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.bench.test_train import _losses, _ok, _train
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+RUN = ["--steps", "3", "--seq-len", "32", "--batch-size", "4"]
+
+
+def _layers_overlap(rank, world_size, run):
+    """The ``overlap`` of every tensor-parallel linear layer of the job's model built from ``run``."""
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_engine import build_engine
+    from tessel.layers import ColumnParallelLinear, RowParallelLinear
+    from tessel.parallel import init_parallel
+
+    model = build_engine(parse_args(run), init_parallel(tp=2)).gpt
+    return {m.overlap for m in model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_tp2_sequence_parallel_through_the_transport_follows_the_single_process(tmp_path, model):
+    if model == "llama" and importlib.util.find_spec("transformers") is None:
+        pytest.skip("needs transformers")
+    run = RUN if model == "gpt" else ["--hf", "llama", *RUN]
+    tp = ["--tp", "2", "--sequence-parallel"]
+    assert run_ranks(_layers_overlap, 2, [*run, *tp, "--overlap", "peer"], env=REFERENCE_KERNELS) == [{"peer"}] * 2
+    _ok(_train(tmp_path / "one", *run))
+    assert "overlap=peer" in _ok(_train(tmp_path / "peer", *run, *tp, "--overlap", "peer", nproc=2)).stdout
+    _ok(_train(tmp_path / "off", *run, *tp, "--overlap", "off", nproc=2))
+    assert json.loads((tmp_path / "peer" / "run.json").read_text())["args"]["overlap"] == "peer"
+    assert _losses(tmp_path / "peer") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
+    assert _losses(tmp_path / "off") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
