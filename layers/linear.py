@@ -56,8 +56,8 @@ def _check_overlap(name: str, overlap) -> None:
 def _use_overlap(overlap, t: int, tokens: int, k: int, n: int, steps: int | None = None) -> bool | str:
     """Whether to chunk: ``tokens × k × n`` multiply-adds cut into ``steps`` GEMMs (the ring's ``t`` by
     default; the all-reduce ops' ``ALL_REDUCE_CHUNKS``). ``"peer"`` stays ``"peer"`` (on more than one rank):
-    the sequence-parallel GEMMs (all-gather, reduce-scatter; forward and backward) take the device-signalled
-    transport, the all-reduce ops (which read it as true) their rings."""
+    every op takes the device-signalled transports, forward and backward (the all-reduce ops where the tokens
+    split evenly over the ranks, their rings otherwise)."""
     if overlap == "peer":
         return "peer" if t > 1 else False
     if overlap == "auto":

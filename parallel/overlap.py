@@ -93,6 +93,16 @@ def check_operands(op: str, x_name: str, x, weights, biases) -> None:
             )
 
 
+def _check_overlap(op: str, overlap) -> None:
+    if overlap not in (True, False, "peer"):
+        raise ValueError(f"{op}: overlap must be True, False or 'peer', received {overlap!r}")
+
+
+def _overlap_arg(overlap, group) -> bool | str:
+    """What the eager op runs: ``"peer"`` on more than one rank, else whether to chunk."""
+    return "peer" if overlap == "peer" and group_size(group) > 1 else bool(overlap)
+
+
 def _ring_in_graph(overlap, group) -> bool:
     """Under compile: whether the op enters the graph as its custom operator (:mod:`.overlap_ops`), whose node runs
     the ring, rather than as its plain composition."""
@@ -152,8 +162,7 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     check_operands("all_gather_matmul", "x_shard", x_shard, weights, biases)
-    if overlap not in (True, False, "peer"):
-        raise ValueError(f"all_gather_matmul: overlap must be True, False or 'peer', received {overlap!r}")
+    _check_overlap("all_gather_matmul", overlap)
     if torch.compiler.is_compiling():
         if _ring_in_graph(overlap, group):
             outs = overlap_ops.all_gather_matmul(x_shard, weights, biases, group, bool(regather))
@@ -161,8 +170,9 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
             x_full = gather_from_sequence(x_shard, group, dim=0)
             outs = [matmul(x_full, w.t(), b) for w, b in zip(weights, biases)]
         return outs[0] if single else outs
-    overlap = overlap if overlap == "peer" and group_size(group) > 1 else bool(overlap)
-    outs = _AllGatherMatmul.apply(group, overlap, bool(regather), len(weights), x_shard, *weights, *biases)
+    outs = _AllGatherMatmul.apply(
+        group, _overlap_arg(overlap, group), bool(regather), len(weights), x_shard, *weights, *biases
+    )  # fmt: skip
     return outs[0] if single else list(outs)
 
 
@@ -197,8 +207,7 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     backward; see :func:`all_gather_matmul`).
     """
     check_operands("matmul_reduce_scatter", "x", x, [weight], [bias])
-    if overlap not in (True, False, "peer"):
-        raise ValueError(f"matmul_reduce_scatter: overlap must be True, False or 'peer', received {overlap!r}")
+    _check_overlap("matmul_reduce_scatter", overlap)
     t = group_size(group)
     if x.shape[0] % t:
         raise ValueError(f"matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
@@ -207,8 +216,7 @@ def matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True):
     if torch.compiler.is_compiling():  # the whole bias, added once; its gradient summed over every rank's tokens
         y = reduce_scatter_to_sequence(matmul(x, weight.t()), group, dim=0)
         return y if bias is None else y + copy_to_tp(bias, group)
-    overlap = overlap if overlap == "peer" and t > 1 else bool(overlap)
-    return _MatmulReduceScatter.apply(group, overlap, x, weight, bias)
+    return _MatmulReduceScatter.apply(group, _overlap_arg(overlap, group), x, weight, bias)
 
 
 # ---------------------------------------------------------------------------------------------------- GEMM + AR
@@ -236,14 +244,17 @@ def matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
 
     ``x [T, K_local]``, ``weight [N, K_local]``, ``bias [N]`` (whole, added once). Returns ``[T, N]``,
     the same on every rank. Backward: ``dX = dY·W``, ``dW = dYᵀ·X`` (dY is replicated: no communication).
+    ``overlap="peer"``: a reduce-scatter then an all-gather through the device-signalled transports
+    (:func:`~tessel.parallel.peer.peer_matmul_all_reduce`), where the rows split evenly over the group.
     """
     check_operands("matmul_all_reduce", "x", x, [weight], [bias])
+    _check_overlap("matmul_all_reduce", overlap)
     if torch.compiler.is_compiling() and _ring_in_graph(overlap, group):
         return overlap_ops.matmul_all_reduce(x, weight, bias, group)
     if torch.compiler.is_compiling():
         y = reduce_from_tp(matmul(x, weight.t()), group)
         return y if bias is None else y + bias
-    return _MatmulAllReduce.apply(group, bool(overlap), x, weight, bias)
+    return _MatmulAllReduce.apply(group, _overlap_arg(overlap, group), x, weight, bias)
 
 
 class _MatmulGradAllReduce(torch.autograd.Function):
@@ -270,12 +281,14 @@ def matmul_grad_all_reduce(x, weights, group=None, *, biases=None, overlap=True)
 
     Forward has no communication (Megatron's "f" is the identity). Backward: ``dX = AR(Σ_i dY_i·W_i)``
     chunked along tokens, each chunk's all-reduce in flight during the next chunk's GEMM, and the
-    weight gradients computed while the chunks travel.
+    weight gradients computed while the chunks travel (``overlap="peer"``: through the device-signalled transports,
+    as :func:`matmul_all_reduce`).
     """
     single = isinstance(weights, torch.Tensor)
     weights = [weights] if single else list(weights)
     biases = [None] * len(weights) if biases is None else ([biases] if single else list(biases))
     check_operands("matmul_grad_all_reduce", "x", x, weights, biases)
+    _check_overlap("matmul_grad_all_reduce", overlap)
     if torch.compiler.is_compiling():
         if _ring_in_graph(overlap, group):
             outs = overlap_ops.matmul_grad_all_reduce(x, weights, biases, group)
@@ -283,5 +296,5 @@ def matmul_grad_all_reduce(x, weights, group=None, *, biases=None, overlap=True)
             x = copy_to_tp(x, group)
             outs = [matmul(x, w.t(), b) for w, b in zip(weights, biases)]
         return outs[0] if single else outs
-    outs = _MatmulGradAllReduce.apply(group, bool(overlap), len(weights), x, *weights, *biases)
+    outs = _MatmulGradAllReduce.apply(group, _overlap_arg(overlap, group), len(weights), x, *weights, *biases)
     return outs[0] if single else list(outs)

@@ -13,7 +13,13 @@ import torch
 from ..kernels.matmul import matmul, matmul_unchecked
 from .comm import all_gather, all_reduce, group_rank, group_size, record_event, reduce_scatter
 from .ddp import OWNER_ATTR
-from .peer import peer_all_gather_matmul, peer_matmul_reduce_scatter, reduce_transport_for, transport_for
+from .peer import (
+    peer_all_gather_matmul,
+    peer_matmul_all_reduce,
+    peer_matmul_reduce_scatter,
+    reduce_transport_for,
+    transport_for,
+)
 from .pipeline.weight_grad import is_deferring, submit
 from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
 
@@ -180,10 +186,16 @@ def matmul_reduce_scatter_forward(group, overlap: bool | str, x, weight, bias):
 def _peer_dgrad_reduce_scatter(group, grads, weights, m: int, between) -> torch.Tensor:
     """``RS(Σ_i dY_i·W_i)`` through the device-signalled transport, as one GEMM over ``[dY_1 | dY_2 …]`` and
     ``[W_1; W_2 …]``; ``between()`` runs while the partials travel."""
-    g = grads[0] if len(grads) == 1 else torch.cat(grads, dim=1)
-    w = weights[0] if len(weights) == 1 else torch.cat(weights, dim=0)  # [Σ N_i, K]
+    g, w = _concatenated(grads, weights)
     transport = reduce_transport_for(group, m, w.shape[1], g)
     return peer_matmul_reduce_scatter(g, w.t(), transport, between=between)
+
+
+def _concatenated(grads, weights) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([dY_1 | dY_2 …], [W_1; W_2 …])``: ``Σ_i dY_i·W_i`` as one GEMM."""
+    if len(grads) == 1:
+        return grads[0], weights[0]
+    return torch.cat(grads, dim=1), torch.cat(weights, dim=0)
 
 
 def matmul_reduce_scatter_backward(group, overlap: bool | str, x, weight, grad_y, defer=None, need_dw=True):
@@ -217,8 +229,16 @@ def matmul_reduce_scatter_backward(group, overlap: bool | str, x, weight, grad_y
 # ---------------------------------------------------------------------------------------------------- GEMM + AR
 
 
-def matmul_all_reduce_forward(group, overlap: bool, x, weight, bias):
+def _peer_rows(overlap, group, rows: int) -> bool:
+    """Whether an all-reduce op takes the device-signalled transports: ``overlap="peer"`` and rows that split evenly
+    over the group (a reduce-scatter's shares; otherwise the chunked ring)."""
+    return overlap == "peer" and rows % group_size(group) == 0
+
+
+def matmul_all_reduce_forward(group, overlap: bool | str, x, weight, bias):
     """``AR(x·Wᵀ) + bias`` (the whole bias, added once, by rank 0's GEMM)."""
+    if _peer_rows(overlap, group, x.shape[0]):
+        return peer_matmul_all_reduce(x.contiguous(), weight, group, bias=bias)
     once = bias if group_rank(group) == 0 else None  # the bias is summed t times otherwise
     if not overlap:
         return all_reduce(matmul(x, weight.t(), once), group)[0]
@@ -244,7 +264,10 @@ def matmul_grad_all_reduce_backward(group, overlap: bool, x, weights, grads, def
             for i in wanted:
                 dws[i] = matmul(grads[i].t(), x)
 
-    if overlap:
+    if _peer_rows(overlap, group, x.shape[0]):  # the weight gradients while the partials travel
+        g, w = _concatenated(grads, weights)
+        dx = peer_matmul_all_reduce(g, w.t(), group, between=compute_wgrad)
+    elif overlap:
         dx = chunked_all_reduce(
             x.shape[0], x.shape[1], x, group, "matmul_grad_all_reduce.backward", ALL_REDUCE_CHUNKS,
             lambda lo, hi, out: _sum_dgrad(grads, weights, slice(lo, hi), out, False),

@@ -51,7 +51,9 @@ __all__ = [
     "PeerAllGather",
     "PeerBuffer",
     "PeerReduceScatter",
+    "gather_all",
     "peer_all_gather_matmul",
+    "peer_matmul_all_reduce",
     "peer_matmul_reduce_scatter",
     "reduce_transport_for",
     "transport_for",
@@ -469,3 +471,27 @@ def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases
     kept = x_full.clone() if keep_input else None
     transport.finish()
     return (outs, kept) if keep_input else outs
+
+
+def gather_all(x_shard: torch.Tensor, transport: PeerAllGather) -> torch.Tensor:
+    """``AG(x_shard)`` through ``transport`` into a new ``[t·rows, features]`` tensor: the shards written into the
+    peers' memory, then (on the caller's stream) a wait for every peer's flag and one copy out of the buffer."""
+    x_full, ready, epoch = transport.start(x_shard)
+    for s in range(transport.size):
+        if s != transport.rank:
+            wait_at_least(ready[s : s + 1], epoch)
+    record_event("wait", transport._op, epoch)
+    out = x_full.clone()
+    transport.finish()
+    return out
+
+
+def peer_matmul_all_reduce(x, weight, group=None, *, bias=None, between=None):
+    """``AR(x @ Wᵀ) + bias`` through the device-signalled transports: :func:`peer_matmul_reduce_scatter` (``between``
+    as there), then :func:`gather_all` of the summed rows. ``x``'s rows must split evenly over the group. The
+    transports are the process's own for these shapes (:func:`reduce_transport_for`, :func:`transport_for`)."""
+    t = group_size(group)
+    rows = x.shape[0] // t
+    reduce = reduce_transport_for(group, rows, weight.shape[0], x)
+    shard = peer_matmul_reduce_scatter(x, weight, reduce, bias=bias, between=between)
+    return gather_all(shard, transport_for(group, shard))

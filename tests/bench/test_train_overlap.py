@@ -1,7 +1,7 @@
 """``python -m tessel.bench.train --overlap``: the tensor-parallel layers' communication, chosen for the whole run.
 
-``--overlap peer`` trains through the device-signalled transport (tessel.parallel.peer): on gloo ranks its buffers
-are shared-memory files the ranks write into each other's, and the loss curve is the single process's (the
+``--overlap peer`` trains through the device-signalled transports (tessel.parallel.peer): on gloo ranks their
+buffers are shared-memory files the ranks write into each other's, and the loss curve is the single process's (the
 partials are summed in another order than one reduce-scatter's, hence 1e-4 rather than fp32's rounding).
 """
 
@@ -29,12 +29,14 @@ def _layers_overlap(rank, world_size, run):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("model", ["gpt", "llama"])
-def test_tp2_sequence_parallel_through_the_transport_follows_the_single_process(tmp_path, model):
+@pytest.mark.parametrize("model, sp", [("gpt", True), ("gpt", False), ("llama", True)])
+def test_tp2_through_the_transports_follows_the_single_process(tmp_path, model, sp):
+    """With sequence parallelism the gathers and reduce-scatters go through the transports; without, the
+    all-reductions (a reduce-scatter then an all-gather each)."""
     if model == "llama" and importlib.util.find_spec("transformers") is None:
         pytest.skip("needs transformers")
     run = RUN if model == "gpt" else ["--hf", "llama", *RUN]
-    tp = ["--tp", "2", "--sequence-parallel"]
+    tp = ["--tp", "2", "--sequence-parallel"] if sp else ["--tp", "2"]
     assert run_ranks(_layers_overlap, 2, [*run, *tp, "--overlap", "peer"], env=REFERENCE_KERNELS) == [{"peer"}] * 2
     _ok(_train(tmp_path / "one", *run))
     assert "overlap=peer" in _ok(_train(tmp_path / "peer", *run, *tp, "--overlap", "peer", nproc=2)).stdout

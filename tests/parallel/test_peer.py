@@ -354,6 +354,42 @@ def test_matmul_reduce_scatter_through_the_transports_equals_the_ring_forward_an
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
+# -------------------------------------------------------------------------------------------------- all-reduce
+
+
+def _ar_op_rank(rank, t, rows):
+    from tessel.parallel.overlap import matmul_all_reduce, matmul_grad_all_reduce
+
+    def run(overlap):
+        torch.manual_seed(0)
+        w = torch.randn(N, K, requires_grad=True)
+        bias = torch.randn(N, requires_grad=True)
+        w2 = torch.randn(5, K, requires_grad=True)
+        gen = torch.Generator().manual_seed(rank)
+        x = torch.randn(rows, K, generator=gen, requires_grad=True)
+        xc = torch.randn(rows, K, generator=gen, requires_grad=True)
+        y = matmul_all_reduce(x, w, bias=bias, overlap=overlap)  # row-parallel, no sequence parallelism
+        ys = matmul_grad_all_reduce(xc, [w, w2], overlap=overlap)  # column-parallel: the input gradient reduced
+        (y.pow(2).sum() + sum((o * (i + 2)).pow(2).sum() for i, o in enumerate(ys))).backward()
+        return [y.detach(), *(o.detach() for o in ys), x.grad, xc.grad, w.grad, w2.grad, bias.grad]
+
+    peer = run("peer")
+    used = {kind.__name__: transport.epoch for (kind, *_), (_, transport) in _transports.items()}
+    return peer, run(True), used
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("t, rows", [(2, 2 * M), (4, 4 * M), (2, 2 * M + 1)])
+def test_all_reduce_ops_through_the_transports_equal_the_ring(t, rows):
+    """A reduce-scatter then an all-gather, forward (matmul_all_reduce) and backward (matmul_grad_all_reduce's input
+    gradient, its weight gradients while the partials travel); rows that do not split evenly take the ring."""
+    for peer, ring, used in run_ranks(_ar_op_rank, t, rows, env=REFERENCE_KERNELS):
+        # each op once through each transport (the forward's and the backward's shapes differ here: N and K)
+        assert used == ({"PeerReduceScatter": 1, "PeerAllGather": 1} if rows % t == 0 else {})
+        for a, b in zip(peer, ring):  # the partials summed in another order than the ring's
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
 def test_reduce_scatter_refuses_operands_unlike_its_transport():
     transport = PeerReduceScatter(4, 3, torch.float32)
     with pytest.raises(ValueError, match=r"must be \(4, 3, torch.float32, device\(type='cpu'\)\) .*received \(5, 3"):
