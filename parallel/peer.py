@@ -3,7 +3,10 @@
 The rings of :mod:`.rings` move each chunk with a message (NCCL or gloo ``isend``/``irecv``) and learn on the host
 that it arrived, so each chunk costs a GEMM launch of its own. Here the sender writes straight into the receiver's
 memory and then raises a flag there; the receiver runs one :func:`~tessel.kernels.gated_matmul.gated_matmul` launch
-over every chunk, whose programs wait on the flags on the device. Nothing waits on the host.
+over every chunk, whose programs wait on the flags on the device. Nothing waits on the host. The reduce-scatter
+(:class:`PeerReduceScatter`) is the dual: one GEMM launch flags each chunk's partial as it is final, and the partials
+travel to their owners while the next ones are computed; an all-reduce is the two in turn
+(:func:`peer_matmul_all_reduce`). ``overlap="peer"`` on tessel's tensor-parallel ops and layers takes this path.
 
 Memory (:class:`PeerBuffer`): each rank allocates a buffer and ``t + 1`` int32 flags, and maps every peer's.
 
