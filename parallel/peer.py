@@ -163,7 +163,13 @@ class PeerBuffer:
         return peers, flags
 
     def _open_symmetric(self):
-        import torch.distributed._symmetric_memory as symmetric
+        try:
+            import torch.distributed._symmetric_memory as symmetric
+        except ImportError as exc:  # a torch built without it
+            raise RuntimeError(
+                "PeerBuffer: GPU buffers need torch's symmetric memory (torch.distributed._symmetric_memory), which "
+                f"this torch {torch.__version__} lacks; use overlap=True (the rings) instead"
+            ) from exc
 
         name = (self.group if self.group is not None else dist.group.WORLD).group_name
         enabled = getattr(symmetric, "is_symm_mem_enabled_for_group", None)

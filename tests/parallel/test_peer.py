@@ -9,6 +9,7 @@ formula. On a GPU, two processes share it through torch's symmetric memory.
 
 import glob
 import os
+import sys
 import time
 
 import pytest
@@ -130,6 +131,12 @@ def test_a_world_of_one_gathers_its_own_shard():
         for out, ref in zip(outs, _expected(shards, weights, biases)):
             assert torch.allclose(out.double(), ref, rtol=1e-5, atol=1e-4)
     assert transport.epoch == 2 and transport.buffer.flags.tolist() == [0, 2]  # its own flag is never read
+
+
+def test_a_torch_without_symmetric_memory_is_told_what_is_missing(monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.distributed._symmetric_memory", None)  # its import fails
+    with pytest.raises(RuntimeError, match=r"GPU buffers need torch's symmetric memory .*use overlap=True"):
+        PeerBuffer._open_symmetric(object.__new__(PeerBuffer))
 
 
 def test_wait_at_least_returns_once_the_flag_is_reached():
@@ -284,6 +291,30 @@ def _layer_rank(rank, t):
 def test_sequence_parallel_layers_take_the_transport_with_overlap_peer():
     for peer, plain in run_ranks(_layer_rank, 2, env=REFERENCE_KERNELS):
         for a, b in zip(peer, plain):  # partials summed in another order than one reduce-scatter's
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+
+
+def _subgroup_rank(rank, world_size):
+    """Two tensor-parallel groups of 2 among 4 ranks (tp=2, dp=2): each group's transports are its own."""
+    from tessel.parallel import init_parallel
+    from tessel.parallel.overlap import all_gather_matmul, matmul_reduce_scatter
+
+    group = init_parallel(tp=2).tp_group
+    torch.manual_seed(0)
+    w = torch.randn(NS[0], K)
+    gen = torch.Generator().manual_seed(rank)  # every rank its own rows: the groups gather different data
+    x = torch.randn(M, K, generator=gen)
+    results = []
+    for overlap in ("peer", True):
+        y = all_gather_matmul(x, w, group, overlap=overlap)
+        results.append([y, matmul_reduce_scatter(y, w.t().contiguous(), group, overlap=overlap)])
+    return results
+
+
+@pytest.mark.multiprocess
+def test_transports_over_tensor_parallel_subgroups_equal_the_ring():
+    for peer, ring in run_ranks(_subgroup_rank, 4, env=REFERENCE_KERNELS):
+        for a, b in zip(peer, ring):
             torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
 
