@@ -266,9 +266,7 @@ class PeerAllGather:
             for j in range(1, t):
                 self._write((r + j) % t, x_shard, epoch)
         else:
-            caller = torch.cuda.current_stream(self.buffer.device)
-            self._stream.wait_stream(caller)  # the shard is written
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream):  # (ordered after the shard's producer by next_epoch)
                 self._epoch_value.fill_(epoch)
                 for j in range(1, t):
                     self._write((r + j) % t, x_shard, epoch)
@@ -278,10 +276,14 @@ class PeerAllGather:
         return self.buffer.local, self.buffer.flags[:t], epoch
 
     def next_epoch(self) -> int:
-        """The next call's epoch (one more than the last)."""
+        """The next call's epoch (one more than the last). On CUDA the side stream is ordered here after the caller's
+        work so far (the call's input is written), before the call's GEMM is enqueued: the side stream then follows
+        the GEMM chunk by chunk through its flags, never waiting for all of it."""
         if self.epoch + 1 >= 2**31:
             raise RuntimeError(f"{type(self).__name__}: the int32 epoch counter is exhausted; build a new transport")
         self.epoch += 1
+        if self._stream is not None:
+            self._stream.wait_stream(torch.cuda.current_stream(self.buffer.device))
         return self.epoch
 
     def _write(self, p: int, rows: torch.Tensor, epoch: int) -> None:
@@ -336,8 +338,7 @@ class PeerReduceScatter(PeerAllGather):
             for j in range(1, t):
                 self._push_partial((r + j) % t, epoch)
         else:
-            self._stream.wait_stream(torch.cuda.current_stream(self.buffer.device))  # the GEMM is enqueued
-            with torch.cuda.stream(self._stream):
+            with torch.cuda.stream(self._stream):  # (ordered before the GEMM by next_epoch: its flags order the rest)
                 self._epoch_value.fill_(epoch)
                 for j in range(1, t):
                     self._push_partial((r + j) % t, epoch)
