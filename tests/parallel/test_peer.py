@@ -24,6 +24,7 @@ from tessel.parallel.peer import (
     PeerReduceScatter,
     _transports,
     peer_all_gather_matmul,
+    peer_matmul_all_reduce,
     peer_matmul_reduce_scatter,
     wait_at_least,
 )
@@ -196,14 +197,17 @@ def _gpu_rank(rank, t, calls):
         ws = [torch.randn(384, 256, generator=gen, dtype=torch.bfloat16) for _ in range(t)]
         out = peer_matmul_reduce_scatter(xs[rank].cuda(), ws[rank].cuda(), reduce)
         torch.cuda.synchronize()
-        ref = sum(x.double() @ w.double().t() for x, w in zip(xs, ws))[rank * 512 : (rank + 1) * 512]
-        errors.append(((out.double().cpu() - ref).abs().max() / ref.abs().max()).item())
+        ref = sum(x.double() @ w.double().t() for x, w in zip(xs, ws))
+        errors.append(((out.double().cpu() - ref[rank * 512 : (rank + 1) * 512]).abs().max() / ref.abs().max()).item())
+        whole = peer_matmul_all_reduce(xs[rank].cuda(), ws[rank].cuda())  # both transports in turn
+        torch.cuda.synchronize()
+        errors.append(((whole.double().cpu() - ref).abs().max() / ref.abs().max()).item())
     return errors
 
 
 @pytest.mark.gpu
 @pytest.mark.multiprocess
-def test_gpu_two_processes_share_one_gpu_through_symmetric_memory_both_ways():
+def test_gpu_two_processes_share_one_gpu_through_symmetric_memory_every_way():
     for errors in run_ranks(_gpu_rank, 2, 3, timeout=120):  # a hang must not cost the GPU phase its budget
         assert max(errors) < 2e-2, errors
 
