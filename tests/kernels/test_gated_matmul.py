@@ -319,3 +319,35 @@ def test_gpu_flags_cleared_on_the_stream_serve_every_call(seed):
         torch.cuda.current_stream().wait_stream(side)
         expected, magnitude = reference(a.cpu(), b.cpu())
         assert_gemm_close(out.cpu(), expected, magnitude, torch.bfloat16)
+
+
+@pytest.mark.gpu
+@pytest.mark.timeout(300, method="thread")
+def test_gpu_done_flags_let_another_stream_take_each_chunk_as_it_is_final(seed):
+    """The reduce-scatter's pattern on one GPU: a side stream waits (on the device) for each chunk's done flag and
+    copies its rows out while the GEMM goes on; every copy equals the final rows. The output starts as NaN, so a
+    flag raised before the chunk's last tile is stored shows as NaN or partial rows in the copy."""
+    from tessel.parallel.peer import wait_at_least
+
+    chunks, rows, n, k, epoch = 4, 1000, 1536, 2048, 3
+    a = torch.randn(chunks * rows, k, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, k, device="cuda", dtype=torch.bfloat16).t()
+    out = torch.full((chunks * rows, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    done = torch.zeros(chunks, dtype=torch.int32, device="cuda")
+    gated_matmul(a, b, None, chunks=chunks, out=torch.empty_like(out), done=done)  # tunes; loads the kernel
+    wait_at_least(done[:1], 1)  # loads the wait kernel
+    copies = torch.full_like(out, float("nan"))
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    side.wait_stream(torch.cuda.current_stream())  # the NaN output and the flags are written
+    gated_matmul(a, b, None, chunks=chunks, first=2, step=1, out=out, done=done, epoch=epoch)
+    with torch.cuda.stream(side):
+        for c in (2, 3, 0, 1):
+            span = slice(c * rows, (c + 1) * rows)
+            wait_at_least(done[c : c + 1], epoch)
+            copies[span].copy_(out[span])
+    torch.cuda.synchronize()
+    assert done.tolist() == [epoch] * chunks
+    assert torch.equal(copies, out)
+    expected, magnitude = reference(a.cpu(), b.cpu())
+    assert_gemm_close(out.cpu(), expected, magnitude, torch.bfloat16)
