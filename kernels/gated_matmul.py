@@ -58,6 +58,7 @@ from .matmul import (
     _shared_limit,
     _tma_flags,
     _validate,
+    check_out_apart,
     operand_descriptors,
 )
 from .matmul_reference import _reference_into
@@ -69,10 +70,11 @@ __all__ = ["gated_matmul", "gated_matmul_unchecked"]
 # specialisation would compile and load a kernel mid-run, and loading may wait for a gated kernel still spinning).
 @triton.jit(do_not_specialize=["EPOCH"])
 def _gated_matmul_kernel(
-    a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr, done_ptr, count_ptr,
+    a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr, done_ptr, count_ptr, table_ptr,
     CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP, EPOCH,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
-    WAIT: tl.constexpr, SIGNAL: tl.constexpr, HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
+    WAIT: tl.constexpr, SIGNAL: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGN: tl.constexpr,
+    HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
     TMA: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
@@ -86,6 +88,12 @@ def _gated_matmul_kernel(
     EPOCH, with release semantics at system scope. The count's acquire-release chains the other tiles' stores
     into that release.
 
+    PUSH: each chunk has a destination and flags of its own, anywhere in the address space (a peer's memory):
+    ``table`` (int64 ``[3, CHUNKS]``) holds, per chunk, the offset of its destination's first row from ``out_ptr``
+    (in elements, a multiple of PUSH_ALIGN), of the flag SIGNAL raises from ``done_ptr``, and of a flag there that
+    must reach EPOCH - 1 before the chunk's rows are stored (the destination's owner has read the previous call's
+    rows; ``freed``, like ``seen``, spares a program the flag of a chunk it already stored into).
+
     TMA (a row-major): one descriptor over all of ``a``, each tile reading from its chunk's first row. A tile
     that ends past its chunk reads the next chunk's first rows, ready or not, into rows it never stores (each
     output row depends on its own row of ``a`` alone); past the last row the copy engine fills zeros."""
@@ -95,6 +103,7 @@ def _gated_matmul_kernel(
     )  # fmt: skip
     tiles_per_chunk = tl.cdiv(CHUNK_ROWS, BLOCK_M) * tl.cdiv(N, BLOCK_N)
     seen = 1  # position 0, the caller's own chunk, is in place at launch
+    freed = 0
     for tile in range(tl.program_id(0), CHUNKS * tiles_per_chunk, tl.num_programs(0)):
         position = tile // tiles_per_chunk
         chunk = (FIRST + position * STEP) % CHUNKS
@@ -108,10 +117,19 @@ def _gated_matmul_kernel(
         row0 = first_row
         if INDEX_64:
             row0 = row0.to(tl.int64)
+        if PUSH:
+            if position >= freed:  # acquire: the owner's reads of the previous call's rows come before our stores
+                while tl.atomic_add(done_ptr + tl.load(table_ptr + 2 * CHUNKS + chunk), 0, sem="acquire",
+                                    scope="sys") < EPOCH - 1:  # fmt: skip
+                    pass
+                freed = position + 1
+            dest = out_ptr + tl.multiple_of(tl.load(table_ptr + chunk), PUSH_ALIGN)
+        else:
+            dest = out_ptr + row0 * stride_om
         # The chunk is a GEMM of its own (M = CHUNK_ROWS): through pointers, rows past it wrap around inside it.
         _matmul_tile(
             tile % tiles_per_chunk, a_ptr + row0 * stride_am, b_ptr, a_desc, b_desc, first_row,
-            out_ptr + row0 * stride_om, bias_ptr, out_ptr, out_ptr, out_ptr, CHUNK_ROWS, N, K,
+            dest, bias_ptr, out_ptr, out_ptr, out_ptr, CHUNK_ROWS, N, K,
             stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_om, stride_on,
             HAS_BIAS, ACTIVATION, ACCUMULATE, False, DOT_FP32, INPUT_PRECISION, INDEX_64, False, False,
             TMA, False, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
@@ -120,7 +138,10 @@ def _gated_matmul_kernel(
             tl.debug_barrier()  # every thread's stores of this tile come before its count
             counted = tl.atomic_add(count_ptr + chunk, 1, sem="acq_rel", scope="sys")
             if counted == tiles_per_chunk - 1:
-                tl.atomic_xchg(done_ptr + chunk, EPOCH, sem="release", scope="sys")
+                signal = done_ptr + chunk
+                if PUSH:
+                    signal = done_ptr + tl.load(table_ptr + CHUNKS + chunk)
+                tl.atomic_xchg(signal, EPOCH, sem="release", scope="sys")
 
 
 # Candidate tiles on sm_90, timed once per problem (see _tuned_config): the plain GEMM's largest tiles whose pipeline
@@ -130,7 +151,7 @@ _CANDIDATES = 4
 # The interpreter runs the pointer variant unless a test picks the descriptor one.
 _INTERPRETER_TMA = False
 # Tuning launches neither wait nor signal.
-_SILENT = {"WAIT": False, "SIGNAL": False}
+_SILENT = {"WAIT": False, "SIGNAL": False, "PUSH": False, "PUSH_ALIGN": 1}
 # How often the PyTorch reference looks at a flag that is not set yet.
 _REFERENCE_POLL_S = 1e-4
 
@@ -154,7 +175,7 @@ def _check_flags(name: str, flags, a, chunks) -> None:
         raise ValueError(f"gated_matmul: {name} must be on a's device {a.device}, received {flags.device}")
 
 
-def _validate_gating(a, ready, done, chunks, first, step, reserve_sms, epoch) -> None:
+def _validate_gating(a, ready, done, chunks, first, step, reserve_sms, epoch, free=None) -> None:
     _check_int("chunks", chunks, 1)
     if a.shape[0] % chunks:
         raise ValueError(
@@ -175,23 +196,66 @@ def _validate_gating(a, ready, done, chunks, first, step, reserve_sms, epoch) ->
         raise ValueError(f"gated_matmul: epoch must fit an int32 flag (below 2**31), received {epoch}")
     if ready is not None:
         _check_flags("ready", ready, a, chunks)
-    if done is not None:
-        _check_flags("done", done, a, chunks)
+    for name, flags in (("done", done), ("free", free)):
+        if isinstance(flags, (list, tuple)):
+            _check_flag_list(name, flags, a, chunks)
+        elif flags is not None:
+            _check_flags(name, flags, a, chunks)
 
 
-def _reference_gated(a, b, ready, done, chunks, first, step, out, bias, activation, accumulate, epoch) -> None:
+def _check_flag_list(name: str, flags, a, chunks) -> None:
+    if len(flags) != chunks:
+        raise ValueError(f"gated_matmul: {name} must hold one flag per chunk ({chunks}), received {len(flags)}")
+    for c, flag in enumerate(flags):
+        if not isinstance(flag, torch.Tensor):
+            raise TypeError(f"gated_matmul: {name}[{c}] must be a torch.Tensor, received {type(flag).__name__}")
+        if flag.dtype != torch.int32 or flag.numel() != 1 or flag.device != a.device:
+            raise ValueError(
+                f"gated_matmul: {name}[{c}] must be a one-element int32 tensor on a's device {a.device}, received "
+                f"{tuple(flag.shape)} {flag.dtype} on {flag.device}"
+            )
+
+
+def _validate_destinations(a, b, out, chunks, fn: str = "gated_matmul") -> None:
+    """``out`` as one destination per chunk: ``[M / chunks, N]`` tensors of one dtype and one layout."""
+    if len(out) != chunks:
+        raise ValueError(f"{fn}: out must hold one destination per chunk ({chunks}), received {len(out)}")
+    rows = a.shape[0] // chunks
+    first = out[0]
+    for c, dest in enumerate(out):
+        if not isinstance(dest, torch.Tensor):
+            raise TypeError(f"{fn}: out[{c}] must be a torch.Tensor, received {type(dest).__name__}")
+        want = ((rows, b.shape[1]), first.dtype, first.stride(), a.device)
+        got = (tuple(dest.shape), dest.dtype, dest.stride(), dest.device)
+        if got != want or dest.dtype not in (a.dtype, torch.float32):
+            raise ValueError(
+                f"{fn}: out[{c}] must be a {want[0]} tensor of a's dtype (or float32) on {a.device}, with out[0]'s "
+                f"dtype {first.dtype} and strides {first.stride()}, received {got[0]} {got[1]} with strides "
+                f"{got[2]} on {got[3]}"
+            )
+        check_out_apart(a, b, dest, fn)
+
+
+def _wait_on_host(flag: torch.Tensor, value: int) -> None:
+    while int(flag) < value:
+        time.sleep(_REFERENCE_POLL_S)
+
+
+def _reference_gated(a, b, ready, chunks, first, step, dests, signals, frees, bias, activation, accumulate,
+                     epoch) -> None:  # fmt: skip
     """The kernel's contract in PyTorch: chunk by chunk in arrival order, each once its flag is set (by another
-    thread: a CPU tensor's flags are read from the memory that thread writes), each chunk's ``done`` flag set
-    once its rows are written."""
+    thread or process: a CPU tensor's flags are read from the memory they write), stored once its ``free`` flag
+    allows, and its ``done`` flag set once its rows are written (per-chunk lists here)."""
     rows = a.shape[0] // chunks
     for position in range(chunks):
         c = (first + position * step) % chunks
-        while ready is not None and position and int(ready[c]) < epoch:
-            time.sleep(_REFERENCE_POLL_S)
-        lo, hi = c * rows, (c + 1) * rows
-        _reference_into(a[lo:hi], b, bias, activation, out[lo:hi], accumulate, None)
-        if done is not None:
-            done[c] = epoch
+        if ready is not None and position:
+            _wait_on_host(ready[c], epoch)
+        if frees is not None:
+            _wait_on_host(frees[c], epoch - 1)
+        _reference_into(a[c * rows : (c + 1) * rows], b, bias, activation, dests[c], accumulate, None)
+        if signals is not None:
+            signals[c].fill_(epoch)
 
 
 @functools.cache
@@ -215,11 +279,12 @@ def _flags(a, b, bias, activation, accumulate, out, backend: str) -> tuple[dict,
     return flags, tma["TMA_OK"] and not tma["A_T"]
 
 
-def _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch) -> tuple:
+def _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch, table=None) -> tuple:
     unused = ready if ready is not None else (done if done is not None else a)  # any tensor: never read
     return (
         a, b, out, bias if bias is not None else out, ready if ready is not None else unused,
-        done if done is not None else unused, count if count is not None else unused, a.shape[0] // chunks,
+        done if done is not None else unused, count if count is not None else unused,
+        table if table is not None else unused, a.shape[0] // chunks,
         b.shape[1], a.shape[1], chunks, first, step, epoch, *a.stride(), *b.stride(), *out.stride(),
     )  # fmt: skip
 
@@ -245,7 +310,7 @@ def _candidates(element_size: int, shared_limit: int, tma_ok: bool) -> list[trit
     ]  # fmt: skip
 
 
-def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Config:
+def _tuned_config(a, b, out_dtype, bias, chunks, flags, tma_ok, programs) -> triton.Config:
     """The fastest candidate tile and variant (pointers, or descriptors where ``tma_ok``) for this problem, timed
     once without waiting or signalling and into a scratch output, so tuning neither waits for the caller's
     producers nor touches the caller's ``out`` and flags."""
@@ -254,7 +319,7 @@ def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Co
     if config is not None:
         return config
     candidates = _candidates(a.element_size(), _shared_limit(a.device), tma_ok)
-    scratch = torch.zeros_like(out)
+    scratch = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
     args = _args(a, b, scratch, bias, None, None, None, chunks, 0, 1, 1)
     best, best_ms = None, float("inf")
     for config in candidates:
@@ -276,8 +341,8 @@ def _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs) -> triton.Co
 @opaque_to_compile
 def gated_matmul(
     a, b, ready, *, chunks, first=0, step=1, bias=None, activation=None, out=None, accumulate=False, reserve_sms=2,
-    epoch=1, done=None,
-) -> torch.Tensor:  # fmt: skip
+    epoch=1, done=None, free=None,
+) -> torch.Tensor | list[torch.Tensor]:  # fmt: skip
     """``out (+)= activation(a @ b + bias)`` in one launch, each chunk of ``a``'s rows read once ``ready`` says so.
 
     Args:
@@ -290,31 +355,85 @@ def gated_matmul(
         chunks: how many row blocks ``a`` has.
         first, step: the arrival order, position ``p`` being chunk ``(first + p·step) mod chunks``; ``step``
             coprime with ``chunks``. ``first=r, step=chunks-1`` is tessel's all-gather ring on rank ``r``.
-        bias, activation, out, accumulate: as for :func:`tessel.kernels.matmul.matmul` (no autograd here).
+        bias, activation, accumulate: as for :func:`tessel.kernels.matmul.matmul` (no autograd here).
+        out: as for :func:`~tessel.kernels.matmul.matmul`, or a list of ``chunks`` destinations, one ``[M / chunks,
+            N]`` tensor per chunk (of one dtype and layout; anywhere in memory: a peer's buffer, where a fused
+            reduce-scatter sends each chunk's partial to its owner from the epilogue).
         reserve_sms: SMs the persistent programs leave free for what sets the flags (a kernel needs one).
         epoch: the flag value (or more) that marks a chunk written, ``1 <= epoch < 2**31``.
         done: ``None``, or a contiguous ``[chunks]`` int32 tensor on a's device that the kernel sets to ``epoch``
             for chunk ``c`` once all of ``out``'s rows of ``c`` are written (release ordered at system scope: a
             stream or a peer that sees the flag with an acquire load sees the rows). Chunks finish roughly in
-            the order above.
+            the order above. Or a list of ``chunks`` one-element int32 tensors (a peer's flags, say).
+        free: ``None``, or flags as ``done`` takes them: chunk ``c``'s rows are stored only once ``free[c] >=
+            epoch - 1`` (acquire at system scope), so a destination's owner can hold back the next call's rows
+            until it has read the last call's.
 
     Returns:
         ``out`` when given, otherwise a new ``[M, N]`` tensor of a's dtype. On a GPU the call returns at once and
         the kernel finishes when the last chunk has arrived and been multiplied; on a CPU the call returns then.
     """
-    _validate(a, b, bias, activation, out, accumulate, "gated_matmul")
-    _validate_gating(a, ready, done, chunks, first, step, reserve_sms, epoch)
-    if out is None:
+    listed = isinstance(out, (list, tuple))
+    if listed and not isinstance(accumulate, bool):
+        raise TypeError(f"gated_matmul: accumulate must be a bool, received {type(accumulate).__name__}")
+    _validate(a, b, bias, activation, None if listed else out, False if listed else accumulate, "gated_matmul")
+    _validate_gating(a, ready, done, chunks, first, step, reserve_sms, epoch, free)
+    if listed:
+        _validate_destinations(a, b, out, chunks)
+    elif out is None:
         out = torch.empty((a.shape[0], b.shape[1]), device=a.device, dtype=a.dtype)
     gated_matmul_unchecked(
-        a, b, ready, chunks, first, step, out, bias, activation, accumulate, reserve_sms, epoch, done
+        a, b, ready, chunks, first, step, out, bias, activation, accumulate, reserve_sms, epoch, done, free
     )  # fmt: skip
     return out
 
 
+def _per_chunk(x, chunks: int) -> list[torch.Tensor] | None:
+    """A tensor split into its chunks' views (rows, or one flag each), or a list as given."""
+    if x is None or isinstance(x, (list, tuple)):
+        return x
+    return list(x.chunk(chunks))
+
+
+@functools.cache
+def _always_free(device: torch.device) -> torch.Tensor:
+    """A flag above every epoch: the ``free`` flag of chunks that wait for nothing."""
+    return torch.full((1,), 2**31 - 1, dtype=torch.int32, device=device)
+
+
+def _table(dests, signals, frees, chunks: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The kernel's per-chunk offsets (PUSH): ``[3, chunks]`` int64 (destinations from ``dests[0]`` in elements,
+    flags from the flag base in int32 elements), the flag base, and the destinations' alignment in elements."""
+    device = dests[0].device
+    frees = frees or [_always_free(device)] * chunks
+    base = (signals or frees)[0]
+    elem = dests[0].element_size()
+    offsets = [(d.data_ptr() - dests[0].data_ptr()) // elem for d in dests]
+    offsets += [(f.data_ptr() - base.data_ptr()) // 4 for f in (signals or [base] * chunks)]
+    offsets += [(f.data_ptr() - base.data_ptr()) // 4 for f in frees]
+    align = max(1, 16 // elem)
+    while any(offset % align for offset in offsets[:chunks]):
+        align //= 2
+    table, copied = _table_on(device, tuple(offsets))
+    if copied is not None:  # (a table copied on another stream)
+        torch.cuda.current_stream(device).wait_event(copied)
+    return table.view(3, chunks), base, align
+
+
+@functools.lru_cache(maxsize=256)
+def _table_on(device: torch.device, offsets: tuple[int, ...]) -> tuple[torch.Tensor, object]:
+    """``offsets`` as an int64 tensor on ``device``, kept for the next launch with the same layout (a transport's,
+    call after call); on CUDA copied without the host waiting, with the event that marks the copy done."""
+    host = torch.tensor(offsets, dtype=torch.int64)
+    if device.type != "cuda":
+        return host, None
+    table = host.pin_memory().to(device, non_blocking=True)
+    return table, torch.cuda.current_stream(device).record_event()
+
+
 def gated_matmul_unchecked(
     a, b, ready, chunks, first, step, out, bias=None, activation=None, accumulate=False, reserve_sms=2, epoch=1,
-    done=None,
+    done=None, free=None,
 ) -> None:  # fmt: skip
     """:func:`gated_matmul` into ``out`` without its argument checks: for callers that checked their operands once
     and launch it at every step of a training run, where the checks' tens of microseconds of host time would show
@@ -322,14 +441,21 @@ def gated_matmul_unchecked(
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     backend = backend_for(a)
+    push = isinstance(out, (list, tuple)) or isinstance(done, (list, tuple)) or free is not None
     if backend == Backend.REFERENCE:
-        _reference_gated(a, b, ready, done, chunks, first, step, out, bias, activation, accumulate, epoch)
+        lists = (_per_chunk(x, chunks) for x in (out, done, free))
+        _reference_gated(a, b, ready, chunks, first, step, *lists, bias, activation, accumulate, epoch)
         return
+    table, align, signal = None, 1, done is not None
+    if push:
+        dests = _per_chunk(out, chunks)
+        table, done, align = _table(dests, _per_chunk(done, chunks), _per_chunk(free, chunks), chunks)
+        out = dests[0]
     flags, tma_ok = _flags(a, b, bias, activation, accumulate, out, backend)
     # each chunk's count of stored tiles, a new one per launch (launches on other streams may run meanwhile)
-    count = torch.zeros(chunks, dtype=torch.int32, device=a.device) if done is not None else None
-    args = _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch)
-    gating = {"WAIT": ready is not None, "SIGNAL": done is not None}
+    count = torch.zeros(chunks, dtype=torch.int32, device=a.device) if signal else None
+    args = _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch, table)
+    gating = {"WAIT": ready is not None, "SIGNAL": signal, "PUSH": push, "PUSH_ALIGN": align}
     rows = a.shape[0] // chunks
     if backend == Backend.INTERPRETER:
         meta = {**_INTERPRETER_BLOCKS, "TMA": _INTERPRETER_TMA and tma_ok}
@@ -339,7 +465,7 @@ def gated_matmul_unchecked(
     _ensure_scratch_allocator()  # device-built descriptors (see matmul)
     with torch.cuda.device(a.device):
         programs = _programs_for(a.device, reserve_sms)
-        config = _tuned_config(a, b, out, bias, chunks, flags, tma_ok, programs)
+        config = _tuned_config(a, b, out.dtype, bias, chunks, flags, tma_ok, programs)
         meta = config.kwargs
         tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
         _gated_matmul_kernel[(min(tiles, programs),)](*args, **flags, **gating, **config.all_kwargs())

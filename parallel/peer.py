@@ -4,9 +4,10 @@ The rings of :mod:`.rings` move each chunk with a message (NCCL or gloo ``isend`
 that it arrived, so each chunk costs a GEMM launch of its own. Here the sender writes straight into the receiver's
 memory and then raises a flag there; the receiver runs one :func:`~tessel.kernels.gated_matmul.gated_matmul` launch
 over every chunk, whose programs wait on the flags on the device. Nothing waits on the host. The reduce-scatter
-(:class:`PeerReduceScatter`) is the dual: one GEMM launch flags each chunk's partial as it is final, and the partials
-travel to their owners while the next ones are computed; an all-reduce is the two in turn
-(:func:`peer_matmul_all_reduce`). ``overlap="peer"`` on tessel's tensor-parallel ops and layers takes this path.
+(:class:`PeerReduceScatter`) is the dual: one GEMM launch whose epilogue stores each chunk's partial straight into
+its owner's memory and raises the owner's flag once the chunk is complete, so the partials travel while the next
+ones are computed; an all-reduce is the two in turn (:func:`peer_matmul_all_reduce`). ``overlap="peer"`` on
+tessel's tensor-parallel ops and layers takes this path.
 
 Memory (:class:`PeerBuffer`): each rank allocates a buffer and ``t + 1`` int32 flags, and maps every peer's.
 
@@ -308,65 +309,45 @@ class PeerAllGather:
 
 class PeerReduceScatter(PeerAllGather):
     """Reduce-scatter of each rank's partial ``[t·rows, features]`` into every rank's ``[rows, features]`` share of
-    their sum, by writes into the peers' memory (collective to build, reused call after call, as
-    :class:`PeerAllGather`).
+    their sum, by a GEMM whose epilogue stores each chunk's partial straight into its owner's memory (collective to
+    build, reused call after call, as :class:`PeerAllGather`).
 
     Protocol of call ``e`` on rank ``r`` (:func:`peer_matmul_reduce_scatter`):
 
-    1. One GEMM launch writes this rank's partial of every chunk into a local buffer, chunk ``r+1`` first and its
-       own chunk ``r`` last, raising the local ``done[c]`` to ``e`` as each chunk's rows are final
-       (:func:`~tessel.kernels.gated_matmul.gated_matmul`'s ``done``).
-    2. For ``j = 1 … t-1`` (``c = r + j``): once ``done[c]`` is up and rank ``c`` has finished call ``e-1``, rank
-       ``r`` copies its partial of chunk ``c`` into ``c``'s slot ``r`` and sets ``c``'s flag ``r`` to ``e``. On CUDA
-       this runs on the side stream while the GEMM computes the next chunks.
-    3. Once every slot's flag is up, the rank's share is its own partial plus the ``t-1`` slots (summed in fp32,
-       the bias added once), and :meth:`finish` releases the slots to the peers' next call.
+    1. One GEMM launch computes this rank's partial of every chunk, chunk ``r+1`` first and its own chunk ``r``
+       last. Chunk ``c``'s rows are stored into rank ``c``'s slot ``r`` once ``c`` has finished call ``e-1`` (``c``'s
+       flag ``t`` reaches ``e-1``), and ``c``'s flag ``r`` is raised to ``e`` once they are all stored (release at
+       system scope: :func:`~tessel.kernels.gated_matmul.gated_matmul` with a destination, a ``done`` and a
+       ``free`` flag per chunk). No partial is written locally first and copied after: the epilogue's stores are
+       the transfer.
+    2. Once every peer's flag is up, the rank's share is the ``t`` slots summed in fp32 (the bias added once), and
+       :meth:`finish` releases the slots to the peers' next call.
     """
 
     _op = "peer_reduce_scatter"
 
     def __init__(self, rows: int, features: int, dtype: torch.dtype, group=None, *, device=None):
         self._init_buffers(rows, features, dtype, group, device, (group_size(group), rows, features))
-        self.partial = torch.empty(self.size * rows, features, dtype=dtype, device=self.buffer.device)
-        self.done = torch.zeros(self.size, dtype=torch.int32, device=self.buffer.device)
-
-    def push(self, epoch: int) -> None:
-        """Step 2 for the partials of call ``epoch`` (after the GEMM's launch, in the caller's stream order)."""
-        t, r, m = self.size, self.rank, self.rows
-        record_event("send", self._op, epoch)
-        if self._stream is None:
-            for j in range(1, t):
-                self._push_partial((r + j) % t, epoch)
-        else:
-            with torch.cuda.stream(self._stream):  # (ordered before the GEMM by next_epoch: its flags order the rest)
-                self._epoch_value.fill_(epoch)
-                for j in range(1, t):
-                    self._push_partial((r + j) % t, epoch)
-        sent = (t - 1) * m * self.features * self.partial.element_size()
-        _account(sent, sent)
-
-    def _push_partial(self, c: int, epoch: int) -> None:
-        m = self.rows
-        wait_at_least(self.done[c : c + 1], epoch)  # this rank's partial of chunk c is written
-        self._write(c, self.partial[c * m : (c + 1) * m], epoch)
+        t, r = self.size, self.rank
+        # chunk c's destination and flags: rank c's slot and flag for this rank, and rank c's own flag t
+        self.destinations = [self.buffer.peer(c)[r] for c in range(t)]
+        self.signals = [self.buffer.peer_flags(c)[r : r + 1] for c in range(t)]
+        self.frees = [self.buffer.peer_flags(c)[t:] for c in range(t)]
 
     def reduce(self, epoch: int, bias=None) -> torch.Tensor:
-        """Step 3: this rank's ``[rows, features]`` share of the sum (in the caller's stream order)."""
-        t, r, m = self.size, self.rank, self.rows
-        if self._stream is not None:
-            # the side stream's copies out of `partial` are done before a next call's GEMM rewrites it
-            torch.cuda.current_stream(self.buffer.device).wait_stream(self._stream)
+        """Step 2: this rank's ``[rows, features]`` share of the sum (in the caller's stream order)."""
+        t, r = self.size, self.rank
         for s in range(t):
             if s != r:
                 wait_at_least(self.buffer.flags[s : s + 1], epoch)
         record_event("wait", self._op, epoch)
-        total = self.partial[r * m : (r + 1) * m].to(torch.float32, copy=True)  # never a view of the buffer
+        total = self.buffer.local[r].to(torch.float32, copy=True)  # never a view of the buffer
         for s in range(t):
             if s != r:
                 total += self.buffer.local[s]
         if bias is not None:
             total += bias
-        return total.to(self.partial.dtype)
+        return total.to(self.buffer.dtype)
 
 
 # One transport per (kind, group, shape, dtype, device), built at the first call that needs it: collectively, since
@@ -395,19 +376,19 @@ def reduce_transport_for(group, rows: int, features: int, like: torch.Tensor) ->
 
 
 def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=None, reserve_sms=2, between=None):
-    """``RS(x @ Wᵀ) + bias`` through ``transport``: one GEMM launch over every chunk of ``x``'s rows that raises a flag
-    as each chunk's partial is final, the partials written into the peers' memory as they are, and this rank's
-    share summed once they have all arrived. No autograd (a forward building block).
+    """``RS(x @ Wᵀ) + bias`` through ``transport``: one GEMM launch over every chunk of ``x``'s rows whose epilogue
+    stores each chunk's partial into its owner's memory and raises the owner's flag once the chunk is complete, and
+    this rank's share summed once every peer's partial has arrived. No autograd (a forward building block).
 
     Args:
         x: ``[t·rows, K]``: every token, this rank's input features.
         weight: ``[features, K]`` (nn.Linear's layout), x's dtype and device.
         transport: a :class:`PeerReduceScatter` over the tensor-parallel group.
         bias: ``None`` or the whole ``[features]`` bias, added once.
-        reserve_sms: SMs the GEMM leaves to the transport's side stream (see gated_matmul).
-        between: ``None``, or a function called once the GEMM and the partials' transfers are enqueued and before
-            the sum waits for the peers' partials: work placed there (a backward's weight gradient) hides the
-            transfers.
+        reserve_sms: SMs the GEMM leaves free for other streams' work (see gated_matmul).
+        between: ``None``, or a function called once the GEMM (and with it the partials' transfers) is enqueued and
+            before the sum waits for the peers' partials: work placed there (a backward's weight gradient) hides
+            the transfers.
 
     Returns:
         This rank's ``[rows, features]`` rows of the sum over ranks.
@@ -420,7 +401,7 @@ def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=
             f"peer_matmul_reduce_scatter: transport must be a PeerReduceScatter, received {type(transport).__name__}"
         )
     t, r = transport.size, transport.rank
-    want = (t * transport.rows, transport.features, transport.partial.dtype, transport.partial.device)
+    want = (t * transport.rows, transport.features, transport.buffer.dtype, transport.buffer.device)
     got = (x.shape[0], weight.shape[0], x.dtype, x.device)
     if got != want:
         raise ValueError(
@@ -430,10 +411,12 @@ def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=
     epoch = transport.next_epoch()
     record_event("gemm", transport._op, epoch)
     gated_matmul_unchecked(
-        x, weight.t(), None, t, (r + 1) % t, 1, transport.partial, None, None, False, reserve_sms, epoch,
-        transport.done,
+        x, weight.t(), None, t, (r + 1) % t, 1, transport.destinations, None, None, False, reserve_sms, epoch,
+        transport.signals, transport.frees,
     )  # fmt: skip
-    transport.push(epoch)
+    record_event("send", transport._op, epoch)  # (the GEMM's stores into the peers' slots)
+    sent = (t - 1) * transport.rows * transport.features * x.element_size()
+    _account(sent, sent)
     if between is not None:
         between()
     out = transport.reduce(epoch, bias)

@@ -550,17 +550,17 @@ def grouped_matmul_cases():
 
 
 def gated_matmul_cases():
-    """The one-launch GEMM over arriving chunks (bf16, 128x256x64): pointers, descriptors, pointers signalling."""
+    """The one-launch GEMM over arriving chunks (bf16, 128x256x64): pointers, descriptors, signalling, pushing."""
     gm = importlib.import_module("tessel.kernels.gated_matmul")
     flags = dict(HAS_BIAS=True, ACTIVATION="none", ACCUMULATE=False, DOT_FP32=False, INPUT_PRECISION="tf32",
                  INDEX_64=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_on=1)  # fmt: skip
     ptrs = {f"{n}_ptr": "bf16" for n in ("a", "b", "out", "bias")}
-    ptrs.update({f"{n}_ptr": "i32" for n in ("ready", "done", "count")})
+    ptrs.update({**{f"{n}_ptr": "i32" for n in ("ready", "done", "count")}, "table_ptr": "i64"})
     meta = {"kernel": "gated matmul", "dtype": "bf16", "stages": 3, "tile_bytes": _tile_bytes("bf16", 128, 256, 64)}
-    return [(f"gated matmul bf16 128x256x64{' tma B_T' * tma}{' signal' * signal}", gm._gated_matmul_kernel, ptrs,
-             {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1, "WAIT": True, "SIGNAL": signal},
-             (), ("FIRST", "STEP", "CHUNKS", "EPOCH"), 8, 3, meta)
-            for tma, signal in ((False, False), (True, False), (False, True))]  # fmt: skip
+    return [(f"gated matmul bf16 128x256x64{' tma B_T' * tma}{' signal' * signal}{' push' * push}",
+             gm._gated_matmul_kernel, ptrs, {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1,
+             "WAIT": not push, "SIGNAL": signal, "PUSH": push, "PUSH_ALIGN": 8}, (), ("FIRST", "STEP", "CHUNKS",
+             "EPOCH"), 8, 3, meta) for tma, signal, push in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 1, 1))]  # fmt: skip
 
 
 def all_cases():

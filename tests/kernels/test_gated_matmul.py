@@ -163,6 +163,8 @@ def test_done_flags_are_raised_once_each_chunks_rows_are_final(seed, monkeypatch
     waited for."""
     if backend == "reference":
         monkeypatch.setattr(gated_module, "backend_for", lambda *tensors: Backend.REFERENCE)
+        into = gated_module._reference_into  # each chunk takes a while, as the interpreter's do: the watcher runs
+        monkeypatch.setattr(gated_module, "_reference_into", lambda *args: (time.sleep(0.02), into(*args)))
     chunks, rows, n, k, epoch = 3, 40, 80, 32, 5  # 2 x 3 tiles of the interpreter's 32 per chunk
     span = lambda c: slice(c * rows, (c + 1) * rows)
     a, b = _operands(chunks, rows, n, k, torch.float32)
@@ -222,7 +224,43 @@ def test_every_dtype_has_candidate_tiles_that_fit_in_shared_memory(element_size)
         (dict(chunks=4, epoch=2**31), ValueError, r"epoch must fit an int32 flag .*received 2147483648"),
         (dict(chunks=4, epoch=1.0), TypeError, r"epoch must be an int, received float"),
         (dict(chunks=4, done=torch.ones(4, dtype=torch.int64)), ValueError, r"done must be a contiguous \(4,\) int32"),
-        (dict(chunks=4, done=(1, 1, 1, 1)), TypeError, r"done must be a torch.Tensor, received tuple"),
+        (dict(chunks=4, done=(1, 1, 1, 1)), TypeError, r"done\[0\] must be a torch.Tensor, received int"),
+        (
+            dict(chunks=4, done=[torch.ones(1, dtype=torch.int32)] * 3),
+            ValueError,
+            r"done must hold one flag per chunk \(4\), received 3",
+        ),
+        (
+            dict(chunks=4, free=[torch.ones(2, dtype=torch.int32)] * 4),
+            ValueError,
+            r"free\[0\] must be a one-element int32 tensor .*received \(2,\) torch.int32",
+        ),
+        (dict(chunks=4, free=torch.ones(4)), ValueError, r"free must be a contiguous \(4,\) int32 tensor"),
+        (
+            dict(chunks=4, out=[torch.empty(3, 5)] * 3),
+            ValueError,
+            r"out must hold one destination per chunk \(4\), received 3",
+        ),
+        (
+            dict(chunks=4, out=[torch.empty(3, 5)] * 3 + [torch.empty(5, 3).t()]),
+            ValueError,
+            r"out\[3\] must be a \(3, 5\) tensor .*received \(3, 5\) torch.float32 with strides \(1, 3\)",
+        ),
+        (
+            dict(chunks=4, out=[torch.empty(3, 5)] * 3 + [torch.empty(3, 5).half()]),
+            ValueError,
+            r"out\[3\] .*received \(3, 5\) torch.float16",
+        ),
+        (
+            dict(chunks=4, out=[torch.empty(3, 5)] * 3 + ["x"]),
+            TypeError,
+            r"out\[3\] must be a torch.Tensor, received str",
+        ),
+        (
+            dict(chunks=4, out=[torch.empty(3, 5)] * 4, accumulate=1),
+            TypeError,
+            r"accumulate must be a bool, received int",
+        ),
         (dict(chunks=4, ready=torch.ones(4)), ValueError, r"ready must be a contiguous \(4,\) int32 tensor.*float32"),
         (dict(chunks=4, ready=torch.ones(3, dtype=torch.int32)), ValueError, r"received \(3,\) torch.int32"),
         (dict(chunks=4, ready=torch.ones(8, dtype=torch.int32)[::2]), ValueError, r"with strides \(2,\)"),
