@@ -45,6 +45,7 @@ from triton.runtime.errors import OutOfResources
 
 from ._dispatch import Backend, backend_for, cdiv, opaque_to_compile, upcast_dot_operands
 from .matmul import (
+    _FP8_SHAPES,
     _INTERPRETER_BLOCKS,
     _INTERPRETER_PROGRAMS,
     _SHARED_SLACK,
@@ -70,12 +71,13 @@ __all__ = ["gated_matmul", "gated_matmul_unchecked"]
 # specialisation would compile and load a kernel mid-run, and loading may wait for a gated kernel still spinning).
 @triton.jit(do_not_specialize=["EPOCH"])
 def _gated_matmul_kernel(
-    a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr, done_ptr, count_ptr, table_ptr,
+    a_ptr, b_ptr, out_ptr, bias_ptr, ready_ptr, done_ptr, count_ptr, table_ptr, a_scale_ptr, b_scale_ptr,
     CHUNK_ROWS, N, K, CHUNKS, FIRST, STEP, EPOCH,
     stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on,
     WAIT: tl.constexpr, SIGNAL: tl.constexpr, PUSH: tl.constexpr, PUSH_ALIGN: tl.constexpr,
     HAS_BIAS: tl.constexpr, ACTIVATION: tl.constexpr,
     ACCUMULATE: tl.constexpr, DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, INDEX_64: tl.constexpr,
+    SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr,
     TMA: tl.constexpr, B_T: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
@@ -129,9 +131,9 @@ def _gated_matmul_kernel(
         # The chunk is a GEMM of its own (M = CHUNK_ROWS): through pointers, rows past it wrap around inside it.
         _matmul_tile(
             tile % tiles_per_chunk, a_ptr + row0 * stride_am, b_ptr, a_desc, b_desc, first_row,
-            dest, bias_ptr, out_ptr, out_ptr, out_ptr, CHUNK_ROWS, N, K,
+            dest, bias_ptr, out_ptr, a_scale_ptr, b_scale_ptr, CHUNK_ROWS, N, K,
             stride_am, stride_ak, stride_bk, stride_bn, stride_om, stride_on, stride_om, stride_on,
-            HAS_BIAS, ACTIVATION, ACCUMULATE, False, DOT_FP32, INPUT_PRECISION, INDEX_64, False, False,
+            HAS_BIAS, ACTIVATION, ACCUMULATE, False, DOT_FP32, INPUT_PRECISION, INDEX_64, SCALED, SPLIT_ACC,
             TMA, False, B_T, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M,
         )  # fmt: skip
         if SIGNAL:
@@ -242,7 +244,7 @@ def _wait_on_host(flag: torch.Tensor, value: int) -> None:
 
 
 def _reference_gated(a, b, ready, chunks, first, step, dests, signals, frees, bias, activation, accumulate,
-                     epoch) -> None:  # fmt: skip
+                     epoch, scales=None) -> None:  # fmt: skip
     """The kernel's contract in PyTorch: chunk by chunk in arrival order, each once its flag is set (by another
     thread or process: a CPU tensor's flags are read from the memory they write), stored once its ``free`` flag
     allows, and its ``done`` flag set once its rows are written (per-chunk lists here)."""
@@ -253,7 +255,7 @@ def _reference_gated(a, b, ready, chunks, first, step, dests, signals, frees, bi
             _wait_on_host(ready[c], epoch)
         if frees is not None:
             _wait_on_host(frees[c], epoch - 1)
-        _reference_into(a[c * rows : (c + 1) * rows], b, bias, activation, dests[c], accumulate, None)
+        _reference_into(a[c * rows : (c + 1) * rows], b, bias, activation, dests[c], accumulate, None, scales)
         if signals is not None:
             signals[c].fill_(epoch)
 
@@ -263,9 +265,10 @@ def _programs_for(device: torch.device, reserve_sms: int) -> int:
     return max(1, _num_sms(device) - reserve_sms)
 
 
-def _flags(a, b, bias, activation, accumulate, out, backend: str) -> tuple[dict, bool]:
+def _flags(a, b, bias, activation, accumulate, out, backend: str, scaled=False, split_acc=False) -> tuple[dict, bool]:
     """The kernel's flags, and whether its descriptor variant can read the operands (a row-major; see
-    :func:`~tessel.kernels.matmul._tma_flags`)."""
+    :func:`~tessel.kernels.matmul._tma_flags`). ``scaled``: fp8 operands with inverse scales; ``split_acc``: their
+    products summed into fp32 once per K block (as :func:`~tessel.kernels.fp8.fp8_matmul` does)."""
     tma = _tma_flags(a, b, backend)
     flags = {
         "HAS_BIAS": bias is not None,
@@ -275,16 +278,18 @@ def _flags(a, b, bias, activation, accumulate, out, backend: str) -> tuple[dict,
         "INPUT_PRECISION": _input_precision(a.dtype, backend),
         "INDEX_64": _needs_int64(a, b, out),
         "B_T": tma["B_T"],
+        "SCALED": scaled,
+        "SPLIT_ACC": split_acc and backend == Backend.TRITON,
     }
     return flags, tma["TMA_OK"] and not tma["A_T"]
 
 
-def _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch, table=None) -> tuple:
+def _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch, table=None, scales=None) -> tuple:
     unused = ready if ready is not None else (done if done is not None else a)  # any tensor: never read
     return (
         a, b, out, bias if bias is not None else out, ready if ready is not None else unused,
         done if done is not None else unused, count if count is not None else unused,
-        table if table is not None else unused, a.shape[0] // chunks,
+        table if table is not None else unused, *(scales if scales is not None else (out, out)), a.shape[0] // chunks,
         b.shape[1], a.shape[1], chunks, first, step, epoch, *a.stride(), *b.stride(), *out.stride(),
     )  # fmt: skip
 
@@ -294,7 +299,7 @@ _tuned: dict[tuple, triton.Config] = {}
 
 def _tuning_key(a, b, chunks, flags, tma_ok, programs) -> tuple:
     unit = lambda t: tuple(s == 1 for s in t.stride())
-    return (a.shape[0] // chunks, chunks, b.shape[1], a.shape[1], a.dtype, unit(a), unit(b), tma_ok, programs,
+    return (a.shape[0] // chunks, chunks, b.shape[1], a.shape[1], a.dtype, b.dtype, unit(a), unit(b), tma_ok, programs,
             *sorted(flags.items()))  # fmt: skip
 
 
@@ -302,7 +307,8 @@ def _candidates(element_size: int, shared_limit: int, tma_ok: bool) -> list[trit
     """The ``_CANDIDATES`` largest of the plain GEMM's tiles whose pipeline fits in ``shared_limit`` bytes for
     operands of ``element_size``, each through pointers and, where ``tma_ok``, through descriptors."""
     fits = lambda bm, bn, bk, st: _shared_bytes({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk}, st, element_size)
-    shapes = [shape for shape in _TILE_SHAPES if fits(*shape[:4]) + _SHARED_SLACK <= shared_limit][:_CANDIDATES]
+    tiles = (_FP8_SHAPES if element_size == 1 else []) + _TILE_SHAPES  # fp8's deep K blocks first
+    shapes = [shape for shape in tiles if fits(*shape[:4]) + _SHARED_SLACK <= shared_limit][:_CANDIDATES]
     return [
         triton.Config({"BLOCK_M": bm, "BLOCK_N": bn, "BLOCK_K": bk, "GROUP_M": 8, "TMA": tma}, num_stages=st,
                       num_warps=w)
@@ -310,7 +316,7 @@ def _candidates(element_size: int, shared_limit: int, tma_ok: bool) -> list[trit
     ]  # fmt: skip
 
 
-def _tuned_config(a, b, out_dtype, bias, chunks, flags, tma_ok, programs) -> triton.Config:
+def _tuned_config(a, b, out_dtype, bias, chunks, flags, tma_ok, programs, scales=None) -> triton.Config:
     """The fastest candidate tile and variant (pointers, or descriptors where ``tma_ok``) for this problem, timed
     once without waiting or signalling and into a scratch output, so tuning neither waits for the caller's
     producers nor touches the caller's ``out`` and flags."""
@@ -320,7 +326,7 @@ def _tuned_config(a, b, out_dtype, bias, chunks, flags, tma_ok, programs) -> tri
         return config
     candidates = _candidates(a.element_size(), _shared_limit(a.device), tma_ok)
     scratch = torch.zeros((a.shape[0], b.shape[1]), dtype=out_dtype, device=a.device)
-    args = _args(a, b, scratch, bias, None, None, None, chunks, 0, 1, 1)
+    args = _args(a, b, scratch, bias, None, None, None, chunks, 0, 1, 1, None, scales)
     best, best_ms = None, float("inf")
     for config in candidates:
         grid = (min(programs, chunks * cdiv(a.shape[0] // chunks, config.kwargs["BLOCK_M"])
@@ -433,28 +439,31 @@ def _table_on(device: torch.device, offsets: tuple[int, ...]) -> tuple[torch.Ten
 
 def gated_matmul_unchecked(
     a, b, ready, chunks, first, step, out, bias=None, activation=None, accumulate=False, reserve_sms=2, epoch=1,
-    done=None, free=None,
+    done=None, free=None, scales=None, split_accumulator=True,
 ) -> None:  # fmt: skip
     """:func:`gated_matmul` into ``out`` without its argument checks: for callers that checked their operands once
     and launch it at every step of a training run, where the checks' tens of microseconds of host time would show
-    beside a short GEMM."""
+    beside a short GEMM.
+
+    ``scales``: fp8 operands (e4m3/e5m2, as :func:`~tessel.kernels.fp8.fp8_matmul` takes them): their inverse scales,
+    two one-element fp32 tensors multiplying ``a @ b``; ``split_accumulator`` as there."""
     if a.shape[0] == 0 or b.shape[1] == 0:
         return
     backend = backend_for(a)
     push = isinstance(out, (list, tuple)) or isinstance(done, (list, tuple)) or free is not None
     if backend == Backend.REFERENCE:
         lists = (_per_chunk(x, chunks) for x in (out, done, free))
-        _reference_gated(a, b, ready, chunks, first, step, *lists, bias, activation, accumulate, epoch)
+        _reference_gated(a, b, ready, chunks, first, step, *lists, bias, activation, accumulate, epoch, scales)
         return
     table, align, signal = None, 1, done is not None
     if push:
         dests = _per_chunk(out, chunks)
         table, done, align = _table(dests, _per_chunk(done, chunks), _per_chunk(free, chunks), chunks)
         out = dests[0]
-    flags, tma_ok = _flags(a, b, bias, activation, accumulate, out, backend)
+    flags, tma_ok = _flags(a, b, bias, activation, accumulate, out, backend, scales is not None, split_accumulator)
     # each chunk's count of stored tiles, a new one per launch (launches on other streams may run meanwhile)
     count = torch.zeros(chunks, dtype=torch.int32, device=a.device) if signal else None
-    args = _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch, table)
+    args = _args(a, b, out, bias, ready, done, count, chunks, first, step, epoch, table, scales)
     gating = {"WAIT": ready is not None, "SIGNAL": signal, "PUSH": push, "PUSH_ALIGN": align}
     rows = a.shape[0] // chunks
     if backend == Backend.INTERPRETER:
@@ -465,7 +474,7 @@ def gated_matmul_unchecked(
     _ensure_scratch_allocator()  # device-built descriptors (see matmul)
     with torch.cuda.device(a.device):
         programs = _programs_for(a.device, reserve_sms)
-        config = _tuned_config(a, b, out.dtype, bias, chunks, flags, tma_ok, programs)
+        config = _tuned_config(a, b, out.dtype, bias, chunks, flags, tma_ok, programs, scales)
         meta = config.kwargs
         tiles = chunks * cdiv(rows, meta["BLOCK_M"]) * cdiv(b.shape[1], meta["BLOCK_N"])
         _gated_matmul_kernel[(min(tiles, programs),)](*args, **flags, **gating, **config.all_kwargs())

@@ -162,3 +162,27 @@ def test_gpu_chunks_wait_for_flags_freed_late_and_land_in_their_destinations(see
     for c in range(chunks):
         span = slice(c * rows, (c + 1) * rows)
         assert_gemm_close(dests[c].cpu(), expected[span], magnitude[span], torch.bfloat16)
+
+
+@pytest.mark.parametrize("split_accumulator", [True, False])
+def test_fp8_operands_with_their_scales_push_like_the_fp8_gemm(seed, backend, split_accumulator):
+    """e5m2 × e4m3 operands (a backward's dY·W) with their inverse scales, into bf16 destinations with a bias: each
+    chunk equals fp8_matmul_reference's exact product of the fp8 values, to one bf16 unit in the last place (the
+    interpreter's bf16 casts truncate)."""
+    from tessel.kernels.fp8 import fp8_matmul_reference, quantize_fp8
+    from tessel.kernels.gated_matmul import gated_matmul_unchecked
+
+    chunks, rows, n, k = 3, 21, 40, 48
+    aq = quantize_fp8(torch.randn(chunks * rows, k), "e5m2")
+    bq = quantize_fp8(torch.randn(n, k), "e4m3")
+    bias = torch.randn(n, dtype=torch.bfloat16)
+    dests, _ = _destinations(chunks, rows, n, torch.bfloat16)
+    done = [torch.zeros(1, dtype=torch.int32) for _ in range(chunks)]
+    gated_matmul_unchecked(aq.data, bq.data.t(), None, chunks, 2, 1, dests, bias, done=done, epoch=2,
+                           scales=(aq.scale_inv, bq.scale_inv), split_accumulator=split_accumulator)  # fmt: skip
+    expected = fp8_matmul_reference(aq.data, bq.data.t(), aq.scale_inv, bq.scale_inv, bias, out_dtype=torch.float64)
+    for c in range(chunks):
+        got = dests[c].double()
+        want = expected[c * rows : (c + 1) * rows]
+        assert torch.allclose(got, want, rtol=2**-7, atol=1e-6 * want.abs().max()), (got - want).abs().max()
+    assert [int(d) for d in done] == [2] * chunks
