@@ -220,7 +220,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     )
     add("--sequence-parallel", action="store_true", help="split activations over the sequence between TP layers")
     add("--overlap", choices=OVERLAPS, default="auto", help="the TP layers' communication: 'auto' (chunked where "
-        "that pays), 'on', 'off', or 'peer' (device-signalled writes into the peers' memory)")  # fmt: skip
+        "that pays), 'on', 'off', or 'peer' (device-signalled writes into the peers' memory; fp8 too)")  # fmt: skip
     add(
         "--attention-backward",
         choices=("deterministic", "atomic"),
@@ -468,9 +468,6 @@ def _check_model(args, preset: Preset) -> None:
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
         what = f"--seq-len {args.seq_len}" if args.cp == 1 else f"the {args.seq_len // args.cp} tokens per cp rank"
         raise ArgumentError(f"--sequence-parallel needs {what} divisible by --tp {args.tp}")
-    if args.overlap == "peer" and args.fp8:
-        raise ArgumentError("--overlap peer moves the GEMMs' traffic in their dtype: not with --fp8 (whose GEMMs keep "
-                            "their rings)")  # fmt: skip
 
 
 def _check_experts(args) -> None:

@@ -129,11 +129,12 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     return _Fp8GroupedLinear.apply(x, weight, offsets)
 
 
-def column_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool, regather: bool = False):
+def column_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool | str,
+                        regather: bool = False):  # fmt: skip
     """A column-parallel layer's GEMM in fp8: the sequence-parallel input all-gathered in fp8 (its gradient
     reduce-scattered), or the replicated input's gradient all-reduced; chunked and overlapped with ``overlap``
-    (:mod:`tessel.parallel.overlap_fp8`). Under ``torch.compile``: the differentiable collectives around
-    :func:`fp8_linear` (in the model's dtype)."""
+    (``"peer"``: through the device-signalled transports; :mod:`tessel.parallel.overlap_fp8`). Under
+    ``torch.compile``: the differentiable collectives around :func:`fp8_linear` (in the model's dtype)."""
     if not torch.compiler.is_compiling():
         if sequence_parallel:
             return fp8_all_gather_matmul(x2, weight, group, bias=bias, overlap=overlap, regather=regather)
@@ -142,7 +143,7 @@ def column_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, ove
     return fp8_linear(x_full, weight, bias)
 
 
-def row_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool) -> torch.Tensor:
+def row_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool | str) -> torch.Tensor:
     """A row-parallel layer's GEMM in fp8: partial outputs reduce-scattered along the sequence or all-reduced,
     chunked and overlapped with ``overlap``, the whole bias added once (its gradient summed over every rank's
     tokens). Under ``torch.compile``: :func:`fp8_linear`, then the differentiable collective."""

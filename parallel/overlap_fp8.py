@@ -23,6 +23,12 @@ A tensor gathered in fp8 is one fp8 tensor: its shards share one scale, from the
 tensor would be quantised whole, and an op's result equals the same GEMMs on the gathered tensor up to the order
 in which partial sums are added. The gathers move a byte per element, half of bf16's. The bytes travel as uint8
 (gloo has no fp8 type). Eager only: under ``torch.compile`` the layers take their plain composition.
+
+``overlap="peer"``: the device-signalled transports of :mod:`.peer` instead of the rings, as for the ops of
+:mod:`.overlap`: the fp8 shards written into the peers' memory around one gated fp8 GEMM launch, the partials of
+a reduce-scatter stored into their owners' memory by the fp8 GEMM's epilogue, the all-reduces as a reduce-scatter
+then an all-gather where the rows split evenly over the group (the chunked all-reduce otherwise); the weight
+gradients computed while the input gradient's partials travel.
 """
 
 from __future__ import annotations
@@ -31,8 +37,15 @@ import torch
 
 from ..kernels.fp8 import Fp8Tensor, absmax, fp8_matmul_unchecked, quantize_fp8
 from .comm import all_gather, all_reduce, all_reduce_max, group_rank, group_size, record_event, reduce_scatter
-from .overlap import check_operands
-from .overlap_steps import ALL_REDUCE_CHUNKS, defer_weight_grads
+from .overlap import _check_overlap, _overlap_arg, check_operands
+from .overlap_steps import ALL_REDUCE_CHUNKS, _peer_rows, defer_weight_grads
+from .peer import (
+    peer_all_gather_matmul,
+    peer_matmul_all_reduce,
+    peer_matmul_reduce_scatter,
+    reduce_transport_for,
+    transport_for,
+)
 from .pipeline.weight_grad import is_deferring
 from .rings import chunked_all_reduce, ring_all_gather, ring_reduce_scatter
 
@@ -94,7 +107,14 @@ class _Fp8AllGatherMatmul(torch.autograd.Function):
         def gemm(c, rows):
             _gemm(rows, xq.scale_inv, *args, y[c * m : (c + 1) * m], bias=bias, forward=True)
 
-        x_full = _gather(xq, group, "all_gather_matmul", gemm if overlap else None)
+        if overlap == "peer":  # the shards into the peers' memory, one gated fp8 GEMM over them as they arrive
+            result = peer_all_gather_matmul(
+                xq.data, [wq.data], transport_for(group, xq.data), biases=[bias], keep_input=not regather,
+                scales=[(xq.scale_inv, wq.scale_inv)], out_dtype=x_shard.dtype,
+            )  # fmt: skip
+            (y,), x_full = (result, None) if regather else result  # (regather keeps no gathered copy)
+        else:
+            x_full = _gather(xq, group, "all_gather_matmul", gemm if overlap else None)
         if not overlap:
             _gemm(x_full, xq.scale_inv, *args, y, bias=bias, forward=True)
         _save(ctx, group, overlap, weight, bias, (xq.data if regather else x_full, xq.scale_inv, wq.data_t,
@@ -120,6 +140,14 @@ class _Fp8AllGatherMatmul(torch.autograd.Function):
         if not need_dx:
             return None, None, None, None, dw, db
         dgrad = (w_t.t(), w_scale_inv)
+        if ctx.overlap == "peer":  # one fp8 GEMM storing dX's partials into their owners' memory, dW meanwhile
+            dws = []
+            between = (lambda: dws.append(weight_grad()[0])) if need_dw and not deferred else None
+            dx = peer_matmul_reduce_scatter(
+                gq.data, w_t, reduce_transport_for(group, m, ctx.k, grad_y), between=between,
+                scales=(gq.scale_inv, w_scale_inv), split_accumulator=True,
+            )  # fmt: skip
+            return None, None, None, dx, dws[0] if dws else None, db
         if not ctx.overlap or not need_dw or deferred:  # the plain path: dX whole, then its reduce-scatter
             dx_full = _gemm(gq.data, gq.scale_inv, *dgrad, grad_y.new_empty((grad_y.shape[0], ctx.k)))
             return None, None, None, reduce_scatter(dx_full, group)[0], dw, db
@@ -144,7 +172,8 @@ def fp8_all_gather_matmul(x_shard, weight, group=None, *, bias=None, overlap=Tru
     ``regather`` keeps only the fp8 shard for backward and gathers it again there. See the module's docstring.
     """
     check_operands("fp8_all_gather_matmul", "x_shard", x_shard, [weight], [bias])
-    return _Fp8AllGatherMatmul.apply(group, bool(overlap), bool(regather), x_shard, weight, bias)
+    _check_overlap("fp8_all_gather_matmul", overlap)
+    return _Fp8AllGatherMatmul.apply(group, _overlap_arg(overlap, group), bool(regather), x_shard, weight, bias)
 
 
 # ------------------------------------------------------------------------------------------------------ GEMM + RS
@@ -158,7 +187,10 @@ class _Fp8MatmulReduceScatter(torch.autograd.Function):
         xq = quantize_fp8(x, "e4m3", transpose=ctx.needs_input_grad[3])
         wq = quantize_fp8(weight, "e4m3", transpose=ctx.needs_input_grad[2])
         args = (wq.data.t(), wq.scale_inv)
-        if overlap:
+        if overlap == "peer":  # the fp8 GEMM's epilogue stores each chunk's partial into its owner's memory
+            y = peer_matmul_reduce_scatter(xq.data, wq.data, reduce_transport_for(group, m, n, x), bias=bias,
+                                           scales=(xq.scale_inv, wq.scale_inv))  # fmt: skip
+        elif overlap:
 
             def gemm(c, lo, hi, out, accumulate, last):
                 rows = xq.data[c * m + lo : c * m + hi]
@@ -184,7 +216,15 @@ class _Fp8MatmulReduceScatter(torch.autograd.Function):
             return None, None, None, None, db
         gq = _quantize_shard(grad_y, "e5m2", group)
         dgrad = (w_t.t(), w_scale_inv) if need_dx else None
-        if not ctx.overlap or (need_dw and is_deferring()):  # the plain path: dY gathered, then the GEMMs
+        if ctx.overlap == "peer" and need_dx and not (need_dw and is_deferring()):
+            # dY's fp8 shards into the peers' memory, one gated fp8 GEMM for dX; dW from the gathered copy
+            (dx,), g_full = peer_all_gather_matmul(
+                gq.data, [w_t], transport_for(group, gq.data), keep_input=True, scales=[(gq.scale_inv, w_scale_inv)],
+                out_dtype=grad_y.dtype, split_accumulator=True,
+            )  # fmt: skip
+            dw = _weight_grad(g_full.t().contiguous(), x_t, gq.scale_inv, x_scale_inv, w_dtype) if need_dw else None
+            return None, None, dx, dw, db
+        if not ctx.overlap or ctx.overlap == "peer" or (need_dw and is_deferring()):  # dY gathered, then the GEMMs
             g_full = _gather(gq, group)
             dx = _gemm(g_full, gq.scale_inv, *dgrad, grad_y.new_empty((g_full.shape[0], ctx.k))) if need_dx else None
             weight_grad = lambda: [_weight_grad(g_full.t().contiguous(), x_t, gq.scale_inv, x_scale_inv, w_dtype)]
@@ -213,7 +253,8 @@ def fp8_matmul_reduce_scatter(x, weight, group=None, *, bias=None, overlap=True)
     t = group_size(group)
     if x.shape[0] % t:
         raise ValueError(f"fp8_matmul_reduce_scatter: {x.shape[0]} rows of x are not divisible by the group size {t}")
-    return _Fp8MatmulReduceScatter.apply(group, bool(overlap), x, weight, bias)
+    _check_overlap("fp8_matmul_reduce_scatter", overlap)
+    return _Fp8MatmulReduceScatter.apply(group, _overlap_arg(overlap, group), x, weight, bias)
 
 
 # ------------------------------------------------------------------------------------------------------ GEMM + AR
@@ -242,6 +283,9 @@ def _replicated_grads(ctx, grad_y, group=None, overlap=False, op="", reduce_dx=F
         dgrad = (w_t.t(), w_scale_inv)
         if not reduce_dx:
             dx = _gemm(gq.data, gq.scale_inv, *dgrad, grad_y.new_empty((grad_y.shape[0], ctx.k)))
+        elif _peer_rows(overlap, group, grad_y.shape[0]):  # a reduce-scatter then an all-gather, dW meanwhile
+            dx = peer_matmul_all_reduce(gq.data, w_t, group, between=compute_wgrad, scales=(gq.scale_inv, w_scale_inv),
+                                        out_dtype=grad_y.dtype, split_accumulator=True)  # fmt: skip
         elif overlap:
             dx = chunked_all_reduce(
                 grad_y.shape[0], ctx.k, grad_y, group, f"{op}.backward", ALL_REDUCE_CHUNKS,
@@ -261,7 +305,10 @@ class _Fp8MatmulAllReduce(torch.autograd.Function):
         wq = quantize_fp8(weight, "e4m3", transpose=ctx.needs_input_grad[2])
         once = bias if group_rank(group) == 0 else None  # the whole bias, added once to the sum
         args = (wq.data.t(), wq.scale_inv)
-        if overlap:
+        if _peer_rows(overlap, group, x.shape[0]):  # a reduce-scatter then an all-gather through the transports
+            y = peer_matmul_all_reduce(xq.data, wq.data, group, bias=bias, scales=(xq.scale_inv, wq.scale_inv),
+                                       out_dtype=x.dtype)  # fmt: skip
+        elif overlap:
             y = chunked_all_reduce(
                 x.shape[0], weight.shape[0], x, group, "matmul_all_reduce", ALL_REDUCE_CHUNKS,
                 lambda lo, hi, out: _gemm(xq.data[lo:hi], xq.scale_inv, *args, out, bias=once, forward=True),
@@ -281,7 +328,8 @@ def fp8_matmul_all_reduce(x, weight, group=None, *, bias=None, overlap=True):
     """``AR(x @ weightᵀ) + bias`` in fp8 (a row-parallel layer), chunked along tokens, each chunk all-reduced in
     flight: ``x [T, K_local]``, ``weight [N, K_local]``, ``bias [N]`` whole and added once; returns ``[T, N]``."""
     check_operands("fp8_matmul_all_reduce", "x", x, [weight], [bias])
-    return _Fp8MatmulAllReduce.apply(group, bool(overlap), x, weight, bias)
+    _check_overlap("fp8_matmul_all_reduce", overlap)
+    return _Fp8MatmulAllReduce.apply(group, _overlap_arg(overlap, group), x, weight, bias)
 
 
 class Fp8LinearFunction(torch.autograd.Function):
@@ -314,4 +362,5 @@ def fp8_matmul_grad_all_reduce(x, weight, group=None, *, bias=None, overlap=True
     input): no communication forward; backward ``dX = AR(dY·W)`` chunked, the weight gradient computed while the
     chunks travel."""
     check_operands("fp8_matmul_grad_all_reduce", "x", x, [weight], [bias])
-    return _Fp8MatmulGradAllReduce.apply(group, bool(overlap), x, weight, bias)
+    _check_overlap("fp8_matmul_grad_all_reduce", overlap)
+    return _Fp8MatmulGradAllReduce.apply(group, _overlap_arg(overlap, group), x, weight, bias)

@@ -180,7 +180,9 @@ class PeerBuffer:
                 symmetric.enable_symm_mem_for_group(name)
         views, self._handles = [], []  # the handles keep the peers' mappings
         for shape, dtype in ((self.shape, self.dtype), ((self.size + 1,), torch.int32)):
-            local = symmetric.empty(shape, dtype=dtype, device=self.device).zero_()
+            # one-byte floats allocated as bytes, viewed after zeroing (fill kernels of every dtype are not a given)
+            storage = torch.uint8 if dtype.itemsize == 1 else dtype
+            local = symmetric.empty(shape, dtype=storage, device=self.device).zero_().view(dtype)
             torch.cuda.synchronize(self.device)  # zeroed before any peer can write
             handle = symmetric.rendezvous(local, name)
             self._handles.append(handle)
@@ -375,7 +377,36 @@ def reduce_transport_for(group, rows: int, features: int, like: torch.Tensor) ->
     return _cached(PeerReduceScatter, group, rows, features, like.dtype, like.device)
 
 
-def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=None, reserve_sms=2, between=None):
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+def _check_scaled(op: str, x_name: str, x, weights, scales, biases, out_dtype) -> None:
+    """The operands of an fp8 call (``scales`` given): fp8 ``x`` and weights sharing its features, one pair of
+    one-element fp32 inverse scales per weight, and biases of the output's dtype."""
+    named = [(x_name, x)] + [("weight" if len(weights) == 1 else f"weights[{i}]", w) for i, w in enumerate(weights)]
+    for name, t in named:
+        if not isinstance(t, torch.Tensor) or t.dim() != 2 or t.dtype not in _FP8 or t.device != x.device:
+            got = f"{tuple(t.shape)} {t.dtype} on {t.device}" if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"{op}: {name} must be a 2-D float8 (e4m3fn or e5m2) tensor on {x_name}'s device, "
+                             f"received {got}")  # fmt: skip
+        if name != x_name and t.shape[1] != x.shape[1]:
+            raise ValueError(f"{op}: {name} must be [out_features, {x.shape[1]}], received {tuple(t.shape)}")
+    if len(scales) != len(weights) or any(len(pair) != 2 for pair in scales):
+        raise ValueError(f"{op}: scales must hold one (x, weight) pair of inverse scales per weight, received "
+                         f"{len(scales)} for {len(weights)} weights")  # fmt: skip
+    for scale in (s for pair in scales for s in pair):
+        if not isinstance(scale, torch.Tensor) or scale.numel() != 1 or scale.dtype != torch.float32:
+            raise ValueError(f"{op}: every inverse scale must be a one-element float32 tensor, received {scale!r}")
+    if out_dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise TypeError(f"{op}: out_dtype must be float32, float16 or bfloat16, received {out_dtype}")
+    for w, b in zip(weights, biases or [None] * len(weights)):
+        if b is not None and (tuple(b.shape) != (w.shape[0],) or b.dtype != out_dtype or b.device != x.device):
+            raise ValueError(f"{op}: a bias must be a ({w.shape[0]},) {out_dtype} tensor on {x.device}, received "
+                             f"{tuple(b.shape)} {b.dtype} on {b.device}")  # fmt: skip
+
+
+def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=None, reserve_sms=2, between=None,
+                               scales=None, split_accumulator=False):  # fmt: skip
     """``RS(x @ Wᵀ) + bias`` through ``transport``: one GEMM launch over every chunk of ``x``'s rows whose epilogue
     stores each chunk's partial into its owner's memory and raises the owner's flag once the chunk is complete, and
     this rank's share summed once every peer's partial has arrived. No autograd (a forward building block).
@@ -389,20 +420,26 @@ def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=
         between: ``None``, or a function called once the GEMM (and with it the partials' transfers) is enqueued and
             before the sum waits for the peers' partials: work placed there (a backward's weight gradient) hides
             the transfers.
+        scales: ``None``, or fp8 operands: ``x`` and ``weight`` float8 (e4m3fn/e5m2) and ``(x_scale_inv,
+            weight_scale_inv)`` their inverse scales (one-element fp32), the partials and the result in the
+            transport's dtype; ``split_accumulator`` as for :func:`~tessel.kernels.fp8.fp8_matmul`.
 
     Returns:
         This rank's ``[rows, features]`` rows of the sum over ranks.
     """
     from .overlap import check_operands
 
-    check_operands("peer_matmul_reduce_scatter", "x", x, [weight], [bias])
+    if scales is None:
+        check_operands("peer_matmul_reduce_scatter", "x", x, [weight], [bias])
+    elif isinstance(transport, PeerReduceScatter):
+        _check_scaled("peer_matmul_reduce_scatter", "x", x, [weight], [scales], [bias], transport.buffer.dtype)
     if not isinstance(transport, PeerReduceScatter):
         raise TypeError(
             f"peer_matmul_reduce_scatter: transport must be a PeerReduceScatter, received {type(transport).__name__}"
         )
     t, r = transport.size, transport.rank
     want = (t * transport.rows, transport.features, transport.buffer.dtype, transport.buffer.device)
-    got = (x.shape[0], weight.shape[0], x.dtype, x.device)
+    got = (x.shape[0], weight.shape[0], x.dtype if scales is None else transport.buffer.dtype, x.device)
     if got != want:
         raise ValueError(
             f"peer_matmul_reduce_scatter: x's rows, the weight's output features, the dtype and the device must be "
@@ -412,10 +449,10 @@ def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=
     record_event("gemm", transport._op, epoch)
     gated_matmul_unchecked(
         x, weight.t(), None, t, (r + 1) % t, 1, transport.destinations, None, None, False, reserve_sms, epoch,
-        transport.signals, transport.frees,
+        transport.signals, transport.frees, scales, split_accumulator,
     )  # fmt: skip
     record_event("send", transport._op, epoch)  # (the GEMM's stores into the peers' slots)
-    sent = (t - 1) * transport.rows * transport.features * x.element_size()
+    sent = (t - 1) * transport.rows * transport.features * transport.buffer.local.element_size()
     _account(sent, sent)
     if between is not None:
         between()
@@ -424,7 +461,8 @@ def peer_matmul_reduce_scatter(x, weight, transport: PeerReduceScatter, *, bias=
     return out
 
 
-def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases=None, reserve_sms=2, keep_input=False):
+def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases=None, reserve_sms=2, keep_input=False,
+                           scales=None, out_dtype=None, split_accumulator=False):  # fmt: skip
     """``[AG(x_shard) @ W_iᵀ + b_i for each W_i]`` through ``transport``: the gather's writes into the peers' memory,
     and one :func:`~tessel.kernels.gated_matmul.gated_matmul` launch per weight over every chunk, each chunk's tiles
     waiting on the device for its flag. No autograd (a forward building block, as for inference and the
@@ -438,6 +476,9 @@ def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases
         reserve_sms: SMs the GEMMs leave to the transport's side stream (see gated_matmul).
         keep_input: also return a copy of the gathered input, taken after the GEMMs and before the buffer is
             released to the peers (who may write their next call's shards into it at once).
+        scales: ``None``, or fp8 operands: ``x_shard`` and the weights float8 (e4m3fn/e5m2; the shards of one
+            tensor, sharing one scale) and one ``(x_scale_inv, weight_scale_inv)`` pair per weight, the outputs
+            in ``out_dtype``; ``split_accumulator`` as for :func:`~tessel.kernels.fp8.fp8_matmul`.
 
     Returns:
         One ``[t·rows, N_i]`` output per weight (a list, even for one weight); with ``keep_input``,
@@ -446,7 +487,11 @@ def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases
     from .overlap import check_operands
 
     weights = [weights] if isinstance(weights, torch.Tensor) else list(weights)
-    check_operands("peer_all_gather_matmul", "x_shard", x_shard, weights, biases)
+    if scales is None:
+        check_operands("peer_all_gather_matmul", "x_shard", x_shard, weights, biases)
+        out_dtype = x_shard.dtype
+    else:
+        _check_scaled("peer_all_gather_matmul", "x_shard", x_shard, weights, scales, biases, out_dtype)
     if not isinstance(transport, PeerAllGather):
         raise TypeError(
             f"peer_all_gather_matmul: transport must be a PeerAllGather, received {type(transport).__name__}"
@@ -456,9 +501,11 @@ def peer_all_gather_matmul(x_shard, weights, transport: PeerAllGather, *, biases
     t, r = transport.size, transport.rank
     outs = []
     for i, (w, b) in enumerate(zip(weights, biases)):
-        out = x_full.new_empty((x_full.shape[0], w.shape[0]))
+        out = x_full.new_empty((x_full.shape[0], w.shape[0]), dtype=out_dtype)
         record_event("gemm", "peer_all_gather", i)
-        gated_matmul_unchecked(x_full, w.t(), ready, t, r, max(1, t - 1), out, b, None, False, reserve_sms, epoch)
+        pair = None if scales is None else scales[i]
+        gated_matmul_unchecked(x_full, w.t(), ready, t, r, max(1, t - 1), out, b, None, False, reserve_sms, epoch,
+                               scales=pair, split_accumulator=split_accumulator)  # fmt: skip
         outs.append(out)
     record_event("wait", transport._op, epoch)  # (the GEMMs waited for every chunk)
     kept = x_full.clone() if keep_input else None
@@ -479,12 +526,16 @@ def gather_all(x_shard: torch.Tensor, transport: PeerAllGather) -> torch.Tensor:
     return out
 
 
-def peer_matmul_all_reduce(x, weight, group=None, *, bias=None, between=None):
-    """``AR(x @ Wᵀ) + bias`` through the device-signalled transports: :func:`peer_matmul_reduce_scatter` (``between``
-    as there), then :func:`gather_all` of the summed rows. ``x``'s rows must split evenly over the group. The
-    transports are the process's own for these shapes (:func:`reduce_transport_for`, :func:`transport_for`)."""
+def peer_matmul_all_reduce(x, weight, group=None, *, bias=None, between=None, scales=None, out_dtype=None,
+                           split_accumulator=False):  # fmt: skip
+    """``AR(x @ Wᵀ) + bias`` through the device-signalled transports: :func:`peer_matmul_reduce_scatter` (``between``,
+    ``scales`` and ``split_accumulator`` as there; fp8 operands give ``out_dtype``), then :func:`gather_all` of the
+    summed rows. ``x``'s rows must split evenly over the group. The transports are the process's own for these
+    shapes (:func:`reduce_transport_for`, :func:`transport_for`)."""
     t = group_size(group)
     rows = x.shape[0] // t
-    reduce = reduce_transport_for(group, rows, weight.shape[0], x)
-    shard = peer_matmul_reduce_scatter(x, weight, reduce, bias=bias, between=between)
+    like = x if scales is None else x.new_empty(0, dtype=out_dtype)
+    reduce = reduce_transport_for(group, rows, weight.shape[0], like)
+    shard = peer_matmul_reduce_scatter(x, weight, reduce, bias=bias, between=between, scales=scales,
+                                       split_accumulator=split_accumulator)  # fmt: skip
     return gather_all(shard, transport_for(group, shard))

@@ -124,7 +124,6 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
             "--expert-bias-rate must be a finite non-negative number, received -1",
         ),
         (["--expert-groups", "2"], 1, "--expert-groups and --top-groups group the experts: they need --experts"),
-        (["--tp", "2", "--overlap", "peer", "--fp8"], 2, "--overlap peer moves the GEMMs' traffic in their dtype: not"),
         (
             ["--experts", "4", "--expert-groups", "3"],
             1,

@@ -44,3 +44,17 @@ def test_tp2_through_the_transports_follows_the_single_process(tmp_path, model, 
     assert json.loads((tmp_path / "peer" / "run.json").read_text())["args"]["overlap"] == "peer"
     assert _losses(tmp_path / "peer") == pytest.approx(_losses(tmp_path / "one"), rel=1e-4)
     assert _losses(tmp_path / "off") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_fp8_at_tp2_through_the_transports_follows_the_fp8_rings(tmp_path):
+    """``--fp8 --overlap peer``: the fp8 GEMMs' gathers (fp8 shards) and reduce-scatters go through the transports;
+    the curve is the fp8 rings' up to the order in which partials are summed (which can move an fp8 rounding: 2e-3,
+    as the fp8 layouts are compared in tests/bench/test_train_fp8.py)."""
+    run, tp = [*RUN, "--fp8"], ["--tp", "2", "--sequence-parallel"]
+    assert run_ranks(_layers_overlap, 2, [*run, *tp, "--overlap", "peer"], env=REFERENCE_KERNELS) == [{"peer"}] * 2
+    assert "overlap=peer" in _ok(_train(tmp_path / "peer", *run, *tp, "--overlap", "peer", nproc=2)).stdout
+    _ok(_train(tmp_path / "ring", *run, *tp, "--overlap", "on", nproc=2))
+    peer, ring = _losses(tmp_path / "peer"), _losses(tmp_path / "ring")
+    assert max(abs(p - r) / abs(r) for p, r in zip(peer, ring, strict=True)) < 2e-3
