@@ -179,6 +179,8 @@ def test_a_shard_unlike_the_transports_is_refused_before_anything_moves():
 
 
 def _gpu_rank(rank, t, calls):
+    from tessel.kernels.fp8 import quantize_fp8
+
     torch.cuda.set_device(0)  # both processes on the one GPU, their buffers mapped into each other's
     transport = PeerAllGather(512, 384, torch.bfloat16, device="cuda:0")
     errors = []
@@ -202,6 +204,14 @@ def _gpu_rank(rank, t, calls):
         whole = peer_matmul_all_reduce(xs[rank].cuda(), ws[rank].cuda())  # both transports in turn
         torch.cuda.synchronize()
         errors.append(((whole.double().cpu() - ref).abs().max() / ref.abs().max()).item())
+        # fp8 operands, each rank's with its own scales, the partials into the same bf16 transport
+        qs = [(quantize_fp8(x.cuda(), "e4m3"), quantize_fp8(w.cuda(), "e4m3")) for x, w in zip(xs, ws)]
+        xq, wq = qs[rank]
+        out = peer_matmul_reduce_scatter(xq.data, wq.data, reduce, scales=(xq.scale_inv, wq.scale_inv))
+        torch.cuda.synchronize()
+        dequantized = [(x.data.double() * x.scale_inv.double(), w.data.double() * w.scale_inv.double()) for x, w in qs]
+        ref = sum(x @ w.t() for x, w in dequantized).cpu()
+        errors.append(((out.double().cpu() - ref[rank * 512 : (rank + 1) * 512]).abs().max() / ref.abs().max()).item())
     return errors
 
 
