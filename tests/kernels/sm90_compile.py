@@ -135,13 +135,8 @@ def _ptxas_report(ptx: str) -> str:
         source.write(ptx)
         source.flush()
         options = ["-lineinfo", "-v", "--regAllocOptLevel=2", f"--gpu-name=sm_{TARGET.arch}a"]
-        proc = subprocess.run(
-            [get_ptxas(TARGET.arch).path, *options, source.name, "-o", "/dev/null"],
-            capture_output=True,
-            text=True,
-            timeout=300,
-            check=True,
-        )
+        proc = subprocess.run([get_ptxas(TARGET.arch).path, *options, source.name, "-o", "/dev/null"],
+                              capture_output=True, text=True, timeout=300, check=True)  # fmt: skip
     return proc.stdout + proc.stderr
 
 
@@ -154,9 +149,8 @@ def disassemble(cubin: bytes) -> str:
     with tempfile.NamedTemporaryFile("wb", suffix=".cubin") as binary:
         binary.write(cubin)
         binary.flush()
-        return subprocess.run(
-            [knobs.nvidia.cuobjdump.path, "-sass", binary.name], capture_output=True, text=True, timeout=300, check=True
-        ).stdout
+        args = [knobs.nvidia.cuobjdump.path, "-sass", binary.name]
+        return subprocess.run(args, capture_output=True, text=True, timeout=300, check=True).stdout
 
 
 def loop_local_ops(sass: str) -> int:
@@ -550,17 +544,23 @@ def grouped_matmul_cases():
 
 
 def gated_matmul_cases():
-    """The one-launch GEMM over arriving chunks (bf16, 128x256x64): pointers, descriptors, signalling, pushing."""
+    """The one-launch GEMM over arriving chunks: pointers, descriptors, signalling, pushing (bf16); fp8 pushing."""
     gm = importlib.import_module("tessel.kernels.gated_matmul")
     flags = dict(HAS_BIAS=True, ACTIVATION="none", ACCUMULATE=False, DOT_FP32=False, INPUT_PRECISION="tf32",
-                 INDEX_64=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, GROUP_M=8, stride_ak=1, stride_on=1)  # fmt: skip
-    ptrs = {f"{n}_ptr": "bf16" for n in ("a", "b", "out", "bias")}
-    ptrs.update({**{f"{n}_ptr": "i32" for n in ("ready", "done", "count")}, "table_ptr": "i64"})
-    meta = {"kernel": "gated matmul", "dtype": "bf16", "stages": 3, "tile_bytes": _tile_bytes("bf16", 128, 256, 64)}
-    return [(f"gated matmul bf16 128x256x64{' tma B_T' * tma}{' signal' * signal}{' push' * push}",
-             gm._gated_matmul_kernel, ptrs, {**flags, "TMA": tma, "B_T": tma, "stride_bk" if tma else "stride_bn": 1,
-             "WAIT": not push, "SIGNAL": signal, "PUSH": push, "PUSH_ALIGN": 8}, (), ("FIRST", "STEP", "CHUNKS",
-             "EPOCH"), 8, 3, meta) for tma, signal, push in ((0, 0, 0), (1, 0, 0), (0, 1, 0), (0, 1, 1))]  # fmt: skip
+                 INDEX_64=False, BLOCK_M=128, GROUP_M=8, stride_ak=1, stride_on=1, PUSH_ALIGN=8)  # fmt: skip
+    ptrs = {**{f"{n}_ptr": "i32" for n in ("ready", "done", "count")}, "table_ptr": "i64", "out_ptr": "bf16",
+            "bias_ptr": "bf16", "a_scale_ptr": "fp32", "b_scale_ptr": "fp32"}  # fmt: skip
+    cases = []  # fp8: e5m2 · e4m3 (a backward's dX), 128x128x128 tiles, products summed per K block
+    for tma, signal, push, fp8 in ((0, 0, 0, 0), (1, 0, 0, 0), (0, 1, 0, 0), (0, 1, 1, 0), (0, 1, 1, 1)):
+        a, b, bn, bk = ("fp8e5", "fp8e4nv", 128, 128) if fp8 else ("bf16", "bf16", 256, 64)
+        name = f"gated matmul {'fp8' if fp8 else 'bf16'} 128x{bn}x{bk}" + " tma B_T" * tma + " signal" * signal
+        constants = {**flags, "TMA": bool(tma), "B_T": bool(tma or fp8), "stride_bk" if tma or fp8 else "stride_bn": 1,
+                     "WAIT": not push, "SIGNAL": bool(signal), "PUSH": bool(push), "SCALED": bool(fp8),
+                     "SPLIT_ACC": bool(fp8), "BLOCK_N": bn, "BLOCK_K": bk}  # fmt: skip
+        cases.append((name + " push" * push, gm._gated_matmul_kernel, {**ptrs, "a_ptr": a, "b_ptr": b}, constants, (),
+                      ("FIRST", "STEP", "CHUNKS", "EPOCH"), 8, 3, {"kernel": "gated matmul", "dtype": a, "stages": 3,
+                      "tile_bytes": _tile_bytes(a, 128, bn, bk)}))  # fmt: skip
+    return cases
 
 
 def all_cases():
