@@ -8,7 +8,10 @@ and sets each one's flag after its copy; the kernel's programs wait for a shard'
 
 - **One GPU**: per matmul-suite shape and tp ∈ {2, 4, 8}, the unchunked GEMM, the per-chunk ring and the gated
   ring, each ring relative to the GEMM (target ≤ 1.05×), the gated ring's host time per call (see the overlap
-  suite's ``ring_host_ms``), and its largest error relative to the unchunked GEMM's output.
+  suite's ``ring_host_ms``), and its largest error relative to the unchunked GEMM's output. Beside them the
+  reduce-scatter's producer half: the GEMM storing each chunk into a destination of its own (separate buffers
+  standing for the owners' slots) and raising its flag (``pushed_ms``, its error), what the fused reduce-scatter
+  of :mod:`tessel.parallel.peer` costs the GEMM before any link.
 - **CPU**: nothing runs concurrently, so the shards are copied and flagged first and the gated GEMM runs after
   (Triton's interpreter); rows report the error against the plain GEMM for every rank's arrival order, no time.
 
@@ -28,7 +31,7 @@ from .matmul import max_rel_error
 from .overlap import CPU_SHAPE, _emulated_ring, emulated_inputs
 from .runner import host_time, time_fn
 
-__all__ = ["gated_emulated_ring", "run_overlap_gated_suite"]
+__all__ = ["gated_emulated_ring", "pushed_gemm", "run_overlap_gated_suite"]
 
 
 def gated_emulated_ring(x_full: torch.Tensor, w: torch.Tensor, out: torch.Tensor, t: int) -> Callable[[], None]:
@@ -61,6 +64,17 @@ def gated_emulated_ring(x_full: torch.Tensor, w: torch.Tensor, out: torch.Tensor
     return run
 
 
+def pushed_gemm(x: torch.Tensor, w: torch.Tensor, t: int, first: int = 1) -> tuple[Callable[[], None], list]:
+    """``(run, destinations)``: one call multiplies ``x @ wᵀ`` in one launch, chunk ``first`` first, storing chunk
+    ``c``'s rows into ``destinations[c]`` (a buffer of its own) and raising chunk ``c``'s flag once they are all
+    stored, as the fused reduce-scatter does with the owners' slots."""
+    m = x.shape[0] // t
+    dests = [x.new_empty((m, w.shape[0])) for _ in range(t)]
+    done = [torch.zeros(1, dtype=torch.int32, device=x.device) for _ in range(t)]
+    b = w.t()
+    return (lambda: gated_matmul_unchecked(x, b, None, t, first % t, 1, dests, done=done)), dests
+
+
 def _gpu_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
     rows = []
     for shape, x_full, w, out in emulated_inputs(dtype, quick):
@@ -74,11 +88,16 @@ def _gpu_rows(dtype: torch.dtype, quick: bool) -> list[dict]:
             gated()
             torch.cuda.synchronize()
             err = max_rel_error(out, expected)
-            t_ring, t_gated = time_fn(ring), time_fn(gated)
+            pushed, dests = pushed_gemm(x_full, w, t)
+            pushed()
+            torch.cuda.synchronize()
+            push_err = max_rel_error(torch.cat(dests), expected)
+            t_ring, t_gated, t_pushed = time_fn(ring), time_fn(gated), time_fn(pushed)
             rows.append({
                 "case": shape.name, "tp": t, "gemm_ms": t_gemm, "ring_ms": t_ring, "gated_ring_ms": t_gated,
                 "ring/gemm": t_ring / t_gemm, "gated ring/gemm": t_gated / t_gemm, "gated_host_ms": host_time(gated),
-                "max_rel_err": err, "target": "<= 1.05",
+                "max_rel_err": err, "pushed_ms": t_pushed, "pushed/gemm": t_pushed / t_gemm,
+                "pushed_max_rel_err": push_err, "target": "<= 1.05",
             })  # fmt: skip
     return rows
 
@@ -100,7 +119,11 @@ def _cpu_rows(dtype: torch.dtype) -> list[dict]:
                 ready[c] = 1
             out = gated_matmul(x_full, w.t(), ready, chunks=t, first=rank, step=t - 1)
             err = max_rel_error(out, expected)
-            rows.append({"case": f"{t * m}x{n}x{k}", "tp": t, "rank": rank, "max_rel_err": err})
+            pushed, dests = pushed_gemm(peers, w, t, rank + 1)  # the reduce-scatter's order on this rank
+            pushed()
+            push_err = max_rel_error(torch.cat(dests), expected)
+            rows.append({"case": f"{t * m}x{n}x{k}", "tp": t, "rank": rank, "max_rel_err": err,
+                         "pushed_max_rel_err": push_err})  # fmt: skip
     return rows
 
 
