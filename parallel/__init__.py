@@ -7,7 +7,14 @@ from .dims import ParallelDims, init_parallel, shutdown
 from .fsdp import FSDP
 from .memory import MemoryAccount, memory_account, zero_memory_bytes, zero_traffic_bytes
 from .overlap import all_gather_matmul, matmul_all_reduce, matmul_grad_all_reduce, matmul_reduce_scatter
-from .peer import PeerAllGather, PeerBuffer, PeerReduceScatter, peer_all_gather_matmul, peer_matmul_reduce_scatter
+from .peer import (
+    PeerAllGather,
+    PeerBuffer,
+    PeerReduceScatter,
+    peer_all_gather_matmul,
+    peer_matmul_reduce_scatter,
+    release_transports,
+)
 from .zero import ZeroAdam
 
 __all__ = [
@@ -32,6 +39,7 @@ __all__ = [
     "peer_all_gather_matmul",
     "peer_matmul_reduce_scatter",
     "record_events",
+    "release_transports",
     "ring_attention",
     "shutdown",
     "split_sequence",

@@ -146,9 +146,9 @@ def all_gather_matmul(x_shard, weights, group=None, *, biases=None, overlap=True
         overlap: ``True`` for the ring, ``False`` for one all-gather then the GEMMs, ``"peer"`` for the
             device-signalled transport (:mod:`.peer`: the shards written into the peers' memory, one GEMM launch per
             weight whose tiles wait on the device for their chunk; the backward's reduce-scatter too, the weight
-            gradients computed while its partials travel). ``"peer"`` keeps
-            one buffer per input shape and group for the process's lifetime, and needs every rank of the group
-            to make the same calls in the same order (as tensor parallelism does).
+            gradients computed while its partials travel). ``"peer"`` keeps one buffer per input shape and group
+            until :func:`~tessel.parallel.peer.release_transports`, and needs every rank of the group to make the
+            same calls in the same order (as tensor parallelism does).
 
         regather: save only ``x_shard`` for backward and all-gather ``X`` again there (Megatron's
             sequence-parallel default; Korthikanti et al. 2022, §4.2.2): ``1/t`` of the activation

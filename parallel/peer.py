@@ -60,6 +60,7 @@ __all__ = [
     "peer_matmul_all_reduce",
     "peer_matmul_reduce_scatter",
     "reduce_transport_for",
+    "release_transports",
     "transport_for",
     "wait_at_least",
 ]
@@ -364,6 +365,24 @@ def _cached(kind: type, group, rows: int, features: int, dtype: torch.dtype, dev
     if entry is None or entry[0] is not owner:  # (an id can be reused once a group is gone)
         entry = _transports[key] = (owner, kind(rows, features, dtype, group, device=device))
     return entry[1]
+
+
+def release_transports() -> int:
+    """Drop the transports this process built for ``overlap="peer"`` (:func:`transport_for`,
+    :func:`reduce_transport_for`) and return how many; their buffers are freed once nothing else holds them, and the
+    next call that needs one builds it again. One transport is built per shape, so a run that changes shapes (another
+    batch or sequence length for evaluation) holds one set of buffers per shape until it releases them.
+
+    Collective: every rank calls it at the same point, with no call through a transport in flight. It waits for the
+    device's work and for every rank of each transport's group (a rank's last writes into a peer may still be in
+    flight when its own call has returned), then drops them."""
+    if any(transport.buffer.device.type == "cuda" for _, transport in _transports.values()):
+        torch.cuda.synchronize()
+    for owner in {id(owner): owner for owner, _ in _transports.values()}.values():
+        dist.barrier(group=owner)
+    count = len(_transports)
+    _transports.clear()
+    return count
 
 
 def transport_for(group, x_shard: torch.Tensor) -> PeerAllGather:

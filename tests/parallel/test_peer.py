@@ -454,3 +454,31 @@ def test_the_ops_refuse_an_unknown_overlap():
         all_gather_matmul(torch.zeros(3, 4), torch.zeros(2, 4), overlap="ring")
     with pytest.raises(ValueError, match=r"matmul_reduce_scatter: overlap must be True, False or 'peer', .*'auto'"):
         matmul_reduce_scatter(torch.zeros(3, 4), torch.zeros(2, 4), overlap="auto")
+
+
+def _release_rank(rank, t):
+    from tessel.parallel import release_transports
+    from tessel.parallel.overlap import all_gather_matmul
+
+    w = torch.randn(NS[0], K, generator=torch.Generator().manual_seed(0))
+    gen = torch.Generator().manual_seed(rank)
+    results = []
+    for rows in (M, M + 2, M):  # a second shape builds a second transport
+        x = torch.randn(rows, K, generator=gen)
+        results.append((all_gather_matmul(x, w, overlap="peer"), all_gather_matmul(x, w, overlap=False)))
+    held = sorted(transport.rows for _, transport in _transports.values())
+    released = release_transports()
+    x = torch.randn(M, K, generator=gen)
+    again = all_gather_matmul(x, w, overlap="peer"), all_gather_matmul(x, w, overlap=False)
+    rebuilt = [transport.epoch for _, transport in _transports.values()]
+    return held, released, rebuilt, [*results, again]
+
+
+@pytest.mark.multiprocess
+def test_released_transports_are_built_again_at_the_next_call():
+    """One transport per shape is held until release_transports() drops them all (every rank at the same point);
+    the next call builds a fresh one, whose epochs start again, and every call equals the plain path."""
+    for held, released, rebuilt, results in run_ranks(_release_rank, 2, env=REFERENCE_KERNELS):
+        assert held == [M, M + 2] and released == 2 and rebuilt == [1]
+        for peer, plain in results:
+            torch.testing.assert_close(peer, plain, rtol=1e-5, atol=1e-5)
