@@ -285,6 +285,12 @@ class PeerAllGather:
         the GEMM chunk by chunk through its flags, never waiting for all of it."""
         if self.epoch + 1 >= 2**31:
             raise RuntimeError(f"{type(self).__name__}: the int32 epoch counter is exhausted; build a new transport")
+        if self._stream is not None and torch.cuda.is_current_stream_capturing():
+            # a replay would wait for the captured epoch, which the flags already hold: stale rows, silently
+            raise RuntimeError(
+                f"{type(self).__name__}: overlap='peer' cannot be captured in a CUDA graph (each call's epoch is "
+                "counted on the host); capture the rings (overlap=True) instead"
+            )
         self.epoch += 1
         if self._stream is not None:
             self._stream.wait_stream(torch.cuda.current_stream(self.buffer.device))

@@ -482,3 +482,13 @@ def test_released_transports_are_built_again_at_the_next_call():
         assert held == [M, M + 2] and released == 2 and rebuilt == [1]
         for peer, plain in results:
             torch.testing.assert_close(peer, plain, rtol=1e-5, atol=1e-5)
+
+
+def test_a_cuda_graph_capture_is_refused_before_anything_moves(monkeypatch):
+    """Each call's epoch is counted on the host, so a replayed capture would find its flags already up: refused."""
+    transport = PeerReduceScatter(M, N, torch.float32)
+    transport._stream = object()  # as on CUDA (the check comes before the stream is used)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    with pytest.raises(RuntimeError, match=r"overlap='peer' cannot be captured in a CUDA graph .*overlap=True"):
+        peer_matmul_reduce_scatter(torch.zeros(M, K), torch.zeros(N, K), transport)
+    assert transport.epoch == 0 and (transport.buffer.flags == 0).all()
