@@ -18,6 +18,10 @@ left out of the reported loss. FLOPs count the active parameters: each token run
 ``--ep`` the experts are split over expert-parallel groups of data-parallel ranks (``parallelize(ep_group=)``);
 under ``--cp`` the routers' logits are gathered over the context-parallel group for the balancing loss. Pipeline
 stages would each hold a share of the routers' logits: ``--pp`` is refused for them.
+
+``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
+layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
+it their window is set off explicitly (Mistral's config would otherwise default to 4096).
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .train_args import OVERLAPS
 __all__ = [
     "HF_FAMILIES",
     "MOE_FAMILIES",
+    "WINDOW_FAMILIES",
     "build_hf",
     "decoder_layer_class",
     "decoder_layers",
@@ -49,6 +54,11 @@ HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3"
                "qwen3_moe": "Qwen3Moe"}  # fmt: skip
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size"}
+# The families whose attention takes a sliding window (--sliding-window), and how their config asks for one in
+# every layer (Qwen's layers below max_window_layers attend to everything).
+WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
+                   "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
+                   "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
 
 
 def _experts_config(args, c: GPTConfig) -> dict:
@@ -68,6 +78,10 @@ def _hf_config(args, c: GPTConfig, attention: str):
               head_dim=c.n_embd // c.n_head, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
               initializer_range=c.init_std, tie_word_embeddings=False, attn_implementation=attention)  # fmt: skip
     kw.update(_experts_config(args, c))
+    if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
+        kw["sliding_window"] = c.sliding_window
+        if c.sliding_window is not None:
+            kw.update(WINDOW_FAMILIES[args.hf])
     if args.hf in MOE_FAMILIES and not args.hf_baseline:
         kw["experts_implementation"] = register_hf_experts()
     config = getattr(transformers, f"{HF_FAMILIES[args.hf]}Config")(**kw)
@@ -112,8 +126,10 @@ def _active_params(model: nn.Module, args) -> int:
 
 
 def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int) -> float:
-    """``6·N + 12·L·E·S`` as :meth:`~tessel.layers.GPT.flops_per_token` counts it, N without the input embedding."""
-    return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * c.n_layer * c.n_embd * seq_len
+    """``6·N + 12·L·E·S`` as :meth:`~tessel.layers.GPT.flops_per_token` counts it, N without the input embedding
+    (``min(S, W)`` keys under a sliding window ``W``)."""
+    keys = seq_len if c.sliding_window is None else min(seq_len, c.sliding_window)
+    return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * c.n_layer * c.n_embd * keys
 
 
 def hf_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
@@ -178,7 +194,8 @@ def refused_options(args) -> str | None:
             "--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
         "documents with --pp or --cp": documents and args.pp * args.cp > 1,
-        "--sliding-window": args.sliding_window is not None,
+        f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None
+        and args.hf not in WINDOW_FAMILIES,
         "--label-smoothing": args.label_smoothing > 0,
         "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",
     }  # fmt: skip

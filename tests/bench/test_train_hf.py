@@ -150,6 +150,38 @@ def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path
         assert _losses(tmp_path / run) == pytest.approx(_losses(one_process), rel=1e-5), run
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["mistral", "qwen2"])
+def test_a_sliding_window_trains_as_hugging_faces_own_attention_does(tmp_path, family):
+    """--sliding-window W (W below --seq-len): the family's config slides every layer's attention over W keys, and
+    tessel's kernel with window=W trains the curve of Hugging Face's sdpa with its window mask, alone and at tp=2
+    with sequence parallelism; the window changes the curve (it is really on)."""
+    run = ["--hf", family, *RUN[2:]]
+    window = ["--sliding-window", "8"]
+    proc = _ok(_train(tmp_path / "tessel", *run, *window))
+    _ok(_train(tmp_path / "baseline", *run, *window, "--hf-baseline"))
+    _ok(_train(tmp_path / "tp2", *run, *window, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "full", *run))
+    tessel = _losses(tmp_path / "tessel")
+    for other in ("baseline", "tp2"):
+        assert _losses(tmp_path / other) == pytest.approx(tessel, rel=1e-5), other
+    assert _losses(tmp_path / "full")[1:] != pytest.approx(tessel[1:], rel=1e-4)
+    assert json.loads((tmp_path / "tessel" / "run.json").read_text())["model"]["sliding_window"] == 8, proc.stdout
+
+
+def test_flops_under_a_sliding_window_count_its_keys():
+    """MFU's attention term counts min(S, W) keys per token, as tessel's GPT counts them."""
+    from tessel.bench.train_hf import hf_flops_per_token
+    from tessel.layers import GPT, GPTConfig
+
+    base = dict(vocab_size=64, n_layer=2, n_embd=64, n_head=4, block_size=64)
+    for window in (None, 8, 100):
+        config = GPTConfig(**base, sliding_window=window)
+        gpt = GPT(config)  # its parameters with the input embedding, which both counts leave out
+        assert hf_flops_per_token(gpt.num_params(), config, 64) == pytest.approx(gpt.flops_per_token(64)), window
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
