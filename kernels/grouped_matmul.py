@@ -127,8 +127,14 @@ _CONFIGS = _configs([(128, 128, 64, 8, 3), (128, 64, 64, 4, 4), (64, 128, 64, 4,
 # memory.
 _FORWARD_CONFIGS = _CONFIGS + _configs([(128, 256, 64, 8, 3), (256, 128, 64, 8, 3)])
 _grouped_tuned = triton.autotune(_FORWARD_CONFIGS, key=["N", "K", "X", "SCALED", "SPLIT_ACC"])(_grouped_kernel)
-# Every program of the weight-gradient kernel writes its whole tile (zeros for an expert without rows).
-_wgrad_tuned = triton.autotune(_CONFIGS, key=["N", "K", "SCALED", "SPLIT_ACC"])(_grouped_wgrad_kernel)
+# The weight gradient's output tile is BLOCK_K x BLOCK_N, summed over BLOCK_M rows per step: it also tries the
+# dense GEMM's 128x256 and 256x128 output tiles over 64 rows per step, and 128x128 over 64 and 128 rows, which fit
+# in sm_90's shared memory for 16-bit operands and compile without spills (tests/kernels/sm90_compile.py); for
+# fp32 the largest overflow it and the autotuner skips them. Every program writes its whole tile (zeros for an
+# expert without rows).
+_WGRAD_CONFIGS = _CONFIGS + _configs([(64, 256, 128, 8, 3), (64, 128, 256, 8, 3), (64, 128, 128, 8, 4),
+                                      (128, 128, 128, 8, 3)])  # fmt: skip
+_wgrad_tuned = triton.autotune(_WGRAD_CONFIGS, key=["N", "K", "SCALED", "SPLIT_ACC"])(_grouped_wgrad_kernel)
 _INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
 
 

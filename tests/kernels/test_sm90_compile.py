@@ -110,6 +110,17 @@ def test_gemm_programs_use_tensor_cores_and_pipelines(compiled):
         assert r["shared"] >= r["stages"] * r["tile_bytes"], name
 
 
+def test_every_grouped_gemm_tile_is_pipelined_without_spills(compiled):
+    """Every autotuner configuration of the experts' grouped GEMM in bf16, forward and weight gradient (whose wide
+    output tiles sum 64 or 128 rows per step): warpgroup MMAs fed by a software pipeline that holds every stage's
+    blocks in shared memory (its size the tuner's estimate), and no register spills."""
+    grouped = {n: r for n, r in compiled.items() if r["kernel"].startswith("grouped matmul") and r["dtype"] == "bf16"}
+    assert len(grouped) == 14
+    for name, r in grouped.items():
+        assert r["wgmma"] > 0 and r["cp_async"] > 0 and r["spill_bytes"] == 0, name
+        assert r["shared"] == r["stages"] * r["tile_bytes"] <= H200_SHARED_BYTES, name
+
+
 def test_gated_matmul_waits_with_one_acquire_load_and_keeps_the_gemm_pipeline(compiled):
     """The one-launch GEMM over arriving chunks: its wait for a chunk's flag is one acquire-ordered global load at
     system scope (so rows a peer GPU or a copy engine wrote before the flag are seen; no read-modify-write hammering
