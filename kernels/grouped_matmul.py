@@ -6,10 +6,10 @@ a[offsets[e]:offsets[e+1]] @ b[e]`` for every expert ``e``, fp32 accumulation, a
 transposed view of an ``[X, N, K]`` parameter; nothing is copied).
 
 The row counts stay on the device: each program finds its expert from ``offsets`` itself. The grid holds
-``ceil(R / BLOCK_M) + X`` row tiles, an upper bound on ``Σ_e ceil(m_e / BLOCK_M)``; a program computes the
-prefix sums of the experts' tile counts (``tl.cumsum``), takes the expert whose tiles contain its index, and
-programs past the last tile return at once. So the launch needs no host synchronisation and the autotuner may
-choose ``BLOCK_M``.
+``ceil(R / BLOCK_M) + X`` row tiles (times the column tiles, in grouped order), an upper bound on
+``Σ_e ceil(m_e / BLOCK_M)``; a program computes the prefix sums of the experts' tile counts (``tl.cumsum``), takes
+the expert whose tiles contain its index, and programs past the last tile return at once. So the launch needs no
+host synchronisation and the autotuner may choose ``BLOCK_M``.
 
 Backward (:class:`_GroupedMatmul`): ``dA = grouped_matmul(dOut, bᵀ)`` (the same kernel over ``[X, N, K]``
 views), and ``dB[e] = a_eᵀ · dOut_e`` by a second kernel whose programs each own one ``[BLOCK_K, BLOCK_N]``
@@ -48,19 +48,30 @@ def _expert_of_tile(offsets_ptr, pid_m, X, BLOCK_X: tl.constexpr, BLOCK_M: tl.co
     return expert, row0, tl.sum(tl.where(mine, hi, 0), 0)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["R"])  # the routed rows change from step to step: one kernel serves them all
 def _grouped_kernel(
-    a_ptr, b_ptr, out_ptr, offsets_ptr, a_scale_ptr, b_scale_ptr, N, K, X,
+    a_ptr, b_ptr, out_ptr, offsets_ptr, a_scale_ptr, b_scale_ptr, R, N, K, X,
     stride_am, stride_ak, stride_bx, stride_bk, stride_bn, stride_om, stride_on,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr,
     BLOCK_X: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_M x BLOCK_N`` tile of one expert's rows of ``out``. SCALED (fp8 operands): the product times
-    a's inverse scale and the expert's own (``b_scale_ptr[expert]``)."""
-    expert, row0, row_end = _expert_of_tile(offsets_ptr, tl.program_id(0), X, BLOCK_X, BLOCK_M)
+    a's inverse scale and the expert's own (``b_scale_ptr[expert]``).
+
+    The grid is flat, in the dense GEMM's grouped order: GROUP_M row tiles take every column tile in turn, so the
+    programs running together read the same rows of ``a`` (and, within an expert, the same columns of its weight)
+    from L2, where a column-by-column order streams all of ``a`` from memory once per column tile."""
+    num_pid_n = tl.cdiv(N, BLOCK_N)
+    pids_per_group = GROUP_M * num_pid_n
+    first_m = (tl.program_id(0) // pids_per_group) * GROUP_M
+    group_m = min(tl.cdiv(R, BLOCK_M) + X - first_m, GROUP_M)
+    pid_m = first_m + (tl.program_id(0) % pids_per_group) % group_m
+    pid_n = (tl.program_id(0) % pids_per_group) // group_m
+    expert, row0, row_end = _expert_of_tile(offsets_ptr, pid_m, X, BLOCK_X, BLOCK_M)
     if expert < X:
         offs_m = row0.to(tl.int64) + tl.arange(0, BLOCK_M)
-        offs_n = tl.program_id(1).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_n = pid_n.to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
         offs_k = tl.arange(0, BLOCK_K)
         rows, cols = offs_m < row_end, offs_n < N
         a_ptrs = a_ptr + offs_m[:, None] * stride_am + offs_k[None, :] * stride_ak
@@ -87,14 +98,23 @@ def _grouped_wgrad_kernel(
     a_ptr, g_ptr, out_ptr, offsets_ptr, a_scale_ptr, g_scale_ptr, K, N,
     stride_am, stride_ak, stride_gm, stride_gn, stride_ox, stride_ok, stride_on,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_K x BLOCK_N`` tile of ``out[e] = a_eᵀ · g_e``, summed over the expert's rows (SCALED: times both
-    operands' one-element inverse scales)."""
-    expert = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
-    offs_k = (tl.program_id(1) // tiles_n).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
-    offs_n = (tl.program_id(1) % tiles_n).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
+    operands' one-element inverse scales).
+
+    The grid is flat, expert after expert, each expert's tiles in grouped order (GROUP_M row tiles of ``out[e]``
+    take every column tile in turn): the programs running together stream the same rows of ``a_e`` and ``g_e``
+    through L2. With the expert as the fastest axis they were spread over every expert, and each column block of
+    ``g_e`` came from memory once per row tile."""
+    tiles_k, tiles_n = tl.cdiv(K, BLOCK_K), tl.cdiv(N, BLOCK_N)
+    expert = tl.program_id(0) // (tiles_k * tiles_n)
+    tile = tl.program_id(0) % (tiles_k * tiles_n)
+    pids_per_group = GROUP_M * tiles_n
+    first_k = (tile // pids_per_group) * GROUP_M
+    group_k = min(tiles_k - first_k, GROUP_M)
+    offs_k = (first_k + (tile % pids_per_group) % group_k).to(tl.int64) * BLOCK_K + tl.arange(0, BLOCK_K)
+    offs_n = ((tile % pids_per_group) // group_k).to(tl.int64) * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = tl.load(offsets_ptr + expert).to(tl.int64)
     hi = tl.load(offsets_ptr + expert + 1).to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
@@ -136,6 +156,7 @@ _WGRAD_CONFIGS = _CONFIGS + _configs([(64, 256, 128, 8, 3), (64, 128, 256, 8, 3)
                                       (128, 128, 128, 8, 3)])  # fmt: skip
 _wgrad_tuned = triton.autotune(_WGRAD_CONFIGS, key=["N", "K", "SCALED", "SPLIT_ACC"])(_grouped_wgrad_kernel)
 _INTERPRETER_BLOCKS = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 16}
+_GROUP_M = 8  # row tiles per group of the grouped order (as the dense GEMM's)
 
 
 def _flags(dtype: torch.dtype, backend: str, scales, split_acc: bool) -> dict:
@@ -155,9 +176,10 @@ def _launch(a, b, offsets, out, scales=None, split_acc=False) -> None:
     if backend == Backend.REFERENCE:
         out.copy_(_reference(a, b, offsets, scales, out.dtype))
         return
-    args = (a, b, out, offsets, *(scales or (out, out)), n, k, experts, *a.stride(), *b.stride(), *out.stride())
-    meta = {**_flags(a.dtype, backend, scales, split_acc), "BLOCK_X": next_power_of_2(experts)}
-    grid = lambda m: (cdiv(rows, m["BLOCK_M"]) + experts, cdiv(n, m["BLOCK_N"]))
+    args = (a, b, out, offsets, *(scales or (out, out)), rows, n, k, experts, *a.stride(), *b.stride(),
+            *out.stride())  # fmt: skip
+    meta = {**_flags(a.dtype, backend, scales, split_acc), "BLOCK_X": next_power_of_2(experts), "GROUP_M": _GROUP_M}
+    grid = lambda m: ((cdiv(rows, m["BLOCK_M"]) + experts) * cdiv(n, m["BLOCK_N"]),)
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if backend == Backend.INTERPRETER:
             _grouped_kernel[grid(_INTERPRETER_BLOCKS)](*args, **meta, **_INTERPRETER_BLOCKS)
@@ -176,8 +198,8 @@ def _launch_wgrad(a, g, offsets, out, scales=None, split_acc=False) -> None:
         out.copy_(_wgrad_reference(a, g, offsets, out.shape, scales, out.dtype))
         return
     args = (a, g, out, offsets, *(scales or (out, out)), k, n, *a.stride(), *g.stride(), *out.stride())
-    grid = lambda m: (experts, cdiv(k, m["BLOCK_K"]) * cdiv(n, m["BLOCK_N"]))
-    flags = _flags(a.dtype, backend, scales, split_acc)
+    grid = lambda m: (experts * cdiv(k, m["BLOCK_K"]) * cdiv(n, m["BLOCK_N"]),)
+    flags = {**_flags(a.dtype, backend, scales, split_acc), "GROUP_M": _GROUP_M}
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if backend == Backend.INTERPRETER:
             _grouped_wgrad_kernel[grid(_INTERPRETER_BLOCKS)](*args, **flags, **_INTERPRETER_BLOCKS)

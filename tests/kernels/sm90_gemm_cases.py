@@ -28,14 +28,14 @@ def grouped_matmul_cases():
             cases.append((
                 f"grouped matmul bf16 {label}", gm._grouped_kernel,
                 {"a_ptr": "bf16", "b_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
-                {**flags, **tile, "BLOCK_X": 64, "stride_ak": 1, "stride_bk": 1, "stride_on": 1}, (), (),
+                {**flags, **tile, "BLOCK_X": 64, "GROUP_M": 8, "stride_ak": 1, "stride_bk": 1, "stride_on": 1}, (), (),
                 config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul"},
             ))  # fmt: skip
         if config in gm._WGRAD_CONFIGS:
             cases.append((
                 f"grouped matmul wgrad bf16 {label}", gm._grouped_wgrad_kernel,
                 {"a_ptr": "bf16", "g_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
-                {**flags, **tile, "stride_ak": 1, "stride_gn": 1, "stride_on": 1}, (), (),
+                {**flags, **tile, "GROUP_M": 8, "stride_ak": 1, "stride_gn": 1, "stride_on": 1}, (), (),
                 config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad",  # rows are its K
                 "tile_bytes": _tile_bytes("bf16", tile["BLOCK_K"], tile["BLOCK_N"], tile["BLOCK_M"])},
             ))  # fmt: skip
@@ -48,13 +48,13 @@ def grouped_matmul_cases():
     cases.append((
         "grouped matmul fp8", gm._grouped_kernel,
         {"a_ptr": "fp8e4nv", "b_ptr": "fp8e4nv", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
-        {**fp8, "BLOCK_X": 64, "stride_ak": 1, "stride_bk": 1, "stride_on": 1}, (), (),
+        {**fp8, "BLOCK_X": 64, "GROUP_M": 8, "stride_ak": 1, "stride_bk": 1, "stride_on": 1}, (), (),
         config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul"},
     ))  # fmt: skip
     cases.append((
         "grouped matmul wgrad fp8 split-acc", gm._grouped_wgrad_kernel,
         {"a_ptr": "fp8e5", "g_ptr": "fp8e4nv", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
-        {**fp8, "SPLIT_ACC": True, "stride_am": 1, "stride_gm": 1, "stride_on": 1}, (), (),
+        {**fp8, "SPLIT_ACC": True, "GROUP_M": 8, "stride_am": 1, "stride_gm": 1, "stride_on": 1}, (), (),
         config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad"},
     ))  # fmt: skip
     return cases
