@@ -95,9 +95,10 @@ def _grouped_kernel(
 
 @triton.jit
 def _grouped_wgrad_kernel(
-    a_ptr, g_ptr, out_ptr, offsets_ptr, a_scale_ptr, g_scale_ptr, K, N,
+    a_ptr, g_ptr, out_ptr, offsets_ptr, a_scale_ptr, g_scale_ptr, R, K, N,
     stride_am, stride_ak, stride_gm, stride_gn, stride_ox, stride_ok, stride_on,
     DOT_FP32: tl.constexpr, INPUT_PRECISION: tl.constexpr, SCALED: tl.constexpr, SPLIT_ACC: tl.constexpr,
+    ALIGN_ROWS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):  # fmt: skip
     """One ``BLOCK_K x BLOCK_N`` tile of ``out[e] = a_eᵀ · g_e``, summed over the expert's rows (SCALED: times both
@@ -118,13 +119,22 @@ def _grouped_wgrad_kernel(
     lo = tl.load(offsets_ptr + expert).to(tl.int64)
     hi = tl.load(offsets_ptr + expert + 1).to(tl.int64)
     acc = tl.zeros((BLOCK_K, BLOCK_N), dtype=tl.float32)
-    for m in range(lo, hi, BLOCK_M):
+    start = lo
+    if ALIGN_ROWS:  # rows are the operands' contiguous dimension: steps start on 16-row boundaries (whole vectors)
+        start = (lo // 16) * 16
+    for m in range(start, hi, BLOCK_M):
+        if ALIGN_ROWS:
+            m = tl.multiple_of(m, 16)
         offs_m = m + tl.arange(0, BLOCK_M)
         rows = offs_m < hi
+        if ALIGN_ROWS:  # loads masked at the end of all rows only; another expert's rows count nothing
+            rows = offs_m < R
         at = tl.load(a_ptr + offs_m[None, :] * stride_am + offs_k[:, None] * stride_ak,
                      mask=rows[None, :] & (offs_k[:, None] < K), other=0.0)  # fmt: skip
         g = tl.load(g_ptr + offs_m[:, None] * stride_gm + offs_n[None, :] * stride_gn,
                     mask=rows[:, None] & (offs_n[None, :] < N), other=0.0)  # fmt: skip
+        if ALIGN_ROWS:
+            g = tl.where(((offs_m >= lo) & (offs_m < hi))[:, None], g, tl.zeros_like(g))
         if DOT_FP32:
             at = at.to(tl.float32)
             g = g.to(tl.float32)
@@ -197,9 +207,11 @@ def _launch_wgrad(a, g, offsets, out, scales=None, split_acc=False) -> None:
     if backend == Backend.REFERENCE:
         out.copy_(_wgrad_reference(a, g, offsets, out.shape, scales, out.dtype))
         return
-    args = (a, g, out, offsets, *(scales or (out, out)), k, n, *a.stride(), *g.stride(), *out.stride())
+    args = (a, g, out, offsets, *(scales or (out, out)), a.shape[0], k, n, *a.stride(), *g.stride(), *out.stride())
     grid = lambda m: (experts * cdiv(k, m["BLOCK_K"]) * cdiv(n, m["BLOCK_N"]),)
-    flags = {**_flags(a.dtype, backend, scales, split_acc), "GROUP_M": _GROUP_M}
+    # fp8's transposed copies have the rows as their contiguous dimension (see the kernel's ALIGN_ROWS)
+    align = a.stride(0) == 1 and g.stride(0) == 1 and a.shape[0] > 1
+    flags = {**_flags(a.dtype, backend, scales, split_acc), "GROUP_M": _GROUP_M, "ALIGN_ROWS": align}
     with torch.cuda.device(a.device) if a.is_cuda else contextlib.nullcontext():
         if backend == Backend.INTERPRETER:
             _grouped_wgrad_kernel[grid(_INTERPRETER_BLOCKS)](*args, **flags, **_INTERPRETER_BLOCKS)

@@ -35,8 +35,9 @@ def grouped_matmul_cases():
             cases.append((
                 f"grouped matmul wgrad bf16 {label}", gm._grouped_wgrad_kernel,
                 {"a_ptr": "bf16", "g_ptr": "bf16", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
-                {**flags, **tile, "GROUP_M": 8, "stride_ak": 1, "stride_gn": 1, "stride_on": 1}, (), (),
-                config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad",  # rows are its K
+                {**flags, **tile, "GROUP_M": 8, "ALIGN_ROWS": False, "stride_ak": 1, "stride_gn": 1,
+                 "stride_on": 1}, (), (), config.num_warps, config.num_stages, {**meta,
+                "kernel": "grouped matmul wgrad",  # its rows are the reduction: tile bytes with BLOCK_M as K
                 "tile_bytes": _tile_bytes("bf16", tile["BLOCK_K"], tile["BLOCK_N"], tile["BLOCK_M"])},
             ))  # fmt: skip
     # fp8 (the largest tile): the forward's operands K-major; the backward's, split-accumulated, read along tokens
@@ -54,8 +55,9 @@ def grouped_matmul_cases():
     cases.append((
         "grouped matmul wgrad fp8 split-acc", gm._grouped_wgrad_kernel,
         {"a_ptr": "fp8e5", "g_ptr": "fp8e4nv", "out_ptr": "bf16", "offsets_ptr": "i64", **scales},
-        {**fp8, "SPLIT_ACC": True, "GROUP_M": 8, "stride_am": 1, "stride_gm": 1, "stride_on": 1}, (), (),
-        config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad"},
+        {**fp8, "SPLIT_ACC": True, "GROUP_M": 8, "ALIGN_ROWS": True, "stride_am": 1, "stride_gm": 1,
+         "stride_on": 1}, (), (), config.num_warps, config.num_stages, {**meta, "kernel": "grouped matmul wgrad",
+         "tile_bytes": _tile_bytes("fp8e4nv", tile["BLOCK_K"], tile["BLOCK_N"], tile["BLOCK_M"])},
     ))  # fmt: skip
     return cases
 

@@ -3,6 +3,8 @@ every size (none, fewer rows than a tile, several tiles), odd widths, transposed
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -87,6 +89,23 @@ def test_weight_grad_alone_matches_float64_and_refuses_bad_input():
         grouped_weight_grad(a, g[:12], offsets, 3)
     with pytest.raises(ValueError, match="offsets must be an int32/int64"):
         grouped_weight_grad(a, g, offsets, 2)
+
+
+@pytest.mark.parametrize("counts", [[19, 0, 30, 5, 17], [40], [0, 3, 0]])
+def test_weight_grad_of_row_contiguous_operands_counts_each_experts_rows_only(counts):
+    """Operands whose rows are contiguous (fp8's transposed copies) are read from 16-row boundaries, so a step also
+    loads rows of the expert before: they must count nothing, and rows past the last must not be read."""
+    from tessel.kernels.grouped_matmul import grouped_weight_grad
+
+    rows = sum(counts)
+    a = torch.randn(7, rows).t()  # [R, K] with unit stride along the rows
+    g = torch.randn(9, rows).t()
+    assert a.stride(0) == 1 and g.stride(0) == 1
+    offsets = _offsets(counts)
+    got = grouped_weight_grad(a, g, offsets, len(counts))
+    bounds = offsets.tolist()
+    want = torch.stack([a[lo:hi].double().T @ g[lo:hi].double() for lo, hi in itertools.pairwise(bounds)])
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
 
 
 def test_reference_is_the_definition():
