@@ -113,7 +113,7 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     ep = {"ep_group": dims.ep_group} if dims.ep > 1 else {}  # each rank of an ep group its share of the experts
     overlap = OVERLAPS[args.overlap]
     parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, overlap=overlap, **cp, **ep)
-    return fuse_lm_loss(model), num_params, flops
+    return fuse_lm_loss(model, label_smoothing=args.label_smoothing, z_loss=args.logit_z_loss), num_params, flops
 
 
 def _active_params(model: nn.Module, args) -> int:
@@ -188,6 +188,12 @@ def refused_options(args) -> str | None:
         return (f"--hf {args.hf} is a mixture of experts: it needs --experts N" if moe else
                 f"--hf {args.hf} is dense: --experts needs a mixture family ({', '.join(MOE_FAMILIES)})")  # fmt: skip
     documents = args.doc_sep is not None or args.doc_token is not None
+    smoothed = [flag for flag, on in (("--label-smoothing", args.label_smoothing > 0),
+                                      ("--logit-z-loss", args.logit_z_loss > 0)) if on]  # fmt: skip
+    if smoothed and (args.hf_baseline or (moe and args.aux_loss_coef > 0)):
+        why = "--hf-baseline trains" if args.hf_baseline else "with --aux-loss-coef the mixture trains"
+        return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; {why} "
+                "Hugging Face's own loss, which has neither")  # fmt: skip
     unsupported = {
         "--cp with --pp": args.cp > 1 and args.pp > 1,
         **({"--pp (not yet with experts)": args.pp > 1,
@@ -196,8 +202,7 @@ def refused_options(args) -> str | None:
         "documents with --pp or --cp": documents and args.pp * args.cp > 1,
         f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None
         and args.hf not in WINDOW_FAMILIES,
-        "--label-smoothing": args.label_smoothing > 0,
-        "--logit-z-loss": args.logit_z_loss > 0, "--attention-backward atomic": args.attention_backward == "atomic",
+        "--attention-backward atomic": args.attention_backward == "atomic",
     }  # fmt: skip
     given = [flag for flag, on in unsupported.items() if on]
     return f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options" if given else None

@@ -10,6 +10,11 @@ by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when 
 ``shift_labels`` when given), the same gradients, and ``logits=None`` in the output. A call without labels,
 with router logits asked for (a mixture of experts adds its balancing loss to the logits' one), or with
 ``labels`` passed by position, runs the model's own forward unchanged.
+
+``fuse_lm_loss(model, label_smoothing=, z_loss=)`` adds what Hugging Face's loss lacks: label smoothing (as
+``F.cross_entropy``'s) and PaLM's z-loss on the logits (``z_loss · logsumexp²`` per token), as tessel's GPT takes
+them; :func:`~.hf_pipeline.hf_pipeline_stage` gives the last stage's loss the same. With either set, a call that
+asks for router logits is refused (the model's own loss would drop them).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from .cross_entropy import check_loss_options
 from .hf import base_model, is_hf_model
 from .linear import ColumnParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
@@ -29,6 +35,7 @@ __all__ = ["fuse_lm_loss"]
 _NAME = "fuse_lm_loss"
 _BASE_POSITIONAL = 5  # input_ids, attention_mask, position_ids, past_key_values, inputs_embeds: the same in both
 _UNFUSED = "_tessel_unfused_forward"  # the forward that fuse_lm_loss replaced, kept on the model
+OPTIONS = "_tessel_lm_loss_options"  # fuse_lm_loss's label_smoothing and z_loss, kept on the model
 
 
 def _check(model) -> ColumnParallelLinear:
@@ -62,6 +69,10 @@ def _fused_forward(self, *args, **kwargs):
     docstring)."""
     labels = kwargs.get("labels")
     routers = kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+    options = getattr(self, OPTIONS)
+    if labels is not None and routers and any(options.values()):
+        raise ValueError(f"{_NAME}: label_smoothing and z_loss ({options}) are tessel's loss's, and a call asking for "
+                         "router logits takes the model's own loss: ask for none, or fuse without them")  # fmt: skip
     if labels is None or routers or len(args) > _BASE_POSITIONAL:
         return getattr(self, _UNFUSED)(*args, **kwargs)
     kwargs = dict(kwargs)
@@ -76,7 +87,7 @@ def _fused_forward(self, *args, **kwargs):
     target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
     loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, target.to(head.weight.device), head.tp_group,
                                 bias=head.bias, ignore_index=ignore_index,
-                                reduction="mean" if num_items is None else "sum")  # fmt: skip
+                                reduction="mean" if num_items is None else "sum", **options)  # fmt: skip
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     from transformers.modeling_outputs import CausalLMOutputWithPast
@@ -86,14 +97,17 @@ def _fused_forward(self, *args, **kwargs):
     return out.to_tuple() if return_dict is False else out
 
 
-def fuse_lm_loss(model: nn.Module) -> nn.Module:
+def fuse_lm_loss(model: nn.Module, *, label_smoothing: float = 0.0, z_loss: float = 0.0) -> nn.Module:
     """Make ``model(..., labels=labels)`` compute its loss without the logits (see the module docstring).
 
     ``model``: a Hugging Face causal language model after :func:`~.parallelize.parallelize` (its ``lm_head``
-    split by vocabulary). Returns ``model``, changed in place (its ``forward``, a method of the instance that
-    keeps the one it replaces); calling it again changes nothing.
+    split by vocabulary). ``label_smoothing`` (in [0, 1]) and ``z_loss`` (>= 0): as
+    :func:`~.cross_entropy.vocab_parallel_cross_entropy` takes them. Returns ``model``, changed in place (its
+    ``forward``, a method of the instance that keeps the one it replaces); calling it again only sets the options.
     """
     _check(model)
+    check_loss_options(_NAME, label_smoothing, z_loss)
+    setattr(model, OPTIONS, {"label_smoothing": float(label_smoothing), "z_loss": float(z_loss)})
     if hasattr(model, _UNFUSED):
         return model
     setattr(model, _UNFUSED, model.forward)

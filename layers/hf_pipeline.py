@@ -14,7 +14,8 @@ model's own split, from its first decoder layer to its final norm, so each later
 of the whole sequence). The last stage returns the logits (this rank's share of the vocabulary when the head
 is split, never gathered) or, with ``fused_loss=True``, the final norm's output, and
 :meth:`HFPipelineStage.loss` gives the mean next-token cross entropy over the targets (the labels already
-shifted, ``-100`` ignored: what :class:`~tessel.parallel.pipeline.PipelineSchedule` passes as ``target``),
+shifted, ``-100`` ignored: what :class:`~tessel.parallel.pipeline.PipelineSchedule` passes as ``target``; with
+the label smoothing and z-loss :func:`~.hf_loss.fuse_lm_loss` gave the model),
 without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_entropy`). Under FSDP, whose
 wrapper gathers the head's parameters only inside its forward, the schedule's ``loss_fn`` calls the wrapped
 stage: ``lambda output, target: wrapped(output, targets=target)``.
@@ -35,6 +36,7 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp
 from .cross_entropy import vocab_parallel_cross_entropy
 from .hf import base_model, is_hf_model
+from .hf_loss import OPTIONS
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
 
@@ -73,6 +75,8 @@ class HFPipelineStage(nn.Module):
         self.base = stage
         self.head = model.get_output_embeddings() if last else None
         self.start, self.stop, self.first, self.last, self.fused_loss = start, stop, first, last, fused_loss
+        # the loss options fuse_lm_loss gave the model (label smoothing, z-loss), if any
+        self.options = dict(getattr(model, OPTIONS, {}))
         self.tp_group, self.sequence_parallel = _tensor_layout(base)
 
     def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
@@ -103,8 +107,8 @@ class HFPipelineStage(nn.Module):
             raise ValueError(f"HFPipelineStage.loss: stage of layers [{self.start}, {self.stop}) is not the last")
         group = self.head.tp_group if isinstance(self.head, ColumnParallelLinear) else None
         if self.fused_loss:
-            return linear_cross_entropy(output, self.head.weight, target, group, bias=self.head.bias)
-        return vocab_parallel_cross_entropy(output, target, group)
+            return linear_cross_entropy(output, self.head.weight, target, group, bias=self.head.bias, **self.options)
+        return vocab_parallel_cross_entropy(output, target, group, **self.options)
 
 
 def _size(group) -> int:

@@ -170,6 +170,19 @@ def test_a_sliding_window_trains_as_hugging_faces_own_attention_does(tmp_path, f
     assert json.loads((tmp_path / "tessel" / "run.json").read_text())["model"]["sliding_window"] == 8, proc.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_label_smoothing_and_logit_z_loss_reach_the_fused_loss_under_every_layout(one_process, tmp_path):
+    """--label-smoothing and --logit-z-loss shape the fused loss (fuse_lm_loss's options), in one process, at tp=2
+    with sequence parallelism and through a pipeline's last stage alike; the curve is not the plain loss's."""
+    run = [*RUN, "--label-smoothing", "0.1", "--logit-z-loss", "1e-3"]
+    _ok(_train(tmp_path / "one", *run))
+    for name, layout in (("tp2", ["--tp", "2", "--sequence-parallel"]), ("pp2", ["--pp", "2", "--microbatches", "2"])):
+        _ok(_train(tmp_path / name, *run, *layout, nproc=2))
+        assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), name
+    assert _losses(tmp_path / "one")[0] > _losses(one_process)[0] + 1e-3  # smoothing and z-loss add to the loss
+
+
 def test_flops_under_a_sliding_window_count_its_keys():
     """MFU's attention term counts min(S, W) keys per token, as tessel's GPT counts them."""
     from tessel.bench.train_hf import hf_flops_per_token
@@ -187,6 +200,11 @@ def test_flops_under_a_sliding_window_count_its_keys():
     [
         (["--experts", "4"], "--hf llama is dense: --experts needs a mixture family (mixtral, qwen3_moe)"),
         (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
+        (["--label-smoothing", "0.1", "--hf-baseline"], "--label-smoothing shapes tessel's fused loss; --hf-baseline"),
+        (
+            ["--logit-z-loss", "1e-4", "--hf", "mixtral", "--experts", "4"],
+            "--logit-z-loss shapes tessel's fused loss; with --aux-loss-coef the mixture trains Hugging Face's own",
+        ),
     ],
 )
 def test_options_of_tessels_gpt_alone_are_refused(tmp_path, extra, words):

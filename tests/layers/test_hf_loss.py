@@ -129,3 +129,37 @@ def test_a_deep_copy_computes_with_its_own_weights():
     assert twin(ids, labels=ids).loss.item() != model(ids, labels=ids).loss.item()
     assert twin(ids, labels=ids).logits is None and twin(ids).logits is not None
     torch.testing.assert_close(twin(ids, labels=ids).loss, type(twin).forward(twin, ids, labels=ids).loss)
+
+
+def test_label_smoothing_and_z_loss_are_added_as_for_tessels_gpt():
+    """``fuse_lm_loss(label_smoothing=, z_loss=)``: F.cross_entropy's label smoothing and PaLM's z-loss (the
+    coefficient times logsumexp² per token, averaged over the counted tokens) from the model's own logits; a
+    one-stage pipeline's loss takes the same options from the model; bad options and router logits are refused."""
+    import torch.nn.functional as F
+
+    from tessel.layers import fuse_lm_loss, hf_pipeline_stage, parallelize
+
+    model = parallelize(_llama(), None)
+    ids = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[1, :4] = -100
+    logits = model(ids).logits.double()[:, :-1].reshape(-1, VOCAB)  # the model's own forward, no labels
+    target = labels[:, 1:].reshape(-1)
+    counted = target != -100
+    smoothed = F.cross_entropy(logits, target, label_smoothing=0.1)
+    z = (torch.logsumexp(logits, -1)[counted] ** 2).mean()
+    fuse_lm_loss(model, label_smoothing=0.1, z_loss=1e-2)
+    torch.testing.assert_close(model(ids, labels=labels).loss.double(), smoothed + 1e-2 * z, rtol=1e-5, atol=1e-6)
+    stage = hf_pipeline_stage(model, 0, 1, fused_loss=True)
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    torch.testing.assert_close(stage.loss(stage(ids), shifted).double(), smoothed + 1e-2 * z, rtol=1e-5, atol=1e-6)
+    fuse_lm_loss(model)  # the options back to none: Hugging Face's loss again
+    torch.testing.assert_close(model(ids, labels=labels).loss.double(), F.cross_entropy(logits, target), rtol=1e-5,
+                               atol=1e-6)  # fmt: skip
+    with pytest.raises(ValueError, match="fuse_lm_loss: label_smoothing must lie in"):
+        fuse_lm_loss(model, label_smoothing=1.5)
+    with pytest.raises(TypeError, match="fuse_lm_loss: z_loss must be a float, received str"):
+        fuse_lm_loss(model, z_loss="1e-4")
+    fuse_lm_loss(model, z_loss=1e-4)
+    with pytest.raises(ValueError, match=r"fuse_lm_loss: label_smoothing and z_loss .* router logits"):
+        model(ids, labels=labels, output_router_logits=True)
