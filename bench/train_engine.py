@@ -38,7 +38,7 @@ from ..parallel.dims import ParallelDims
 from ..parallel.flat import is_expert
 from ..parallel.sharding import is_tp_sharded
 from .train_args import DTYPES, OVERLAPS, PRESETS, ArgumentError
-from .train_hf import build_hf, decoder_layer_class, decoder_layers, hf_loss, hf_stage
+from .train_hf import build_hf, decoder_layer_class, decoder_layers, document_positions, hf_loss, hf_stage
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
 __all__ = ["Engine", "build_engine", "compile_blocks"]
@@ -183,8 +183,8 @@ class Engine:
                 local = self._weighted(self._model_loss(x, y, docs), y).float()
             else:
                 losses = []
-                inputs = () if not self.is_first else (x,) if segment_ids is None else (x, segment_ids)
-                self.schedule.eval(*inputs, target=y if self.is_last else None, losses=losses)
+                self.schedule.eval(*self._pipeline_inputs(x, segment_ids), target=y if self.is_last else None,
+                                   losses=losses)  # fmt: skip
                 local = torch.stack(losses).float().mean() if self.is_last else torch.zeros((), device=x.device)
         finally:
             self.wrapper.train()
@@ -202,6 +202,15 @@ class Engine:
         """The experts' load balancing (and z-loss) of the latest forward: the GPT's, or the one a Hugging Face
         mixture's forward returned beside its loss."""
         return self._hf_router if self.args.hf else self.gpt.router_loss()
+
+    def _pipeline_inputs(self, x: torch.Tensor, segment_ids: torch.Tensor | None) -> tuple:
+        """What the first stage takes: the tokens, and with documents their ids (tessel's GPT) or the positions
+        restarting at each one (a Hugging Face model, as it packs sequences); later stages take nothing here."""
+        if not self.is_first:
+            return ()
+        if segment_ids is None:
+            return (x,)
+        return (x, document_positions(segment_ids) if self.args.hf else segment_ids)
 
     def _global_target_weight(self, y: torch.Tensor) -> torch.Tensor:
         """``dp·cp / global count`` of the targets that are not ignored, over the data-parallel ranks."""
@@ -222,10 +231,9 @@ class Engine:
             weight = self._scaled(torch.tensor(1 / self.config.n_layer, device=self.device))
             for stage in self.stages:
                 stage.aux_grad = weight / self.args.microbatches
-        inputs = () if not self.is_first else (x,) if segment_ids is None else (x, segment_ids)
         no_sync = getattr(self.wrapper, "no_sync", None)
         with no_sync() if no_sync else contextlib.nullcontext():
-            self.schedule.step(*inputs, target=y if self.is_last else None)
+            self.schedule.step(*self._pipeline_inputs(x, segment_ids), target=y if self.is_last else None)
         if no_sync:
             self.wrapper.sync_gradients()
 

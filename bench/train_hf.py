@@ -153,10 +153,13 @@ def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: t
     model's forward: fused (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``; and a
     mixture's load-balancing loss times ``aux_loss_coef`` (its config's ``router_aux_loss_coef``), which Hugging
     Face adds into its loss (None without one). Packed documents (``segment_ids``) reach the model as Hugging Face
-    packs them: position ids restarting at each document."""
+    packs them: position ids restarting at each document, from which (without a cache) its mask keeps each
+    document to itself."""
     y = y.contiguous()  # a window of the batch (Hugging Face views it flat)
     packed = {} if segment_ids is None else {"position_ids": document_positions(segment_ids)}
-    out = wrapper(x, labels=y, shift_labels=y, **packed)
+    # no cache: training needs none, and with one Hugging Face does not read packed documents from the positions
+    # (its mask would let every document see the ones before it in the row)
+    out = wrapper(x, labels=y, shift_labels=y, use_cache=False, **packed)
     aux = getattr(out, "aux_loss", None)
     if aux is None:
         return out.loss, None
@@ -199,7 +202,7 @@ def refused_options(args) -> str | None:
         **({"--pp (not yet with experts)": args.pp > 1,
             "--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
-        "documents with --pp or --cp": documents and args.pp * args.cp > 1,
+        "documents with --cp": documents and args.cp > 1,
         f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None
         and args.hf not in WINDOW_FAMILIES,
         "--attention-backward atomic": args.attention_backward == "atomic",

@@ -79,20 +79,26 @@ class HFPipelineStage(nn.Module):
         self.options = dict(getattr(model, OPTIONS, {}))
         self.tp_group, self.sequence_parallel = _tensor_layout(base)
 
-    def forward(self, x: torch.Tensor, *, targets: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
+                targets: torch.Tensor | None = None):  # fmt: skip
         """The stage on ``x``; with ``targets`` (the last stage only), :meth:`loss` of ``x``, its own output: the
         form for a wrapper that gathers parameters in its forward (FSDP), called by the schedule's ``loss_fn`` as
-        ``wrapped(output, targets=target)``."""
+        ``wrapped(output, targets=target)``.
+
+        ``position_ids``: ``[B, S]`` positions of the whole sequence, restarting at each packed document (as
+        Hugging Face packs sequences); a stage that is not the last then returns ``(hidden, position_ids)``, so
+        that they travel to the next stage with the activation. Without them: ``0 … S-1``."""
         if targets is not None:
             return self.loss(x, targets)
-        if self.first:
-            positions = torch.arange(x.shape[1], device=x.device)
-            hidden = self.base(input_ids=x, position_ids=positions[None], use_cache=False).last_hidden_state
-        else:
-            length = x.shape[1] * (_size(self.tp_group) if self.sequence_parallel else 1)
-            positions = torch.arange(length, device=x.device)
-            hidden = self.base(inputs_embeds=x, position_ids=positions[None], use_cache=False).last_hidden_state
-        if not self.last or self.fused_loss:
+        positions = position_ids
+        if positions is None:
+            length = x.shape[1] * (_size(self.tp_group) if self.sequence_parallel and not self.first else 1)
+            positions = torch.arange(length, device=x.device)[None]
+        inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
+        hidden = self.base(**inputs, position_ids=positions, use_cache=False).last_hidden_state
+        if not self.last:
+            return hidden if position_ids is None else (hidden, position_ids)
+        if self.fused_loss:
             return hidden
         if isinstance(self.head, ColumnParallelLinear):  # this rank's share of the vocabulary, never gathered
             # the head's input gradient summed over the ranks' vocabulary shares (Megatron's f), as the layer does

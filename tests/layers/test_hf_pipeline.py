@@ -201,3 +201,23 @@ def test_every_supported_family_chains_to_its_logits(kind):
             for s in range(n):
                 h = hf_pipeline_stage(model, s, n)(h)
             torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-6, msg=f"{kind} in {n} stages")
+
+
+@pytest.mark.parametrize("kind", MODELS)
+def test_packed_documents_positions_travel_with_the_activations(kind):
+    """Position ids restarting at each packed document: each stage but the last returns ``(hidden, positions)``, and
+    the chained stages give the model's own logits for those positions (without a cache, where Hugging Face's mask
+    keeps each document to itself); they differ from the unpacked logits."""
+    from tessel.layers.hf_pipeline import hf_pipeline_stage
+
+    model = _model(kind).eval()
+    ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(4))
+    positions = torch.tensor([[*range(5), *range(8)], [*range(9), *range(4)]])
+    with torch.no_grad():
+        want = model(ids, position_ids=positions, use_cache=False).logits
+        out = (ids, positions)
+        for s in range(3):
+            out = hf_pipeline_stage(model, s, 3)(*out)
+            assert isinstance(out, tuple) == (s < 2) and (s == 2 or out[1] is positions)
+        torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(out, model(ids).logits, atol=1e-3)
