@@ -421,8 +421,10 @@ def _table(dests, signals, frees, chunks: int) -> tuple[torch.Tensor, torch.Tens
     while any(offset % align for offset in offsets[:chunks]):
         align //= 2
     table, copied = _table_on(device, tuple(offsets))
-    if copied is not None:  # (a table copied on another stream)
-        torch.cuda.current_stream(device).wait_event(copied)
+    if copied is not None:  # a table copied on another stream, and freed (evicted) after this launch has read it
+        stream = torch.cuda.current_stream(device)
+        stream.wait_event(copied)
+        table.record_stream(stream)
     return table.view(3, chunks), base, align
 
 
