@@ -17,7 +17,8 @@ experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_imple
 left out of the reported loss. FLOPs count the active parameters: each token runs k of the N experts. With
 ``--ep`` the experts are split over expert-parallel groups of data-parallel ranks (``parallelize(ep_group=)``);
 under ``--cp`` the routers' logits are gathered over the context-parallel group for the balancing loss. Pipeline
-stages would each hold a share of the routers' logits: ``--pp`` is refused for them.
+stages would each hold a share of the routers' logits: ``--pp`` trains a mixture without the balancing loss
+(``--aux-loss-coef 0``) only.
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -199,7 +200,8 @@ def refused_options(args) -> str | None:
                 "Hugging Face's own loss, which has neither")  # fmt: skip
     unsupported = {
         "--cp with --pp": args.cp > 1 and args.pp > 1,
-        **({"--pp (not yet with experts)": args.pp > 1,
+        **({"--pp with --aux-loss-coef (the balancing loss pools every layer's routers; each stage holds a share)":
+            args.pp > 1 and args.aux_loss_coef > 0,
             "--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
         "documents with --cp": documents and args.cp > 1,

@@ -20,10 +20,12 @@ without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_ent
 wrapper gathers the head's parameters only inside its forward, the schedule's ``loss_fn`` calls the wrapped
 stage: ``lambda output, target: wrapped(output, targets=target)``.
 
-A stage shares the model's parameters; the parameters of other stages may be released. Refused: other model
-types (their base forward may transform the embeddings, as Gemma's scaling does, which a later stage must not
-repeat), tied input and output embeddings (the first and last stages would each train a copy), and context
-parallelism.
+A stage shares the model's parameters; the parameters of other stages may be released. Mixtures of experts
+(Mixtral, Qwen2-MoE, Qwen3-MoE) split like the dense families, without their load-balancing loss. Refused: other
+model types (their base forward may transform the embeddings, as Gemma's scaling does, which a later stage must not
+repeat), tied input and output embeddings (the first and last stages would each train a copy), a model asking for
+its router logits (``output_router_logits``: Hugging Face's balancing loss pools every layer's routers, of which
+each stage holds a share), and context parallelism.
 """
 
 from __future__ import annotations
@@ -46,9 +48,10 @@ _NAME = "hf_pipeline_stage"
 # Base models whose forward embeds, then runs its layers on the embeddings unchanged, then its final norm, and
 # whose head's logits are the head's output unscaled (checked family by family in tests/layers/test_hf_pipeline.py).
 # Left out: Gemma's scaled and Granite's multiplied embeddings, Cohere's scaled logits, Starcoder2's embedding dropout.
+# The mixtures of experts among them train without their load-balancing loss (see _check).
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo", "olmo2", "olmo3", "phi3", "glm",
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
-                         "apertus")  # fmt: skip
+                         "apertus", "mixtral", "qwen2_moe", "qwen3_moe")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):
@@ -141,6 +144,10 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     if head.weight is base.get_input_embeddings().weight:
         raise ValueError(f"{_NAME}: {type(model).__name__} ties its input and output embeddings, which the first "
                          "and last stages would each train apart; untie them (tie_word_embeddings=False)")  # fmt: skip
+    if getattr(model.config, "output_router_logits", False):
+        raise ValueError(f"{_NAME}: {type(model).__name__} asks for its router logits (output_router_logits=True): "
+                         "its load-balancing loss pools every layer's routers, and each stage holds a share of "
+                         "them; set output_router_logits=False (no balancing loss)")  # fmt: skip
     if base._forward_pre_hooks:
         raise ValueError(f"{_NAME}: {type(base).__name__} is context-parallel (parallelize(cp_group=)), which the "
                          "pipeline stages do not support")  # fmt: skip

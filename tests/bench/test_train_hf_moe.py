@@ -18,7 +18,7 @@ from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
-NOT_YET = "--hf mixtral trains without --pp (not yet with experts)"
+NOT_YET = "--hf mixtral trains without --pp with --aux-loss-coef (the balancing loss pools every layer's routers"
 RUN = ["--hf", "mixtral", "--experts", "4", "--top-k", "2", "--steps", "3", "--seq-len", "32", "--batch-size", "8"]
 
 
@@ -128,6 +128,18 @@ def test_fp8_experts_follow_the_curve_and_the_baseline_computes_the_same(one_pro
     assert fp8 == pytest.approx(base, rel=1e-2) and fp8 != pytest.approx(base, rel=1e-6)
     _ok(_train(tmp_path / "baseline", *RUN, "--hf-baseline"))
     assert _losses(tmp_path / "baseline") == pytest.approx(base, rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_pipeline_trains_the_mixture_without_its_balancing_loss(tmp_path):
+    """--pp 2 with --aux-loss-coef 0: the stages split the mixture's layers (its routers with them) and train the
+    single process's curve, 1F1B and interleaved alike."""
+    run = [*RUN, "--aux-loss-coef", "0"]
+    _ok(_train(tmp_path / "one", *run))
+    for name, layout in (("1f1b", []), ("interleaved", ["--schedule", "interleaved", "--zero", "1"])):
+        _ok(_train(tmp_path / name, *run, "--pp", "2", "--microbatches", "2", *layout, nproc=2))
+        assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), name
 
 
 def test_qwen3_moe_trains(tmp_path):

@@ -151,8 +151,11 @@ def test_what_it_refuses():
     gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8))  # fmt: skip
-    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* apertus .* type 'gemma'"):
+    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* qwen3_moe .* type 'gemma'"):
         hf_pipeline_stage(gemma, 0, 2)
+    balanced = _mixture("Mixtral", output_router_logits=True)
+    with pytest.raises(ValueError, match=r"asks for its router logits \(output_router_logits=True\)"):
+        hf_pipeline_stage(balanced, 0, 2)
 
 
 def test_a_stage_shares_the_models_parameters_not_its_registrations():
@@ -221,3 +224,44 @@ def test_packed_documents_positions_travel_with_the_activations(kind):
             assert isinstance(out, tuple) == (s < 2) and (s == 2 or out[1] is positions)
         torch.testing.assert_close(out, want, rtol=1e-6, atol=1e-6)
         assert not torch.allclose(out, model(ids).logits, atol=1e-3)
+
+
+_MOE = {"num_experts": 4, "moe_intermediate_size": 24, "mlp_only_layers": []}
+MIXTURES = {"mixtral": ("Mixtral", {"num_local_experts": 4}),
+            "qwen2_moe": ("Qwen2Moe", {**_MOE, "shared_expert_intermediate_size": 24}),
+            "qwen3_moe": ("Qwen3Moe", _MOE)}  # fmt: skip
+
+
+def _mixture(name: str, **extra):
+    import transformers
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, num_experts_per_tok=2,
+              attn_implementation="sdpa")  # fmt: skip
+    kind = next(k for k, (n, _) in MIXTURES.items() if n == name)
+    torch.manual_seed(0)
+    config = getattr(transformers, f"{name}Config")(**kw, **MIXTURES[kind][1], **extra)
+    return getattr(transformers, f"{name}ForCausalLM")(config)
+
+
+@pytest.mark.parametrize("kind", list(MIXTURES))
+def test_mixtures_of_experts_chain_to_their_logits_and_gradients(kind):
+    """Mixtral, Qwen2-MoE (a shared expert) and Qwen3-MoE: chained stages give the model's logits for splits into 2
+    and 3, and a backward through them the model's gradients (no balancing loss)."""
+    from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES, hf_pipeline_stage
+
+    model = _mixture(MIXTURES[kind][0])
+    assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
+    ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(6))
+    want = model(ids).logits
+    want.square().mean().backward()
+    grads = _grads(model)
+    model.zero_grad()
+    for n in (2, 3):
+        h = ids
+        for s in range(n):
+            h = hf_pipeline_stage(model, s, n)(h)
+        torch.testing.assert_close(h, want, rtol=1e-5, atol=1e-6, msg=f"{kind} in {n} stages")
+    h.square().mean().backward()
+    for name, g in grads.items():
+        torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-4, atol=1e-6, msg=name)
