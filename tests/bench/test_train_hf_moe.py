@@ -134,11 +134,15 @@ def test_fp8_experts_follow_the_curve_and_the_baseline_computes_the_same(one_pro
 @pytest.mark.multiprocess
 def test_a_pipeline_trains_the_mixture_without_its_balancing_loss(tmp_path):
     """--pp 2 with --aux-loss-coef 0: the stages split the mixture's layers (its routers with them) and train the
-    single process's curve, 1F1B and interleaved alike."""
+    single process's curve, 1F1B and interleaved alike, and with the experts split over two data-parallel ranks."""
     run = [*RUN, "--aux-loss-coef", "0"]
     _ok(_train(tmp_path / "one", *run))
-    for name, layout in (("1f1b", []), ("interleaved", ["--schedule", "interleaved", "--zero", "1"])):
-        _ok(_train(tmp_path / name, *run, "--pp", "2", "--microbatches", "2", *layout, nproc=2))
+    layouts = {
+        "1f1b": [], "interleaved": ["--schedule", "interleaved", "--zero", "1"], "dp2-ep2": ["--dp", "2", "--ep", "2"],
+    }  # fmt: skip
+    for name, layout in layouts.items():
+        nproc = 4 if "--dp" in layout else 2
+        _ok(_train(tmp_path / name, *run, "--pp", "2", "--microbatches", "2", *layout, nproc=nproc))
         assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), name
 
 
