@@ -98,15 +98,18 @@ class Engine:
     def _scaled(self, loss: torch.Tensor) -> torch.Tensor:
         return self.optimizer.scale_loss(loss) if hasattr(self.optimizer, "scale_loss") else loss
 
-    def _pipeline_loss(self, hidden: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _pipeline_loss(self, output, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: the last stage returns its final norm's output (``fused_loss``), and its head and
-        loss run through the wrapper (which holds the head's parameters, gathered under FSDP) without logits."""
+        loss run through the wrapper (which holds the head's parameters, gathered under FSDP) without logits. A
+        Hugging Face mixture's last stage returns its router sums beside it: their balancing loss is trained (with
+        weight 1 / microbatches, as the pieces of :meth:`_accumulate` weigh theirs), not reported."""
         last = next(k for k, stage in enumerate(self.stages) if stage.last)
-        loss = self._weighted(self.wrapper(hidden, stage=last, targets=target), target, self.args.microbatches)
+        loss = self._weighted(self.wrapper(output, stage=last, targets=target), target, self.args.microbatches)
         if not torch.is_grad_enabled():  # evaluating (Schedule.eval): the loss itself
             return loss
         self._microbatch_losses.append(loss.detach().float())
-        return self._scaled(loss)
+        router = self.stages[last].router_loss(output) if self.args.hf else None
+        return self._scaled(loss if router is None else loss + router)
 
     def _weighted(self, loss: torch.Tensor, target: torch.Tensor, parts: int = 1) -> torch.Tensor:
         """With documents, the mean ``loss`` over ``target``'s counted tokens (one of ``parts`` equal pieces of
@@ -384,8 +387,12 @@ class _Stages(nn.Module):
         self.stages = nn.ModuleList(stages)
 
     def forward(self, *args, stage: int = 0, targets: torch.Tensor | None = None):
-        """Stage ``stage`` on ``args``; with ``targets``, that (last) stage's loss of its output ``args[0]``."""
-        return self.stages[stage](*args) if targets is None else self.stages[stage].loss(args[0], targets)
+        """Stage ``stage`` on ``args``; with ``targets``, that (last) stage's loss of its output ``args[0]`` (a
+        Hugging Face stage's language-model loss alone: the engine adds a mixture's router loss unweighted)."""
+        if targets is None:
+            return self.stages[stage](*args)
+        module = self.stages[stage]
+        return getattr(module, "lm_loss", module.loss)(args[0], targets)
 
 
 class _StageCall(nn.Module):

@@ -14,11 +14,12 @@ Mixtures of experts (``--hf mixtral`` or ``qwen3_moe`` with ``--experts N --top-
 experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
 :func:`~tessel.layers.register_hf_experts`; the baseline keeps Hugging Face's default). Their load-balancing loss
 (``--aux-loss-coef``, as Hugging Face weighs it: ``router_aux_loss_coef``) is trained and, as for tessel's GPT,
-left out of the reported loss. FLOPs count the active parameters: each token runs k of the N experts. With
-``--ep`` the experts are split over expert-parallel groups of data-parallel ranks (``parallelize(ep_group=)``);
-under ``--cp`` the routers' logits are gathered over the context-parallel group for the balancing loss. Pipeline
-stages would each hold a share of the routers' logits: ``--pp`` trains a mixture without the balancing loss
-(``--aux-loss-coef 0``) only.
+left out of the reported loss; it is computed beside tessel's fused loss (:func:`~tessel.layers.fuse_lm_loss`, so
+the logits are never held and ``--label-smoothing`` and ``--logit-z-loss`` apply). FLOPs count the active
+parameters: each token runs k of the N experts. With ``--ep`` the experts are split over expert-parallel groups of
+data-parallel ranks (``parallelize(ep_group=)``); under ``--cp`` the routers' logits are gathered over the
+context-parallel group for the balancing loss; under ``--pp`` each stage adds its layers' router sums to those it
+received and passes them on, and the last stage's loss is every layer's (:func:`~tessel.layers.hf_pipeline_stage`).
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -194,15 +195,12 @@ def refused_options(args) -> str | None:
     documents = args.doc_sep is not None or args.doc_token is not None
     smoothed = [flag for flag, on in (("--label-smoothing", args.label_smoothing > 0),
                                       ("--logit-z-loss", args.logit_z_loss > 0)) if on]  # fmt: skip
-    if smoothed and (args.hf_baseline or (moe and args.aux_loss_coef > 0)):
-        why = "--hf-baseline trains" if args.hf_baseline else "with --aux-loss-coef the mixture trains"
-        return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; {why} "
-                "Hugging Face's own loss, which has neither")  # fmt: skip
+    if smoothed and args.hf_baseline:
+        return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
+                "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
     unsupported = {
         "--cp with --pp": args.cp > 1 and args.pp > 1,
-        **({"--pp with --aux-loss-coef (the balancing loss pools every layer's routers; each stage holds a share)":
-            args.pp > 1 and args.aux_loss_coef > 0,
-            "--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
+        **({"--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
         "documents with --cp": documents and args.cp > 1,
         f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None

@@ -499,6 +499,9 @@ def _asks_router_logits(model: nn.Module, kwargs: dict) -> bool:
     return bool(flag)
 
 
+ROUTER_GATHER = "_tessel_router_gather"  # the model's switch: gather the routers' logits in this forward
+
+
 def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp_group, cp_group=None, *,
                          sequence_parallel: bool = True) -> None:  # fmt: skip
     """When a forward asks for ``output_router_logits`` (the load-balancing loss), each router's logits are
@@ -516,6 +519,7 @@ def gather_router_logits(model: nn.Module, base_cls: type, blocks: list[str], tp
     modules = dict(model.named_modules())
     routers = _routers(base_cls, modules, blocks)
     state = {"gather": False, "batch": None}
+    setattr(model, ROUTER_GATHER, state)  # for pipeline stages, which run the base model without the model's hooks
 
     def begin(module, args, kwargs):
         flag = _asks_router_logits(module, kwargs)

@@ -7,14 +7,16 @@ Llama 3's 128k vocabulary. :func:`fuse_lm_loss` replaces the model's ``forward``
 call with ``labels`` runs the base model, then :func:`~.linear_cross_entropy.linear_cross_entropy` on its last
 hidden state with the split head's weight: the same loss as Hugging Face's ``ForCausalLMLoss`` (labels shifted
 by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when the trainer passes it,
-``shift_labels`` when given), the same gradients, and ``logits=None`` in the output. A call without labels,
-with router logits asked for (a mixture of experts adds its balancing loss to the logits' one), or with
-``labels`` passed by position, runs the model's own forward unchanged.
+``shift_labels`` when given), the same gradients, and ``logits=None`` in the output. Mixtral, Qwen2-MoE and
+Qwen3-MoE asking for their router logits add their load-balancing loss as Hugging Face does
+(:mod:`.hf_router_loss`; the output's ``aux_loss``). A call without labels, one asking for the router logits of
+another mixture (whose balancing loss may be another), or with ``labels`` passed by position, runs the model's own
+forward unchanged.
 
 ``fuse_lm_loss(model, label_smoothing=, z_loss=)`` adds what Hugging Face's loss lacks: label smoothing (as
 ``F.cross_entropy``'s) and PaLM's z-loss on the logits (``z_loss · logsumexp²`` per token), as tessel's GPT takes
 them; :func:`~.hf_pipeline.hf_pipeline_stage` gives the last stage's loss the same. With either set, a call that
-asks for router logits is refused (the model's own loss would drop them).
+asks for the router logits of a mixture other than those three is refused (the model's own loss would drop them).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from torch import nn
 
 from .cross_entropy import check_loss_options
 from .hf import base_model, is_hf_model
+from .hf_router_loss import balancing_config, balancing_loss, router_sums
 from .linear import ColumnParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
 
@@ -36,6 +39,8 @@ _NAME = "fuse_lm_loss"
 _BASE_POSITIONAL = 5  # input_ids, attention_mask, position_ids, past_key_values, inputs_embeds: the same in both
 _UNFUSED = "_tessel_unfused_forward"  # the forward that fuse_lm_loss replaced, kept on the model
 OPTIONS = "_tessel_lm_loss_options"  # fuse_lm_loss's label_smoothing and z_loss, kept on the model
+# Mixtures whose loss adds Hugging Face's load_balancing_loss_func (see .hf_router_loss) when asked for router logits
+BALANCED_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
 
 
 def _check(model) -> ColumnParallelLinear:
@@ -68,12 +73,15 @@ def _fused_forward(self, *args, **kwargs):
     """The model's forward (a method of the model, so that a deep copy calls its own modules; see the module
     docstring)."""
     labels = kwargs.get("labels")
-    routers = kwargs.get("output_router_logits", getattr(self.config, "output_router_logits", False))
+    routers = kwargs.get("output_router_logits")
+    routers = getattr(self.config, "output_router_logits", False) if routers is None else routers
     options = getattr(self, OPTIONS)
-    if labels is not None and routers and any(options.values()):
+    balanced = routers and getattr(self.config, "model_type", None) in BALANCED_TYPES
+    if labels is not None and routers and not balanced and any(options.values()):
         raise ValueError(f"{_NAME}: label_smoothing and z_loss ({options}) are tessel's loss's, and a call asking for "
-                         "router logits takes the model's own loss: ask for none, or fuse without them")  # fmt: skip
-    if labels is None or routers or len(args) > _BASE_POSITIONAL:
+                         f"the router logits of a {self.config.model_type} takes the model's own loss: ask for none, "
+                         "or fuse without them")  # fmt: skip
+    if labels is None or (routers and not balanced) or len(args) > _BASE_POSITIONAL:
         return getattr(self, _UNFUSED)(*args, **kwargs)
     kwargs = dict(kwargs)
     del kwargs["labels"]
@@ -82,6 +90,8 @@ def _fused_forward(self, *args, **kwargs):
     shift_labels = kwargs.pop("shift_labels", None)
     return_dict = kwargs.pop("return_dict", None)
     kwargs.pop("logits_to_keep", None)  # the loss covers every position, as the model's own with the default 0
+    if balanced:
+        kwargs["output_router_logits"] = True
     outputs = base_model(self)[1](*args, **kwargs)
     head = self.get_output_embeddings()
     target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
@@ -90,10 +100,21 @@ def _fused_forward(self, *args, **kwargs):
                                 reduction="mean" if num_items is None else "sum", **options)  # fmt: skip
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
-    from transformers.modeling_outputs import CausalLMOutputWithPast
+    fields = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,
+                  attentions=outputs.attentions)  # fmt: skip
+    if balanced:  # Hugging Face's balancing loss over every layer's routers (the padding left out by the mask)
+        from transformers.modeling_outputs import MoeCausalLMOutputWithPast as Output
 
-    out = CausalLMOutputWithPast(loss=loss, logits=None, past_key_values=outputs.past_key_values,
-                                 hidden_states=outputs.hidden_states, attentions=outputs.attentions)  # fmt: skip
+        experts, top_k, coef = balancing_config(self)
+        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"{_NAME}: a mixture's balancing loss weighs its tokens by a [batch, sequence] "
+                             f"attention_mask, received one of shape {tuple(mask.shape)}")  # fmt: skip
+        aux = balancing_loss(router_sums(outputs.router_logits, experts, top_k, mask), experts)
+        fields.update(loss=loss + coef * aux.to(loss.device), aux_loss=aux, router_logits=outputs.router_logits)
+    else:
+        from transformers.modeling_outputs import CausalLMOutputWithPast as Output
+    out = Output(**fields)
     return out.to_tuple() if return_dict is False else out
 
 

@@ -21,11 +21,14 @@ wrapper gathers the head's parameters only inside its forward, the schedule's ``
 stage: ``lambda output, target: wrapped(output, targets=target)``.
 
 A stage shares the model's parameters; the parameters of other stages may be released. Mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE) split like the dense families, without their load-balancing loss. Refused: other
-model types (their base forward may transform the embeddings, as Gemma's scaling does, which a later stage must not
-repeat), tied input and output embeddings (the first and last stages would each train a copy), a model asking for
-its router logits (``output_router_logits``: Hugging Face's balancing loss pools every layer's routers, of which
-each stage holds a share), and context parallelism.
+(Mixtral, Qwen2-MoE, Qwen3-MoE) split like the dense families. Their load-balancing loss (``output_router_logits``)
+pools every layer's routers, of which each stage holds a share: it is a function of per-expert sums that add over
+layers (:mod:`.hf_router_loss`), so each stage adds its layers' sums to those it received and passes them on with
+the activation, and the last stage's :meth:`HFPipelineStage.loss` adds ``router_aux_loss_coef`` times the
+balancing loss of the total, as the model's own forward does; the gradient of each stage's routers flows back
+through the sums. Refused: other model types (their base forward may transform the embeddings, as Gemma's scaling
+does, which a later stage must not repeat), tied input and output embeddings (the first and last stages would each
+train a copy), and context parallelism.
 """
 
 from __future__ import annotations
@@ -38,7 +41,9 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp
 from .cross_entropy import vocab_parallel_cross_entropy
 from .hf import base_model, is_hf_model
-from .hf_loss import OPTIONS
+from .hf_experts import ROUTER_GATHER
+from .hf_loss import BALANCED_TYPES, OPTIONS
+from .hf_router_loss import balancing_config, balancing_loss, router_sums
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
 
@@ -56,8 +61,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
 
 class HFPipelineStage(nn.Module):
     """One stage of a Hugging Face causal LM (see the module docstring): ``forward(input_ids)`` on the first
-    stage, ``forward(hidden)`` on the others; the last returns logits, or the final norm's output with
-    ``fused_loss``."""
+    stage, ``forward(hidden)`` on the others (each with what the previous stage passes on); the last returns
+    logits, or the final norm's output with ``fused_loss`` (with a balancing mixture's router sums beside them)."""
 
     def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool, fused_loss: bool):
         super().__init__()
@@ -80,44 +85,105 @@ class HFPipelineStage(nn.Module):
         self.start, self.stop, self.first, self.last, self.fused_loss = start, stop, first, last, fused_loss
         # the loss options fuse_lm_loss gave the model (label smoothing, z-loss), if any
         self.options = dict(getattr(model, OPTIONS, {}))
+        # a mixture's (experts, top_k, coefficient) when it trains its balancing loss (output_router_logits)
+        self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
+        self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
         self.tp_group, self.sequence_parallel = _tensor_layout(base)
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor | None = None, *,
-                targets: torch.Tensor | None = None):  # fmt: skip
+    def forward(self, x: torch.Tensor, *carried: torch.Tensor, targets: torch.Tensor | None = None):
         """The stage on ``x``; with ``targets`` (the last stage only), :meth:`loss` of ``x``, its own output: the
         form for a wrapper that gathers parameters in its forward (FSDP), called by the schedule's ``loss_fn`` as
         ``wrapped(output, targets=target)``.
 
-        ``position_ids``: ``[B, S]`` positions of the whole sequence, restarting at each packed document (as
-        Hugging Face packs sequences); a stage that is not the last then returns ``(hidden, position_ids)``, so
-        that they travel to the next stage with the activation. Without them: ``0 … S-1``."""
+        ``carried``: what travels with the activation, as the previous stage returned it:
+
+        - ``position_ids``, ``[B, S]`` integers: positions of the whole sequence, restarting at each packed
+          document (as Hugging Face packs sequences); without them, ``0 … S-1``. A stage but the last passes them on.
+        - a mixture's router sums (a float tensor, :func:`~.hf_router_loss.router_sums` of the earlier stages'
+          layers), when the model trains its balancing loss: this stage adds its own layers' and passes them on,
+          the last stage beside its output, so that :meth:`loss` adds the balancing loss of every layer.
+
+        Returns the hidden states (the last stage: the logits, or with ``fused_loss`` the final norm's output), as a
+        tuple with what it passes on when it passes anything."""
         if targets is not None:
             return self.loss(x, targets)
+        position_ids, sums = _carried(carried)
         positions = position_ids
         if positions is None:
             length = x.shape[1] * (_size(self.tp_group) if self.sequence_parallel and not self.first else 1)
             positions = torch.arange(length, device=x.device)[None]
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
-        hidden = self.base(**inputs, position_ids=positions, use_cache=False).last_hidden_state
+        routers = {}
+        if self.gather is not None:  # the split routers' logits gathered over the ranks while the loss asks for them
+            self.gather["gather"] = self.balance is not None
+        if self.balance is not None:
+            routers = {"output_router_logits": True}
+        out = self.base(**inputs, position_ids=positions, use_cache=False, **routers)
+        hidden = out.last_hidden_state
+        if self.balance is not None:
+            local = router_sums(out.router_logits, *self.balance[:2])
+            sums = local if sums is None else sums + local
         if not self.last:
-            return hidden if position_ids is None else (hidden, position_ids)
-        if self.fused_loss:
-            return hidden
-        if isinstance(self.head, ColumnParallelLinear):  # this rank's share of the vocabulary, never gathered
-            # the head's input gradient summed over the ranks' vocabulary shares (Megatron's f), as the layer does
-            hidden = copy_to_tp(hidden, self.head.tp_group)
-            return torch.nn.functional.linear(hidden, self.head.weight, self.head.bias)
-        return self.head(hidden)
+            passed = tuple(t for t in (position_ids, sums) if t is not None)
+            return (hidden, *passed) if passed else hidden
+        if not self.fused_loss:
+            if isinstance(self.head, ColumnParallelLinear):  # this rank's share of the vocabulary, never gathered
+                # the head's input gradient summed over the ranks' vocabulary shares (Megatron's f), as the layer does
+                hidden = torch.nn.functional.linear(copy_to_tp(hidden, self.head.tp_group), self.head.weight,
+                                                    self.head.bias)  # fmt: skip
+            else:
+                hidden = self.head(hidden)
+        return hidden if self.balance is None else (hidden, sums)
 
-    def loss(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def loss(self, output, target: torch.Tensor) -> torch.Tensor:
+        """The model's training loss from the last stage's ``output``: :meth:`lm_loss`, plus the mixture's
+        :meth:`router_loss` when it trains one (as Hugging Face's forward adds it)."""
+        router = self.router_loss(output)
+        loss = self.lm_loss(output, target)
+        return loss if router is None else loss + router
+
+    def lm_loss(self, output, target: torch.Tensor) -> torch.Tensor:
         """The mean cross entropy of next-token ``target [B, S]`` (``-100`` ignored) from the last stage's
-        ``output``: its logits, or with ``fused_loss`` its final norm's output through the head."""
+        ``output``: its logits, or with ``fused_loss`` its final norm's output through the head (beside them, a
+        mixture's router sums, not read here)."""
         if not self.last:
             raise ValueError(f"HFPipelineStage.loss: stage of layers [{self.start}, {self.stop}) is not the last")
+        if isinstance(output, tuple | list):
+            output = output[0]
         group = self.head.tp_group if isinstance(self.head, ColumnParallelLinear) else None
         if self.fused_loss:
             return linear_cross_entropy(output, self.head.weight, target, group, bias=self.head.bias, **self.options)
         return vocab_parallel_cross_entropy(output, target, group, **self.options)
+
+    def router_loss(self, output) -> torch.Tensor | None:
+        """``router_aux_loss_coef`` times the balancing loss of every layer's routers, from the router sums beside
+        the last stage's ``output``; None for a model that trains none."""
+        if not self.last:
+            raise ValueError(f"HFPipelineStage.loss: stage of layers [{self.start}, {self.stop}) is not the last")
+        if self.balance is None:
+            return None
+        if not isinstance(output, tuple | list) or len(output) != 2:
+            raise ValueError("HFPipelineStage.loss: a mixture training its balancing loss takes the last stage's "
+                             "(output, router sums)")  # fmt: skip
+        experts, _, coef = self.balance
+        return coef * balancing_loss(output[1], experts)
+
+
+def _carried(carried) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(position_ids, router sums)`` among what travels with the activation: integers, and floats."""
+    position_ids = sums = None
+    for t in carried:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"HFPipelineStage: what travels with the activation must be tensors, received "
+                            f"{type(t).__name__}")  # fmt: skip
+        if t.is_floating_point() and sums is None:
+            sums = t
+        elif not t.is_floating_point() and position_ids is None:
+            position_ids = t
+        else:
+            raise ValueError(f"HFPipelineStage: expected position ids (integers) and router sums (floats) beside the "
+                             f"activation, received {[str(c.dtype) for c in carried]}")  # fmt: skip
+    return position_ids, sums
 
 
 def _size(group) -> int:
@@ -144,10 +210,9 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     if head.weight is base.get_input_embeddings().weight:
         raise ValueError(f"{_NAME}: {type(model).__name__} ties its input and output embeddings, which the first "
                          "and last stages would each train apart; untie them (tie_word_embeddings=False)")  # fmt: skip
-    if getattr(model.config, "output_router_logits", False):
-        raise ValueError(f"{_NAME}: {type(model).__name__} asks for its router logits (output_router_logits=True): "
-                         "its load-balancing loss pools every layer's routers, and each stage holds a share of "
-                         "them; set output_router_logits=False (no balancing loss)")  # fmt: skip
+    if getattr(model.config, "output_router_logits", False) and model_type not in BALANCED_TYPES:
+        raise ValueError(f"{_NAME}: {type(model).__name__} asks for its router logits (output_router_logits=True), "
+                         f"whose balancing loss the stages compute for {', '.join(BALANCED_TYPES)} only")  # fmt: skip
     if base._forward_pre_hooks:
         raise ValueError(f"{_NAME}: {type(base).__name__} is context-parallel (parallelize(cp_group=)), which the "
                          "pipeline stages do not support")  # fmt: skip

@@ -203,10 +203,6 @@ def test_flops_under_a_sliding_window_count_its_keys():
         (["--experts", "4"], "--hf llama is dense: --experts needs a mixture family (mixtral, qwen3_moe)"),
         (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
         (["--label-smoothing", "0.1", "--hf-baseline"], "--label-smoothing shapes tessel's fused loss; --hf-baseline"),
-        (
-            ["--logit-z-loss", "1e-4", "--hf", "mixtral", "--experts", "4"],
-            "--logit-z-loss shapes tessel's fused loss; with --aux-loss-coef the mixture trains Hugging Face's own",
-        ),
     ],
 )
 def test_options_of_tessels_gpt_alone_are_refused(tmp_path, extra, words):

@@ -18,7 +18,6 @@ from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
-NOT_YET = "--hf mixtral trains without --pp with --aux-loss-coef (the balancing loss pools every layer's routers"
 RUN = ["--hf", "mixtral", "--experts", "4", "--top-k", "2", "--steps", "3", "--seq-len", "32", "--batch-size", "8"]
 
 
@@ -132,7 +131,7 @@ def test_fp8_experts_follow_the_curve_and_the_baseline_computes_the_same(one_pro
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_a_pipeline_trains_the_mixture_without_its_balancing_loss(tmp_path):
+def test_a_pipeline_trains_the_mixture_without_the_balancing_loss(tmp_path):
     """--pp 2 with --aux-loss-coef 0: the stages split the mixture's layers (its routers with them) and train the
     single process's curve, 1F1B and interleaved alike, and with the experts split over two data-parallel ranks."""
     run = [*RUN, "--aux-loss-coef", "0"]
@@ -146,6 +145,31 @@ def test_a_pipeline_trains_the_mixture_without_its_balancing_loss(tmp_path):
         assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), name
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_pipeline_trains_the_balancing_loss_of_every_layer(tmp_path):
+    """--pp 2 with the balancing loss: each stage passes its layers' router sums on with the activation and the last
+    stage trains the balancing loss of every layer's routers, so the curve is the single process's over the same
+    two pieces (--microbatches 2: each piece balances its own tokens), 1F1B and interleaved, with the sequence split
+    over tp 2 too. The balancing loss shapes that curve: without it the curve is another."""
+    run = [*RUN, "--aux-loss-coef", "0.1", "--microbatches", "2"]
+    _ok(_train(tmp_path / "one", *run))
+    layouts = {"1f1b": ([], 2), "interleaved": (["--schedule", "interleaved"], 2),
+               "tp2-sp": (["--tp", "2", "--sequence-parallel"], 4)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *run, "--pp", "2", *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), name
+    _ok(_train(tmp_path / "without", *RUN, "--aux-loss-coef", "0", "--microbatches", "2"))
+    assert _losses(tmp_path / "without")[1:] != pytest.approx(_losses(tmp_path / "one")[1:], rel=1e-5)
+
+
+def test_label_smoothing_and_z_loss_shape_the_mixtures_fused_loss_beside_its_balancing_loss(one_process, tmp_path):
+    """The balancing loss is computed beside tessel's fused loss, so --label-smoothing and --logit-z-loss reach a
+    mixture that trains it: they raise the first step's reported loss."""
+    _ok(_train(tmp_path, *RUN, "--label-smoothing", "0.1", "--logit-z-loss", "1e-3"))
+    assert _losses(tmp_path)[0] > _losses(one_process)[0] + 1e-3
+
+
 def test_qwen3_moe_trains(tmp_path):
     proc = _ok(_train(tmp_path, "--hf", "qwen3_moe", *RUN[2:]))
     assert "Hugging Face Qwen3Moe tiny" in proc.stdout and len(_losses(tmp_path)) == 3
@@ -155,7 +179,6 @@ def test_qwen3_moe_trains(tmp_path):
     ("extra", "nproc", "words"),
     [
         (["--experts", "0"], 1, "--hf mixtral is a mixture of experts: it needs --experts N"),
-        (["--pp", "2", "--microbatches", "2"], 2, NOT_YET),
         (["--router-score", "sigmoid"], 1, "--hf mixtral trains without --router-score sigmoid"),
         (["--expert-bias-rate", "0.001"], 1, "--hf mixtral trains without --expert-bias-rate"),
     ],

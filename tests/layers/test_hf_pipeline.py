@@ -85,9 +85,10 @@ def test_stages_chain_to_the_models_logits_loss_and_gradients():
     assert ranges == {2: [(0, 3), (3, 5)], 3: [(0, 2), (2, 4), (4, 5)]}
 
 
-def _pipelined(rank, world_size, sp, fused):
-    """tp=2 × pp=2: each pipeline rank's stage of the tensor-parallel model through 1F1B, against the same
-    tensor-parallel model run whole on this rank's tp group."""
+def _pipelined(rank, world_size, sp, fused, kind):
+    """tp=2 × pp=2: each pipeline rank's stage of the tensor-parallel model through 1F1B (two microbatches), against
+    the same tensor-parallel model run whole on this rank's tp group, microbatch after microbatch (a mixture's
+    balancing loss is each microbatch's own)."""
     import torch.distributed as dist
 
     from tessel.layers import hf_pipeline_stage, parallelize
@@ -98,11 +99,16 @@ def _pipelined(rank, world_size, sp, fused):
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp, pp = tp_groups[pp_rank], pp_groups[tp_rank]
     ids = torch.randint(VOCAB, (4, 8), generator=torch.Generator().manual_seed(2))
-    whole = parallelize(_model("llama", layers=3), tp, sequence_parallel=sp)
-    want = whole(ids, labels=ids).loss
+    build = (
+        (lambda: _model("llama", layers=3))
+        if kind == "llama"
+        else (lambda: _mixture("Mixtral", output_router_logits=True, router_aux_loss_coef=0.5))
+    )
+    whole = parallelize(build(), tp, sequence_parallel=sp)
+    want = torch.stack([whole(half, labels=half).loss for half in ids.chunk(2)]).mean()
     want.backward()
     want_grads = _grads(whole)
-    model = parallelize(_model("llama", layers=3), tp, sequence_parallel=sp)
+    model = parallelize(build(), tp, sequence_parallel=sp)
     stage = hf_pipeline_stage(model, pp_rank, 2, fused_loss=fused)
     schedule = Schedule1F1B(PipelineStage(stage, pp_rank, 2, pp), 2, lambda out, t: stage.loss(out, t))
     losses = []
@@ -118,11 +124,15 @@ def _pipelined(rank, world_size, sp, fused):
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(("sp", "fused"), [(False, False), (True, True), (True, False)])
-def test_tensor_and_pipeline_parallel_stages_train_as_the_whole_model(sp, fused):
+@pytest.mark.parametrize(
+    ("sp", "fused", "kind"),
+    [(False, False, "llama"), (True, True, "llama"), (True, False, "llama"), (True, True, "mixtral")],
+)
+def test_tensor_and_pipeline_parallel_stages_train_as_the_whole_model(sp, fused, kind):
     """Four gloo ranks, tp=2 × pp=2 (with sequence parallelism the stages pass [B, S/2, H] shards): every
-    gradient shard a stage holds, and the loss, are those of the tensor-parallel model run whole."""
-    results = run_ranks(_pipelined, 4, sp, fused, timeout=300, env=REFERENCE_KERNELS)
+    gradient shard a stage holds, and the loss, are those of the tensor-parallel model run whole; for Mixtral
+    with its balancing loss, the stages' router sums over every token (the split routers' logits gathered)."""
+    results = run_ranks(_pipelined, 4, sp, fused, kind, timeout=300, env=REFERENCE_KERNELS)
     assert "embed_tokens" in results[0] and "lm_head" not in results[0]
     assert "lm_head" in results[2] and "embed_tokens" not in results[2] and "norm" in results[2]
 
@@ -153,9 +163,11 @@ def test_what_it_refuses():
         num_key_value_heads=2, head_dim=8))  # fmt: skip
     with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* qwen3_moe .* type 'gemma'"):
         hf_pipeline_stage(gemma, 0, 2)
-    balanced = _mixture("Mixtral", output_router_logits=True)
-    with pytest.raises(ValueError, match=r"asks for its router logits \(output_router_logits=True\)"):
-        hf_pipeline_stage(balanced, 0, 2)
+    stage = hf_pipeline_stage(_mixture("Mixtral", output_router_logits=True), 1, 2)
+    with pytest.raises(ValueError, match=r"takes the last stage's \(output, router sums\)"):
+        stage.loss(torch.zeros(1, 2, VOCAB), torch.zeros(1, 2, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"expected position ids \(integers\) and router sums \(floats\)"):
+        stage(torch.zeros(1, 2, 32), torch.zeros(9), torch.zeros(9))
 
 
 def test_a_stage_shares_the_models_parameters_not_its_registrations():
@@ -265,3 +277,42 @@ def test_mixtures_of_experts_chain_to_their_logits_and_gradients(kind):
     h.square().mean().backward()
     for name, g in grads.items():
         torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("kind", list(MIXTURES))
+def test_stages_carry_the_router_sums_to_the_models_balancing_loss(kind):
+    """A mixture training its balancing loss (output_router_logits): each stage adds its layers' router sums to
+    those it received and passes them on; the last stage's loss is the model's own (cross entropy plus
+    router_aux_loss_coef times the balancing loss of every layer), from the logits or fused, and a backward through
+    the chain gives every gradient of the model's, the routers' included. With packed documents the positions
+    travel beside the sums."""
+    from tessel.layers.hf_pipeline import hf_pipeline_stage
+
+    model = _mixture(MIXTURES[kind][0], output_router_logits=True, router_aux_loss_coef=0.5)
+    ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(7))
+    positions = torch.tensor([[*range(6), *range(7)], [*range(13)]])
+    for packed in (False, True):
+        extra = {"position_ids": positions, "use_cache": False} if packed else {}
+        want = model(ids, labels=ids, **extra)
+        assert want.aux_loss > 0
+        want.loss.backward()
+        want_grads = _grads(model)
+        routers = [n for n in want_grads if ".gate." in n or "router" in n]
+        assert routers, sorted(want_grads)
+        for n, fused in ((2, False), (3, True)):
+            model.zero_grad(set_to_none=True)
+            stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
+            out = (ids, positions) if packed else (ids,)
+            for s, stage in enumerate(stages):
+                out = stage(*out)
+                assert len(out) == (2 + packed if s < n - 1 else 2) and out[-1].shape == (9,)
+            if not fused:
+                torch.testing.assert_close(out[0], want.logits, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(stages[-1].router_loss(out), 0.5 * want.aux_loss, rtol=1e-5, atol=1e-7)
+            loss = stages[-1].loss(out, _targets(ids))
+            torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {packed}")
+            loss.backward()
+            for name, g in want_grads.items():
+                torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-4, atol=1e-6,
+                                           msg=f"{kind} {n} {packed} {name}")  # fmt: skip
+        model.zero_grad(set_to_none=True)

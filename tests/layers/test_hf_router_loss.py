@@ -1,0 +1,158 @@
+"""A Hugging Face mixture's load-balancing loss from per-expert sums (router_sums, balancing_loss), and fuse_lm_loss
+adding it beside the fused cross entropy, as Mixtral, Qwen2-MoE and Qwen3-MoE add it to the loss of their logits.
+
+The sums are checked against each family's own ``load_balancing_loss_func`` (value and gradient, with and without a
+padding mask, summed over groups of layers); the fused forward against the model's own forward (loss, ``aux_loss``,
+every gradient), in one process and on two gloo ranks with the sequence split (the routers' logits gathered).
+"""
+
+import importlib
+import importlib.util
+
+import pytest
+import torch
+
+from tests.multiprocess import REFERENCE_KERNELS, run_ranks
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+VOCAB = 96
+_MOE = {"num_experts": 4, "moe_intermediate_size": 24, "mlp_only_layers": []}
+MIXTURES = {"mixtral": ("Mixtral", {"num_local_experts": 4}),
+            "qwen2_moe": ("Qwen2Moe", {**_MOE, "shared_expert_intermediate_size": 24}),
+            "qwen3_moe": ("Qwen3Moe", _MOE)}  # fmt: skip
+
+
+def _mixture(kind: str, **extra):
+    import transformers
+
+    name, own = MIXTURES[kind]
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, num_experts_per_tok=2,
+              router_aux_loss_coef=0.3, attn_implementation="sdpa")  # fmt: skip
+    torch.manual_seed(0)
+    return getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**{**kw, **own, **extra}))
+
+
+def _hf_balancing_loss(kind: str):
+    return importlib.import_module(f"transformers.models.{kind}.modeling_{kind}").load_balancing_loss_func
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _close_grads(got: dict, want: dict, what: str):
+    assert got.keys() == want.keys(), what
+    for name, w in want.items():
+        torch.testing.assert_close(got[name], w, rtol=1e-4, atol=1e-6 * max(w.abs().max().item(), 1.0),
+                                   msg=lambda m, name=name: f"{what} {name}: {m}")  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(MIXTURES))
+@pytest.mark.parametrize("masked", [False, True], ids=["all-tokens", "padded"])
+def test_the_sums_give_each_familys_balancing_loss_and_gradient(kind, masked):
+    """Five layers of [3·7, 6] logits, top-2: the loss and its gradient with respect to every layer's logits are
+    Hugging Face's; sums of the layers taken in groups (as pipeline stages take them) add up to the same loss."""
+    from tessel.layers.hf_router_loss import balancing_loss, router_sums
+
+    experts, top_k = 6, 2
+    gen = torch.Generator().manual_seed(3)
+    logits = [torch.randn(21, experts, generator=gen, dtype=torch.float64).float().requires_grad_() for _ in range(5)]
+    mask = torch.ones(3, 7, dtype=torch.long)
+    if masked:
+        mask[0, 5:] = 0  # right padding
+        mask[2, :2] = 0  # left padding
+    mask_arg = mask if masked else None
+    want = _hf_balancing_loss(kind)(tuple(logits), experts, top_k, mask_arg)
+    want_grads = torch.autograd.grad(want, logits)
+    got = balancing_loss(router_sums(tuple(logits), experts, top_k, mask_arg), experts)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=0)
+    for layer, (g, w) in enumerate(zip(torch.autograd.grad(got, logits), want_grads, strict=True)):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8, msg=f"layer {layer}")
+    grouped = sum(router_sums(tuple(logits[a:b]), experts, top_k, mask_arg) for a, b in ((0, 2), (2, 3), (3, 5)))
+    torch.testing.assert_close(balancing_loss(grouped, experts), want, rtol=1e-6, atol=0)
+    sums = router_sums(tuple(logits), experts, top_k, mask_arg)
+    rows = 5 * (mask.sum().item() if masked else 21)
+    assert sums[-1].item() == rows and sums[:experts].sum().item() == top_k * rows
+    counted = torch.autograd.grad(sums[:experts].sum() + sums[-1], logits, allow_unused=True, materialize_grads=True)
+    assert all(not g.any() for g in counted)  # the counts and rows carry no gradient: only the probabilities do
+
+
+def test_bad_sums_are_refused():
+    from tessel.layers.hf_router_loss import balancing_loss, router_sums
+
+    logits = (torch.randn(6, 4),)
+    with pytest.raises(TypeError, match="router_logits must be a tuple of tensors, received Tensor"):
+        router_sums(logits[0], 4, 2)
+    with pytest.raises(ValueError, match=r"router_logits\[0\] must be \[rows, 5\], received \(6, 4\)"):
+        router_sums(logits, 5, 2)
+    with pytest.raises(ValueError, match=r"attention_mask holds 8 tokens, but router_logits\[0\] holds 6 rows"):
+        router_sums(logits, 4, 2, torch.ones(2, 4))
+    with pytest.raises(ValueError, match=r"sums must be \[9\] \(2 · experts \+ 1\), received \(7,\)"):
+        balancing_loss(torch.zeros(7), 4)
+    assert router_sums((), 3, 1).tolist() == [0.0] * 7
+
+
+@pytest.mark.parametrize("kind", list(MIXTURES))
+def test_the_fused_loss_adds_the_balancing_loss_as_the_model_does(kind):
+    """With the router logits asked for (by the call, or by the config), the fused forward holds no logits and gives
+    the model's own loss (cross entropy plus router_aux_loss_coef times the balancing loss over the unpadded
+    tokens), its aux_loss and every gradient; with label smoothing and z-loss, those add to the cross entropy."""
+    from tessel.layers import fuse_lm_loss, parallelize
+
+    ids = torch.randint(VOCAB, (2, 9), generator=torch.Generator().manual_seed(4))
+    mask = torch.ones_like(ids)
+    mask[1, 6:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    for by_config in (False, True):
+        model = parallelize(_mixture(kind, output_router_logits=by_config), None)
+        asked = {} if by_config else {"output_router_logits": True}
+        own = model(ids, attention_mask=mask, labels=labels, **asked)
+        own.loss.backward()
+        want = _grads(model)
+        model.zero_grad(set_to_none=True)
+        fuse_lm_loss(model)
+        fused = model(ids, attention_mask=mask, labels=labels, **asked)
+        assert fused.logits is None and own.logits is not None and fused.router_logits is not None
+        torch.testing.assert_close(fused.aux_loss, own.aux_loss.detach(), rtol=1e-6, atol=0)
+        torch.testing.assert_close(fused.loss, own.loss.detach(), rtol=1e-5, atol=1e-6)
+        fused.loss.backward()
+        _close_grads(_grads(model), want, f"{kind} by_config={by_config}")
+    # tessel's loss options beside the balancing loss: the smoothed cross entropy (the model's own logits) plus it
+    import torch.nn.functional as F
+
+    logits = model(ids, attention_mask=mask).logits.double()[:, :-1].reshape(-1, VOCAB)
+    target = labels[:, 1:].reshape(-1)
+    fuse_lm_loss(model, label_smoothing=0.1)
+    fused = model(ids, attention_mask=mask, labels=labels)
+    want = F.cross_entropy(logits, target, label_smoothing=0.1) + 0.3 * fused.aux_loss.double()
+    torch.testing.assert_close(fused.loss.double(), want, rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match=r"balancing loss weighs its tokens by a \[batch, sequence\] attention_mask"):
+        model(ids, attention_mask=mask[:, None, None, :].bool(), labels=labels)
+
+
+def _split(rank, world_size):
+    """tp=2 with the sequence split: the fused loss with its balancing loss against the same split model's own
+    forward (which gathers the routers' logits over the group), on every gradient shard."""
+    from tessel.layers import fuse_lm_loss, parallelize
+
+    ids = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(5))
+    model = parallelize(_mixture("mixtral", output_router_logits=True), None, sequence_parallel=True)
+    own = model(ids, labels=ids)
+    own.loss.backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    fused = fuse_lm_loss(model)(ids, labels=ids)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, own.loss.detach(), rtol=1e-5, atol=1e-6)
+    fused.loss.backward()
+    _close_grads(_grads(model), want, f"rank {rank}")
+    return fused.aux_loss.item()
+
+
+@pytest.mark.multiprocess
+def test_split_routers_balance_every_token():
+    """Both ranks compute the balancing loss of every token (their routers' logits gathered), the same value."""
+    first, second = run_ranks(_split, 2, timeout=240, env=REFERENCE_KERNELS)
+    assert first == second
