@@ -38,7 +38,15 @@ from ..parallel.dims import ParallelDims
 from ..parallel.flat import is_expert
 from ..parallel.sharding import is_tp_sharded
 from .train_args import DTYPES, OVERLAPS, PRESETS, ArgumentError
-from .train_hf import build_hf, decoder_layer_class, decoder_layers, document_positions, hf_loss, hf_stage
+from .train_hf import (
+    attention_kwargs,
+    build_hf,
+    decoder_layer_class,
+    decoder_layers,
+    document_positions,
+    hf_loss,
+    hf_stage,
+)
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
 __all__ = ["Engine", "build_engine", "compile_blocks"]
@@ -197,7 +205,8 @@ class Engine:
         """The mean loss of next-token targets ``y`` through the wrapped model, without logits: the GPT's
         ``forward(x, targets=)``, or a Hugging Face model's fused forward."""
         if self.args.hf:  # documents as Hugging Face packs them: position ids restarting at each one
-            loss, self._hf_router = hf_loss(self.wrapper, x, y, docs.get("segment_ids"), self.args.aux_loss_coef)
+            loss, self._hf_router = hf_loss(self.wrapper, x, y, docs.get("segment_ids"), self.args.aux_loss_coef,
+                                            **attention_kwargs(self.args))  # fmt: skip
             return loss
         return self.wrapper(x, targets=y, **docs)
 
@@ -467,7 +476,9 @@ def build_engine(args, dims: ParallelDims) -> Engine:
         stages = [gpt]
     else:
         n = args.pp * args.stages_per_rank
-        stage = (lambda s: hf_stage(gpt, s, n)) if args.hf else (lambda s: gpt.pipeline_stage(s, n, fused_loss=True))
+        stage = (
+            (lambda s: hf_stage(gpt, s, n, args)) if args.hf else (lambda s: gpt.pipeline_stage(s, n, fused_loss=True))
+        )
         stages = [stage(s) for s in _stage_ids(args, dims)]
     local = {id(p) for m in stages for p in m.parameters()}
     named = {name: p for name, p in gpt.named_parameters() if id(p) in local}

@@ -42,6 +42,7 @@ __all__ = [
     "HF_FAMILIES",
     "MOE_FAMILIES",
     "WINDOW_FAMILIES",
+    "attention_kwargs",
     "build_hf",
     "decoder_layer_class",
     "decoder_layers",
@@ -134,9 +135,16 @@ def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int) -> float:
     return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * c.n_layer * c.n_embd * keys
 
 
-def hf_stage(model: nn.Module, stage: int, num_stages: int) -> nn.Module:
-    """Pipeline stage ``stage``: its loss fused (its last stage returns the final norm's output)."""
-    return hf_pipeline_stage(model, stage, num_stages, fused_loss=True)
+def hf_stage(model: nn.Module, stage: int, num_stages: int, args) -> nn.Module:
+    """Pipeline stage ``stage``: its loss fused (its last stage returns the final norm's output), its attention's
+    backward the one ``--attention-backward`` names."""
+    return hf_pipeline_stage(model, stage, num_stages, fused_loss=True, forward_kwargs=attention_kwargs(args))
+
+
+def attention_kwargs(args) -> dict:
+    """What every forward passes on to tessel's attention: ``deterministic=False`` for ``--attention-backward
+    atomic`` (Hugging Face's keyword for flash attention's deterministic backward), nothing otherwise."""
+    return {"deterministic": False} if args.attention_backward == "atomic" else {}
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
@@ -150,18 +158,18 @@ def decoder_layer_class(model: nn.Module) -> type:
 
 
 def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None,
-            aux_loss_coef: float = 0.0) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+            aux_loss_coef: float = 0.0, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``(loss, router loss)``: the mean cross entropy of next-token targets ``y`` (already shifted) through the
     model's forward: fused (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``; and a
     mixture's load-balancing loss times ``aux_loss_coef`` (its config's ``router_aux_loss_coef``), which Hugging
     Face adds into its loss (None without one). Packed documents (``segment_ids``) reach the model as Hugging Face
     packs them: position ids restarting at each document, from which (without a cache) its mask keeps each
-    document to itself."""
+    document to itself. ``kwargs`` go to the model's forward (:func:`attention_kwargs`)."""
     y = y.contiguous()  # a window of the batch (Hugging Face views it flat)
     packed = {} if segment_ids is None else {"position_ids": document_positions(segment_ids)}
     # no cache: training needs none, and with one Hugging Face does not read packed documents from the positions
     # (its mask would let every document see the ones before it in the row)
-    out = wrapper(x, labels=y, shift_labels=y, use_cache=False, **packed)
+    out = wrapper(x, labels=y, shift_labels=y, use_cache=False, **packed, **kwargs)
     aux = getattr(out, "aux_loss", None)
     if aux is None:
         return out.loss, None
@@ -205,7 +213,8 @@ def refused_options(args) -> str | None:
         "documents with --cp": documents and args.cp > 1,
         f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None
         and args.hf not in WINDOW_FAMILIES,
-        "--attention-backward atomic": args.attention_backward == "atomic",
+        "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline
+        and args.attention_backward == "atomic",
     }  # fmt: skip
     given = [flag for flag, on in unsupported.items() if on]
     return f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options" if given else None

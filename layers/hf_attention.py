@@ -232,7 +232,8 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
                f"at most {max(HEAD_DIMS)}")  # fmt: skip
     q, k, v = (_widened(t, width) for t in (query, key, value))
     out_BHSD = ring_attention(q, k, v, cp_group, causal=causal, scale=_scale(scaling, query), segment_ids=segment_ids,
-                              window=window, softcap=None if softcap is None else float(softcap))  # fmt: skip
+                              window=window, softcap=None if softcap is None else float(softcap),
+                              deterministic=_deterministic(kwargs))  # fmt: skip
     return out_BHSD[..., : value.shape[-1]].transpose(1, 2), None  # laid out [B, S, H, D] already
 
 
@@ -269,7 +270,9 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     ``window``). Everything else is passed to Hugging Face's ``sdpa`` implementation with the same mask,
     so the result is the same: masks of other patterns, attention dropout, a position bias, and head dims
     or dtypes the kernel does not take (the model's eager attention where sinks or soft-capping, which
-    ``sdpa`` does not take, are asked for). Soft-capped logits (``softcap``) run the kernel with it. A
+    ``sdpa`` does not take, are asked for). Soft-capped logits (``softcap``) run the kernel with it. The call's
+    ``deterministic`` keyword (Hugging Face's for flash attention; default True) picks the kernel's backward:
+    bit-reproducible, or with ``False`` the faster one that adds dQ up with atomics. A
     query that sees no key at all (left padding) gives 0, as torch's ``sdpa`` does. Attention sinks
     (``s_aux``, GPT-OSS) rescale the kernel's output by ``sigmoid(lse - sink)``.
 
@@ -329,13 +332,25 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
         extra["return_lse"] = True
     width = _kernel_head_dim(query, value)
     q, k, v = (_widened(t, width) for t in (query, key, value))
-    out_BHSD = flash_attention(q, k, v, causal=causal and query.shape[2] > 1, scale=_scale(scaling, query), **extra)
+    out_BHSD = flash_attention(q, k, v, causal=causal and query.shape[2] > 1, scale=_scale(scaling, query),
+                               deterministic=_deterministic(kwargs), **extra)  # fmt: skip
     if sinks is not None:
         # the sink's exp joins each row's softmax denominator: out · Σ/(Σ + e^sink) = out · sigmoid(lse - sink)
         # (differentiable through lse, so the sinks and q, k get their gradients)
         out_BHSD, lse = out_BHSD
         out_BHSD = (out_BHSD * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]).to(out_BHSD.dtype)
     return out_BHSD[..., : value.shape[-1]].transpose(1, 2).contiguous(), None
+
+
+def _deterministic(kwargs) -> bool:
+    """The call's ``deterministic`` (Hugging Face's keyword for flash attention's deterministic backward): True, the
+    default, runs tessel's bit-reproducible backward; False the one that adds dQ up with atomics."""
+    deterministic = kwargs.get("deterministic")
+    if deterministic is None:
+        return True
+    if not isinstance(deterministic, bool):
+        raise TypeError(f"tessel attention: deterministic must be a bool, received {type(deterministic).__name__}")
+    return deterministic
 
 
 def _softcap_fits(softcap) -> bool:

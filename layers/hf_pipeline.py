@@ -64,7 +64,8 @@ class HFPipelineStage(nn.Module):
     stage, ``forward(hidden)`` on the others (each with what the previous stage passes on); the last returns
     logits, or the final norm's output with ``fused_loss`` (with a balancing mixture's router sums beside them)."""
 
-    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool, fused_loss: bool):
+    def __init__(self, model: nn.Module, start: int, stop: int, *, first: bool, last: bool, fused_loss: bool,
+                 forward_kwargs: dict | None = None):  # fmt: skip
         super().__init__()
         _, base = base_model(model)
         config = copy.deepcopy(base.config)
@@ -89,6 +90,7 @@ class HFPipelineStage(nn.Module):
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
         self.tp_group, self.sequence_parallel = _tensor_layout(base)
+        self.forward_kwargs = dict(forward_kwargs or {})  # passed to every call of the base model
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor, targets: torch.Tensor | None = None):
         """The stage on ``x``; with ``targets`` (the last stage only), :meth:`loss` of ``x``, its own output: the
@@ -118,7 +120,7 @@ class HFPipelineStage(nn.Module):
             self.gather["gather"] = self.balance is not None
         if self.balance is not None:
             routers = {"output_router_logits": True}
-        out = self.base(**inputs, position_ids=positions, use_cache=False, **routers)
+        out = self.base(**inputs, position_ids=positions, use_cache=False, **routers, **self.forward_kwargs)
         hidden = out.last_hidden_state
         if self.balance is not None:
             local = router_sums(out.router_logits, *self.balance[:2])
@@ -230,17 +232,23 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     return layers
 
 
-def hf_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int, *, fused_loss: bool = False):
+def hf_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int, *, fused_loss: bool = False,
+                      forward_kwargs: dict | None = None):  # fmt: skip
     """Stage ``stage_index`` of ``num_stages`` of a Hugging Face causal LM: a contiguous, even split of its decoder
     layers (earlier stages take one more when it does not divide), as :meth:`~.gpt.GPT.pipeline_stage` splits
     tessel's GPT (see the module docstring). Wrap it in a :class:`~tessel.parallel.pipeline.PipelineStage`; the
     schedule's ``loss_fn`` is the last stage's :meth:`HFPipelineStage.loss`.
 
     Raises ``TypeError`` / ``ValueError`` naming the argument for a model it cannot split (see the module
-    docstring), a stage index out of range, or more stages than layers."""
+    docstring), a stage index out of range, or more stages than layers.
+
+    ``forward_kwargs``: keyword arguments the stage passes to every call of the base model, which Hugging Face hands
+    on to the attention (``{"deterministic": False}``: tessel's attention with its atomic dQ backward)."""
     layers = _check(model, stage_index, num_stages, fused_loss)
+    if forward_kwargs is not None and not isinstance(forward_kwargs, dict):
+        raise TypeError(f"{_NAME}: forward_kwargs must be a dict or None, received {type(forward_kwargs).__name__}")
     per, extra = divmod(layers, num_stages)
     start = stage_index * per + min(stage_index, extra)
     stop = start + per + (stage_index < extra)
     return HFPipelineStage(model, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1,
-                           fused_loss=fused_loss)  # fmt: skip
+                           fused_loss=fused_loss, forward_kwargs=forward_kwargs)  # fmt: skip

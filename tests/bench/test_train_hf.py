@@ -197,9 +197,56 @@ def test_flops_under_a_sliding_window_count_its_keys():
         assert hf_flops_per_token(gpt.num_params(), config, 64) == pytest.approx(gpt.flops_per_token(64)), window
 
 
+def _atomic_backward(rank, world_size):
+    """The model's forward (hf_loss) and its pipeline stages (hf_stage) hand deterministic=False to tessel's attention
+    for --attention-backward atomic, nothing otherwise (the kernel's default: deterministic)."""
+    import torch
+    import transformers
+
+    import tessel.kernels.attention as attention
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import attention_kwargs, hf_loss, hf_stage
+    from tessel.layers import fuse_lm_loss, parallelize, register_hf_attention
+
+    calls = []
+    kernel = attention.flash_attention
+    attention.flash_attention = lambda *a, **k: calls.append(k["deterministic"]) or kernel(*a, **k)
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                                      attn_implementation=register_hf_attention())  # fmt: skip
+    model = fuse_lm_loss(parallelize(transformers.LlamaForCausalLM(config), None))
+    x = torch.randint(64, (2, 8))
+    seen = {}
+    for backward in ("deterministic", "atomic"):
+        args = parse_args([*RUN, "--attention-backward", backward])
+        calls.clear()
+        hf_loss(model, x, x, **attention_kwargs(args))[0].backward()
+        first, last = hf_stage(model, 0, 2, args), hf_stage(model, 1, 2, args)
+        last.lm_loss(last(first(x)), x).backward()
+        seen[backward] = list(calls)
+    return seen
+
+
+def test_the_atomic_attention_backward_reaches_every_forward():
+    [seen] = run_ranks(_atomic_backward, 1, timeout=120, env=REFERENCE_KERNELS)
+    assert seen == {"deterministic": [True] * 4, "atomic": [False] * 4}  # two layers, whole then staged
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("layout", [["--pp", "2", "--microbatches", "2"], ["--cp", "2"]], ids=["pp2", "cp2"])
+def test_the_atomic_attention_backward_trains_under_pipeline_and_context_parallelism(one_process, tmp_path, layout):
+    _ok(_train(tmp_path, *RUN, "--attention-backward", "atomic", *layout, nproc=2))
+    assert _losses(tmp_path) == pytest.approx(_losses(one_process), rel=1e-5)
+
+
 @pytest.mark.parametrize(
     ("extra", "words"),
     [
+        (
+            ["--hf-baseline", "--attention-backward", "atomic"],
+            "--hf llama trains without --attention-backward atomic with --hf-baseline",
+        ),
         (["--experts", "4"], "--hf llama is dense: --experts needs a mixture family (mixtral, qwen3_moe)"),
         (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
         (["--label-smoothing", "0.1", "--hf-baseline"], "--label-smoothing shapes tessel's fused loss; --hf-baseline"),

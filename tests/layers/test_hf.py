@@ -240,14 +240,15 @@ def test_tessel_attention_matches_eager_and_sdpa(family, monkeypatch):
     model = _model(family, num_hidden_layers=1)
     ids, weights = _batch()
     results = {}
-    for impl in ("eager", "sdpa", "tessel"):
-        model.set_attn_implementation(impl)
+    for impl, kw in (("eager", {}), ("sdpa", {}), ("tessel", {}), ("tessel-atomic", {"deterministic": False})):
+        model.set_attn_implementation(impl.split("-")[0])
         model.zero_grad()
-        logits = _forward_backward(model, ids, weights)
+        logits = _forward_backward(model, ids, weights, **kw)
         results[impl] = logits, {n: p.grad.clone() for n, p in model.named_parameters()}
-    assert calls == [{"causal": True, "scale": 0.25}]  # the kernel ran (forward), causal, 1/sqrt(16)
+    # the kernel ran (forward), causal, 1/sqrt(16), its backward the call's (Hugging Face's flash keyword)
+    assert calls == [{"causal": True, "scale": 0.25, "deterministic": d} for d in (True, False)]
     # fp32: the kernel's online softmax and block-wise sums reorder the additions (~1e-6 relative)
-    for impl in ("eager", "sdpa"):
+    for impl in ("eager", "sdpa", "tessel-atomic"):
         _close(results["tessel"][0], results[impl][0])
         for name, grad in results["tessel"][1].items():
             _close(grad, results[impl][1][name], msg=lambda m, n=name: f"{n}: {m}")

@@ -154,6 +154,8 @@ def test_what_it_refuses():
         hf_pipeline_stage(model, True, 2)
     with pytest.raises(TypeError, match="fused_loss must be a bool, received int"):
         hf_pipeline_stage(model, 0, 2, fused_loss=1)
+    with pytest.raises(TypeError, match="forward_kwargs must be a dict or None, received list"):
+        hf_pipeline_stage(model, 0, 2, forward_kwargs=[("deterministic", False)])
     with pytest.raises(ValueError, match=r"stage of layers \[0, 1\) is not the last"):
         hf_pipeline_stage(model, 0, 2).loss(torch.zeros(1, 2, VOCAB), torch.zeros(1, 2, dtype=torch.long))
     import transformers
@@ -316,3 +318,25 @@ def test_stages_carry_the_router_sums_to_the_models_balancing_loss(kind):
                 torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-4, atol=1e-6,
                                            msg=f"{kind} {n} {packed} {name}")  # fmt: skip
         model.zero_grad(set_to_none=True)
+
+
+def test_forward_kwargs_reach_the_attention(monkeypatch):
+    """hf_pipeline_stage(forward_kwargs=): every stage passes them to its base model's forward, which hands them to
+    the attention: tessel's runs its atomic dQ backward for deterministic=False, and refuses a value not a bool."""
+    import tessel.kernels.attention as attention
+    from tessel.layers import hf_pipeline_stage, register_hf_attention
+
+    calls = []
+    kernel = attention.flash_attention
+    spy = lambda *a, **k: calls.append(k["deterministic"]) or kernel(*a, **k)
+    monkeypatch.setattr(attention, "flash_attention", spy)
+    model = _model("llama", layers=2)
+    model.set_attn_implementation(register_hf_attention())
+    ids = torch.randint(VOCAB, (2, 7), generator=torch.Generator().manual_seed(8))
+    for kwargs, want in ((None, True), ({"deterministic": False}, False)):
+        calls.clear()
+        first, last = (hf_pipeline_stage(model, s, 2, forward_kwargs=kwargs) for s in range(2))
+        last.loss(last(first(ids)), _targets(ids)).backward()
+        assert calls == [want, want]
+    with pytest.raises(TypeError, match="tessel attention: deterministic must be a bool, received int"):
+        hf_pipeline_stage(model, 0, 2, forward_kwargs={"deterministic": 0})(ids)
