@@ -200,7 +200,6 @@ def refused_options(args) -> str | None:
     if moe != (args.experts > 0):
         return (f"--hf {args.hf} is a mixture of experts: it needs --experts N" if moe else
                 f"--hf {args.hf} is dense: --experts needs a mixture family ({', '.join(MOE_FAMILIES)})")  # fmt: skip
-    documents = args.doc_sep is not None or args.doc_token is not None
     smoothed = [flag for flag, on in (("--label-smoothing", args.label_smoothing > 0),
                                       ("--logit-z-loss", args.logit_z_loss > 0)) if on]  # fmt: skip
     if smoothed and args.hf_baseline:
@@ -210,7 +209,6 @@ def refused_options(args) -> str | None:
         "--cp with --pp": args.cp > 1 and args.pp > 1,
         **({"--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
-        "documents with --cp": documents and args.cp > 1,
         f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None
         and args.hf not in WINDOW_FAMILIES,
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline

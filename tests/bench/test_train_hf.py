@@ -102,16 +102,18 @@ def test_recomputed_decoder_layers_train_alike(one_process, tmp_path):
 def test_packed_documents_train_as_hugging_face_packs_them(tmp_path):
     """--doc-sep: position ids restarting at each document reach the model, as Hugging Face packs sequences; the
     curve is Hugging Face's own (the baseline packs through its sdpa mask), at tp=2 with sequence parallelism, at
-    dp=2 under FSDP and through a pipeline (the positions travel with the activations) too; without the documents
-    it is another one."""
+    dp=2 under FSDP, through a pipeline (the positions travel with the activations) and at cp=2 (each rank's ring
+    attention reads the documents from the whole sequence's positions) too; without the documents it is another
+    one."""
     docs = ["--hf", "llama", "--steps", "3", "--seq-len", "64", "--batch-size", "4", "--doc-sep", "\\n\\n"]
     _ok(_train(tmp_path / "one", *docs))
     _ok(_train(tmp_path / "baseline", *docs, "--hf-baseline"))
     _ok(_train(tmp_path / "tp2", *docs, "--tp", "2", "--sequence-parallel", nproc=2))
     _ok(_train(tmp_path / "fsdp", *docs, "--dp", "2", "--zero", "3", nproc=2))
     _ok(_train(tmp_path / "pp2", *docs, "--pp", "2", "--microbatches", "2", nproc=2))  # the positions travel along
+    _ok(_train(tmp_path / "cp2", *docs, "--cp", "2", nproc=2))
     _ok(_train(tmp_path / "stream", *docs[:-2]))
-    for run in ("baseline", "tp2", "fsdp", "pp2"):
+    for run in ("baseline", "tp2", "fsdp", "pp2", "cp2"):
         assert _losses(tmp_path / run) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), run
     assert _losses(tmp_path / "stream")[-1] != pytest.approx(_losses(tmp_path / "one")[-1], rel=1e-4)
 
