@@ -26,9 +26,14 @@ pools every layer's routers, of which each stage holds a share: it is a function
 layers (:mod:`.hf_router_loss`), so each stage adds its layers' sums to those it received and passes them on with
 the activation, and the last stage's :meth:`HFPipelineStage.loss` adds ``router_aux_loss_coef`` times the
 balancing loss of the total, as the model's own forward does; the gradient of each stage's routers flows back
-through the sums. Refused: other model types (their base forward may transform the embeddings, as Gemma's scaling
-does, which a later stage must not repeat), tied input and output embeddings (the first and last stages would each
-train a copy), and context parallelism.
+through the sums.
+
+Under context parallelism (``parallelize(cp_group=)``) each stage gives its base model the whole sequence's
+positions (``0 … S-1``, or the packed documents' that travel with the activation), from which the model's hooks take
+this rank's zigzag share and its ring attention the documents; the activations crossing stages are this rank's
+tokens. Refused: other model types (their base forward may transform the embeddings, as Gemma's scaling does, which
+a later stage must not repeat), tied input and output embeddings (the first and last stages would each train a
+copy), and context parallelism together with sequence parallelism.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp
 from .cross_entropy import vocab_parallel_cross_entropy
 from .hf import base_model, is_hf_model
+from .hf_attention import CP_GROUP_ATTR
 from .hf_experts import ROUTER_GATHER
 from .hf_loss import BALANCED_TYPES, OPTIONS
 from .hf_router_loss import balancing_config, balancing_loss, router_sums
@@ -90,6 +96,7 @@ class HFPipelineStage(nn.Module):
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
         self.tp_group, self.sequence_parallel = _tensor_layout(base)
+        self.cp_size = _size(_context_group(base))
         self.forward_kwargs = dict(forward_kwargs or {})  # passed to every call of the base model
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor, targets: torch.Tensor | None = None):
@@ -111,9 +118,9 @@ class HFPipelineStage(nn.Module):
             return self.loss(x, targets)
         position_ids, sums = _carried(carried)
         positions = position_ids
-        if positions is None:
+        if positions is None:  # under context parallelism the whole sequence's (the model's hook takes its share)
             length = x.shape[1] * (_size(self.tp_group) if self.sequence_parallel and not self.first else 1)
-            positions = torch.arange(length, device=x.device)[None]
+            positions = torch.arange(length * self.cp_size, device=x.device)[None]
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         routers = {}
         if self.gather is not None:  # the split routers' logits gathered over the ranks while the loss asks for them
@@ -192,6 +199,11 @@ def _size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
+def _context_group(base: nn.Module):
+    """The context-parallel group ``parallelize(cp_group=)`` marked the attention modules with (None: none)."""
+    return next((g for m in base.layers.modules() if (g := getattr(m, CP_GROUP_ATTR, None)) is not None), None)
+
+
 def _tensor_layout(base: nn.Module):
     """``(tp_group, sequence_parallel)`` of the model's split decoder layers (``(None, False)`` unsplit)."""
     for module in base.layers.modules():
@@ -215,9 +227,10 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     if getattr(model.config, "output_router_logits", False) and model_type not in BALANCED_TYPES:
         raise ValueError(f"{_NAME}: {type(model).__name__} asks for its router logits (output_router_logits=True), "
                          f"whose balancing loss the stages compute for {', '.join(BALANCED_TYPES)} only")  # fmt: skip
-    if base._forward_pre_hooks:
-        raise ValueError(f"{_NAME}: {type(base).__name__} is context-parallel (parallelize(cp_group=)), which the "
-                         "pipeline stages do not support")  # fmt: skip
+    if _size(_context_group(base)) > 1 and _tensor_layout(base)[1]:
+        raise ValueError(f"{_NAME}: {type(base).__name__} is context-parallel (parallelize(cp_group=)) with its "
+                         "sequence split over the tensor-parallel ranks too (sequence_parallel=True), which the "
+                         "pipeline stages do not support: one or the other")  # fmt: skip
     if not isinstance(fused_loss, bool):
         raise TypeError(f"{_NAME}: fused_loss must be a bool, received {type(fused_loss).__name__}")
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):

@@ -120,6 +120,19 @@ def test_packed_documents_train_as_hugging_face_packs_them(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_context_parallel_pipeline_stages_train_the_same_model(one_process, tmp_path):
+    """--pp 2 --cp 2 (four ranks): each stage's base model takes the whole sequence's positions and its ranks' ring
+    attention their shares of it, packed documents too (Hugging Face's own curve)."""
+    _ok(_train(tmp_path / "pp2-cp2", *RUN, "--pp", "2", "--cp", "2", "--microbatches", "2", nproc=4))
+    assert _losses(tmp_path / "pp2-cp2") == pytest.approx(_losses(one_process), rel=1e-5)
+    docs = ["--hf", "llama", "--steps", "3", "--seq-len", "64", "--batch-size", "4", "--doc-sep", "\\n\\n"]
+    _ok(_train(tmp_path / "baseline", *docs, "--hf-baseline"))
+    _ok(_train(tmp_path / "docs", *docs, "--pp", "2", "--cp", "2", "--microbatches", "2", nproc=4))
+    assert _losses(tmp_path / "docs") == pytest.approx(_losses(tmp_path / "baseline"), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_a_tensor_parallel_checkpoint_resumes_in_one_process(one_process, tmp_path):
     """Saved at tp=2 (each rank its shards), resumed whole in one process: the run ends as the reference does."""
     saved, resumed = tmp_path / "tp2", tmp_path / "one"

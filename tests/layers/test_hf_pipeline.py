@@ -340,3 +340,23 @@ def test_forward_kwargs_reach_the_attention(monkeypatch):
         assert calls == [want, want]
     with pytest.raises(TypeError, match="tessel attention: deterministic must be a bool, received int"):
         hf_pipeline_stage(model, 0, 2, forward_kwargs={"deterministic": 0})(ids)
+
+
+def _context_split(rank, world_size):
+    """cp=2 × tp=2: the stages of a context-parallel model know the ring's size; with the sequence split over the
+    tensor-parallel ranks as well, hf_pipeline_stage refuses before building anything."""
+    from tessel.layers import hf_pipeline_stage, parallelize
+    from tests.layers.test_context_parallel import _grid
+
+    solo, tp, cp = _grid(rank, world_size, 2)
+    plain = parallelize(_model("llama", layers=2), solo, cp_group=cp)
+    assert hf_pipeline_stage(plain, 1, 2).cp_size == 2
+    split = parallelize(_model("llama", layers=2), tp, sequence_parallel=True, cp_group=cp)
+    with pytest.raises(ValueError, match=r"context-parallel .* with its sequence split over the tensor-parallel"):
+        hf_pipeline_stage(split, 0, 2)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+def test_context_parallel_stages_and_what_they_refuse():
+    assert run_ranks(_context_split, 4, timeout=240, env=REFERENCE_KERNELS) == ["ok"] * 4
