@@ -433,6 +433,12 @@ def _tokens(bound: inspect.BoundArguments) -> torch.Tensor:
     return bound.arguments.get("inputs_embeds") if tokens is None else tokens
 
 
+def _split_of(bound: inspect.BoundArguments, split: int) -> int:
+    """The sequence-parallel split the base model's input may carry: hidden states (``inputs_embeds``, a later
+    pipeline stage's input) may be split already; ``input_ids`` never are."""
+    return split if bound.arguments.get("input_ids") is None else 1
+
+
 def _check_var_keyword(module: nn.Module) -> None:
     """Raise unless ``module.forward`` takes ``**kwargs``, through which extra arguments reach the attention modules."""
     kinds = [p.kind for p in inspect.signature(module.forward).parameters.values()]
@@ -443,21 +449,25 @@ def _check_var_keyword(module: nn.Module) -> None:
         )
 
 
-def packed_positions(position_ids, tokens: torch.Tensor, cp_size: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+def packed_positions(position_ids, tokens: torch.Tensor, cp_size: int, split: int = 1
+                     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """The whole sequence's ``position_ids`` given to a context-parallel Hugging Face model, checked, and its
     documents: ``(position_ids, segment_ids [B, S] or None)``.
 
     ``position_ids`` must cover the whole sequence, ``[B or 1, S]`` with ``S = cp_size ·`` the local
-    length of ``tokens [B, S/c, …]`` (the same on every rank), as a padding-free collator packs documents:
+    length of ``tokens [B, S/c, …]`` (the same on every rank; ``split``: the tokens may also be hidden states already
+    split over that many sequence-parallel ranks, ``[B, S/(c·split), H]``, as a later pipeline stage receives them),
+    as a padding-free collator packs documents:
     a document begins wherever a position is not the previous one plus one (Hugging Face's rule for
     packed sequences). ``segment_ids`` numbers the documents ``0, 1, …`` along each row, ``None`` when every
     row is one document. Raises a ValueError naming what is wrong.
     """
     b, local = tokens.shape[0], tokens.shape[1]
-    want = f"[{b} or 1, {cp_size * local}]"
+    lengths = sorted({cp_size * local, cp_size * local * split})
+    want = f"[{b} or 1, {' or '.join(map(str, lengths))}]"
     ok = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
     ok = ok and not (position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool)
-    if not ok or position_ids.shape[0] not in (1, b) or position_ids.shape[1] != cp_size * local:
+    if not ok or position_ids.shape[0] not in (1, b) or position_ids.shape[1] not in lengths:
         got = type(position_ids).__name__
         if isinstance(position_ids, torch.Tensor):
             got = f"{position_ids.dtype} tensor of shape {list(position_ids.shape)}"
@@ -506,10 +516,11 @@ class HFContextLayout:
             )
         return cls(attention, prefix + rotary[0], prefix.rstrip("."), bool(prefix))
 
-    def install(self, model: nn.Module, cp_group) -> None:
+    def install(self, model: nn.Module, cp_group, split: int = 1) -> None:
         """Mark the attention modules with ``cp_group``, switch the model to tessel's attention, and hook the
         rotary module (global positions), the base model (whole-sequence position ids: packed documents)
-        and the head (no self-shifted labels)."""
+        and the head (no self-shifted labels). ``split``: the tensor-parallel ranks the sequence is also split
+        over (sequence parallelism), whose shares a later pipeline stage's base model receives as its input."""
         c, r = group_size(cp_group), group_rank(cp_group)
         modules = dict(model.named_modules())
         for name in self.attention:
@@ -544,7 +555,7 @@ class HFContextLayout:
             if c == 1:
                 if given is None:
                     return None
-                held["positions"] = packed_positions(given, _tokens(bound), c)[0]
+                held["positions"] = packed_positions(given, _tokens(bound), c, _split_of(bound, split))[0]
                 return None  # the local view is the whole: the model reads its documents itself
             runs = None
             masked = bound.arguments.get("attention_mask") is not None
@@ -556,7 +567,7 @@ class HFContextLayout:
                 args, kwargs = _replace_argument(module, args, kwargs, "attention_mask", None)
             segment_ids = None
             if given is not None:
-                whole, segment_ids = packed_positions(given, _tokens(bound), c)
+                whole, segment_ids = packed_positions(given, _tokens(bound), c, _split_of(bound, split))
                 if masked:  # as Hugging Face reads them: documents from position ids only without a mask
                     segment_ids = None
                 held["positions"] = whole[:, zigzag_positions(whole.shape[1], c, r, device=whole.device)]

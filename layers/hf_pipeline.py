@@ -31,9 +31,9 @@ through the sums.
 Under context parallelism (``parallelize(cp_group=)``) each stage gives its base model the whole sequence's
 positions (``0 … S-1``, or the packed documents' that travel with the activation), from which the model's hooks take
 this rank's zigzag share and its ring attention the documents; the activations crossing stages are this rank's
-tokens. Refused: other model types (their base forward may transform the embeddings, as Gemma's scaling does, which
-a later stage must not repeat), tied input and output embeddings (the first and last stages would each train a
-copy), and context parallelism together with sequence parallelism.
+tokens (under sequence parallelism as well, their share over the tensor-parallel ranks). Refused: other model types
+(their base forward may transform the embeddings, as Gemma's scaling does, which a later stage must not repeat), and
+tied input and output embeddings (the first and last stages would each train a copy).
 """
 
 from __future__ import annotations
@@ -227,10 +227,6 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     if getattr(model.config, "output_router_logits", False) and model_type not in BALANCED_TYPES:
         raise ValueError(f"{_NAME}: {type(model).__name__} asks for its router logits (output_router_logits=True), "
                          f"whose balancing loss the stages compute for {', '.join(BALANCED_TYPES)} only")  # fmt: skip
-    if _size(_context_group(base)) > 1 and _tensor_layout(base)[1]:
-        raise ValueError(f"{_NAME}: {type(base).__name__} is context-parallel (parallelize(cp_group=)) with its "
-                         "sequence split over the tensor-parallel ranks too (sequence_parallel=True), which the "
-                         "pipeline stages do not support: one or the other")  # fmt: skip
     if not isinstance(fused_loss, bool):
         raise TypeError(f"{_NAME}: fused_loss must be a bool, received {type(fused_loss).__name__}")
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):

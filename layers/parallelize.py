@@ -217,7 +217,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     if layout is not None:
         layout.install(model, tp_group, rings, cp_group)
     if isinstance(context, HFContextLayout):
-        context.install(model, cp_group)
+        context.install(model, cp_group, t if layout is not None else 1)
         if layout is None and hasattr(getattr(model, "config", None), "output_router_logits"):
             blocks = sorted({e.name.rsplit(".", 1)[0] for e in entries if e.kind == EXPERTS})
             gather_router_logits(model, type(base_model(model)[1]), blocks, tp_group, cp_group, sequence_parallel=False)

@@ -71,11 +71,6 @@ def test_the_command_exits_with_status_two_and_one_line(tmp_path):
         (["--doc-token", "3"], 1, "--doc-token separates documents of token ids (--tokens uint16/uint32)"),
         (["--hf-baseline"], 1, "--hf-baseline trains a Hugging Face model as it comes: it needs --hf"),
         (["--hf", "llama", "--hf-baseline", "--pp", "2"], 2, "--hf-baseline trains the model as Hugging Face makes it"),
-        (
-            ["--hf", "llama", "--cp", "2", "--pp", "2", "--tp", "2", "--sequence-parallel"],
-            8,
-            "--hf llama trains without --cp with --pp and --sequence-parallel",
-        ),
         (["--vocab-size", "200"], 1, "--vocab-size must be at least 256 (every byte), received 200"),
         (["--vocab-size", "301", "--tp", "2"], 2, "at least 256 (every byte) and divisible by --tp 2, received 301"),
         (["--eval-every", "5", "--eval-batches", "0"], 1, "--eval-batches must be a positive integer, received 0"),

@@ -122,12 +122,14 @@ def test_packed_documents_train_as_hugging_face_packs_them(tmp_path):
 @pytest.mark.multiprocess
 def test_context_parallel_pipeline_stages_train_the_same_model(one_process, tmp_path):
     """--pp 2 --cp 2 (four ranks): each stage's base model takes the whole sequence's positions and its ranks' ring
-    attention their shares of it, packed documents too (Hugging Face's own curve)."""
+    attention their shares of it; packed documents too, with the sequence split over tp 2 as well (eight ranks,
+    each later stage receiving a quarter of the sequence): Hugging Face's own curve."""
     _ok(_train(tmp_path / "pp2-cp2", *RUN, "--pp", "2", "--cp", "2", "--microbatches", "2", nproc=4))
     assert _losses(tmp_path / "pp2-cp2") == pytest.approx(_losses(one_process), rel=1e-5)
     docs = ["--hf", "llama", "--steps", "3", "--seq-len", "64", "--batch-size", "4", "--doc-sep", "\\n\\n"]
     _ok(_train(tmp_path / "baseline", *docs, "--hf-baseline"))
-    _ok(_train(tmp_path / "docs", *docs, "--pp", "2", "--cp", "2", "--microbatches", "2", nproc=4))
+    layout = ["--pp", "2", "--cp", "2", "--tp", "2", "--sequence-parallel", "--microbatches", "2"]
+    _ok(_train(tmp_path / "docs", *docs, *layout, nproc=8))
     assert _losses(tmp_path / "docs") == pytest.approx(_losses(tmp_path / "baseline"), rel=1e-5)
 
 

@@ -343,20 +343,30 @@ def test_forward_kwargs_reach_the_attention(monkeypatch):
 
 
 def _context_split(rank, world_size):
-    """cp=2 × tp=2: the stages of a context-parallel model know the ring's size; with the sequence split over the
-    tensor-parallel ranks as well, hf_pipeline_stage refuses before building anything."""
+    """cp=2 × tp=2 with the sequence split over both: the stages of the model know the ring's size, and each later
+    stage's base model takes the whole sequence's positions beside hidden states split over the tensor-parallel
+    ranks as well (the model's hook accepts them, and checks them)."""
     from tessel.layers import hf_pipeline_stage, parallelize
+    from tessel.layers.hf import packed_positions
     from tests.layers.test_context_parallel import _grid
 
     solo, tp, cp = _grid(rank, world_size, 2)
     plain = parallelize(_model("llama", layers=2), solo, cp_group=cp)
     assert hf_pipeline_stage(plain, 1, 2).cp_size == 2
     split = parallelize(_model("llama", layers=2), tp, sequence_parallel=True, cp_group=cp)
-    with pytest.raises(ValueError, match=r"context-parallel .* with its sequence split over the tensor-parallel"):
-        hf_pipeline_stage(split, 0, 2)
+    stage = hf_pipeline_stage(split, 1, 2)
+    assert stage.cp_size == 2 and stage.sequence_parallel
+    hidden = torch.zeros(2, 4, 32)  # [B, S/(c·t), H] of S = 16
+    positions = torch.tensor([[*range(5), *range(11)]])
+    whole, documents = packed_positions(positions, hidden, 2, split=2)
+    assert whole is positions and documents.tolist() == [[0] * 5 + [1] * 11] * 2
+    with pytest.raises(ValueError, match=r"position_ids must be the whole sequence's integer positions \[2 or 1, 8\]"):
+        packed_positions(positions, hidden, 2)  # without the split: 8 positions expected
+    with pytest.raises(ValueError, match=r"\[2 or 1, 8 or 16\] .* received torch.int64 tensor of shape \[1, 12\]"):
+        packed_positions(positions[:, :12], hidden, 2, split=2)
     return "ok"
 
 
 @pytest.mark.multiprocess
-def test_context_parallel_stages_and_what_they_refuse():
+def test_context_parallel_stages_under_sequence_parallelism():
     assert run_ranks(_context_split, 4, timeout=240, env=REFERENCE_KERNELS) == ["ok"] * 4
