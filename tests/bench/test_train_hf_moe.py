@@ -150,13 +150,15 @@ def test_a_pipeline_trains_the_mixture_without_the_balancing_loss(tmp_path):
 def test_a_pipeline_trains_the_balancing_loss_of_every_layer(tmp_path):
     """--pp 2 with the balancing loss: each stage passes its layers' router sums on with the activation and the last
     stage trains the balancing loss of every layer's routers, so the curve is the single process's over the same
-    two pieces (--microbatches 2: each piece balances its own tokens), 1F1B and interleaved, with the sequence split
+    two pieces (--microbatches 2: each piece balances its own tokens), 1F1B, interleaved and zero-bubble (whose
+    backward splits off the weights' gradients) under FSDP, with the sequence split
     over tp 2 or cp 2 too (the routers' logits gathered). The balancing loss shapes that curve: without it the curve
     is another."""
     run = [*RUN, "--aux-loss-coef", "0.1", "--microbatches", "2"]
     _ok(_train(tmp_path / "one", *run))
     layouts = {"1f1b": ([], 2), "interleaved": (["--schedule", "interleaved"], 2),
-               "tp2-sp": (["--tp", "2", "--sequence-parallel"], 4), "cp2": (["--cp", "2"], 4)}  # fmt: skip
+               "zb-fsdp": (["--schedule", "zb", "--zero", "3"], 2), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 4),
+               "cp2": (["--cp", "2"], 4)}  # fmt: skip
     for name, (layout, nproc) in layouts.items():
         _ok(_train(tmp_path / name, *run, "--pp", "2", *layout, nproc=nproc))
         assert _losses(tmp_path / name) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), name
