@@ -32,6 +32,7 @@ from torch import nn
 
 from ..layers.fp8 import convert_to_fp8, fp8_layers
 from ..layers.gpt import GPT, GPTConfig, TransformerBlock
+from ..layers.hf_router_loss import router_z_loss
 from ..layers.moe import update_expert_biases
 from ..parallel.comm import group_size
 from ..parallel.dims import ParallelDims
@@ -117,6 +118,8 @@ class Engine:
             return loss
         self._microbatch_losses.append(loss.detach().float())
         router = self.stages[last].router_loss(output) if self.args.hf else None
+        if router is not None and self.args.z_loss_coef > 0:  # ST-MoE's router z-loss over every layer's routers
+            router = router + self.args.z_loss_coef * router_z_loss(output[1], self.args.experts)
         return self._scaled(loss if router is None else loss + router)
 
     def _weighted(self, loss: torch.Tensor, target: torch.Tensor, parts: int = 1) -> torch.Tensor:
@@ -206,7 +209,7 @@ class Engine:
         ``forward(x, targets=)``, or a Hugging Face model's fused forward."""
         if self.args.hf:  # documents as Hugging Face packs them: position ids restarting at each one
             loss, self._hf_router = hf_loss(self.wrapper, x, y, docs.get("segment_ids"), self.args.aux_loss_coef,
-                                            **attention_kwargs(self.args))  # fmt: skip
+                                            self.args.z_loss_coef, **attention_kwargs(self.args))  # fmt: skip
             return loss
         return self.wrapper(x, targets=y, **docs)
 

@@ -14,8 +14,10 @@ Mixtures of experts (``--hf mixtral`` or ``qwen3_moe`` with ``--experts N --top-
 experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
 :func:`~tessel.layers.register_hf_experts`; the baseline keeps Hugging Face's default). Their load-balancing loss
 (``--aux-loss-coef``, as Hugging Face weighs it: ``router_aux_loss_coef``) is trained and, as for tessel's GPT,
-left out of the reported loss; it is computed beside tessel's fused loss (:func:`~tessel.layers.fuse_lm_loss`, so
-the logits are never held and ``--label-smoothing`` and ``--logit-z-loss`` apply). FLOPs count the active
+left out of the reported loss, and so is ST-MoE's router z-loss (``--z-loss-coef``, the mean squared log-sum-exp
+of every layer's router logits, as for tessel's GPT; Hugging Face's mixtures have none); the balancing loss is
+computed beside tessel's fused loss (:func:`~tessel.layers.fuse_lm_loss`, so the logits are never held and
+``--label-smoothing`` and ``--logit-z-loss`` apply). FLOPs count the active
 parameters: each token runs k of the N experts. With ``--ep`` the experts are split over expert-parallel groups of
 data-parallel ranks (``parallelize(ep_group=)``); under ``--cp`` the routers' logits are gathered over the
 context-parallel group for the balancing loss; under ``--pp`` each stage adds its layers' router sums to those it
@@ -36,6 +38,7 @@ from torch import nn
 from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention, register_hf_experts
 from ..layers.gpt import GPTConfig
 from ..layers.hf import base_model
+from ..layers.hf_router_loss import router_sums, router_z_loss
 from .train_args import OVERLAPS
 
 __all__ = [
@@ -70,7 +73,8 @@ def _experts_config(args, c: GPTConfig) -> dict:
         return {}
     count = "num_local_experts" if args.hf == "mixtral" else "num_experts"
     return {count: args.experts, "num_experts_per_tok": args.top_k, MOE_FAMILIES[args.hf]: c.mlp_hidden,
-            "router_aux_loss_coef": args.aux_loss_coef, "output_router_logits": args.aux_loss_coef > 0}  # fmt: skip
+            "router_aux_loss_coef": args.aux_loss_coef,
+            "output_router_logits": args.aux_loss_coef > 0 or args.z_loss_coef > 0}  # fmt: skip
 
 
 def _hf_config(args, c: GPTConfig, attention: str):
@@ -158,11 +162,13 @@ def decoder_layer_class(model: nn.Module) -> type:
 
 
 def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: torch.Tensor | None = None,
-            aux_loss_coef: float = 0.0, **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+            aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+            **kwargs) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
     """``(loss, router loss)``: the mean cross entropy of next-token targets ``y`` (already shifted) through the
     model's forward: fused (``fuse_lm_loss``), or Hugging Face's own from the logits under ``--hf-baseline``; and a
     mixture's load-balancing loss times ``aux_loss_coef`` (its config's ``router_aux_loss_coef``), which Hugging
-    Face adds into its loss (None without one). Packed documents (``segment_ids``) reach the model as Hugging Face
+    Face adds into its loss, plus ST-MoE's router z-loss over every layer's router logits times ``z_loss_coef``
+    (None without router logits). Packed documents (``segment_ids``) reach the model as Hugging Face
     packs them: position ids restarting at each document, from which (without a cache) its mask keeps each
     document to itself. ``kwargs`` go to the model's forward (:func:`attention_kwargs`)."""
     y = y.contiguous()  # a window of the batch (Hugging Face views it flat)
@@ -173,8 +179,12 @@ def hf_loss(wrapper: nn.Module, x: torch.Tensor, y: torch.Tensor, segment_ids: t
     aux = getattr(out, "aux_loss", None)
     if aux is None:
         return out.loss, None
-    router = aux_loss_coef * aux
-    return out.loss - router, router
+    balancing = aux_loss_coef * aux
+    router = balancing
+    if z_loss_coef > 0:
+        experts = out.router_logits[0].shape[-1]
+        router = router + z_loss_coef * router_z_loss(router_sums(out.router_logits, experts, 1), experts)
+    return out.loss - balancing, router
 
 
 def document_positions(segment_ids: torch.Tensor) -> torch.Tensor:
@@ -206,7 +216,7 @@ def refused_options(args) -> str | None:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
     unsupported = {
-        **({"--z-loss-coef": args.z_loss_coef > 0, "--router-score sigmoid": args.router_score != "softmax",
+        **({"--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
         f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None
         and args.hf not in WINDOW_FAMILIES,

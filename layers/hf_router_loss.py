@@ -9,10 +9,13 @@ the rows::
     loss = E · Σ_e (c_e / R) · (p_e / R)
 
 Both ``c`` and ``p`` are sums, which add over layers: :func:`router_sums` gives them for some of the layers as one
-``[2E + 1]`` fp32 tensor ``(c, p, R)`` (only ``p`` carries a gradient), the sums of several groups of layers add
-up (the pipeline stages of :func:`~.hf_pipeline.hf_pipeline_stage` carry them from stage to stage), and
-:func:`balancing_loss` turns the total into the loss. Routers pick their experts from the softmax in the logits'
-dtype, and the counts and probabilities are summed in fp32, as Hugging Face's ``load_balancing_loss_func`` does.
+``[2E + 2]`` fp32 tensor ``(c, p, z, R)``, with ``z`` the rows' ``logsumexp(logits)²`` summed (only ``p`` and ``z``
+carry a gradient). The sums of several groups of layers add up (the pipeline stages of
+:func:`~.hf_pipeline.hf_pipeline_stage` carry them from stage to stage), :func:`balancing_loss` turns the total
+into the loss, and :func:`router_z_loss` into ST-MoE's router z-loss ``z / R`` (the mean over every layer's rows,
+as tessel's :class:`~.moe.ParallelMoE` takes it; Hugging Face's mixtures have none). Routers pick their experts from
+the softmax in the logits' dtype, and the counts and probabilities are summed in fp32, as Hugging Face's
+``load_balancing_loss_func`` does.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["balancing_config", "balancing_loss", "router_sums"]
+__all__ = ["balancing_config", "balancing_loss", "router_sums", "router_z_loss"]
 
 
 def balancing_config(model: nn.Module) -> tuple[int, int, float]:
@@ -40,8 +43,9 @@ def balancing_config(model: nn.Module) -> tuple[int, int, float]:
 
 def router_sums(router_logits, num_experts: int, top_k: int, attention_mask: torch.Tensor | None = None
                 ) -> torch.Tensor:  # fmt: skip
-    """``[2E + 1]`` fp32: the routes to each expert, each expert's router probability summed over the rows, and the
-    rows, over every layer's ``[rows, E]`` logits in ``router_logits`` (a tuple, one per layer; empty: zeros).
+    """``[2E + 2]`` fp32: the routes to each expert, each expert's router probability summed over the rows, the rows'
+    squared log-sum-exps summed, and the rows, over every layer's ``[rows, E]`` logits in ``router_logits`` (a
+    tuple, one per layer; empty: zeros).
 
     ``attention_mask``: None, or ``[B, S]`` with ``B·S`` the rows of every layer: each row weighted by its value
     (0 for padding), as Hugging Face weighs them."""
@@ -50,11 +54,12 @@ def router_sums(router_logits, num_experts: int, top_k: int, attention_mask: tor
             f"router_sums: router_logits must be a tuple of tensors, received {type(router_logits).__name__}"
         )
     if not router_logits:
-        return torch.zeros(2 * num_experts + 1)
+        return torch.zeros(2 * num_experts + 2)
     device = router_logits[0].device
     counts = torch.zeros(num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(num_experts, dtype=torch.float32, device=device)
     rows = torch.zeros(1, dtype=torch.float32, device=device)
+    squares = torch.zeros(1, dtype=torch.float32, device=device)
     weight = None
     if attention_mask is not None:
         weight = attention_mask.reshape(-1).to(device=device, dtype=torch.float32)
@@ -67,21 +72,35 @@ def router_sums(router_logits, num_experts: int, top_k: int, attention_mask: tor
                              f"holds {logits.shape[0]} rows")  # fmt: skip
         routing = F.softmax(logits.to(device), dim=-1)
         chosen = torch.topk(routing, top_k, dim=-1).indices.reshape(-1)
+        square = torch.logsumexp(logits.to(device).float(), dim=-1).square()
         if weight is None:
             counts = counts.index_add(0, chosen, torch.ones_like(chosen, dtype=torch.float32))
             probs = probs + routing.float().sum(0)
+            squares = squares + square.sum()
             rows = rows + logits.shape[0]
         else:
             counts = counts.index_add(0, chosen, weight.repeat_interleave(top_k))
             probs = probs + (routing.float() * weight[:, None]).sum(0)
+            squares = squares + (square * weight).sum()
             rows = rows + weight.sum()
-    return torch.cat([counts.detach(), probs, rows.detach()])
+    return torch.cat([counts.detach(), probs, squares, rows.detach()])
 
 
 def balancing_loss(sums: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``E · Σ_e (c_e / R) · (p_e / R)`` from the :func:`router_sums` of every layer (a scalar, fp32)."""
-    if sums.shape != (2 * num_experts + 1,):
-        raise ValueError(f"balancing_loss: sums must be [{2 * num_experts + 1}] (2 · experts + 1), received "
-                         f"{tuple(sums.shape)}")  # fmt: skip
-    counts, probs, rows = sums[:num_experts].detach(), sums[num_experts:-1], sums[-1].detach()
+    _check_sums("balancing_loss", sums, num_experts)
+    counts, probs, rows = sums[:num_experts].detach(), sums[num_experts : 2 * num_experts], sums[-1].detach()
     return torch.sum((counts / rows) * (probs / rows)) * num_experts
+
+
+def router_z_loss(sums: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """ST-MoE's router z-loss, the mean ``logsumexp(logits)²`` over every layer's rows, from their
+    :func:`router_sums` (a scalar, fp32)."""
+    _check_sums("router_z_loss", sums, num_experts)
+    return sums[-2] / sums[-1].detach()
+
+
+def _check_sums(name: str, sums: torch.Tensor, num_experts: int) -> None:
+    if sums.shape != (2 * num_experts + 2,):
+        raise ValueError(f"{name}: sums must be [{2 * num_experts + 2}] (2 · experts + 2), received "
+                         f"{tuple(sums.shape)}")  # fmt: skip

@@ -166,6 +166,25 @@ def test_a_pipeline_trains_the_balancing_loss_of_every_layer(tmp_path):
     assert _losses(tmp_path / "without")[1:] != pytest.approx(_losses(tmp_path / "one")[1:], rel=1e-5)
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_the_router_z_loss_is_trained_not_reported_under_every_layout(tmp_path):
+    """--z-loss-coef (ST-MoE's router z-loss over every layer's router logits, which Hugging Face's mixtures lack):
+    the first step's reported loss is the run's without it, the later ones are not; the curve is the same through a
+    pipeline (the z-loss from the router sums the stages carry), at tp 2 with the sequence split (the routers' logits
+    gathered) and with Hugging Face's own forward (--hf-baseline)."""
+    run = [*RUN, "--microbatches", "2"]
+    _ok(_train(tmp_path / "plain", *run))
+    _ok(_train(tmp_path / "one", *run, "--z-loss-coef", "0.5"))
+    one, plain = _losses(tmp_path / "one"), _losses(tmp_path / "plain")
+    assert one[0] == plain[0] and one[1:] != pytest.approx(plain[1:], rel=1e-5)
+    layouts = {"pp2": (["--pp", "2"], 2), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
+               "baseline": (["--hf-baseline"], 1)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *run, "--z-loss-coef", "0.5", *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+
+
 def test_label_smoothing_and_z_loss_shape_the_mixtures_fused_loss_beside_its_balancing_loss(one_process, tmp_path):
     """The balancing loss is computed beside tessel's fused loss, so --label-smoothing and --logit-z-loss reach a
     mixture that trains it: they raise the first step's reported loss."""

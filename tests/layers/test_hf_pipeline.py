@@ -307,7 +307,7 @@ def test_stages_carry_the_router_sums_to_the_models_balancing_loss(kind):
             out = (ids, positions) if packed else (ids,)
             for s, stage in enumerate(stages):
                 out = stage(*out)
-                assert len(out) == (2 + packed if s < n - 1 else 2) and out[-1].shape == (9,)
+                assert len(out) == (2 + packed if s < n - 1 else 2) and out[-1].shape == (10,)
             if not fused:
                 torch.testing.assert_close(out[0], want.logits, rtol=1e-5, atol=1e-6)
             torch.testing.assert_close(stages[-1].router_loss(out), 0.5 * want.aux_loss, rtol=1e-5, atol=1e-7)

@@ -54,7 +54,7 @@ def _close_grads(got: dict, want: dict, what: str):
 def test_the_sums_give_each_familys_balancing_loss_and_gradient(kind, masked):
     """Five layers of [3·7, 6] logits, top-2: the loss and its gradient with respect to every layer's logits are
     Hugging Face's; sums of the layers taken in groups (as pipeline stages take them) add up to the same loss."""
-    from tessel.layers.hf_router_loss import balancing_loss, router_sums
+    from tessel.layers.hf_router_loss import balancing_loss, router_sums, router_z_loss
 
     experts, top_k = 6, 2
     gen = torch.Generator().manual_seed(3)
@@ -75,12 +75,26 @@ def test_the_sums_give_each_familys_balancing_loss_and_gradient(kind, masked):
     sums = router_sums(tuple(logits), experts, top_k, mask_arg)
     rows = 5 * (mask.sum().item() if masked else 21)
     assert sums[-1].item() == rows and sums[:experts].sum().item() == top_k * rows
-    counted = torch.autograd.grad(sums[:experts].sum() + sums[-1], logits, allow_unused=True, materialize_grads=True)
-    assert all(not g.any() for g in counted)  # the counts and rows carry no gradient: only the probabilities do
+    counted = torch.autograd.grad(sums[:experts].sum() + sums[-1], logits, retain_graph=True, materialize_grads=True)
+    assert all(not g.any() for g in counted)  # the counts and rows carry no gradient: the probabilities and z do
+    # ST-MoE's router z-loss: the mean squared log-sum-exp over every layer's (unpadded) rows, as tessel's MoE's
+    weights = mask.reshape(-1).double() if masked else torch.ones(21, dtype=torch.float64)
+    squares = torch.stack([torch.logsumexp(x.double(), -1).square() for x in logits])
+    want_z = (squares * weights).sum() / (5 * weights.sum())
+    torch.testing.assert_close(router_z_loss(grouped, experts).double(), want_z, rtol=1e-6, atol=0)
+    if not masked:
+        from tessel.layers.moe import router_z_loss as moe_z_loss
+
+        per_layer = torch.stack([moe_z_loss(x) for x in logits]).mean()
+        torch.testing.assert_close(router_z_loss(sums, experts), per_layer, rtol=1e-6, atol=0)
+    z_grads = torch.autograd.grad(router_z_loss(sums, experts), logits)
+    want_z_grads = torch.autograd.grad((squares * weights).sum() / (5 * weights.sum()), logits)
+    for g, w in zip(z_grads, want_z_grads, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-8)
 
 
 def test_bad_sums_are_refused():
-    from tessel.layers.hf_router_loss import balancing_loss, router_sums
+    from tessel.layers.hf_router_loss import balancing_loss, router_sums, router_z_loss
 
     logits = (torch.randn(6, 4),)
     with pytest.raises(TypeError, match="router_logits must be a tuple of tensors, received Tensor"):
@@ -89,9 +103,11 @@ def test_bad_sums_are_refused():
         router_sums(logits, 5, 2)
     with pytest.raises(ValueError, match=r"attention_mask holds 8 tokens, but router_logits\[0\] holds 6 rows"):
         router_sums(logits, 4, 2, torch.ones(2, 4))
-    with pytest.raises(ValueError, match=r"sums must be \[9\] \(2 · experts \+ 1\), received \(7,\)"):
-        balancing_loss(torch.zeros(7), 4)
-    assert router_sums((), 3, 1).tolist() == [0.0] * 7
+    with pytest.raises(ValueError, match=r"balancing_loss: sums must be \[10\] \(2 · experts \+ 2\), received \(9,\)"):
+        balancing_loss(torch.zeros(9), 4)
+    with pytest.raises(ValueError, match=r"router_z_loss: sums must be \[10\]"):
+        router_z_loss(torch.zeros(9), 4)
+    assert router_sums((), 3, 1).tolist() == [0.0] * 8
 
 
 @pytest.mark.parametrize("kind", list(MIXTURES))
