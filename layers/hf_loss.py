@@ -7,8 +7,10 @@ Llama 3's 128k vocabulary. :func:`fuse_lm_loss` replaces the model's ``forward``
 call with ``labels`` runs the base model, then :func:`~.linear_cross_entropy.linear_cross_entropy` on its last
 hidden state with the split head's weight: the same loss as Hugging Face's ``ForCausalLMLoss`` (labels shifted
 by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when the trainer passes it,
-``shift_labels`` when given), the same gradients, and ``logits=None`` in the output. Mixtral, Qwen2-MoE and
-Qwen3-MoE asking for their router logits add their load-balancing loss as Hugging Face does
+``shift_labels`` when given; logits scaled as Granite and Cohere scale theirs), the same gradients, and
+``logits=None`` in the output. Mixtures of experts asking for their router logits (Mixtral, Qwen2-MoE, Qwen3-MoE,
+OLMoE, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum: ``BALANCED_TYPES``) add their
+load-balancing loss as Hugging Face does
 (:mod:`.hf_router_loss`; the output's ``aux_loss``). A call without labels, one asking for the router logits of
 another mixture (whose balancing loss may be another), or with ``labels`` passed by position, runs the model's own
 forward unchanged.
@@ -16,7 +18,7 @@ forward unchanged.
 ``fuse_lm_loss(model, label_smoothing=, z_loss=)`` adds what Hugging Face's loss lacks: label smoothing (as
 ``F.cross_entropy``'s) and PaLM's z-loss on the logits (``z_loss · logsumexp²`` per token), as tessel's GPT takes
 them; :func:`~.hf_pipeline.hf_pipeline_stage` gives the last stage's loss the same. With either set, a call that
-asks for the router logits of a mixture other than those three is refused (the model's own loss would drop them).
+asks for the router logits of a mixture other than those is refused (the model's own loss would drop them).
 """
 
 from __future__ import annotations
@@ -39,8 +41,11 @@ _NAME = "fuse_lm_loss"
 _BASE_POSITIONAL = 5  # input_ids, attention_mask, position_ids, past_key_values, inputs_embeds: the same in both
 _UNFUSED = "_tessel_unfused_forward"  # the forward that fuse_lm_loss replaced, kept on the model
 OPTIONS = "_tessel_lm_loss_options"  # fuse_lm_loss's label_smoothing and z_loss, kept on the model
-# Mixtures whose loss adds Hugging Face's load_balancing_loss_func (see .hf_router_loss) when asked for router logits
-BALANCED_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe")
+# Mixtures whose loss adds Hugging Face's load_balancing_loss_func (see .hf_router_loss) of their router logits, their
+# num_experts and num_experts_per_tok when asked for router logits (checked family by family against their own forward
+# in tests/layers/test_hf_router_loss.py)
+BALANCED_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "ernie4_5_moe", "minimax", "minimax_m2",
+                  "granitemoe", "laguna", "mellum")  # fmt: skip
 
 
 def _check(model) -> ColumnParallelLinear:
@@ -62,6 +67,17 @@ def _check(model) -> ColumnParallelLinear:
         raise ValueError(f"{_NAME}: the model soft-caps its logits (final_logit_softcapping={cap}), which "
                          "linear_cross_entropy does not; keep the model's own loss")  # fmt: skip
     return head
+
+
+def _logit_multiplier(model: nn.Module) -> float:
+    """What the model's head multiplies its logits by: ``1 / logits_scaling`` (Granite's families) times the
+    ``logit_scale`` the model holds (Cohere's); 1 for every other model."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    scale = 1.0 / float(getattr(config, "logits_scaling", None) or 1.0)
+    held = getattr(model, "logit_scale", None)
+    if isinstance(held, (int, float)) and not isinstance(held, bool):
+        scale *= float(held)
+    return scale
 
 
 def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -95,9 +111,12 @@ def _fused_forward(self, *args, **kwargs):
     outputs = base_model(self)[1](*args, **kwargs)
     head = self.get_output_embeddings()
     target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
-    loss = linear_cross_entropy(outputs.last_hidden_state, head.weight, target.to(head.weight.device), head.tp_group,
-                                bias=head.bias, ignore_index=ignore_index,
-                                reduction="mean" if num_items is None else "sum", **options)  # fmt: skip
+    hidden, bias, scale = outputs.last_hidden_state, head.bias, _logit_multiplier(self)
+    if scale != 1.0:  # logits · c = (hidden · c) Wᵀ + bias · c
+        hidden, bias = hidden * scale, None if bias is None else bias * scale
+    loss = linear_cross_entropy(hidden, head.weight, target.to(head.weight.device), head.tp_group, bias=bias,
+                                ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+                                **options)  # fmt: skip
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     fields = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,

@@ -93,6 +93,32 @@ def test_what_it_refuses():
         fuse_lm_loss(gemma)
 
 
+@pytest.mark.parametrize(("name", "scaled"), [("Granite", {"logits_scaling": 4.0}), ("Cohere", {"logit_scale": 0.25}),
+                                             ("Cohere2", {"logit_scale": 0.25})])  # fmt: skip
+def test_scaled_logits_are_scaled_in_the_fused_loss(name, scaled):
+    """Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale: the fused loss and its
+    gradients are the model's own (one process)."""
+    import transformers
+
+    config = getattr(transformers, f"{name}Config")(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=False, **scaled)  # fmt: skip
+    from tessel.layers import fuse_lm_loss, parallelize
+
+    torch.manual_seed(0)
+    model = parallelize(getattr(transformers, f"{name}ForCausalLM")(config), None)
+    ids = torch.randint(VOCAB, (2, 8), generator=torch.Generator().manual_seed(3))
+    own = model(ids, labels=ids)
+    own.loss.backward()
+    want = _grads(model)
+    model.zero_grad()
+    fused = fuse_lm_loss(model)(ids, labels=ids)
+    assert fused.logits is None
+    torch.testing.assert_close(fused.loss, own.loss.detach(), rtol=1e-5, atol=1e-6)
+    fused.loss.backward()
+    _close_all(_grads(model), want, name)
+
+
 def test_a_deep_copy_computes_with_its_own_weights():
     import copy
 

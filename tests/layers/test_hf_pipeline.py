@@ -163,7 +163,7 @@ def test_what_it_refuses():
     gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8))  # fmt: skip
-    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* qwen3_moe .* type 'gemma'"):
+    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* mellum .* type 'gemma'"):
         hf_pipeline_stage(gemma, 0, 2)
     stage = hf_pipeline_stage(_mixture("Mixtral", output_router_logits=True), 1, 2)
     with pytest.raises(ValueError, match=r"takes the last stage's \(output, router sums\)"):
@@ -281,16 +281,30 @@ def test_mixtures_of_experts_chain_to_their_logits_and_gradients(kind):
         torch.testing.assert_close(model.get_parameter(name).grad, g, rtol=1e-4, atol=1e-6, msg=name)
 
 
-@pytest.mark.parametrize("kind", list(MIXTURES))
+def _balanced(kind: str):
+    """A tiny mixture of ``kind`` (MIXTURES here, or test_hf_router_loss's further families) training its balancing
+    loss."""
+    from tests.layers.test_hf_router_loss import family_model
+
+    if kind in MIXTURES:
+        return _mixture(MIXTURES[kind][0], output_router_logits=True, router_aux_loss_coef=0.5)
+    return family_model(kind, layers=4, output_router_logits=True, router_aux_loss_coef=0.5)
+
+
+PIPELINED_MIXTURES = [*MIXTURES, "olmoe", "phimoe", "ernie4_5_moe", "minimax", "minimax_m2", "laguna", "mellum"]
+
+
+@pytest.mark.parametrize("kind", PIPELINED_MIXTURES)
 def test_stages_carry_the_router_sums_to_the_models_balancing_loss(kind):
     """A mixture training its balancing loss (output_router_logits): each stage adds its layers' router sums to
     those it received and passes them on; the last stage's loss is the model's own (cross entropy plus
     router_aux_loss_coef times the balancing loss of every layer), from the logits or fused, and a backward through
     the chain gives every gradient of the model's, the routers' included. With packed documents the positions
     travel beside the sums."""
-    from tessel.layers.hf_pipeline import hf_pipeline_stage
+    from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES, hf_pipeline_stage
 
-    model = _mixture(MIXTURES[kind][0], output_router_logits=True, router_aux_loss_coef=0.5)
+    model = _balanced(kind)
+    assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
     ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(7))
     positions = torch.tensor([[*range(6), *range(7)], [*range(13)]])
     for packed in (False, True):

@@ -23,6 +23,29 @@ MIXTURES = {"mixtral": ("Mixtral", {"num_local_experts": 4}),
             "qwen3_moe": ("Qwen3Moe", _MOE)}  # fmt: skip
 
 
+# The further families whose loss adds Hugging Face's load_balancing_loss_func, their experts as their configs name
+# them (Granite-MoE's logits scaled as well)
+FAMILIES = {"olmoe": {"num_experts": 4}, "phimoe": {"num_local_experts": 4},
+            "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 24},
+            "minimax": {"num_local_experts": 4}, "minimax_m2": {"num_local_experts": 4},
+            "granitemoe": {"num_local_experts": 4, "logits_scaling": 2.0},
+            "laguna": {"num_experts": 4, "moe_intermediate_size": 24},
+            "mellum": {"num_experts": 4, "moe_intermediate_size": 24}}  # fmt: skip
+
+
+def family_model(kind: str, layers: int = 3, **extra):
+    """A tiny ``kind`` mixture (one of FAMILIES) in eval mode (Phi-3.5-MoE jitters its routers in training), built
+    through the Auto classes."""
+    import transformers
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, num_experts_per_tok=2, pad_token_id=0,
+              bos_token_id=1, eos_token_id=2, router_aux_loss_coef=0.3, attn_implementation="sdpa")  # fmt: skip
+    config = transformers.AutoConfig.for_model(kind, **{**kw, **FAMILIES[kind], **extra})
+    torch.manual_seed(0)
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 def _mixture(kind: str, **extra):
     import transformers
 
@@ -172,3 +195,29 @@ def test_split_routers_balance_every_token():
     """Both ranks compute the balancing loss of every token (their routers' logits gathered), the same value."""
     first, second = run_ranks(_split, 2, timeout=240, env=REFERENCE_KERNELS)
     assert first == second
+
+
+@pytest.mark.parametrize("kind", list(FAMILIES))
+def test_every_balanced_family_fuses_the_loss_of_its_own_forward(kind):
+    """Every further family of BALANCED_TYPES, asked for its router logits with a padded batch: the fused forward
+    gives its own forward's loss, aux_loss and every gradient, without logits."""
+    from tessel.layers import fuse_lm_loss, parallelize
+    from tessel.layers.hf_loss import BALANCED_TYPES
+
+    assert set(BALANCED_TYPES) == set(MIXTURES) | set(FAMILIES)  # each listed family is checked here or above
+    model = parallelize(family_model(kind, output_router_logits=True), None)
+    assert model.config.model_type == kind
+    ids = torch.randint(VOCAB, (2, 9), generator=torch.Generator().manual_seed(9))
+    mask = torch.ones_like(ids)
+    mask[0, 7:] = 0
+    labels = ids.masked_fill(mask == 0, -100)
+    own = model(ids, attention_mask=mask, labels=labels)
+    own.loss.backward()
+    want = _grads(model)
+    model.zero_grad(set_to_none=True)
+    fused = fuse_lm_loss(model)(ids, attention_mask=mask, labels=labels)
+    assert fused.logits is None and own.logits is not None and own.aux_loss > 0
+    torch.testing.assert_close(fused.aux_loss, own.aux_loss.detach(), rtol=1e-6, atol=0)
+    torch.testing.assert_close(fused.loss, own.loss.detach(), rtol=1e-5, atol=1e-6)
+    fused.loss.backward()
+    _close_grads(_grads(model), want, kind)
