@@ -69,7 +69,7 @@ def _check(model) -> ColumnParallelLinear:
     return head
 
 
-def _logit_multiplier(model: nn.Module) -> float:
+def logit_multiplier(model: nn.Module) -> float:
     """What the model's head multiplies its logits by: ``1 / logits_scaling`` (Granite's families) times the
     ``logit_scale`` the model holds (Cohere's); 1 for every other model."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
@@ -111,7 +111,7 @@ def _fused_forward(self, *args, **kwargs):
     outputs = base_model(self)[1](*args, **kwargs)
     head = self.get_output_embeddings()
     target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
-    hidden, bias, scale = outputs.last_hidden_state, head.bias, _logit_multiplier(self)
+    hidden, bias, scale = outputs.last_hidden_state, head.bias, logit_multiplier(self)
     if scale != 1.0:  # logits · c = (hidden · c) Wᵀ + bias · c
         hidden, bias = hidden * scale, None if bias is None else bias * scale
     loss = linear_cross_entropy(hidden, head.weight, target.to(head.weight.device), head.tp_group, bias=bias,

@@ -49,7 +49,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .hf import base_model, is_hf_model
 from .hf_attention import CP_GROUP_ATTR
 from .hf_experts import ROUTER_GATHER
-from .hf_loss import BALANCED_TYPES, OPTIONS
+from .hf_loss import BALANCED_TYPES, OPTIONS, logit_multiplier
 from .hf_router_loss import balancing_config, balancing_loss, router_sums
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
@@ -58,13 +58,14 @@ __all__ = ["HFPipelineStage", "hf_pipeline_stage"]
 
 _NAME = "hf_pipeline_stage"
 # Base models whose forward embeds, then runs its layers on the embeddings unchanged, then its final norm, and
-# whose head's logits are the head's output unscaled (checked family by family in tests/layers/test_hf_pipeline.py).
-# Left out: Gemma's scaled and Granite's multiplied embeddings, Cohere's scaled logits, Starcoder2's embedding dropout.
-# The mixtures of experts among them train without their load-balancing loss (see _check).
+# whose head's logits are the head's output, or that times a constant: Cohere's scale theirs (logit_scale), which
+# the last stage applies as the model's head does (checked family by family in tests/layers/test_hf_pipeline.py).
+# Left out: Gemma's scaled and Granite's multiplied embeddings, Starcoder2's embedding dropout. The mixtures of
+# experts among them train their load-balancing loss through the router sums the stages pass on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo", "olmo2", "olmo3", "phi3", "glm",
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "ernie4_5_moe", "minimax",
-                         "minimax_m2", "laguna", "mellum")  # fmt: skip
+                         "minimax_m2", "laguna", "mellum", "cohere", "cohere2")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):
@@ -94,6 +95,7 @@ class HFPipelineStage(nn.Module):
         self.start, self.stop, self.first, self.last, self.fused_loss = start, stop, first, last, fused_loss
         # the loss options fuse_lm_loss gave the model (label smoothing, z-loss), if any
         self.options = dict(getattr(model, OPTIONS, {}))
+        self.logit_scale = logit_multiplier(model)  # what the model's head multiplies its logits by (Cohere's)
         # a mixture's (experts, top_k, coefficient) when it trains its balancing loss (output_router_logits)
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
@@ -144,6 +146,8 @@ class HFPipelineStage(nn.Module):
                                                     self.head.bias)  # fmt: skip
             else:
                 hidden = self.head(hidden)
+            if self.logit_scale != 1.0:
+                hidden = hidden * self.logit_scale
         return hidden if self.balance is None else (hidden, sums)
 
     def loss(self, output, target: torch.Tensor) -> torch.Tensor:
@@ -162,8 +166,11 @@ class HFPipelineStage(nn.Module):
         if isinstance(output, tuple | list):
             output = output[0]
         group = self.head.tp_group if isinstance(self.head, ColumnParallelLinear) else None
-        if self.fused_loss:
-            return linear_cross_entropy(output, self.head.weight, target, group, bias=self.head.bias, **self.options)
+        if self.fused_loss:  # the head's logits times the model's logit scale: (output · c) Wᵀ + bias · c
+            bias, scale = self.head.bias, self.logit_scale
+            if scale != 1.0:
+                output, bias = output * scale, None if bias is None else bias * scale
+            return linear_cross_entropy(output, self.head.weight, target, group, bias=bias, **self.options)
         return vocab_parallel_cross_entropy(output, target, group, **self.options)
 
     def router_loss(self, output) -> torch.Tensor | None:

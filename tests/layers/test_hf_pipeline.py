@@ -163,7 +163,7 @@ def test_what_it_refuses():
     gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8))  # fmt: skip
-    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* mellum .* type 'gemma'"):
+    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* cohere2 .* type 'gemma'"):
         hf_pipeline_stage(gemma, 0, 2)
     stage = hf_pipeline_stage(_mixture("Mixtral", output_router_logits=True), 1, 2)
     with pytest.raises(ValueError, match=r"takes the last stage's \(output, router sums\)"):
@@ -190,13 +190,15 @@ def test_a_stage_shares_the_models_parameters_not_its_registrations():
 
 FAMILIES = {"ministral": "Ministral", "olmo": "Olmo", "olmo2": "Olmo2", "olmo3": "Olmo3", "phi3": "Phi3", "glm": "Glm",
             "smollm3": "SmolLM3", "helium": "Helium", "exaone4": "Exaone4", "arcee": "Arcee", "seed_oss": "SeedOss",
-            "ernie4_5": "Ernie4_5", "hunyuan_v1_dense": "HunYuanDenseV1", "apertus": "Apertus"}  # fmt: skip
+            "ernie4_5": "Ernie4_5", "hunyuan_v1_dense": "HunYuanDenseV1", "apertus": "Apertus", "cohere": "Cohere",
+            "cohere2": "Cohere2"}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_every_supported_family_chains_to_its_logits(kind):
     """Each further family of SUPPORTED_MODEL_TYPES (those with sliding-window layers given a short window): its
-    stages, chained, give the model's logits for every split into 2 and 3."""
+    stages, chained, give the model's logits (Cohere's scaled as its head scales them) and its loss, from the logits
+    and fused, for every split into 2 and 3."""
     import transformers
 
     from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES, hf_pipeline_stage
@@ -212,12 +214,17 @@ def test_every_supported_family_chains_to_its_logits(kind):
     assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
     ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
-        want = model(ids).logits
+        want = model(ids, labels=ids)
         for n in (2, 3):
-            h = ids
-            for s in range(n):
-                h = hf_pipeline_stage(model, s, n)(h)
-            torch.testing.assert_close(h, want, rtol=1e-6, atol=1e-6, msg=f"{kind} in {n} stages")
+            for fused in (False, True):
+                stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
+                h = ids
+                for stage in stages:
+                    h = stage(h)
+                if not fused:
+                    torch.testing.assert_close(h, want.logits, rtol=1e-6, atol=1e-6, msg=f"{kind} in {n} stages")
+                loss = stages[-1].loss(h, _targets(ids))
+                torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
 
 
 @pytest.mark.parametrize("kind", MODELS)
