@@ -21,8 +21,8 @@ wrapper gathers the head's parameters only inside its forward, the schedule's ``
 stage: ``lambda output, target: wrapped(output, targets=target)``.
 
 A stage shares the model's parameters; the parameters of other stages may be released. Mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax and MiniMax-M2, Laguna, Mellum) split like
-the dense families. Their load-balancing loss (``output_router_logits``)
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax and MiniMax-M2, Granite-MoE, Laguna, Mellum)
+split like the dense families. Their load-balancing loss (``output_router_logits``)
 pools every layer's routers, of which each stage holds a share: it is a function of per-expert sums that add over
 layers (:mod:`.hf_router_loss`), so each stage adds its layers' sums to those it received and passes them on with
 the activation, and the last stage's :meth:`HFPipelineStage.loss` adds ``router_aux_loss_coef`` times the
@@ -58,14 +58,16 @@ __all__ = ["HFPipelineStage", "hf_pipeline_stage"]
 
 _NAME = "hf_pipeline_stage"
 # Base models whose forward embeds, then runs its layers on the embeddings unchanged, then its final norm, and
-# whose head's logits are the head's output, or that times a constant: Cohere's scale theirs (logit_scale), which
-# the last stage applies as the model's head does (checked family by family in tests/layers/test_hf_pipeline.py).
-# Left out: Gemma's scaled and Granite's multiplied embeddings, Starcoder2's embedding dropout. The mixtures of
-# experts among them train their load-balancing loss through the router sums the stages pass on.
+# whose head's logits are the head's output, or that times a constant: Cohere's scale theirs (logit_scale) and
+# Granite's divide them (logits_scaling), which the last stage does as the model's head does; Granite's base models
+# also multiply their input embeddings (embedding_multiplier), which a later stage's copy does not repeat (checked
+# family by family in tests/layers/test_hf_pipeline.py). Left out: Gemma's embeddings scaled by a constant its
+# forward computes, Starcoder2's embedding dropout. The mixtures of experts among them train their load-balancing
+# loss through the router sums the stages pass on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo", "olmo2", "olmo3", "phi3", "glm",
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "ernie4_5_moe", "minimax",
-                         "minimax_m2", "laguna", "mellum", "cohere", "cohere2")  # fmt: skip
+                         "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):
@@ -87,6 +89,8 @@ class HFPipelineStage(nn.Module):
         stage._modules["layers"] = nn.ModuleList(base.layers[start:stop])
         if not first:
             stage._modules["embed_tokens"] = None  # a later stage is fed inputs_embeds
+            if "embedding_multiplier" in vars(stage):  # Granite's: the first stage's base model multiplied them
+                stage.embedding_multiplier = 1.0
         if not last:
             stage._modules["norm"] = nn.Identity()
         stage.config = config

@@ -163,7 +163,9 @@ def test_what_it_refuses():
     gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=8))  # fmt: skip
-    with pytest.raises(ValueError, match=r"must be a causal LM of type llama, mistral, .* cohere2 .* type 'gemma'"):
+    with pytest.raises(
+        ValueError, match=r"type llama, mistral, .* granitemoe \(a head on a base model\), received .* type 'gemma'"
+    ):
         hf_pipeline_stage(gemma, 0, 2)
     stage = hf_pipeline_stage(_mixture("Mixtral", output_router_logits=True), 1, 2)
     with pytest.raises(ValueError, match=r"takes the last stage's \(output, router sums\)"):
@@ -191,14 +193,16 @@ def test_a_stage_shares_the_models_parameters_not_its_registrations():
 FAMILIES = {"ministral": "Ministral", "olmo": "Olmo", "olmo2": "Olmo2", "olmo3": "Olmo3", "phi3": "Phi3", "glm": "Glm",
             "smollm3": "SmolLM3", "helium": "Helium", "exaone4": "Exaone4", "arcee": "Arcee", "seed_oss": "SeedOss",
             "ernie4_5": "Ernie4_5", "hunyuan_v1_dense": "HunYuanDenseV1", "apertus": "Apertus", "cohere": "Cohere",
-            "cohere2": "Cohere2"}  # fmt: skip
+            "cohere2": "Cohere2", "granite": "Granite"}  # fmt: skip
+# What a family's config takes beyond the common shape: Granite's embedding multiplier and logit scaling
+FAMILY_EXTRAS = {"granite": {"embedding_multiplier": 12.0, "logits_scaling": 4.0}}
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
 def test_every_supported_family_chains_to_its_logits(kind):
     """Each further family of SUPPORTED_MODEL_TYPES (those with sliding-window layers given a short window): its
     stages, chained, give the model's logits (Cohere's scaled as its head scales them) and its loss, from the logits
-    and fused, for every split into 2 and 3."""
+    and fused, for every split into 2 and 3; a stage leaves the model as it was."""
     import transformers
 
     from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES, hf_pipeline_stage
@@ -208,7 +212,7 @@ def test_every_supported_family_chains_to_its_logits(kind):
     assert hasattr(transformers, f"{name}Config"), f"transformers {transformers.__version__} has no {name}"
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2, sliding_window=4, attn_implementation="sdpa")  # fmt: skip
+              eos_token_id=2, sliding_window=4, attn_implementation="sdpa", **FAMILY_EXTRAS.get(kind, {}))  # fmt: skip
     torch.manual_seed(0)
     model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**kw)).eval()
     assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
@@ -225,6 +229,8 @@ def test_every_supported_family_chains_to_its_logits(kind):
                     torch.testing.assert_close(h, want.logits, rtol=1e-6, atol=1e-6, msg=f"{kind} in {n} stages")
                 loss = stages[-1].loss(h, _targets(ids))
                 torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
+        torch.testing.assert_close(model(ids).logits, want.logits, rtol=0, atol=0)
+        torch.testing.assert_close(model(ids).logits, want.logits, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("kind", MODELS)
@@ -298,7 +304,17 @@ def _balanced(kind: str):
     return family_model(kind, layers=4, output_router_logits=True, router_aux_loss_coef=0.5)
 
 
-PIPELINED_MIXTURES = [*MIXTURES, "olmoe", "phimoe", "ernie4_5_moe", "minimax", "minimax_m2", "laguna", "mellum"]
+PIPELINED_MIXTURES = [
+    *MIXTURES,
+    "olmoe",
+    "phimoe",
+    "ernie4_5_moe",
+    "minimax",
+    "minimax_m2",
+    "laguna",
+    "mellum",
+    "granitemoe",
+]
 
 
 @pytest.mark.parametrize("kind", PIPELINED_MIXTURES)
