@@ -160,13 +160,18 @@ def test_what_it_refuses():
         hf_pipeline_stage(model, 0, 2).loss(torch.zeros(1, 2, VOCAB), torch.zeros(1, 2, dtype=torch.long))
     import transformers
 
-    gemma = transformers.GemmaForCausalLM(transformers.GemmaConfig(
+    starcoder = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8))  # fmt: skip
-    with pytest.raises(
-        ValueError, match=r"type llama, mistral, .* granitemoe \(a head on a base model\), received .* type 'gemma'"
-    ):
-        hf_pipeline_stage(gemma, 0, 2)
+        num_key_value_heads=2))  # fmt: skip
+    with pytest.raises(ValueError, match=r"type llama, mistral, .* gemma3_text \(a head on a base model\), received "
+                                         r"Starcoder2ForCausalLM of type 'starcoder2'"):  # fmt: skip
+        hf_pipeline_stage(starcoder, 0, 2)
+    capped = transformers.Gemma2ForCausalLM(transformers.Gemma2Config(
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, final_logit_softcapping=30.0, attn_implementation="eager",
+        tie_word_embeddings=False))  # fmt: skip
+    with pytest.raises(ValueError, match=r"soft-caps its logits \(final_logit_softcapping=30.0\), which the fused"):
+        hf_pipeline_stage(capped, 1, 2, fused_loss=True)
     stage = hf_pipeline_stage(_mixture("Mixtral", output_router_logits=True), 1, 2)
     with pytest.raises(ValueError, match=r"takes the last stage's \(output, router sums\)"):
         stage.loss(torch.zeros(1, 2, VOCAB), torch.zeros(1, 2, dtype=torch.long))
@@ -193,9 +198,12 @@ def test_a_stage_shares_the_models_parameters_not_its_registrations():
 FAMILIES = {"ministral": "Ministral", "olmo": "Olmo", "olmo2": "Olmo2", "olmo3": "Olmo3", "phi3": "Phi3", "glm": "Glm",
             "smollm3": "SmolLM3", "helium": "Helium", "exaone4": "Exaone4", "arcee": "Arcee", "seed_oss": "SeedOss",
             "ernie4_5": "Ernie4_5", "hunyuan_v1_dense": "HunYuanDenseV1", "apertus": "Apertus", "cohere": "Cohere",
-            "cohere2": "Cohere2", "granite": "Granite"}  # fmt: skip
-# What a family's config takes beyond the common shape: Granite's embedding multiplier and logit scaling
-FAMILY_EXTRAS = {"granite": {"embedding_multiplier": 12.0, "logits_scaling": 4.0}}
+            "cohere2": "Cohere2", "granite": "Granite", "gemma": "Gemma", "gemma2": "Gemma2",
+            "gemma3_text": "Gemma3Text"}  # fmt: skip
+# What a family's config takes beyond the common shape: Granite's embedding multiplier and logit scaling, Gemma 2's
+# soft-capped logits (a cap the tiny model's logits reach) and eager attention
+FAMILY_EXTRAS = {"granite": {"embedding_multiplier": 12.0, "logits_scaling": 4.0},
+                 "gemma2": {"final_logit_softcapping": 0.5, "attn_implementation": "eager"}}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
@@ -212,15 +220,18 @@ def test_every_supported_family_chains_to_its_logits(kind):
     assert hasattr(transformers, f"{name}Config"), f"transformers {transformers.__version__} has no {name}"
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=5, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2, sliding_window=4, attn_implementation="sdpa", **FAMILY_EXTRAS.get(kind, {}))  # fmt: skip
+              eos_token_id=2, sliding_window=4, attn_implementation="sdpa")  # fmt: skip
+    kw.update(FAMILY_EXTRAS.get(kind, {}))
     torch.manual_seed(0)
-    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**kw)).eval()
+    head = name.removesuffix("Text")  # Gemma 3's text model: Gemma3ForCausalLM of a Gemma3TextConfig
+    model = getattr(transformers, f"{head}ForCausalLM")(getattr(transformers, f"{name}Config")(**kw)).eval()
     assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
     ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = model(ids, labels=ids)
+        capped = getattr(model.config, "final_logit_softcapping", None) is not None
         for n in (2, 3):
-            for fused in (False, True):
+            for fused in (False, True) if not capped else (False,):
                 stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
                 h = ids
                 for stage in stages:
