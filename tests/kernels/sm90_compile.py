@@ -496,10 +496,31 @@ def norm_cases():
     ]  # fmt: skip
 
 
+def cross_entropy_cases():
+    """The loss's two row passes over bf16 logits, with and without soft-capped logits."""
+    ce = importlib.import_module("tessel.kernels.cross_entropy")
+    block = ce._BLOCK[importlib.import_module("tessel.kernels._dispatch").Backend.TRITON]
+    cases = []
+    for capped in (False, True):
+        meta = {"dtype": "bf16", "softcapped": capped, "sass": False}
+        stats = {"x_ptr": "bf16", "target_ptr": "i64", "lse_ptr": "fp32", "z_ptr": "fp32", "sum_ptr": "fp32"}
+        grad = {"x_ptr": "bf16", "g_ptr": "bf16", "lse_ptr": "fp32", "target_ptr": "i64", "a_ptr": "fp32",
+                "b_ptr": "fp32", "c_ptr": "fp32"}  # fmt: skip
+        constants = {"SOFTCAP": capped, "BLOCK": block}
+        cases += [
+            (f"cross entropy stats bf16 softcap={capped}", ce._row_stats_kernel, stats, constants, ("cap",), (),
+             ce._WARPS, 1, {**meta, "kernel": "cross entropy stats"}),
+            (f"cross entropy grad bf16 softcap={capped}", ce._logits_grad_kernel, grad, constants, ("cap",), (),
+             ce._WARPS, 1, {**meta, "kernel": "cross entropy grad"}),
+        ]  # fmt: skip
+    return cases
+
+
 def all_cases():
     return (matmul_cases() + attention_cases() + attention_specialisation_cases() + attention_wide_head_cases()
             + attention_segment_cases() + attention_window_cases() + attention_softcap_cases() + adam_cases()
-            + norm_cases() + grouped_matmul_cases() + fp8_quantize_cases() + gated_matmul_cases())  # fmt: skip
+            + norm_cases() + grouped_matmul_cases() + fp8_quantize_cases() + gated_matmul_cases()
+            + cross_entropy_cases())  # fmt: skip
 
 
 _CASES = None  # built once per worker process

@@ -92,6 +92,35 @@ def test_logits_grad_of_smoothed_targets_and_z_loss(label_smoothing, z_loss):
     torch.testing.assert_close(g, reference, rtol=2e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("label_smoothing, z_loss", [(0.0, 0.0), (0.1, 1e-3)])
+def test_soft_capped_logits(dtype, label_smoothing, z_loss):
+    """softcap κ: both passes read each logit as κ·tanh(x/κ) (the -inf logits of a masked vocabulary as -κ), and the
+    gradient is the capped logits' times the cap's derivative, against float64 autograd through the cap."""
+    x, target, scale = _inputs(7, 130)
+    x = x.to(dtype)
+    cap = 30.0
+    options = dict(label_smoothing=label_smoothing, vocab=300, z_loss=z_loss)
+    capped = x.double().requires_grad_()
+    y = torch.tanh(capped / cap) * cap
+    want_lse, want_z, want_total, grad_y = _expected(y.detach(), target, scale, **options)
+    (want,) = torch.autograd.grad(y, capped, grad_y)  # through the cap: grad_y · (1 - tanh²)
+    lse, z, total = row_stats(x, target, softcap=cap)
+    torch.testing.assert_close(lse.double(), want_lse, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(z.double(), want_z, rtol=1e-6, atol=1e-5)
+    torch.testing.assert_close(total.double(), want_total, rtol=1e-6, atol=1e-3)
+    torch.testing.assert_close(row_stats_reference(x, target, cap), (lse, z, total), rtol=1e-6, atol=1e-3)
+    g = logits_grad(x.clone(), lse, target, scale, dtype, inplace=True, softcap=cap, **options)
+    tol = dict(rtol=2e-5, atol=1e-7) if dtype == torch.float32 else dict(rtol=torch.finfo(dtype).eps, atol=1e-7)
+    torch.testing.assert_close(g.double(), want, **tol)
+    reference = logits_grad_reference(x.clone(), lse, target, scale, dtype, softcap=cap, **options)
+    torch.testing.assert_close(g, reference, **tol)
+    with pytest.raises(ValueError, match="row_stats: softcap must be None or a finite number above 0, received 0"):
+        row_stats(x, target, softcap=0)
+    with pytest.raises(TypeError, match="logits_grad: softcap must be None or a float, received str"):
+        logits_grad(x, lse, target, scale, dtype, softcap="30")
+
+
 def test_float64_rows_take_the_pytorch_passes_in_fp32():
     """float64 logits (a model kept in float64 for checking) are taken, in fp32 as every dtype is."""
     x, target, scale = _inputs(5, 11)

@@ -57,10 +57,10 @@ def test_every_kernel_compiles_and_fits_in_shared_memory(compiled):
         "matmul", "attention fwd", "attention split-kv", "attention combine", "attention dkdv",
         "attention dkdv atomic-dq", "attention dq",
         "attention preprocess", "adam", "adam stats", "norm fwd", "norm bwd", "grouped matmul",
-        "grouped matmul wgrad", "fp8 quantize", "gated matmul",
+        "grouped matmul wgrad", "fp8 quantize", "gated matmul", "cross entropy stats", "cross entropy grad",
     }  # fmt: skip
     for name, record in compiled.items():
-        assert record["shared"] > 0, name
+        assert record["shared"] > 0 or record["kernel"] == "cross entropy grad", name  # that one reduces nothing
         if not record.get("coverage"):  # the specialisations below may hold tiles the autotuner skips
             assert record["shared"] <= H200_SHARED_BYTES, name
 
