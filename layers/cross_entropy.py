@@ -28,6 +28,8 @@ Options, as in ``torch.nn.functional.cross_entropy`` and PaLM:
   each rank also sends the sum of its logits (``[t, 3, N]``), and the gradient is ``softmax − target``.
 - ``z_loss`` c: ``c·lse²`` is added to each token's loss (PaLM's auxiliary loss, which keeps the softmax's
   normaliser near 1), with gradient ``2c·lse·softmax``; nothing more is sent.
+- ``softcap`` κ: the loss of the soft-capped logits ``κ·tanh(x/κ)`` (Gemma 2's), which the row passes read as they
+  read each logit; nothing more is sent or saved.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels.cross_entropy import logits_grad, row_stats
+from ..kernels.cross_entropy import check_softcap, logits_grad, row_stats
 from ..parallel.comm import all_gather, group_rank, group_size
 from .embedding import check_ids
 
@@ -98,19 +100,19 @@ def _rows(logits: torch.Tensor) -> torch.Tensor:
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target, group, ignore_index, reduction, label_smoothing, z_loss):
+    def forward(ctx, logits, target, group, ignore_index, reduction, label_smoothing, z_loss, softcap):
         vl = logits.shape[-1]
         target = target.reshape(-1).long()
         start = group_rank(group) * vl
         local_target = torch.where((target >= start) & (target < start + vl), target - start, -1)  # -1: elsewhere
-        stats = row_stats(_rows(logits), local_target)  # one read, fp32 arithmetic, no fp32 copy
+        stats = row_stats(_rows(logits), local_target, softcap)  # one read, fp32 arithmetic, no fp32 copy
         token_loss, lse = merged_token_loss(stats, group, vl * group_size(group), label_smoothing, z_loss)
         valid = target != ignore_index
         loss = torch.where(valid, token_loss, 0.0)
         count = valid.sum()
         ctx.save_for_backward(logits, lse, local_target, valid, count)
         ctx.reduction, ctx.options = reduction, dict(label_smoothing=label_smoothing, z_loss=z_loss,
-                                                     vocab=vl * group_size(group))  # fmt: skip
+                                                     vocab=vl * group_size(group), softcap=softcap)  # fmt: skip
         if reduction == "none":
             return loss.view(logits.shape[:-1])
         return loss.sum() if reduction == "sum" else loss.sum() / count
@@ -127,7 +129,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         # (this rank's softmax shard − onehot)·scale in one pass, written in the logits' dtype
         grad = logits_grad(_rows(logits), lse, local_target, torch.where(valid, scale, 0.0), logits.dtype,
                            **ctx.options)  # fmt: skip
-        return grad.view(logits.shape), None, None, None, None, None, None
+        return grad.view(logits.shape), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(
@@ -139,6 +141,7 @@ def vocab_parallel_cross_entropy(
     reduction: str = "mean",
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``torch.nn.functional.cross_entropy`` of the gathered logits, computed from this rank's vocab shard.
 
@@ -151,6 +154,7 @@ def vocab_parallel_cross_entropy(
         label_smoothing: ε in [0, 1], as ``torch.nn.functional.cross_entropy``'s: the target distribution is
             ``(1 − ε)·onehot + ε/V``.
         z_loss: c >= 0: ``c·logsumexp(logits)²`` is added to each (non-ignored) token's loss (PaLM).
+        softcap: None, or κ > 0: the loss of the soft-capped logits ``κ·tanh(logits/κ)`` (Gemma 2's).
 
     Returns:
         The loss in float32 (a scalar, or ``[...]`` for ``"none"``). Differentiable with respect to logits;
@@ -158,5 +162,6 @@ def vocab_parallel_cross_entropy(
     """
     _validate(logits, target, tp_group, ignore_index, reduction)
     check_loss_options(_NAME, label_smoothing, z_loss)
+    softcap = check_softcap(_NAME, softcap)
     return _VocabParallelCrossEntropy.apply(logits, target, tp_group, ignore_index, reduction, float(label_smoothing),
-                                            float(z_loss))  # fmt: skip
+                                            float(z_loss), softcap)  # fmt: skip

@@ -22,8 +22,8 @@ does) and the backward only scales them: three GEMMs in all, as unfused, and ``d
 gradient of the loss is known only in backward: the forward keeps the log-sum-exp ``[N]`` and the backward
 recomputes each chunk's logits (one GEMM more).
 
-``label_smoothing`` and ``z_loss`` are those of :func:`~.cross_entropy.vocab_parallel_cross_entropy` (the sum of
-each chunk's logits joins the all-gather with label smoothing; the row passes apply both).
+``label_smoothing``, ``z_loss`` and ``softcap`` are those of :func:`~.cross_entropy.vocab_parallel_cross_entropy`
+(the sum of each chunk's logits joins the all-gather with label smoothing; the row passes apply all three).
 
 Communication is that of the unfused head and loss: the input's all-gather (sequence parallelism) or
 nothing (its gradient is all-reduced), the 2N fp32 (lse, z) all-gathered, in one collective per chunk.
@@ -34,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..kernels.cross_entropy import logits_grad, row_stats
+from ..kernels.cross_entropy import check_softcap, logits_grad, row_stats
 from ..kernels.matmul import matmul
 from ..parallel.collectives import copy_to_tp, gather_from_sequence
 from ..parallel.comm import group_rank, group_size
@@ -134,9 +134,10 @@ def _new_grads(x2, weight, needs) -> list:
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, target, group, ignore_index, reduction, chunk, needs, label_smoothing, z_loss):
+    def forward(ctx, x, weight, bias, target, group, ignore_index, reduction, chunk, needs, label_smoothing, z_loss,
+                softcap):  # fmt: skip
         e, vl = x.shape[-1], weight.shape[0]
-        options = dict(label_smoothing=label_smoothing, vocab=vl * group_size(group), z_loss=z_loss)
+        options = dict(label_smoothing=label_smoothing, vocab=vl * group_size(group), z_loss=z_loss, softcap=softcap)
         x2, target = x.reshape(-1, e), target.reshape(-1).long()
         n_tokens = x2.shape[0]
         start = group_rank(group) * vl
@@ -155,7 +156,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for i, lo in enumerate(range(0, n_tokens, chunk)):
             rows = slice(lo, min(lo + chunk, n_tokens))
             logits = matmul(x2[rows], w_t, bias, out=buf[: rows.stop - lo])
-            stats = row_stats(logits, local_target[rows])
+            stats = row_stats(logits, local_target[rows], softcap)
             token_loss, lse = merged_token_loss(stats, group, options["vocab"], label_smoothing, z_loss)
             loss[rows] = torch.where(valid[rows], token_loss, 0.0)
             lse_all[rows] = lse
@@ -191,7 +192,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 _chunk_grads(logits, lse[rows], local_target[rows], scale[rows], x2, weight, grads, rows, i == 0,
                              ctx.options)  # fmt: skip
         dx, dw, db = ((None if grad is None else (grad if g is None else grad * g).to(w_dtype)) for grad in grads)
-        return (None if dx is None else dx.view(x_shape)), dw, db, *([None] * 8)
+        return (None if dx is None else dx.view(x_shape)), dw, db, *([None] * 9)
 
 
 def linear_cross_entropy(
@@ -207,6 +208,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
+    softcap: float | None = None,
 ) -> torch.Tensor:
     """``cross_entropy(hidden @ W.T + bias, target)`` for a vocab-parallel head, without ever holding the logits.
 
@@ -229,7 +231,7 @@ def linear_cross_entropy(
         reduction: ``"mean"`` over the non-ignored targets, ``"sum"``, or ``"none"`` (target's shape).
         chunk_size: tokens per chunk; None: :func:`default_chunk_size` (one chunk's fp32 logits about the
             size of the hidden states, and at least 2048 tokens).
-        label_smoothing, z_loss: as :func:`~.cross_entropy.vocab_parallel_cross_entropy`'s.
+        label_smoothing, z_loss, softcap: as :func:`~.cross_entropy.vocab_parallel_cross_entropy`'s.
 
     Returns:
         The loss in float32 (a scalar, or target's shape for ``"none"``). Differentiable with respect to
@@ -238,6 +240,7 @@ def linear_cross_entropy(
     """
     _validate(hidden, weight, bias, target, tp_group, sequence_parallel, ignore_index, reduction, chunk_size)
     check_loss_options(_NAME, label_smoothing, z_loss)
+    softcap = check_softcap(_NAME, softcap)
     if group_size(tp_group) > 1 or sequence_parallel:
         hidden = gather_from_sequence(hidden, tp_group) if sequence_parallel else copy_to_tp(hidden, tp_group)
     tokens = hidden.numel() // hidden.shape[-1]
@@ -245,4 +248,4 @@ def linear_cross_entropy(
     tracked = (hidden, weight, bias)
     needs = tuple(torch.is_grad_enabled() and t is not None and t.requires_grad for t in tracked)
     return _LinearCrossEntropy.apply(hidden, weight, bias, target, tp_group, ignore_index, reduction, chunk, needs,
-                                     float(label_smoothing), float(z_loss))  # fmt: skip
+                                     float(label_smoothing), float(z_loss), softcap)  # fmt: skip

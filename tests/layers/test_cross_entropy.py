@@ -68,6 +68,7 @@ def _cross_entropy_worker(rank, t):
     _check(rank, t, torch.float32, "mean", label_smoothing=0.1, z_loss=1e-2)
     _check(rank, t, torch.float32, "none", label_smoothing=0.2)
     _check(rank, t, torch.float16, "sum", z_loss=1e-3)
+    _check(rank, t, torch.float32, "none", label_smoothing=0.1, softcap=2.0)  # Gemma 2's capped logits
     # Every target ignored: "mean" is 0/0 = nan, as in torch, and the gradient is zero.
     logits = torch.randn(3, V // t, requires_grad=True)
     loss = vocab_parallel_cross_entropy(logits, torch.full((3,), -100))
@@ -152,6 +153,7 @@ TARGET = torch.zeros(2, 3, dtype=torch.long)
         (lambda f: f(LOGITS, TARGET, label_smoothing=-0.1), ValueError, r"label_smoothing must lie in \[0, 1\]"),
         (lambda f: f(LOGITS, TARGET, z_loss=None), TypeError, "z_loss must be a float, received NoneType"),
         (lambda f: f(LOGITS, TARGET, z_loss=float("inf")), ValueError, "z_loss must be a finite number >= 0"),
+        (lambda f: f(LOGITS, TARGET, softcap=-1.0), ValueError, "softcap must be None or a finite number above 0"),
     ],
 )
 def test_bad_input(call, error, words):

@@ -32,8 +32,11 @@ def _data(dtype, ignore_index=-100, seed=3):
     return hidden, weight, bias, target
 
 
-def reference_loss(logits, target, reduction, ignore_index=-100, label_smoothing=0.0, z_loss=0.0):
-    """torch's cross entropy (with its label smoothing) plus PaLM's z-loss c·lse² per counted token, reduced."""
+def reference_loss(logits, target, reduction, ignore_index=-100, label_smoothing=0.0, z_loss=0.0, softcap=None):
+    """torch's cross entropy (with its label smoothing) plus PaLM's z-loss c·lse² per counted token, reduced, of the
+    logits soft-capped first with ``softcap``."""
+    if softcap is not None:
+        logits = torch.tanh(logits / softcap) * softcap
     flat, tgt = logits.reshape(-1, logits.shape[-1]), target.reshape(-1)
     per_token = F.cross_entropy(flat, tgt, ignore_index=ignore_index, reduction="none", label_smoothing=label_smoothing)
     valid = tgt != ignore_index
@@ -86,10 +89,13 @@ def test_one_token_per_chunk_and_one_chunk_for_all(reduction, chunk_size):
 
 
 @pytest.mark.parametrize("reduction", ["mean", "none"])
-@pytest.mark.parametrize("label_smoothing, z_loss", [(0.1, 0.0), (0.0, 1e-2), (0.3, 1e-3), (1.0, 0.0)])
-def test_label_smoothing_and_z_loss(reduction, label_smoothing, z_loss):
+@pytest.mark.parametrize(
+    "label_smoothing, z_loss, softcap",
+    [(0.1, 0.0, None), (0.0, 1e-2, None), (0.3, 1e-3, None), (1.0, 0.0, None), (0.0, 0.0, 0.5), (0.1, 1e-3, 2.0)],
+)
+def test_label_smoothing_z_loss_and_soft_capped_logits(reduction, label_smoothing, z_loss, softcap):
     hidden, weight, bias, target = _data(torch.float32)
-    options = dict(label_smoothing=label_smoothing, z_loss=z_loss)
+    options = dict(label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     grad_loss = _grad_loss(reduction)
     ref = _reference(hidden, weight, bias, target, reduction, grad_loss, **options)
     x, w, b = (t.clone().requires_grad_() for t in (hidden, weight, bias))
@@ -191,6 +197,8 @@ def test_compiles_whole():
         (dict(label_smoothing=1.5), ValueError, r"label_smoothing must lie in \[0, 1\], received 1.5"),
         (dict(label_smoothing="0.1"), TypeError, "label_smoothing must be a float, received str"),
         (dict(z_loss=-1e-4), ValueError, "z_loss must be a finite number >= 0, received -0.0001"),
+        (dict(softcap=0.0), ValueError, "softcap must be None or a finite number above 0, received 0.0"),
+        (dict(softcap="30"), TypeError, "linear_cross_entropy: softcap must be None or a float, received str"),
         (dict(hidden=torch.ones(S, E), sequence_parallel=True), ValueError, r"hidden must be \[B, S/t, E\]"),
     ],
 )
@@ -211,7 +219,8 @@ def _ranks_worker(rank, t):
     smooth = dict(label_smoothing=0.1, z_loss=1e-2)
     cases = [(torch.float32, "mean", False, 3, {}), (torch.float32, "none", True, 5, {}),
              (torch.float32, "sum", True, None, {}), (torch.float16, "mean", True, 4, {}),
-             (torch.float32, "mean", True, 5, smooth), (torch.float32, "none", False, 7, smooth)]  # fmt: skip
+             (torch.float32, "mean", True, 5, smooth), (torch.float32, "none", False, 7, smooth),
+             (torch.float32, "mean", False, 5, {**smooth, "softcap": 0.5})]  # fmt: skip
     for dtype, reduction, sp, chunk, options in cases:
         hidden, weight, bias, target = _data(dtype)
         grad_loss = _grad_loss(reduction)
