@@ -7,7 +7,8 @@ Llama 3's 128k vocabulary. :func:`fuse_lm_loss` replaces the model's ``forward``
 call with ``labels`` runs the base model, then :func:`~.linear_cross_entropy.linear_cross_entropy` on its last
 hidden state with the split head's weight: the same loss as Hugging Face's ``ForCausalLMLoss`` (labels shifted
 by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when the trainer passes it,
-``shift_labels`` when given; logits scaled as Granite and Cohere scale theirs), the same gradients, and
+``shift_labels`` when given; logits scaled as Granite and Cohere scale theirs, soft-capped as Gemma 2 caps its),
+the same gradients, and
 ``logits=None`` in the output. Mixtures of experts asking for their router logits (Mixtral, Qwen2-MoE, Qwen3-MoE,
 OLMoE, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum: ``BALANCED_TYPES``) add their
 load-balancing loss as Hugging Face does
@@ -61,12 +62,15 @@ def _check(model) -> ColumnParallelLinear:
         raise ValueError(
             f"{_NAME}: model's loss must be ForCausalLM (next-token cross entropy), received {loss_type!r}"
         )
+    return head
+
+
+def logit_softcap(model: nn.Module) -> float | None:
+    """The cap of the model's soft-capped logits (``final_logit_softcapping``: Gemma 2's ``c·tanh(logits/c)``), or
+    None."""
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
     cap = getattr(config, "final_logit_softcapping", None)
-    if cap is not None:
-        raise ValueError(f"{_NAME}: the model soft-caps its logits (final_logit_softcapping={cap}), which "
-                         "linear_cross_entropy does not; keep the model's own loss")  # fmt: skip
-    return head
+    return None if cap is None else float(cap)
 
 
 def logit_multiplier(model: nn.Module) -> float:
@@ -116,7 +120,7 @@ def _fused_forward(self, *args, **kwargs):
         hidden, bias = hidden * scale, None if bias is None else bias * scale
     loss = linear_cross_entropy(hidden, head.weight, target.to(head.weight.device), head.tp_group, bias=bias,
                                 ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
-                                **options)  # fmt: skip
+                                softcap=logit_softcap(self), **options)  # fmt: skip
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     fields = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,

@@ -34,8 +34,7 @@ positions (``0 … S-1``, or the packed documents' that travel with the activati
 this rank's zigzag share and its ring attention the documents; the activations crossing stages are this rank's
 tokens (under sequence parallelism as well, their share over the tensor-parallel ranks). Refused: other model types
 (their base forward may transform the embeddings, as Starcoder2's dropout does, which a later stage must not
-repeat), tied input and output embeddings (the first and last stages would each train a copy), and the fused loss
-of a model that soft-caps its logits (Gemma 2's ``final_logit_softcapping``).
+repeat), and tied input and output embeddings (the first and last stages would each train a copy).
 """
 
 from __future__ import annotations
@@ -50,7 +49,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .hf import base_model, is_hf_model
 from .hf_attention import CP_GROUP_ATTR
 from .hf_experts import ROUTER_GATHER
-from .hf_loss import BALANCED_TYPES, OPTIONS, logit_multiplier
+from .hf_loss import BALANCED_TYPES, OPTIONS, logit_multiplier, logit_softcap
 from .hf_router_loss import balancing_config, balancing_loss, router_sums
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .linear_cross_entropy import linear_cross_entropy
@@ -63,9 +62,9 @@ _NAME = "hf_pipeline_stage"
 # Granite's divide them (logits_scaling), which the last stage does as the model's head does; Granite's base models
 # also multiply their input embeddings (embedding_multiplier), which a later stage's copy does not repeat; Gemma's
 # scale theirs inside the embedding module (the first stage's), and Gemma 2's soft-cap their logits, as the last
-# stage does (checked family by family in tests/layers/test_hf_pipeline.py). Left out: Starcoder2's embedding
-# dropout. The mixtures of experts among them train their load-balancing loss through the router sums the stages
-# pass on.
+# stage does, fused loss too (checked family by family in tests/layers/test_hf_pipeline.py). Left out: Starcoder2's
+# embedding dropout. The mixtures of experts among them train their load-balancing loss through the router sums the
+# stages pass on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo", "olmo2", "olmo3", "phi3", "glm",
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "ernie4_5_moe", "minimax",
@@ -103,7 +102,7 @@ class HFPipelineStage(nn.Module):
         # the loss options fuse_lm_loss gave the model (label smoothing, z-loss), if any
         self.options = dict(getattr(model, OPTIONS, {}))
         self.logit_scale = logit_multiplier(model)  # what the model's head multiplies its logits by (Cohere's)
-        self.softcap = _softcap(model)  # Gemma 2's soft-capped logits: c · tanh(logits / c)
+        self.softcap = logit_softcap(model)  # Gemma 2's soft-capped logits: c · tanh(logits / c)
         # a mixture's (experts, top_k, coefficient) when it trains its balancing loss (output_router_logits)
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
@@ -180,7 +179,8 @@ class HFPipelineStage(nn.Module):
             bias, scale = self.head.bias, self.logit_scale
             if scale != 1.0:
                 output, bias = output * scale, None if bias is None else bias * scale
-            return linear_cross_entropy(output, self.head.weight, target, group, bias=bias, **self.options)
+            return linear_cross_entropy(output, self.head.weight, target, group, bias=bias, softcap=self.softcap,
+                                        **self.options)  # fmt: skip
         return vocab_parallel_cross_entropy(output, target, group, **self.options)
 
     def router_loss(self, output) -> torch.Tensor | None:
@@ -218,13 +218,6 @@ def _size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
-def _softcap(model: nn.Module) -> float | None:
-    """The cap of the model's soft-capped logits (``final_logit_softcapping``), or None."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cap = getattr(config, "final_logit_softcapping", None)
-    return None if cap is None else float(cap)
-
-
 def _context_group(base: nn.Module):
     """The context-parallel group ``parallelize(cp_group=)`` marked the attention modules with (None: none)."""
     return next((g for m in base.layers.modules() if (g := getattr(m, CP_GROUP_ATTR, None)) is not None), None)
@@ -255,9 +248,6 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
                          f"whose balancing loss the stages compute for {', '.join(BALANCED_TYPES)} only")  # fmt: skip
     if not isinstance(fused_loss, bool):
         raise TypeError(f"{_NAME}: fused_loss must be a bool, received {type(fused_loss).__name__}")
-    if fused_loss and _softcap(model) is not None:
-        raise ValueError(f"{_NAME}: {type(model).__name__} soft-caps its logits (final_logit_softcapping="
-                         f"{_softcap(model)}), which the fused loss does not; use fused_loss=False")  # fmt: skip
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{_NAME}: {arg} must be an int, received {type(value).__name__}")
