@@ -8,13 +8,11 @@ call with ``labels`` runs the base model, then :func:`~.linear_cross_entropy.lin
 hidden state with the split head's weight: the same loss as Hugging Face's ``ForCausalLMLoss`` (labels shifted
 by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when the trainer passes it,
 ``shift_labels`` when given; logits scaled as Granite and Cohere scale theirs, soft-capped as Gemma 2 caps its),
-the same gradients, and
-``logits=None`` in the output. Mixtures of experts asking for their router logits (Mixtral, Qwen2-MoE, Qwen3-MoE,
-OLMoE, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum: ``BALANCED_TYPES``) add their
-load-balancing loss as Hugging Face does
-(:mod:`.hf_router_loss`; the output's ``aux_loss``). A call without labels, one asking for the router logits of
-another mixture (whose balancing loss may be another), or with ``labels`` passed by position, runs the model's own
-forward unchanged.
+the same gradients, and ``logits=None`` in the output. Mixtures of experts asking for their router logits (Mixtral,
+Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum:
+``BALANCED_TYPES``) add their load-balancing loss as Hugging Face does (:mod:`.hf_router_loss`; the output's
+``aux_loss``). A call without labels, one asking for the router logits of another mixture (whose balancing loss may
+be another), or with ``labels`` passed by position, runs the model's own forward unchanged.
 
 ``fuse_lm_loss(model, label_smoothing=, z_loss=)`` adds what Hugging Face's loss lacks: label smoothing (as
 ``F.cross_entropy``'s) and PaLM's z-loss on the logits (``z_loss · logsumexp²`` per token), as tessel's GPT takes
@@ -110,8 +108,12 @@ def _fused_forward(self, *args, **kwargs):
     shift_labels = kwargs.pop("shift_labels", None)
     return_dict = kwargs.pop("return_dict", None)
     kwargs.pop("logits_to_keep", None)  # the loss covers every position, as the model's own with the default 0
+    mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
     if balanced:
         kwargs["output_router_logits"] = True
+        if mask is not None and mask.dim() != 2:
+            raise ValueError(f"{_NAME}: a mixture's balancing loss weighs its tokens by a [batch, sequence] "
+                             f"attention_mask, received one of shape {tuple(mask.shape)}")  # fmt: skip
     outputs = base_model(self)[1](*args, **kwargs)
     head = self.get_output_embeddings()
     target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
@@ -129,10 +131,6 @@ def _fused_forward(self, *args, **kwargs):
         from transformers.modeling_outputs import MoeCausalLMOutputWithPast as Output
 
         experts, top_k, coef = balancing_config(self)
-        mask = args[1] if len(args) > 1 else kwargs.get("attention_mask")
-        if mask is not None and mask.dim() != 2:
-            raise ValueError(f"{_NAME}: a mixture's balancing loss weighs its tokens by a [batch, sequence] "
-                             f"attention_mask, received one of shape {tuple(mask.shape)}")  # fmt: skip
         aux = balancing_loss(router_sums(outputs.router_logits, experts, top_k, mask), experts)
         fields.update(loss=loss + coef * aux.to(loss.device), aux_loss=aux, router_logits=outputs.router_logits)
     else:
