@@ -110,8 +110,9 @@ class Engine:
     def _pipeline_loss(self, output, target: torch.Tensor) -> torch.Tensor:
         """The schedule's loss: the last stage returns its final norm's output (``fused_loss``), and its head and
         loss run through the wrapper (which holds the head's parameters, gathered under FSDP) without logits. A
-        Hugging Face mixture's last stage returns its router sums beside it: their balancing loss is trained (with
-        weight 1 / microbatches, as the pieces of :meth:`_accumulate` weigh theirs), not reported."""
+        Hugging Face mixture's last stage returns its router sums beside it: their balancing loss and router z-loss
+        are trained (with weight 1 / microbatches, as the pieces of :meth:`_accumulate` weigh theirs), not
+        reported."""
         last = next(k for k, stage in enumerate(self.stages) if stage.last)
         loss = self._weighted(self.wrapper(output, stage=last, targets=target), target, self.args.microbatches)
         if not torch.is_grad_enabled():  # evaluating (Schedule.eval): the loss itself
