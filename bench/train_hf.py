@@ -7,8 +7,9 @@ would: :func:`~tessel.layers.parallelize` (tensor and sequence parallelism), tes
 (``attn_implementation="tessel"``), :func:`~tessel.layers.fuse_lm_loss` (the head's loss without logits), and
 under pipeline parallelism :func:`~tessel.layers.hf_pipeline_stage`. The engine wraps and trains it as it does
 the GPT (``train_engine.py``). ``--hf-baseline`` trains the same model as Hugging Face makes it (its ``sdpa``
-attention, its head and loss from the logits; one tensor- and pipeline-parallel rank): what tessel's layers
-are measured against.
+attention, Gemma 2's eager one; its head and loss from the logits; one tensor- and pipeline-parallel rank): what
+tessel's layers are measured against. Gemma and Gemma 2 keep their own MLP activation, embedding scale and (Gemma 2)
+soft-capped attention and logits and alternating window.
 
 Mixtures of experts (``--hf mixtral`` or ``qwen3_moe`` with ``--experts N --top-k k``): every block's MLP is N
 experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
@@ -57,7 +58,7 @@ __all__ = [
 ]
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-               "qwen3_moe": "Qwen3Moe"}  # fmt: skip
+               "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2"}  # fmt: skip
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size"}
 # The families whose attention takes a sliding window (--sliding-window), and how their config asks for one in
@@ -106,7 +107,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     import transformers
 
     torch.manual_seed(args.seed)
-    attention = "sdpa" if args.hf_baseline else register_hf_attention()
+    # the baseline's attention: sdpa, but eager for Gemma 2 (whose soft-capped attention sdpa cannot run)
+    attention = ("eager" if args.hf == "gemma2" else "sdpa") if args.hf_baseline else register_hf_attention()
     with torch.device(dims.device):
         model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
@@ -218,8 +220,8 @@ def refused_options(args) -> str | None:
     unsupported = {
         **({"--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
-        f"--sliding-window (its attention has none; {', '.join(WINDOW_FAMILIES)} do)": args.sliding_window is not None
-        and args.hf not in WINDOW_FAMILIES,
+        f"--sliding-window (its config slides not every layer; {', '.join(WINDOW_FAMILIES)} do)":
+        args.sliding_window is not None and args.hf not in WINDOW_FAMILIES,
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline
         and args.attention_backward == "atomic",
     }  # fmt: skip

@@ -159,6 +159,23 @@ def test_other_families_train_and_checkpoints_keep_their_model(one_process, tmp_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+def test_gemma_trains_hugging_faces_curve_through_tessels_layers(tmp_path, family):
+    """--hf gemma and gemma2 (embeddings scaled inside the embedding module; Gemma 2's attention and final logits
+    soft-capped, its baseline with eager attention): the same curve as Hugging Face's own model, at tp=2 with
+    sequence parallelism and through a pipeline (the stages' fused loss soft-capped)."""
+    run = ["--hf", family, *RUN[2:]]
+    proc = _ok(_train(tmp_path / "one", *run))
+    assert f"Hugging Face {HF_FAMILIES[family]} tiny" in proc.stdout
+    _ok(_train(tmp_path / "baseline", *run, "--hf-baseline"))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "pp2", *run, "--pp", "2", "--microbatches", "2", nproc=2))
+    for layout in ("baseline", "tp2", "pp2"):
+        assert _losses(tmp_path / layout) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), layout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path):
     """--hf-baseline (Hugging Face's own sdpa attention, head and loss from the logits, nothing swapped) trains the
     same curve as the model with tessel's attention and fused loss, alone and at dp=2 under FSDP."""
