@@ -114,7 +114,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     )
     add(
         "--hf",
-        choices=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2"),
+        choices=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3"),
         default=None,
         help="train this Hugging Face family's causal LM (needs transformers) instead of tessel's GPT: the preset's "
         "shape, parallelize()d, tessel's attention and fused loss, hf_pipeline_stage() under --pp",

@@ -8,8 +8,9 @@ would: :func:`~tessel.layers.parallelize` (tensor and sequence parallelism), tes
 under pipeline parallelism :func:`~tessel.layers.hf_pipeline_stage`. The engine wraps and trains it as it does
 the GPT (``train_engine.py``). ``--hf-baseline`` trains the same model as Hugging Face makes it (its ``sdpa``
 attention, Gemma 2's eager one; its head and loss from the logits; one tensor- and pipeline-parallel rank): what
-tessel's layers are measured against. Gemma and Gemma 2 keep their own MLP activation, embedding scale and (Gemma 2)
-soft-capped attention and logits and alternating window.
+tessel's layers are measured against. The Gemma families keep their own MLP activation and embedding scale, Gemma 2
+its soft-capped attention and logits and alternating window, Gemma 3 its q/k norms and its two rotary bases (local
+and global layers).
 
 Mixtures of experts (``--hf mixtral`` or ``qwen3_moe`` with ``--experts N --top-k k``): every block's MLP is N
 experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
@@ -58,7 +59,9 @@ __all__ = [
 ]
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-               "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2"}  # fmt: skip
+               "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3"}  # fmt: skip
+# Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM)
+TEXT_CONFIGS = {"gemma3": "Gemma3Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size"}
 # The families whose attention takes a sliding window (--sliding-window), and how their config asks for one in
@@ -92,7 +95,9 @@ def _hf_config(args, c: GPTConfig, attention: str):
             kw.update(WINDOW_FAMILIES[args.hf])
     if args.hf in MOE_FAMILIES and not args.hf_baseline:
         kw["experts_implementation"] = register_hf_experts()
-    config = getattr(transformers, f"{HF_FAMILIES[args.hf]}Config")(**kw)
+    config = getattr(transformers, f"{TEXT_CONFIGS.get(args.hf, HF_FAMILIES[args.hf])}Config")(**kw)
+    if args.hf in TEXT_CONFIGS:  # Gemma 3 keeps its own rotary bases, one per kind of layer
+        return config
     if hasattr(config, "rope_parameters"):  # transformers 5: the rotary base lives in rope_parameters
         config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": c.rope_theta}
     else:

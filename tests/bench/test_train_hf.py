@@ -159,11 +159,12 @@ def test_other_families_train_and_checkpoints_keep_their_model(one_process, tmp_
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["gemma", "gemma2"])
+@pytest.mark.parametrize("family", ["gemma", "gemma2", "gemma3"])
 def test_gemma_trains_hugging_faces_curve_through_tessels_layers(tmp_path, family):
-    """--hf gemma and gemma2 (embeddings scaled inside the embedding module; Gemma 2's attention and final logits
-    soft-capped, its baseline with eager attention): the same curve as Hugging Face's own model, at tp=2 with
-    sequence parallelism and through a pipeline (the stages' fused loss soft-capped)."""
+    """--hf gemma, gemma2 and gemma3 (embeddings scaled inside the embedding module; Gemma 2's attention and final
+    logits soft-capped, its baseline with eager attention; Gemma 3's q/k norms and two rotary bases): the same curve as
+    Hugging Face's own model, at tp=2 with sequence parallelism and through a pipeline (Gemma 2's stages' fused loss
+    soft-capped)."""
     run = ["--hf", family, *RUN[2:]]
     proc = _ok(_train(tmp_path / "one", *run))
     assert f"Hugging Face {HF_FAMILIES[family]} tiny" in proc.stdout
