@@ -63,23 +63,37 @@ def _check(model) -> ColumnParallelLinear:
     return head
 
 
+def _text_config(model: nn.Module):
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
 def logit_softcap(model: nn.Module) -> float | None:
     """The cap of the model's soft-capped logits (``final_logit_softcapping``: Gemma 2's ``c·tanh(logits/c)``), or
     None."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    cap = getattr(config, "final_logit_softcapping", None)
+    cap = getattr(_text_config(model), "final_logit_softcapping", None)
     return None if cap is None else float(cap)
 
 
 def logit_multiplier(model: nn.Module) -> float:
     """What the model's head multiplies its logits by: ``1 / logits_scaling`` (Granite's families) times the
     ``logit_scale`` the model holds (Cohere's); 1 for every other model."""
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    scale = 1.0 / float(getattr(config, "logits_scaling", None) or 1.0)
+    scale = 1.0 / float(getattr(_text_config(model), "logits_scaling", None) or 1.0)
     held = getattr(model, "logit_scale", None)
     if isinstance(held, (int, float)) and not isinstance(held, bool):
         scale *= float(held)
     return scale
+
+
+def head_loss(hidden: torch.Tensor, head: nn.Module, target: torch.Tensor, scale: float, softcap: float | None,
+              **kwargs) -> torch.Tensor:  # fmt: skip
+    """:func:`~.linear_cross_entropy.linear_cross_entropy` of the split ``head`` on ``hidden``, for logits that the
+    model multiplies by ``scale`` (:func:`logit_multiplier`: ``(hidden · c) Wᵀ + bias · c``) and soft-caps with
+    ``softcap`` (:func:`logit_softcap`); ``kwargs`` go to the loss."""
+    bias = head.bias
+    if scale != 1.0:
+        hidden, bias = hidden * scale, None if bias is None else bias * scale
+    group = head.tp_group if isinstance(head, ColumnParallelLinear) else None
+    return linear_cross_entropy(hidden, head.weight, target, group, bias=bias, softcap=softcap, **kwargs)
 
 
 def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:
@@ -117,12 +131,9 @@ def _fused_forward(self, *args, **kwargs):
     outputs = base_model(self)[1](*args, **kwargs)
     head = self.get_output_embeddings()
     target = _shifted(labels, ignore_index) if shift_labels is None else shift_labels
-    hidden, bias, scale = outputs.last_hidden_state, head.bias, logit_multiplier(self)
-    if scale != 1.0:  # logits · c = (hidden · c) Wᵀ + bias · c
-        hidden, bias = hidden * scale, None if bias is None else bias * scale
-    loss = linear_cross_entropy(hidden, head.weight, target.to(head.weight.device), head.tp_group, bias=bias,
-                                ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
-                                softcap=logit_softcap(self), **options)  # fmt: skip
+    loss = head_loss(outputs.last_hidden_state, head, target.to(head.weight.device), logit_multiplier(self),
+                     logit_softcap(self), ignore_index=ignore_index, reduction="mean" if num_items is None else "sum",
+                     **options)  # fmt: skip
     if num_items is not None:
         loss = loss / (num_items.to(loss.device) if torch.is_tensor(num_items) else num_items)
     fields = dict(loss=loss, logits=None, past_key_values=outputs.past_key_values, hidden_states=outputs.hidden_states,

@@ -49,10 +49,9 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .hf import base_model, is_hf_model
 from .hf_attention import CP_GROUP_ATTR
 from .hf_experts import ROUTER_GATHER
-from .hf_loss import BALANCED_TYPES, OPTIONS, logit_multiplier, logit_softcap
+from .hf_loss import BALANCED_TYPES, OPTIONS, head_loss, logit_multiplier, logit_softcap
 from .hf_router_loss import balancing_config, balancing_loss, router_sums
 from .linear import ColumnParallelLinear, RowParallelLinear
-from .linear_cross_entropy import linear_cross_entropy
 
 __all__ = ["HFPipelineStage", "hf_pipeline_stage"]
 
@@ -174,13 +173,9 @@ class HFPipelineStage(nn.Module):
             raise ValueError(f"HFPipelineStage.loss: stage of layers [{self.start}, {self.stop}) is not the last")
         if isinstance(output, tuple | list):
             output = output[0]
+        if self.fused_loss:  # the head's logits, scaled and soft-capped as the model's
+            return head_loss(output, self.head, target, self.logit_scale, self.softcap, **self.options)
         group = self.head.tp_group if isinstance(self.head, ColumnParallelLinear) else None
-        if self.fused_loss:  # the head's logits times the model's logit scale: (output · c) Wᵀ + bias · c
-            bias, scale = self.head.bias, self.logit_scale
-            if scale != 1.0:
-                output, bias = output * scale, None if bias is None else bias * scale
-            return linear_cross_entropy(output, self.head.weight, target, group, bias=bias, softcap=self.softcap,
-                                        **self.options)  # fmt: skip
         return vocab_parallel_cross_entropy(output, target, group, **self.options)
 
     def router_loss(self, output) -> torch.Tensor | None:

@@ -45,8 +45,19 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _chain(rank, world_size):
+def _chained(model, ids, n: int, fused: bool):
+    """``(stages, output, loss)``: ``model``'s ``n`` stages, ``ids`` through them chained, and the last stage's loss of
+    that output."""
     from tessel.layers import hf_pipeline_stage
+
+    stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
+    h = ids
+    for stage in stages:
+        h = stage(h)
+    return stages, h, stages[-1].loss(h, _targets(ids))
+
+
+def _chain(rank, world_size):
 
     results = []
     for kind in MODELS:
@@ -58,13 +69,9 @@ def _chain(rank, world_size):
         for n in (2, 3):
             for fused in (False, True):
                 model.zero_grad(set_to_none=True)
-                stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
-                h = ids
-                for stage in stages:
-                    h = stage(h)
+                stages, h, loss = _chained(model, ids, n, fused)
                 if not fused:
                     torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} logits")
-                loss = stages[-1].loss(h, _targets(ids))
                 torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
                 loss.backward()
                 got = _grads(model)
@@ -207,7 +214,7 @@ def test_every_supported_family_chains_to_its_logits(kind):
     and its loss, from the logits and fused, for every split into 2 and 3; a stage leaves the model as it was."""
     import transformers
 
-    from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES, hf_pipeline_stage
+    from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES
 
     name = FAMILIES[kind]
     # no skip: a family the installed transformers lacks is one the list claims without a check
@@ -225,15 +232,10 @@ def test_every_supported_family_chains_to_its_logits(kind):
         want = model(ids, labels=ids)
         for n in (2, 3):
             for fused in (False, True):
-                stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
-                h = ids
-                for stage in stages:
-                    h = stage(h)
+                _, h, loss = _chained(model, ids, n, fused)
                 if not fused:
                     torch.testing.assert_close(h, want.logits, rtol=1e-6, atol=1e-6, msg=f"{kind} in {n} stages")
-                loss = stages[-1].loss(h, _targets(ids))
                 torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
-        torch.testing.assert_close(model(ids).logits, want.logits, rtol=0, atol=0)
         torch.testing.assert_close(model(ids).logits, want.logits, rtol=0, atol=0)
 
 
