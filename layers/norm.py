@@ -15,10 +15,10 @@ import torch
 from torch import nn
 
 from ..kernels.norm import layer_norm, rms_norm, rms_norm_reference
-from ..parallel.collectives import copy_to_tp
-from ..parallel.comm import group_size
+from ..parallel.collectives import copy_to_tp, sum_over_ranks
+from ..parallel.comm import group_rank, group_size
 
-__all__ = ["LayerNorm", "RMSNorm"]
+__all__ = ["LayerNorm", "RMSNorm", "SplitRMSNorm", "sequence_parallel_norm"]
 
 
 def _shared(param: torch.Tensor | None, layer: nn.Module) -> torch.Tensor | None:
@@ -77,13 +77,8 @@ class RMSNorm(nn.Module):
         elif isinstance(norm, nn.RMSNorm):
             dim, eps = _single_dim(name, norm, norm.normalized_shape), norm.eps
         else:
-            eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
-            w = getattr(norm, "weight", None)
-            if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None:
-                raise TypeError(f"{name}.from_module: expected torch.nn.RMSNorm or a module with a 1-D .weight and "
-                                f".variance_epsilon or .eps, received {type(norm).__name__}")  # fmt: skip
+            w, eps = _foreign_rms_norm(name, norm)
             dim = w.shape[0]
-            _check_computes_rms_norm(norm, w, eps)
         w = norm.weight
         layer = cls(dim, eps, tp_group=tp_group, sequence_parallel=sequence_parallel, device=w.device, dtype=w.dtype)
         with torch.no_grad():
@@ -94,7 +89,18 @@ class RMSNorm(nn.Module):
         return f"{self.dim}, eps={self.eps}, tp={self.tp_size}, sequence_parallel={self.sequence_parallel}"
 
 
-def _check_computes_rms_norm(norm: nn.Module, weight: torch.Tensor, eps: float) -> None:
+def _foreign_rms_norm(name: str, norm: nn.Module) -> tuple[torch.Tensor, float]:
+    """The weight and eps of an RMS norm of another library, probed: it must compute ``x·rsqrt(mean(x²) + eps)·w``."""
+    eps = getattr(norm, "variance_epsilon", getattr(norm, "eps", None))
+    w = getattr(norm, "weight", None)
+    if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None:
+        raise TypeError(f"{name}.from_module: expected torch.nn.RMSNorm or a module with a 1-D .weight and "
+                        f".variance_epsilon or .eps, received {type(norm).__name__}")  # fmt: skip
+    _check_computes_rms_norm(name, norm, w, eps)
+    return w, eps
+
+
+def _check_computes_rms_norm(name: str, norm: nn.Module, weight: torch.Tensor, eps: float) -> None:
     if weight.device.type == "meta":
         return
     probe = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
@@ -105,7 +111,7 @@ def _check_computes_rms_norm(norm: nn.Module, weight: torch.Tensor, eps: float) 
     # fp16/bf16 (half an ulp each, 2⁻¹¹ / 2⁻⁸ relative) against our one; fp32 differs only in operation order.
     tol = 1e-5 if weight.dtype == torch.float32 else 2 * torch.finfo(weight.dtype).eps
     if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
-        raise ValueError(f"RMSNorm.from_module: {type(norm).__name__} does not compute x·rsqrt(mean(x²) + eps)·weight "
+        raise ValueError(f"{name}.from_module: {type(norm).__name__} does not compute x·rsqrt(mean(x²) + eps)·weight "
                          "on a probe input, so its weight cannot be copied as is")  # fmt: skip
 
 
@@ -149,3 +155,79 @@ class LayerNorm(nn.Module):
     def extra_repr(self) -> str:
         return (f"{self.dim}, eps={self.eps}, bias={self.bias is not None}, tp={self.tp_size}, "
                 f"sequence_parallel={self.sequence_parallel}")  # fmt: skip
+
+
+class SplitRMSNorm(nn.Module):
+    """An RMS norm whose features are split over the tensor-parallel group: rank ``r`` of ``t`` holds features
+    ``r·dim/t …`` of its input and of ``weight``, and ``y = x·rsqrt(mean(x²) + eps)·weight`` with the mean over
+    all ``dim`` features.
+
+    Hugging Face attention whose query and key norms span every head (OLMo 2 and 3, OLMoE, FlexOlmo, MiniMax-M2)
+    keeps them after its projections are split by heads (``parallelize``'s style ``colwise_norm``): each rank's
+    projection gives it its heads' features, whose squares it sums in fp32; the sums are all-reduced
+    (:func:`~tessel.parallel.collectives.sum_over_ranks`, whose backward all-reduces too: every rank's output
+    depends on every rank's features), one fp32 per row in each direction. The output is computed in fp32 and
+    rounded once to ``x``'s dtype. ``.weight`` is this rank's slice, tagged ``tensor_parallel`` (``tp_dim = 0``),
+    and its gradient is complete on each rank.
+    """
+
+    def __init__(self, dim, eps=1e-6, *, tp_group=None, device=None, dtype=None):
+        super().__init__()
+        name = type(self).__name__
+        _check_dim(name, dim)
+        t = group_size(tp_group)
+        if dim % t:
+            raise ValueError(f"{name}: dim={dim} is not divisible by the tensor-parallel size {t}")
+        self.dim, self.eps, self.tp_group, self.tp_size = dim, eps, tp_group, t
+        self.weight = nn.Parameter(torch.ones(dim // t, device=device, dtype=dtype))
+        self.weight.tensor_parallel, self.weight.tp_dim, self.weight.tp_parts = True, 0, (dim,)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        local = self.dim // self.tp_size
+        if not isinstance(x, torch.Tensor) or not x.is_floating_point() or x.dim() < 1 or x.shape[-1] != local:
+            got = tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__
+            raise ValueError(f"{type(self).__name__}: expected a floating tensor [..., {local}] (features {self.dim} "
+                             f"over {self.tp_size} ranks), received {got}")  # fmt: skip
+        eps = torch.finfo(x.dtype).eps if self.eps is None else self.eps
+        xf = x.float()
+        squares = xf.square().sum(-1, keepdim=True)
+        if self.tp_size > 1:
+            squares = sum_over_ranks(squares, self.tp_group)
+        return (xf * torch.rsqrt(squares / self.dim + eps) * self.weight.float()).to(x.dtype)
+
+    @classmethod
+    def from_module(cls, norm: nn.Module, *, tp_group=None) -> SplitRMSNorm:
+        """This rank's share of a whole RMS norm (``torch.nn.RMSNorm``, a tessel ``RMSNorm``, or one of another
+        library's, probed as :meth:`RMSNorm.from_module` probes it)."""
+        name = cls.__name__
+        if isinstance(norm, (RMSNorm, nn.RMSNorm)):
+            if isinstance(norm, nn.RMSNorm):
+                _single_dim(name, norm, norm.normalized_shape)
+            w, eps = norm.weight, norm.eps
+        else:
+            w, eps = _foreign_rms_norm(name, norm)
+        t = group_size(tp_group)
+        layer = cls(w.shape[0], eps, tp_group=tp_group, device=w.device, dtype=w.dtype)
+        with torch.no_grad():
+            layer.weight.copy_(w.detach().chunk(t)[group_rank(tp_group)])
+        return layer
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, tp={self.tp_size}"
+
+
+def sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module | None:
+    """tessel's norm over sequence shards in place of ``norm``, or None when tessel's kernels do not compute what
+    ``norm`` does (it then keeps its forward, and its gradients are reduced over the group)."""
+    if isinstance(norm, (RMSNorm, LayerNorm)):
+        kw = {"bias": norm.bias is not None} if isinstance(norm, LayerNorm) else {}
+        w = norm.weight
+        layer = type(norm)(norm.dim, norm.eps, tp_group=tp_group, sequence_parallel=True, device=w.device,
+                           dtype=w.dtype, **kw)  # fmt: skip
+        layer.load_state_dict(norm.state_dict())
+        return layer
+    cls = LayerNorm if isinstance(norm, nn.LayerNorm) else RMSNorm
+    try:  # RMSNorm.from_module probes foreign norms and refuses those it does not reproduce (Gemma's 1 + w)
+        return cls.from_module(norm, tp_group=tp_group, sequence_parallel=True)
+    except (TypeError, ValueError):
+        return None

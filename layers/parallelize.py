@@ -4,7 +4,10 @@ A plan maps module-name globs to styles. Names are those of ``model.named_module
 matches one name segment and ``?`` one character of a segment (``"layers.*.self_attn.q_proj"``).
 Without a plan the model's own is used: ``model.tessel_tp_plan`` (tessel's GPT), else the
 Hugging Face plan (``config.base_model_tp_plan`` below the base model's prefix, the input embedding
-over the vocabulary as transformers 5.x adds it, and the head model's ``_tp_plan``).
+over the vocabulary as transformers 5.x adds it, and the head model's ``_tp_plan``). Where that plan
+gathers q, k and v whole because the query and key norms span every head (OLMo 2 and 3, OLMoE, FlexOlmo,
+MiniMax-M2), tessel splits the attention by heads and the norms as ``colwise_norm``
+(:func:`~tessel.layers.hf_attention.head_split_norm_plan`), so each rank computes only its heads.
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)
@@ -20,6 +23,9 @@ embedding (embedding_rowwise; rowwise on an        VocabParallelEmbedding: vocab
 nn.Embedding)
 norm (sequence_parallel)                           tessel RMSNorm/LayerNorm under sequence parallelism;
                                                    unchanged without it (its input is replicated)
+colwise_norm                                       SplitRMSNorm: an RMS norm over features a column layer
+                                                   splits (all-head q/k norms): weight ``r·N/t …``, its
+                                                   mean of squares summed over the group
 replicated_with_grad_allreduce                     unchanged; its parameter gradients are summed over
                                                    the group in backward (norms over local heads)
 all_reduce                                         unchanged; its output is summed over the group
@@ -88,7 +94,7 @@ from .hf import (
     is_hf_model,
     local_head_updates,
 )
-from .hf_attention import mla_rope_dim, mla_shared_key, per_head_parameters
+from .hf_attention import head_split_norm_plan, mla_rope_dim, mla_shared_key, per_head_parameters
 from .hf_balance import balanced_blocks, track_split_loads
 from .hf_experts import (
     ExpertSplit,
@@ -103,14 +109,14 @@ from .hf_experts import (
 )
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
-from .norm import LayerNorm, RMSNorm
+from .norm import SplitRMSNorm, sequence_parallel_norm
 
 __all__ = ["STYLES", "parallelize"]
 
 COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
-EXPERTS, MLA_KV_A, MOE = "experts", "mla_kv_a_proj", "moe"
+EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
 
 STYLES: dict[str, str] = {
     COLUMN: COLUMN, "local_colwise": COLUMN,
@@ -124,7 +130,7 @@ STYLES: dict[str, str] = {
     GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
-    "ep_router": REPLICATE, MOE: MOE,
+    "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
 _SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
@@ -239,6 +245,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
 
 def _own_plan(model: nn.Module) -> dict[str, str]:
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
+    if plan and is_hf_model(model):
+        plan = head_split_norm_plan(model, plan, _glob_regex)
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
@@ -491,8 +499,13 @@ def _build(e: _Entry, tp_group, overlap) -> nn.Module | None:
                                        ep_group=e.ep_group, cp_group=e.module.cp_group)  # fmt: skip
     if e.kind == EMBEDDING:
         return VocabParallelEmbedding.from_embedding(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel)
+    if e.kind == COLUMN_NORM:
+        try:
+            return SplitRMSNorm.from_module(e.module, tp_group=tp_group)
+        except (TypeError, ValueError) as err:
+            _fail(e, str(err))
     if e.kind == NORM and e.sequence_parallel and any(True for _ in e.module.parameters()):
-        norm = _sequence_parallel_norm(e.module, tp_group)
+        norm = sequence_parallel_norm(e.module, tp_group)
         if norm is None:  # a norm tessel's kernels do not reproduce keeps its forward; its grads are reduced
             e.kind = GRAD_ALL_REDUCE
         return norm
@@ -523,22 +536,6 @@ def _packed_column(cls, linear: nn.Linear, tp_group, sequence_parallel: bool, ov
         if p is not None:
             p.tp_parts = parts
     return layer
-
-
-def _sequence_parallel_norm(norm: nn.Module, tp_group) -> nn.Module | None:
-    """tessel's norm over sequence shards, or None when tessel's kernels do not compute what ``norm`` does."""
-    if isinstance(norm, (RMSNorm, LayerNorm)):
-        kw = {"bias": norm.bias is not None} if isinstance(norm, LayerNorm) else {}
-        w = norm.weight
-        layer = type(norm)(norm.dim, norm.eps, tp_group=tp_group, sequence_parallel=True, device=w.device,
-                           dtype=w.dtype, **kw)  # fmt: skip
-        layer.load_state_dict(norm.state_dict())
-        return layer
-    cls = LayerNorm if isinstance(norm, nn.LayerNorm) else RMSNorm
-    try:  # RMSNorm.from_module probes foreign norms and refuses those it does not reproduce (Gemma's 1 + w)
-        return cls.from_module(norm, tp_group=tp_group, sequence_parallel=True)
-    except (TypeError, ValueError):
-        return None
 
 
 # ---------------------------------------------------------------------------------------------------- installing

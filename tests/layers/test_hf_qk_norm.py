@@ -1,0 +1,209 @@
+"""Attention whose query and key norms span every head, split by heads: ``SplitRMSNorm`` and the
+``colwise_norm`` style that ``parallelize`` gives OLMo 2 and 3, OLMoE, FlexOlmo and MiniMax-M2.
+
+Hugging Face's own plan for these families gathers q, k and v whole and runs every head's attention on every
+rank, because each norm's mean of squares spans all heads. tessel splits q/k/v by heads and keeps each norm
+whole by summing its squares over the ranks: the tests check
+
+- ``SplitRMSNorm`` on 2 and 4 gloo ranks against a float64 RMS norm over the whole width (output, input and
+  weight gradients; fp32 and bf16), built from Hugging Face's, torch's and tessel's norms; bad input refused;
+- each family, dense against parallelized (logits, every gradient shard, fp32, 1e-4 relative as test_hf.py),
+  with and without sequence parallelism, on 2 ranks and with 4 kv heads on 4; each rank holds only its
+  heads' projections;
+- which plans are rewritten (the five families') and which are not (Qwen3's per-head norms, a user's plan).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, _assert_unchanged, _check_against_dense, _state, needs_hf
+from tests.multiprocess import run_ranks
+
+FAMILIES = {"olmo2": "Olmo2", "olmo3": "Olmo3", "olmoe": "Olmoe", "flex_olmo": "FlexOlmo", "minimax_m2": "MiniMaxM2"}
+MIXTURES = ("olmoe", "flex_olmo", "minimax_m2")
+
+
+def qk_norm_model(family, kv_heads=2, seed=0, **kw):
+    """A tiny ``family`` model (two layers, four query heads of 16), its norms' weights random."""
+    import transformers
+
+    name = FAMILIES[family]
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=False, pad_token_id=0,
+                bos_token_id=1, eos_token_id=2)  # fmt: skip
+    if family in MIXTURES:
+        base.update(num_experts=4, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{name}ForCausalLM")(getattr(transformers, f"{name}Config")(**{**base, **kw}))
+    with torch.no_grad():  # ones would hide a weight applied to the wrong features
+        for layer in model.model.layers:
+            for norm in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                norm.weight.uniform_(0.5, 1.5)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- SplitRMSNorm
+
+
+def _rms_norm_64(x, w, eps):
+    x = x.double()
+    return x * torch.rsqrt(x.square().mean(-1, keepdim=True) + eps) * w.double()
+
+
+def _split_norm_ranks(rank, world_size):
+    import transformers
+    from torch import nn
+
+    from tessel.layers.norm import RMSNorm, SplitRMSNorm
+
+    dim, eps = 40, 1e-5
+    gen = torch.Generator().manual_seed(3)
+    whole_w = torch.rand(dim, generator=gen) + 0.5
+    sources = []
+    hf = transformers.models.olmo2.modeling_olmo2.Olmo2RMSNorm(dim, eps)
+    torch_norm, tessel_norm = nn.RMSNorm(dim, eps), RMSNorm(dim, eps)
+    for m in (hf, torch_norm, tessel_norm):
+        with torch.no_grad():
+            m.weight.copy_(whole_w)
+        sources.append(m)
+    chunk = dim // world_size
+    own = slice(rank * chunk, (rank + 1) * chunk)
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        x = (torch.randn(3, 5, dim, generator=gen) * 3).to(dtype)
+        dy = torch.randn(3, 5, dim, generator=gen).to(dtype)
+        x64 = x.double().requires_grad_()
+        w64 = whole_w.double().requires_grad_()
+        want = _rms_norm_64(x64, w64, eps)
+        want.backward(dy.double())
+        for source in sources:
+            norm = SplitRMSNorm.from_module(source.to(dtype))
+            assert norm.weight.shape == (chunk,) and norm.weight.tp_dim == 0 and norm.weight.tp_parts == (dim,)
+            xr = x[..., own].clone().requires_grad_()
+            y = norm(xr)
+            assert y.dtype == dtype
+            y.backward(dy[..., own])
+            tag = f"{type(source).__name__} {dtype}"
+            torch.testing.assert_close(y.double(), want[..., own].detach(), rtol=tol, atol=tol, msg=tag)
+            torch.testing.assert_close(xr.grad.double(), x64.grad[..., own], rtol=tol, atol=tol, msg=tag)
+            torch.testing.assert_close(norm.weight.grad.double(), w64.grad[own], rtol=tol, atol=tol * 10, msg=tag)
+    norm = SplitRMSNorm(dim)
+    with pytest.raises(ValueError, match=rf"expected a floating tensor \[\.\.\., {chunk}\] \(features 40 over"):
+        norm(torch.zeros(2, dim))
+    with pytest.raises(ValueError, match="expected a floating tensor"):
+        norm(torch.zeros(2, chunk, dtype=torch.long))
+    odd = 42 if world_size == 4 else 41
+    with pytest.raises(ValueError, match=f"dim={odd} is not divisible by the tensor-parallel size {world_size}"):
+        SplitRMSNorm(odd)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_split_rms_norm_matches_the_whole_norm(world_size):
+    assert run_ranks(_split_norm_ranks, world_size, timeout=120) == ["ok"] * world_size
+
+
+def test_split_rms_norm_refuses_what_it_cannot_copy():
+    import importlib.util
+
+    from torch import nn
+
+    from tessel.layers.norm import SplitRMSNorm
+
+    with pytest.raises(ValueError, match="elementwise_affine=False"):
+        SplitRMSNorm.from_module(nn.RMSNorm(8, elementwise_affine=False))
+    with pytest.raises(TypeError, match=r"SplitRMSNorm\.from_module: expected torch\.nn\.RMSNorm"):
+        SplitRMSNorm.from_module(nn.Linear(4, 4))
+    with pytest.raises(ValueError, match="dim must be a positive int, received 0"):
+        SplitRMSNorm(0)
+    if importlib.util.find_spec("transformers") is not None:  # Gemma's (1 + weight) norm is not x̂·weight
+        import transformers
+
+        with pytest.raises(ValueError, match=r"SplitRMSNorm.from_module: GemmaRMSNorm does not compute"):
+            SplitRMSNorm.from_module(transformers.models.gemma.modeling_gemma.GemmaRMSNorm(8))
+    # one rank: the whole norm
+    norm, x = SplitRMSNorm(8, eps=1e-6), torch.randn(2, 3, 8)
+    torch.testing.assert_close(norm(x).double(), _rms_norm_64(x, norm.weight.detach(), 1e-6))
+
+
+# ---------------------------------------------------------------------------------------------------- parallelize
+
+
+def test_only_attention_with_all_head_norms_is_rewritten():
+    import transformers
+
+    from tessel.layers.hf import hf_tp_plan
+    from tessel.layers.hf_attention import HEAD_SPLIT_ATTENTION, head_split_norm_plan
+    from tessel.layers.parallelize import _glob_regex
+
+    for family in FAMILIES:
+        model = qk_norm_model(family)
+        plan = head_split_norm_plan(model, hf_tp_plan(model), _glob_regex)
+        for leaf, style in HEAD_SPLIT_ATTENTION.items():
+            assert plan[f"model.layers.*.self_attn.{leaf}"] == style, (family, leaf)
+    # Qwen3's norms are per head (16 weights): its plan splits by heads already, and is left as it is
+    qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16))  # fmt: skip
+    assert head_split_norm_plan(qwen3, hf_tp_plan(qwen3), _glob_regex) == hf_tp_plan(qwen3)
+    # an OLMo 2 whose norms do not span the projections' features is not rewritten
+    model = qk_norm_model("olmo2")
+    model.model.layers[1].self_attn.k_norm = torch.nn.Identity()
+    assert head_split_norm_plan(model, hf_tp_plan(model), _glob_regex) == hf_tp_plan(model)
+
+
+def _families_ranks(rank, world_size, kv_heads, families, sp_options):
+    from tessel.layers.hf import hf_tp_plan
+    from tessel.layers.norm import SplitRMSNorm
+    from tessel.layers.parallelize import parallelize
+
+    t = world_size
+    for family in families:
+        for sp in sp_options:
+            dense = qk_norm_model(family, kv_heads=kv_heads)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
+            attention = par.model.layers[1].self_attn
+            # this rank's heads only: 4/t query heads and kv/t kv heads of 16
+            kv = 16 * kv_heads // t
+            assert attention.q_proj.weight.shape == (64 // t, 64) and attention.v_proj.weight.shape == (kv, 64)
+            assert isinstance(attention.q_norm, SplitRMSNorm) and attention.k_norm.weight.shape == (kv,)
+            assert attention.o_proj.weight.shape == (64, 64 // t)
+            _check_against_dense(dense, par, f"{family} sp={sp}")
+    # OLMoE clamps q, k and v in place (clip_qkv): the clamp runs on each rank's heads
+    dense = qk_norm_model("olmoe", kv_heads=kv_heads, clip_qkv=0.05)
+    for sp in sp_options:
+        _check_against_dense(dense, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp), f"clip sp={sp}")
+        dense.zero_grad()
+    # Hugging Face's plan, given as a user plan, is followed as written: the attention gathered whole
+    dense = qk_norm_model("olmo2", kv_heads=kv_heads)
+    par = parallelize(copy.deepcopy(dense), None, plan=hf_tp_plan(dense))
+    assert type(par.model.layers[0].self_attn.q_norm) is type(dense.model.layers[0].self_attn.q_norm)
+    _check_against_dense(dense, par, "olmo2 hugging face plan")
+    # a width that does not split over the ranks is refused by name, with nothing changed
+    model = qk_norm_model("olmo2", kv_heads=kv_heads)
+    plan = {**hf_tp_plan(model), "model.layers.*.self_attn.q_norm": "colwise_norm"}
+    model.model.layers[0].self_attn.q_norm.weight = torch.nn.Parameter(torch.ones(64 + 1))
+    before, types = _state(model), [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_norm .*style 'colwise_norm'.*dim=65 is not"):
+        parallelize(model, None, plan=plan)
+    _assert_unchanged(model, before, types)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_all_head_norm_families_split_by_heads_match_dense_on_two_ranks():
+    assert (
+        run_ranks(_families_ranks, 2, 2, tuple(FAMILIES), (False, True), timeout=300, env=REFERENCE_KERNELS)
+        == ["ok"] * 2
+    )
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_all_head_norm_families_split_by_heads_match_dense_on_four_ranks():
+    got = run_ranks(_families_ranks, 4, 4, ("olmo2", "olmoe"), (True,), timeout=300, env=REFERENCE_KERNELS)
+    assert got == ["ok"] * 4
