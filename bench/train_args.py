@@ -21,6 +21,7 @@ from .dataset import DEFAULT_DATASET, TOKEN_FORMATS, ByteDataset
 __all__ = [
     "COMPILE_BACKENDS",
     "DTYPES",
+    "HF_CHOICES",
     "LR_SCHEDULES",
     "OVERLAPS",
     "PRESETS",
@@ -34,6 +35,9 @@ __all__ = [
 PROG = "python -m tessel.bench.train"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
+# --hf's families (train_hf.HF_FAMILIES names their classes)
+HF_CHOICES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3", "olmo2",
+              "olmoe")  # fmt: skip
 LR_SCHEDULES = ("cosine", "constant")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 OVERLAPS = {"auto": "auto", "on": True, "off": False, "peer": "peer"}  # --overlap: the layers' `overlap`
@@ -114,7 +118,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     )
     add(
         "--hf",
-        choices=("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3"),
+        choices=HF_CHOICES,
         default=None,
         help="train this Hugging Face family's causal LM (needs transformers) instead of tessel's GPT: the preset's "
         "shape, parallelize()d, tessel's attention and fused loss, hf_pipeline_stage() under --pp",
@@ -139,7 +143,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="a mixture of this many experts in every block instead of the MLP (each the preset's MLP width; "
-        "default: 0, dense); with --hf, of a mixture family (mixtral, qwen3_moe)",
+        "default: 0, dense); with --hf, of a mixture family (mixtral, qwen3_moe, olmoe)",
     )
     add("--top-k", type=int, default=2, help="experts per token with --experts (default: %(default)s)")
     add(

@@ -10,10 +10,11 @@ the GPT (``train_engine.py``). ``--hf-baseline`` trains the same model as Huggin
 attention, Gemma 2's eager one; its head and loss from the logits; one tensor- and pipeline-parallel rank): what
 tessel's layers are measured against. The Gemma families keep their own MLP activation and embedding scale, Gemma 2
 its soft-capped attention and logits and alternating window, Gemma 3 its q/k norms and its two rotary bases (local
-and global layers).
+and global layers). OLMo 2 and OLMoE keep their norms after each block and their q/k norms over all heads, which
+``parallelize`` splits with the heads (:class:`~tessel.layers.norm.SplitRMSNorm`).
 
-Mixtures of experts (``--hf mixtral`` or ``qwen3_moe`` with ``--experts N --top-k k``): every block's MLP is N
-experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
+Mixtures of experts (``--hf mixtral``, ``qwen3_moe`` or ``olmoe`` with ``--experts N --top-k k``): every block's MLP
+is N experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
 :func:`~tessel.layers.register_hf_experts`; the baseline keeps Hugging Face's default). Their load-balancing loss
 (``--aux-loss-coef``, as Hugging Face weighs it: ``router_aux_loss_coef``) is trained and, as for tessel's GPT,
 left out of the reported loss, and so is ST-MoE's router z-loss (``--z-loss-coef``, the mean squared log-sum-exp
@@ -59,11 +60,12 @@ __all__ = [
 ]
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
-               "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3"}  # fmt: skip
+               "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
+               "olmoe": "Olmoe"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
-MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size"}
+MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size"}
 # The families whose attention takes a sliding window (--sliding-window), and how their config asks for one in
 # every layer (Qwen's layers below max_window_layers attend to everything).
 WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},

@@ -177,6 +177,23 @@ def test_gemma_trains_hugging_faces_curve_through_tessels_layers(tmp_path, famil
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_olmo2_trains_hugging_faces_curve_with_its_attention_split_by_heads(tmp_path):
+    """--hf olmo2 (norms after each block, q/k norms over all heads): Hugging Face's own curve at tp=2 with sequence
+    parallelism, the attention split by heads (each q/k norm summing its squares over the ranks), through a
+    pipeline, and at tp 2 x cp 2 with the sequence split over both."""
+    run = ["--hf", "olmo2", *RUN[2:]]
+    proc = _ok(_train(tmp_path / "one", *run))
+    assert "Hugging Face Olmo2 tiny" in proc.stdout
+    _ok(_train(tmp_path / "baseline", *run, "--hf-baseline"))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "pp2", *run, "--pp", "2", "--microbatches", "2", nproc=2))
+    _ok(_train(tmp_path / "tp2-cp2", *run, "--tp", "2", "--cp", "2", "--sequence-parallel", nproc=4))
+    for layout in ("baseline", "tp2", "pp2", "tp2-cp2"):
+        assert _losses(tmp_path / layout) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), layout
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path):
     """--hf-baseline (Hugging Face's own sdpa attention, head and loss from the logits, nothing swapped) trains the
     same curve as the model with tessel's attention and fused loss, alone and at dp=2 under FSDP."""

@@ -197,6 +197,22 @@ def test_qwen3_moe_trains(tmp_path):
     assert "Hugging Face Qwen3Moe tiny" in proc.stdout and len(_losses(tmp_path)) == 3
 
 
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_olmoe_trains_its_balancing_loss_with_its_attention_split_by_heads(tmp_path):
+    """--hf olmoe (q/k norms over all heads beside the experts): Hugging Face's own curve, balancing loss included,
+    at tp=2 with sequence parallelism (the attention split by heads, the experts by features) and through a
+    pipeline carrying the router sums."""
+    run = ["--hf", "olmoe", *RUN[2:], "--aux-loss-coef", "0.1", "--microbatches", "2"]
+    proc = _ok(_train(tmp_path / "one", *run))
+    assert "Hugging Face Olmoe tiny" in proc.stdout and "experts=4 top-k=2" in proc.stdout
+    _ok(_train(tmp_path / "baseline", *run, "--hf-baseline"))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "pp2", *run, "--pp", "2", nproc=2))
+    for layout in ("baseline", "tp2", "pp2"):
+        assert _losses(tmp_path / layout) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), layout
+
+
 @pytest.mark.parametrize(
     ("extra", "nproc", "words"),
     [
