@@ -318,3 +318,9 @@ def test_held_out_evaluation_agrees_through_a_pipeline(tmp_path):
     _ok(_train(tmp_path / "pp2", *run, "--pp", "2", "--microbatches", "2", nproc=2))
     one, pp2 = (_eval_losses(tmp_path / r) for r in ("one", "pp2"))
     assert one[-1] > 0 and pp2 == pytest.approx(one, rel=1e-5)
+
+
+def test_the_command_line_offers_every_family_the_job_builds():
+    from tessel.bench.train_args import HF_CHOICES
+
+    assert sorted(HF_CHOICES) == sorted(HF_FAMILIES)
