@@ -71,9 +71,7 @@ complete gradient after ``backward()``.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -90,14 +88,12 @@ from .hf import (
     SequenceRing,
     base_model,
     head_dim_of,
-    hf_tp_plan,
     is_hf_model,
     local_head_updates,
 )
-from .hf_attention import head_split_norm_plan, mla_rope_dim, mla_shared_key, per_head_parameters
+from .hf_attention import mla_rope_dim, mla_shared_key, per_head_parameters
 from .hf_balance import balanced_blocks, track_split_loads
 from .hf_experts import (
-    ExpertSplit,
     check_ep_group,
     check_parameter_styles,
     expert_block_modules,
@@ -110,47 +106,28 @@ from .hf_experts import (
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
 from .norm import SplitRMSNorm, sequence_parallel_norm
+from .plan import (
+    ALL_REDUCE,
+    COLUMN,
+    COLUMN_GATHER,
+    COLUMN_NORM,
+    EMBEDDING,
+    EXPERTS,
+    GRAD_ALL_REDUCE,
+    MLA_KV_A,
+    MOE,
+    NORM,
+    PACKED_COLUMN,
+    ROW,
+    ROW_SPLIT,
+    SPLIT_LINEAR,
+    STYLES,
+    Entry,
+    match_plan,
+    own_plan,
+)
 
 __all__ = ["STYLES", "parallelize"]
-
-COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
-ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
-GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
-EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
-
-STYLES: dict[str, str] = {
-    COLUMN: COLUMN, "local_colwise": COLUMN,
-    COLUMN_GATHER: COLUMN_GATHER, "colwise_gather_output": COLUMN_GATHER, "colwise_rep": COLUMN_GATHER,
-    "gather": COLUMN_GATHER,
-    PACKED_COLUMN: PACKED_COLUMN,
-    ROW: ROW, "local_rowwise": ROW,
-    ROW_SPLIT: ROW_SPLIT, "rowwise_split_input": ROW_SPLIT, "rowwise_rep": ROW_SPLIT,
-    EMBEDDING: EMBEDDING, "embedding_rowwise": EMBEDDING,
-    NORM: NORM, "sequence_parallel": NORM,
-    GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
-    REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
-    EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
-    "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM,
-}  # fmt: skip
-_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
-_SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
-
-
-@dataclass
-class _Entry:
-    name: str
-    module: nn.Module
-    style: str  # as written in the plan
-    kind: str  # one of the canonical styles
-    sequence_parallel: bool = False
-    gathered: bool = False  # a column layer fed by its block's sequence ring (Hugging Face under SP)
-    new: nn.Module | None = None
-    splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
-    shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
-    parameter_styles: dict[str, tuple[str, str]] = field(default_factory=dict)  # experts: (glob, style) by name
-    rope_dim: int | None = None  # mla_kv_a_proj: the width of the rotary key shared by every head
-    expert_split: str = "features"  # experts: "features" or "experts"
-    ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
 
 
 def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = None, sequence_parallel: bool = False,
@@ -190,7 +167,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     ep = check_ep_group(ep_group, tp_group)
     context = _context_layout(model, tp_group, cp_group)
     own = plan is None
-    entries, head_params = _match(model, _own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
+    entries, head_params = match_plan(model, own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
     for e in entries:
         e.ep_group = ep_group
         if e.kind == EXPERTS:
@@ -240,95 +217,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     return model
 
 
-# ---------------------------------------------------------------------------------------------------- plans
-
-
-def _own_plan(model: nn.Module) -> dict[str, str]:
-    plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
-    if plan and is_hf_model(model):
-        plan = head_split_norm_plan(model, plan, _glob_regex)
-    if not plan:
-        raise ValueError(
-            f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
-            "config.base_model_tp_plan); pass plan={module-name glob: style}, e.g. {'layers.*.fc1': 'colwise'}"
-        )
-    return dict(plan)
-
-
-def _glob_regex(glob: str) -> re.Pattern:
-    """``*`` → one name segment, ``?`` → one character of a segment; everything else literal."""
-    return re.compile("".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in glob))
-
-
-def _check_style_type(style, glob: str) -> None:
-    if not isinstance(style, str):
-        raise TypeError(f"parallelize: the style of {glob!r} must be a str, received {type(style).__name__}")
-
-
-def _canonical(style, glob: str) -> str:
-    _check_style_type(style, glob)
-    if style in _REFUSED:
-        raise ValueError(f"parallelize: {glob!r}: the Hugging Face style {style!r} is not supported by tessel")
-    if style not in STYLES:
-        raise ValueError(f"parallelize: {glob!r}: unknown style {style!r}; expected one of {sorted(STYLES)}")
-    return STYLES[style]
-
-
-def _match(model: nn.Module, plan, strict: bool = True) -> tuple[list[_Entry], set[str]]:
-    """One entry per matched module, in the model's order, and the names of the per-head parameters the
-    plan names. Every glob must match a module (``strict``; a Hugging Face model's own plan names modules
-    some configurations lack, e.g. the dense MLPs of a model whose layers are all experts), parameters of
-    modules the plan splits as experts, or ``colwise`` parameters of modules whose projections it splits
-    by heads (one value per query head: attention sinks, a gate's per-head bias)."""
-    if not isinstance(plan, Mapping):
-        raise TypeError(f"parallelize: plan must be a mapping of module-name globs to styles, received {plan!r}")
-    modules = [(name, m) for name, m in model.named_modules() if name]
-    chosen: dict[str, _Entry] = {}
-    parameter_rules = []
-    for glob, style in plan.items():
-        if not isinstance(glob, str):
-            raise TypeError(f"parallelize: plan keys must be module-name globs (str), received {glob!r}")
-        regex = _glob_regex(glob)
-        hits = [(name, m) for name, m in modules if regex.fullmatch(name)]
-        if not hits:
-            params = [p for p, _ in model.named_parameters() if regex.fullmatch(p)]
-            if params:  # their styles are read in Hugging Face's terms of the dim they split (below)
-                _check_style_type(style, glob)
-                parameter_rules.append((glob, style, params))
-            elif strict:
-                _canonical(style, glob)
-                raise ValueError(f"parallelize: plan glob {glob!r} matches no module of {type(model).__name__}")
-            continue
-        kind = _canonical(style, glob)
-        for name, m in hits:
-            k = EMBEDDING if kind == ROW and isinstance(m, nn.Embedding) else kind  # Hugging Face 4.x's rowwise
-            if name in chosen and chosen[name].kind != k:
-                raise ValueError(f"parallelize: {name} is matched as {chosen[name].style!r} and as {style!r}")
-            chosen[name] = _Entry(name, m, style, k)
-    experts = {name for name, e in chosen.items() if e.kind == EXPERTS}
-    by_heads = {name.rsplit(".", 1)[0] for name, e in chosen.items() if e.kind in (COLUMN, PACKED_COLUMN, ROW)}
-    head_params = set()
-    for glob, style, params in parameter_rules:
-        for p in params:
-            owner, _, leaf = p.rpartition(".")
-            if owner in by_heads and owner not in experts:
-                if style not in ("colwise", "local_colwise"):
-                    raise ValueError(f"parallelize: plan glob {glob!r} splits {p}, a parameter of a module split by "
-                                     f"heads, as {style!r}; tessel splits it by heads ('colwise')")  # fmt: skip
-                head_params.add(p)
-                continue
-            if owner not in experts:
-                raise ValueError(f"parallelize: plan glob {glob!r} names a parameter; plans name modules, and "
-                                 f"parameters only of modules split as 'moe_tp_experts' or by heads (received "
-                                 f"{p})")  # fmt: skip
-            chosen[owner].parameter_styles[leaf] = (glob, style)
-    if not chosen:
-        raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
-    order = {name: i for i, (name, _) in enumerate(modules)}
-    return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
-
-
-def _sequence_layout(model: nn.Module, entries: list[_Entry]) -> HFSequenceLayout:
+def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout:
     """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``), and so do the
     modules beside split experts, which see this rank's tokens (style ``replicated_with_grad_allreduce``)."""
     for e in entries:
@@ -338,12 +227,12 @@ def _sequence_layout(model: nn.Module, entries: list[_Entry]) -> HFSequenceLayou
                              "would gather a sequence shard); use sequence_parallel=False")  # fmt: skip
     experts = [e.name for e in entries if e.kind == EXPERTS]
     layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in (COLUMN, PACKED_COLUMN)], experts)
-    layout.check(model, {e.name for e in entries if e.kind in _SPLIT_LINEAR})
+    layout.check(model, {e.name for e in entries if e.kind in SPLIT_LINEAR})
     named = {e.name for e in entries}
     modules = dict(model.named_modules())
-    entries.extend(_Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
+    entries.extend(Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
     local = [n for n in expert_block_modules(model, layout.local_blocks, experts) if n not in named]
-    entries.extend(_Entry(n, modules[n], GRAD_ALL_REDUCE, GRAD_ALL_REDUCE) for n in local)
+    entries.extend(Entry(n, modules[n], GRAD_ALL_REDUCE, GRAD_ALL_REDUCE) for n in local)
     return layout
 
 
@@ -366,9 +255,9 @@ def _context_layout(model: nn.Module, tp_group, cp_group) -> HFContextLayout | l
 # ---------------------------------------------------------------------------------------------------- validation
 
 
-def _local_heads(model: nn.Module, entries: list[_Entry], t: int) -> list[tuple[nn.Module, dict[str, int]]]:
+def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[nn.Module, dict[str, int]]]:
     """The head-count attributes to set on attention modules; raises when heads do not split over ``t``."""
-    parents: dict[str, list[_Entry]] = {}
+    parents: dict[str, list[Entry]] = {}
     for e in entries:
         if e.kind in (COLUMN, PACKED_COLUMN, ROW) and "." in e.name:
             parents.setdefault(e.name.rsplit(".", 1)[0], []).append(e)
@@ -388,17 +277,17 @@ def _local_heads(model: nn.Module, entries: list[_Entry], t: int) -> list[tuple[
     return heads
 
 
-def _attention_parents(model: nn.Module, entries: list[_Entry]) -> dict[str, nn.Module]:
+def _attention_parents(model: nn.Module, entries: list[Entry]) -> dict[str, nn.Module]:
     """The modules whose child linear layers are split by heads (column or row), by name."""
     names = {e.name.rsplit(".", 1)[0] for e in entries if e.kind in (COLUMN, PACKED_COLUMN, ROW) and "." in e.name}
     return {name: model.get_submodule(name) for name in sorted(names)}
 
 
-def _fail(e: _Entry, why: str) -> None:
+def _fail(e: Entry, why: str) -> None:
     raise ValueError(f"parallelize: {e.name} ({type(e.module).__name__}, style {e.style!r}): {why}")
 
 
-def _validate_entry(e: _Entry, t: int, model: nn.Module) -> None:
+def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
     m = e.module
     if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT):
         parallel = ColumnParallelLinear if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN) else RowParallelLinear
@@ -450,7 +339,7 @@ def _validate_entry(e: _Entry, t: int, model: nn.Module) -> None:
             _fail(e, f"num_embeddings={m.num_embeddings} is not divisible by the tensor-parallel size {t}")
 
 
-def _check_head_widths(parent_name: str, parent: nn.Module, children: list[_Entry], t: int) -> None:
+def _check_head_widths(parent_name: str, parent: nn.Module, children: list[Entry], t: int) -> None:
     """With a ``head_dim``, each projection's width must hold a whole number of heads per rank."""
     head_dim = head_dim_of(parent)
     if head_dim is None:
@@ -476,7 +365,7 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[_Entr
 # ---------------------------------------------------------------------------------------------------- building
 
 
-def _build(e: _Entry, tp_group, overlap) -> nn.Module | None:
+def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
     """The replacement of ``e.module`` (None: the module stays, with hooks). Changes nothing of the model."""
     column = RingColumnLinear if e.gathered else ColumnParallelLinear
     kw = {} if overlap is None else {"overlap": overlap}
@@ -512,7 +401,7 @@ def _build(e: _Entry, tp_group, overlap) -> nn.Module | None:
     return None
 
 
-def _rings(layout: HFSequenceLayout, entries: list[_Entry], tp_group) -> dict[str, SequenceRing]:
+def _rings(layout: HFSequenceLayout, entries: list[Entry], tp_group) -> dict[str, SequenceRing]:
     """One ring per Hugging Face block under sequence parallelism, over the block's column projections."""
     columns: dict[str, list[RingColumnLinear]] = {}
     for e in entries:
@@ -541,7 +430,7 @@ def _packed_column(cls, linear: nn.Linear, tp_group, sequence_parallel: bool, ov
 # ---------------------------------------------------------------------------------------------------- installing
 
 
-def _ties(model: nn.Module, entries: list[_Entry]) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+def _ties(model: nn.Module, entries: list[Entry]) -> list[tuple[tuple[str, str], tuple[str, str]]]:
     """Parameters shared by replaced modules (a tied lm_head and embedding), to share again after the swap."""
     replaced = {e.name: e for e in entries if e.new is not None}
     owners: dict[int, list[tuple[str, str]]] = {}
@@ -568,7 +457,7 @@ def _ties(model: nn.Module, entries: list[_Entry]) -> list[tuple[tuple[str, str]
     return ties
 
 
-def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
+def _install(model: nn.Module, entries: list[Entry], tp_group) -> None:
     for e in entries:
         if e.new is not None:
             parent, _, child = e.name.rpartition(".")
@@ -586,7 +475,7 @@ def _install(model: nn.Module, entries: list[_Entry], tp_group) -> None:
         elif e.kind == ALL_REDUCE:
             e.module.register_forward_hook(lambda m, args, out: _map_first(out, lambda y: reduce_from_tp(y, tp_group)))
         else:
-            assert e.kind not in _SPLIT_LINEAR, f"{e.name}: a split layer was not built"
+            assert e.kind not in SPLIT_LINEAR, f"{e.name}: a split layer was not built"
 
 
 def _map_first(out, fn):

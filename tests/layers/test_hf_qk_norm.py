@@ -137,22 +137,22 @@ def test_only_attention_with_all_head_norms_is_rewritten():
 
     from tessel.layers.hf import hf_tp_plan
     from tessel.layers.hf_attention import HEAD_SPLIT_ATTENTION, head_split_norm_plan
-    from tessel.layers.parallelize import _glob_regex
+    from tessel.layers.plan import glob_regex
 
     for family in FAMILIES:
         model = qk_norm_model(family)
-        plan = head_split_norm_plan(model, hf_tp_plan(model), _glob_regex)
+        plan = head_split_norm_plan(model, hf_tp_plan(model), glob_regex)
         for leaf, style in HEAD_SPLIT_ATTENTION.items():
             assert plan[f"model.layers.*.self_attn.{leaf}"] == style, (family, leaf)
     # Qwen3's norms are per head (16 weights): its plan splits by heads already, and is left as it is
     qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16))  # fmt: skip
-    assert head_split_norm_plan(qwen3, hf_tp_plan(qwen3), _glob_regex) == hf_tp_plan(qwen3)
+    assert head_split_norm_plan(qwen3, hf_tp_plan(qwen3), glob_regex) == hf_tp_plan(qwen3)
     # an OLMo 2 whose norms do not span the projections' features is not rewritten
     model = qk_norm_model("olmo2")
     model.model.layers[1].self_attn.k_norm = torch.nn.Identity()
-    assert head_split_norm_plan(model, hf_tp_plan(model), _glob_regex) == hf_tp_plan(model)
+    assert head_split_norm_plan(model, hf_tp_plan(model), glob_regex) == hf_tp_plan(model)
 
 
 def _families_ranks(rank, world_size, kv_heads, families, sp_options):

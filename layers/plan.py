@@ -1,0 +1,142 @@
+"""Plans for :func:`~tessel.layers.parallelize`: the styles, their canonical names, and the entries a plan
+matches in a model (module-name globs, ``*`` one name segment, ``?`` one character of a segment)."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from torch import nn
+
+from .hf import hf_tp_plan, is_hf_model
+from .hf_attention import head_split_norm_plan
+from .hf_experts import ExpertSplit
+
+__all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
+
+COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
+ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
+GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
+EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
+
+STYLES: dict[str, str] = {
+    COLUMN: COLUMN, "local_colwise": COLUMN,
+    COLUMN_GATHER: COLUMN_GATHER, "colwise_gather_output": COLUMN_GATHER, "colwise_rep": COLUMN_GATHER,
+    "gather": COLUMN_GATHER,
+    PACKED_COLUMN: PACKED_COLUMN,
+    ROW: ROW, "local_rowwise": ROW,
+    ROW_SPLIT: ROW_SPLIT, "rowwise_split_input": ROW_SPLIT, "rowwise_rep": ROW_SPLIT,
+    EMBEDDING: EMBEDDING, "embedding_rowwise": EMBEDDING,
+    NORM: NORM, "sequence_parallel": NORM,
+    GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
+    REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
+    EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
+    "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM,
+}  # fmt: skip
+_REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
+SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
+
+
+@dataclass
+class Entry:
+    """One module a plan names, and what parallelize builds and installs for it."""
+
+    name: str
+    module: nn.Module
+    style: str  # as written in the plan
+    kind: str  # one of the canonical styles
+    sequence_parallel: bool = False
+    gathered: bool = False  # a column layer fed by its block's sequence ring (Hugging Face under SP)
+    new: nn.Module | None = None
+    splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
+    shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
+    parameter_styles: dict[str, tuple[str, str]] = field(default_factory=dict)  # experts: (glob, style) by name
+    rope_dim: int | None = None  # mla_kv_a_proj: the width of the rotary key shared by every head
+    expert_split: str = "features"  # experts: "features" or "experts"
+    ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
+
+
+def own_plan(model: nn.Module) -> dict[str, str]:
+    plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
+    if plan and is_hf_model(model):
+        plan = head_split_norm_plan(model, plan, glob_regex)
+    if not plan:
+        raise ValueError(
+            f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
+            "config.base_model_tp_plan); pass plan={module-name glob: style}, e.g. {'layers.*.fc1': 'colwise'}"
+        )
+    return dict(plan)
+
+
+def glob_regex(glob: str) -> re.Pattern:
+    """``*`` → one name segment, ``?`` → one character of a segment; everything else literal."""
+    return re.compile("".join("[^.]*" if c == "*" else "[^.]" if c == "?" else re.escape(c) for c in glob))
+
+
+def _check_style_type(style, glob: str) -> None:
+    if not isinstance(style, str):
+        raise TypeError(f"parallelize: the style of {glob!r} must be a str, received {type(style).__name__}")
+
+
+def _canonical(style, glob: str) -> str:
+    _check_style_type(style, glob)
+    if style in _REFUSED:
+        raise ValueError(f"parallelize: {glob!r}: the Hugging Face style {style!r} is not supported by tessel")
+    if style not in STYLES:
+        raise ValueError(f"parallelize: {glob!r}: unknown style {style!r}; expected one of {sorted(STYLES)}")
+    return STYLES[style]
+
+
+def match_plan(model: nn.Module, plan, strict: bool = True) -> tuple[list[Entry], set[str]]:
+    """One entry per matched module, in the model's order, and the names of the per-head parameters the
+    plan names. Every glob must match a module (``strict``; a Hugging Face model's own plan names modules
+    some configurations lack, e.g. the dense MLPs of a model whose layers are all experts), parameters of
+    modules the plan splits as experts, or ``colwise`` parameters of modules whose projections it splits
+    by heads (one value per query head: attention sinks, a gate's per-head bias)."""
+    if not isinstance(plan, Mapping):
+        raise TypeError(f"parallelize: plan must be a mapping of module-name globs to styles, received {plan!r}")
+    modules = [(name, m) for name, m in model.named_modules() if name]
+    chosen: dict[str, Entry] = {}
+    parameter_rules = []
+    for glob, style in plan.items():
+        if not isinstance(glob, str):
+            raise TypeError(f"parallelize: plan keys must be module-name globs (str), received {glob!r}")
+        regex = glob_regex(glob)
+        hits = [(name, m) for name, m in modules if regex.fullmatch(name)]
+        if not hits:
+            params = [p for p, _ in model.named_parameters() if regex.fullmatch(p)]
+            if params:  # their styles are read in Hugging Face's terms of the dim they split (below)
+                _check_style_type(style, glob)
+                parameter_rules.append((glob, style, params))
+            elif strict:
+                _canonical(style, glob)
+                raise ValueError(f"parallelize: plan glob {glob!r} matches no module of {type(model).__name__}")
+            continue
+        kind = _canonical(style, glob)
+        for name, m in hits:
+            k = EMBEDDING if kind == ROW and isinstance(m, nn.Embedding) else kind  # Hugging Face 4.x's rowwise
+            if name in chosen and chosen[name].kind != k:
+                raise ValueError(f"parallelize: {name} is matched as {chosen[name].style!r} and as {style!r}")
+            chosen[name] = Entry(name, m, style, k)
+    experts = {name for name, e in chosen.items() if e.kind == EXPERTS}
+    by_heads = {name.rsplit(".", 1)[0] for name, e in chosen.items() if e.kind in (COLUMN, PACKED_COLUMN, ROW)}
+    head_params = set()
+    for glob, style, params in parameter_rules:
+        for p in params:
+            owner, _, leaf = p.rpartition(".")
+            if owner in by_heads and owner not in experts:
+                if style not in ("colwise", "local_colwise"):
+                    raise ValueError(f"parallelize: plan glob {glob!r} splits {p}, a parameter of a module split by "
+                                     f"heads, as {style!r}; tessel splits it by heads ('colwise')")  # fmt: skip
+                head_params.add(p)
+                continue
+            if owner not in experts:
+                raise ValueError(f"parallelize: plan glob {glob!r} names a parameter; plans name modules, and "
+                                 f"parameters only of modules split as 'moe_tp_experts' or by heads (received "
+                                 f"{p})")  # fmt: skip
+            chosen[owner].parameter_styles[leaf] = (glob, style)
+    if not chosen:
+        raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
+    order = {name: i for i, (name, _) in enumerate(modules)}
+    return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
