@@ -11,7 +11,8 @@ attention, Gemma 2's eager one; its head and loss from the logits; one tensor- a
 tessel's layers are measured against. The Gemma families keep their own MLP activation and embedding scale, Gemma 2
 its soft-capped attention and logits and alternating window, Gemma 3 its q/k norms and its two rotary bases (local
 and global layers). OLMo 2 and OLMoE keep their norms after each block and their q/k norms over all heads, which
-``parallelize`` splits with the heads (:class:`~tessel.layers.norm.SplitRMSNorm`).
+``parallelize`` splits with the heads (:class:`~tessel.layers.norm.SplitRMSNorm`); Phi-3 its fused qkv and gate/up
+projections, split by heads and by features (:mod:`~tessel.layers.hf_plans`).
 
 Mixtures of experts (``--hf mixtral``, ``qwen3_moe`` or ``olmoe`` with ``--experts N --top-k k``): every block's MLP
 is N experts of the preset's MLP width, run by tessel's grouped GEMM (``experts_implementation="tessel"``,
@@ -61,7 +62,7 @@ __all__ = [
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
-               "olmoe": "Olmoe"}  # fmt: skip
+               "olmoe": "Olmoe", "phi3": "Phi3"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
@@ -86,10 +87,12 @@ def _experts_config(args, c: GPTConfig) -> dict:
 def _hf_config(args, c: GPTConfig, attention: str):
     import transformers
 
+    # no padding token: the job packs its batches (and a family's default id may lie past the preset's vocabulary)
     kw = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,
               num_hidden_layers=c.n_layer, num_attention_heads=c.n_head, num_key_value_heads=c.n_kv_head or c.n_head,
               head_dim=c.n_embd // c.n_head, max_position_embeddings=c.block_size, rms_norm_eps=c.norm_eps,
-              initializer_range=c.init_std, tie_word_embeddings=False, attn_implementation=attention)  # fmt: skip
+              initializer_range=c.init_std, tie_word_embeddings=False, attn_implementation=attention,
+              pad_token_id=None)  # fmt: skip
     kw.update(_experts_config(args, c))
     if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
         kw["sliding_window"] = c.sliding_window

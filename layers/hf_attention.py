@@ -64,11 +64,9 @@ from ..parallel.sharding import local_shard
 
 __all__ = [
     "CP_GROUP_ATTR",
-    "HEAD_SPLIT_ATTENTION",
     "PER_HEAD_PARAMETERS",
     "SEGMENT_IDS_KWARG",
     "SINKS_KWARG",
-    "head_split_norm_plan",
     "mask_segments",
     "mla_rope_dim",
     "mla_shared_key",
@@ -464,42 +462,3 @@ def per_head_parameters(
             local.tensor_parallel, local.tp_dim, local.tp_parts = True, 0, (p.shape[0],)
             shards.append((parent, name, local))
     return shards
-
-
-# ---------------------------------------------------------------------------------------------------- q/k norms
-# Hugging Face's plan for attention whose query and key norms span every head (OLMo 2 and 3, OLMoE, FlexOlmo,
-# MiniMax-M2) gathers q, k and v whole ("colwise_gather_output") and runs the whole attention on every rank; tessel
-# splits it by heads and keeps the norms over all heads with SplitRMSNorm (style "colwise_norm").
-_GATHERED_ATTENTION = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output",
-                       "v_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}  # fmt: skip
-HEAD_SPLIT_ATTENTION = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
-                        "q_norm": "colwise_norm", "k_norm": "colwise_norm"}  # fmt: skip
-
-
-def head_split_norm_plan(model: nn.Module, plan: dict[str, str], regex_of) -> dict[str, str]:
-    """``plan`` with the attention it gathers whole for its all-head q/k norms split by heads instead.
-
-    A glob stem (``"model.layers.*.self_attn."``) is rewritten when the plan gathers its ``q_proj``, ``k_proj``
-    and ``v_proj`` and splits ``o_proj``'s input, and every module it matches (``regex_of(glob)``, the
-    parents of the ``q_proj`` matches) has ``q_norm`` and ``k_norm`` with one weight per output feature of its
-    ``q_proj`` and ``k_proj``. Everything else is left as Hugging Face wrote it."""
-    modules = dict(model.named_modules())
-    out = dict(plan)
-    for glob in plan:
-        stem, _, leaf = glob.rpartition(".")
-        stem = stem + "." if stem else ""
-        if leaf != "q_proj" or any(plan.get(stem + n) != s for n, s in _GATHERED_ATTENTION.items()):
-            continue
-        regex = regex_of(stem + "q_proj")
-        parents = [modules[n.rpartition(".")[0]] for n in modules if regex.fullmatch(n)]
-        if parents and all(_norms_span_heads(m) for m in parents):
-            out.update({stem + n: style for n, style in HEAD_SPLIT_ATTENTION.items()})
-    return out
-
-
-def _norms_span_heads(attention: nn.Module) -> bool:
-    for projection, norm in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
-        p, weight = getattr(attention, projection, None), getattr(getattr(attention, norm, None), "weight", None)
-        if not isinstance(p, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.shape != (p.out_features,):
-            return False
-    return True

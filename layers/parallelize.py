@@ -5,9 +5,10 @@ matches one name segment and ``?`` one character of a segment (``"layers.*.self_
 Without a plan the model's own is used: ``model.tessel_tp_plan`` (tessel's GPT), else the
 Hugging Face plan (``config.base_model_tp_plan`` below the base model's prefix, the input embedding
 over the vocabulary as transformers 5.x adds it, and the head model's ``_tp_plan``). Where that plan
-gathers q, k and v whole because the query and key norms span every head (OLMo 2 and 3, OLMoE, FlexOlmo,
-MiniMax-M2), tessel splits the attention by heads and the norms as ``colwise_norm``
-(:func:`~tessel.layers.hf_attention.head_split_norm_plan`), so each rank computes only its heads.
+gathers q, k and v whole and runs every head on every rank, because the query and key norms span every head
+(OLMo 2 and 3, OLMoE, FlexOlmo, MiniMax-M2: the norms become ``colwise_norm``) or because one fused ``qkv_proj``
+is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits the attention by heads
+(:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads.
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)
@@ -23,6 +24,9 @@ embedding (embedding_rowwise; rowwise on an        VocabParallelEmbedding: vocab
 nn.Embedding)
 norm (sequence_parallel)                           tessel RMSNorm/LayerNorm under sequence parallelism;
                                                    unchanged without it (its input is replicated)
+colwise_qkv                                        a fused [q; k; v] projection (Phi-3's qkv_proj), each part
+                                                   split by heads; its attention reads this rank's head
+                                                   counts from a view of its config (LocalHeadsConfig)
 colwise_norm                                       SplitRMSNorm: an RMS norm over features a column layer
                                                    splits (all-head q/k norms): weight ``r·N/t …``, its
                                                    mean of squares summed over the group
@@ -103,21 +107,27 @@ from .hf_experts import (
     reduce_parameter_grads,
     shard_experts,
 )
+from .hf_plans import LocalHeadsConfig, fused_qkv_parts
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
 from .norm import SplitRMSNorm, sequence_parallel_norm
 from .plan import (
     ALL_REDUCE,
+    BY_HEADS,
     COLUMN,
     COLUMN_GATHER,
     COLUMN_NORM,
+    COLUMN_QKV,
+    COLUMNS,
     EMBEDDING,
     EXPERTS,
     GRAD_ALL_REDUCE,
     MLA_KV_A,
     MOE,
     NORM,
+    PACKED,
     PACKED_COLUMN,
+    RING_COLUMNS,
     ROW,
     ROW_SPLIT,
     SPLIT_LINEAR,
@@ -180,7 +190,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     for e in entries:
         e.sequence_parallel = sequence_parallel and (layout is None or layout.in_region(e.name))
         in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
-        e.gathered = in_block and e.kind in (COLUMN, PACKED_COLUMN)
+        e.gathered = in_block and e.kind in RING_COLUMNS
     heads = _local_heads(model, entries, t)
     per_head = per_head_parameters(_attention_parents(model, entries), tp_group, head_params)
     for e in entries:
@@ -226,7 +236,7 @@ def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout
                              "multi-head latent attention projects its input before its split projections (which "
                              "would gather a sequence shard); use sequence_parallel=False")  # fmt: skip
     experts = [e.name for e in entries if e.kind == EXPERTS]
-    layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in (COLUMN, PACKED_COLUMN)], experts)
+    layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in RING_COLUMNS], experts)
     layout.check(model, {e.name for e in entries if e.kind in SPLIT_LINEAR})
     named = {e.name for e in entries}
     modules = dict(model.named_modules())
@@ -259,7 +269,7 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
     """The head-count attributes to set on attention modules; raises when heads do not split over ``t``."""
     parents: dict[str, list[Entry]] = {}
     for e in entries:
-        if e.kind in (COLUMN, PACKED_COLUMN, ROW) and "." in e.name:
+        if e.kind in BY_HEADS and "." in e.name:
             parents.setdefault(e.name.rsplit(".", 1)[0], []).append(e)
     heads = []
     for parent_name, children in parents.items():
@@ -272,6 +282,10 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
             updates = local_head_updates(parent, t)
         except ValueError as err:
             raise ValueError(f"parallelize: {parent_name}: {err}") from None
+        if any(e.kind == COLUMN_QKV for e in children):  # its forward slices q, k, v by its config's head counts
+            config = parent.config
+            updates["config"] = LocalHeadsConfig(config, num_attention_heads=config.num_attention_heads // t,
+                                                 num_key_value_heads=config.num_key_value_heads // t)  # fmt: skip
         if updates:
             heads.append((parent, updates))
     return heads
@@ -279,7 +293,7 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
 
 def _attention_parents(model: nn.Module, entries: list[Entry]) -> dict[str, nn.Module]:
     """The modules whose child linear layers are split by heads (column or row), by name."""
-    names = {e.name.rsplit(".", 1)[0] for e in entries if e.kind in (COLUMN, PACKED_COLUMN, ROW) and "." in e.name}
+    names = {e.name.rsplit(".", 1)[0] for e in entries if e.kind in BY_HEADS and "." in e.name}
     return {name: model.get_submodule(name) for name in sorted(names)}
 
 
@@ -289,13 +303,13 @@ def _fail(e: Entry, why: str) -> None:
 
 def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
     m = e.module
-    if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT):
-        parallel = ColumnParallelLinear if e.kind in (COLUMN, COLUMN_GATHER, PACKED_COLUMN) else RowParallelLinear
-        if isinstance(m, parallel) and e.kind != PACKED_COLUMN:
+    if e.kind in SPLIT_LINEAR:
+        parallel = ColumnParallelLinear if e.kind in COLUMNS else RowParallelLinear
+        if isinstance(m, parallel) and e.kind not in PACKED:
             if m.tp_size != 1:
                 _fail(e, f"already split over {m.tp_size} ranks")
         elif not isinstance(m, nn.Linear):
-            _fail(e, f"expected an nn.Linear{'' if e.kind == PACKED_COLUMN else ' or ' + parallel.__name__}")
+            _fail(e, f"expected an nn.Linear{'' if e.kind in PACKED else ' or ' + parallel.__name__}")
         elif type(m).forward is not nn.Linear.forward:
             _fail(e, "it overrides nn.Linear.forward, which the parallel layer would not reproduce")
         if e.kind in (ROW, ROW_SPLIT):
@@ -306,7 +320,12 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
         if e.kind == PACKED_COLUMN:
             if out % 2:
                 _fail(e, f"out_features={out} cannot hold two packed halves")
-            out = (out // 2, out // 2)
+            out = e.parts = (out // 2, out // 2)
+        elif e.kind == COLUMN_QKV:
+            out = e.parts = fused_qkv_parts(model.get_submodule(e.name.rpartition(".")[0]))
+            if out is None:
+                _fail(e, "expected the qkv_proj of an attention module whose config's num_attention_heads and "
+                         "num_key_value_heads and whose head_dim give its width (H + 2·Hkv)·head_dim")  # fmt: skip
         for n in (out,) if isinstance(out, int) else out:
             if n % t:
                 _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")
@@ -348,8 +367,8 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[Entry
         m = e.module
         if e.kind == ROW:
             widths = [m.in_features]
-        elif e.kind == PACKED_COLUMN:
-            widths = [m.out_features // 2]
+        elif e.kind in PACKED:
+            widths = list(e.parts)
         else:
             widths = [m.out_features] if isinstance(m.out_features, int) else list(m.out_features)
         for width in widths:
@@ -373,8 +392,8 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
         return column.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == COLUMN_GATHER:
         return ColumnParallelLinear.from_linear(e.module, tp_group=tp_group, gather_output=True, **kw)
-    if e.kind == PACKED_COLUMN:
-        return _packed_column(column, e.module, tp_group, e.sequence_parallel, overlap)
+    if e.kind in PACKED:
+        return _packed_column(column, e.module, e.parts, tp_group, e.sequence_parallel, overlap)
     if e.kind == ROW:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == ROW_SPLIT:
@@ -410,10 +429,11 @@ def _rings(layout: HFSequenceLayout, entries: list[Entry], tp_group) -> dict[str
     return {block: SequenceRing(block, columns[block], tp_group) for block in layout.blocks}
 
 
-def _packed_column(cls, linear: nn.Linear, tp_group, sequence_parallel: bool, overlap) -> ColumnParallelLinear:
-    """Rank r keeps ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight, so ``y.chunk(2, -1)`` still splits it."""
+def _packed_column(cls, linear: nn.Linear, parts, tp_group, sequence_parallel: bool, overlap) -> ColumnParallelLinear:
+    """Rank r keeps ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight, so ``y.chunk(2, -1)`` still splits it (and
+    ``[q_r; k_r; v_r]`` of a fused ``[q; k; v]``, which the attention slices by its local head counts)."""
     t, r = group_size(tp_group), group_rank(tp_group)
-    w, parts = linear.weight, (linear.out_features // 2, linear.out_features // 2)
+    w = linear.weight
     layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
                 sequence_parallel=sequence_parallel, overlap="auto" if overlap is None else overlap,
                 device=w.device, dtype=w.dtype)  # fmt: skip

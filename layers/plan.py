@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
-from .hf_attention import head_split_norm_plan
 from .hf_experts import ExpertSplit
+from .hf_plans import head_split_plan
 
 __all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
 
@@ -19,6 +19,7 @@ COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colw
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
 EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
+COLUMN_QKV = "colwise_qkv"
 
 STYLES: dict[str, str] = {
     COLUMN: COLUMN, "local_colwise": COLUMN,
@@ -32,10 +33,14 @@ STYLES: dict[str, str] = {
     GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
-    "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM,
+    "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM, COLUMN_QKV: COLUMN_QKV,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
-SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, ROW, ROW_SPLIT)
+SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT)
+PACKED = (PACKED_COLUMN, COLUMN_QKV)  # one column layer over parts split separately, returning one tensor
+COLUMNS = (COLUMN, COLUMN_GATHER, *PACKED)
+RING_COLUMNS = (COLUMN, *PACKED)  # column layers a Hugging Face block's sequence ring feeds under SP
+BY_HEADS = (COLUMN, *PACKED, ROW)  # projections whose parent's heads are split
 
 
 @dataclass
@@ -48,6 +53,7 @@ class Entry:
     kind: str  # one of the canonical styles
     sequence_parallel: bool = False
     gathered: bool = False  # a column layer fed by its block's sequence ring (Hugging Face under SP)
+    parts: tuple[int, ...] | None = None  # packed column layers: the global widths of their parts
     new: nn.Module | None = None
     splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
     shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
@@ -60,7 +66,7 @@ class Entry:
 def own_plan(model: nn.Module) -> dict[str, str]:
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if plan and is_hf_model(model):
-        plan = head_split_norm_plan(model, plan, glob_regex)
+        plan = head_split_plan(model, plan, glob_regex)
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
@@ -120,7 +126,7 @@ def match_plan(model: nn.Module, plan, strict: bool = True) -> tuple[list[Entry]
                 raise ValueError(f"parallelize: {name} is matched as {chosen[name].style!r} and as {style!r}")
             chosen[name] = Entry(name, m, style, k)
     experts = {name for name, e in chosen.items() if e.kind == EXPERTS}
-    by_heads = {name.rsplit(".", 1)[0] for name, e in chosen.items() if e.kind in (COLUMN, PACKED_COLUMN, ROW)}
+    by_heads = {name.rsplit(".", 1)[0] for name, e in chosen.items() if e.kind in BY_HEADS}
     head_params = set()
     for glob, style, params in parameter_rules:
         for p in params:

@@ -177,13 +177,15 @@ def test_gemma_trains_hugging_faces_curve_through_tessels_layers(tmp_path, famil
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_olmo2_trains_hugging_faces_curve_with_its_attention_split_by_heads(tmp_path):
-    """--hf olmo2 (norms after each block, q/k norms over all heads): Hugging Face's own curve at tp=2 with sequence
-    parallelism, the attention split by heads (each q/k norm summing its squares over the ranks), through a
-    pipeline, and at tp 2 x cp 2 with the sequence split over both."""
-    run = ["--hf", "olmo2", *RUN[2:]]
+@pytest.mark.parametrize("family", ["olmo2", "phi3"])
+def test_what_hugging_face_gathers_trains_its_curve_split_by_heads(tmp_path, family):
+    """--hf olmo2 (norms after each block, q/k norms over all heads) and phi3 (fused qkv and gate/up projections),
+    whose attention Hugging Face's plan gathers whole: Hugging Face's own curve at tp=2 with sequence parallelism,
+    the attention split by heads (each q/k norm summing its squares over the ranks; Phi-3's attention reading its
+    local head counts), through a pipeline, and at tp 2 x cp 2 with the sequence split over both."""
+    run = ["--hf", family, *RUN[2:]]
     proc = _ok(_train(tmp_path / "one", *run))
-    assert "Hugging Face Olmo2 tiny" in proc.stdout
+    assert f"Hugging Face {HF_FAMILIES[family]} tiny" in proc.stdout
     _ok(_train(tmp_path / "baseline", *run, "--hf-baseline"))
     _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
     _ok(_train(tmp_path / "pp2", *run, "--pp", "2", "--microbatches", "2", nproc=2))

@@ -35,8 +35,8 @@ from tests.layers.test_hf import (
     _model,
     needs_hf,
 )
-from tests.layers.test_hf_qk_norm import FAMILIES as QK_NORM_FAMILIES
-from tests.layers.test_hf_qk_norm import qk_norm_model
+from tests.layers.test_hf_plans import FAMILIES as QK_NORM_FAMILIES
+from tests.layers.test_hf_plans import phi3_model, qk_norm_model
 from tests.multiprocess import run_ranks
 
 
@@ -69,6 +69,8 @@ def _family_model(family: str):
         return _moe("deepseek_v3")
     if family in QK_NORM_FAMILIES:  # q/k norms over all heads, split with their heads (SplitRMSNorm)
         return qk_norm_model(family)
+    if family == "phi3":  # fused qkv_proj and gate_up_proj, split by heads and by features
+        return phi3_model()
     if family == "llama-head24":  # a head dim the kernel lacks: widened to 32 with zeros
         return _model("llama", kv_heads=2, head_dim=24)
     return _model(family, kv_heads=2)
@@ -133,8 +135,8 @@ def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
 @needs_hf
 def test_hf_models_under_context_and_tensor_parallelism_match_dense_on_four_ranks():
     # cp2 x tp2, with and without sequence parallelism (the tp ranks split each cp share again); OLMo 2's q/k
-    # norms over all heads sum their squares over the tp ranks
-    families = ("llama", "qwen2", "olmo2")
+    # norms over all heads sum their squares over the tp ranks; Phi-3's fused projections split by heads
+    families = ("llama", "qwen2", "olmo2", "phi3")
     run_ranks(_grid_vs_dense, 4, 2, families, (False, True), 2, timeout=300, env=REFERENCE_KERNELS)
 
 

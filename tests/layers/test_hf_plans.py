@@ -1,16 +1,22 @@
-"""Attention whose query and key norms span every head, split by heads: ``SplitRMSNorm`` and the
-``colwise_norm`` style that ``parallelize`` gives OLMo 2 and 3, OLMoE, FlexOlmo and MiniMax-M2.
+"""What Hugging Face's plans gather whole, split by tessel (:mod:`tessel.layers.hf_plans`).
 
-Hugging Face's own plan for these families gathers q, k and v whole and runs every head's attention on every
-rank, because each norm's mean of squares spans all heads. tessel splits q/k/v by heads and keeps each norm
-whole by summing its squares over the ranks: the tests check
+Attention whose query and key norms span every head (OLMo 2 and 3, OLMoE, FlexOlmo, MiniMax-M2): Hugging Face's
+plan gathers q, k and v whole and runs every head's attention on every rank, because each norm's mean of squares
+spans all heads. tessel splits q/k/v by heads and keeps each norm whole by summing its squares over the ranks
+(``SplitRMSNorm``, style ``colwise_norm``). Phi-3's fused qkv_proj and gate_up_proj: Hugging Face gathers both;
+tessel splits q, k and v by heads (``colwise_qkv``, the attention reading its local head counts from a view of
+its config) and gate/up by features (``packed_colwise``, once a probe shows the MLP pairs the halves). The tests
+check
 
 - ``SplitRMSNorm`` on 2 and 4 gloo ranks against a float64 RMS norm over the whole width (output, input and
   weight gradients; fp32 and bf16), built from Hugging Face's, torch's and tessel's norms; bad input refused;
 - each family, dense against parallelized (logits, every gradient shard, fp32, 1e-4 relative as test_hf.py),
   with and without sequence parallelism, on 2 ranks and with 4 kv heads on 4; each rank holds only its
   heads' projections;
-- which plans are rewritten (the five families') and which are not (Qwen3's per-head norms, a user's plan).
+- Phi-3 likewise, with 2 and 4 kv heads; the view of the config (copies, pickles, writes, the attention
+  implementation set on the model);
+- which plans are rewritten (the six families') and which are not (Qwen3's per-head norms, an MLP pairing
+  interleaved features, a user's plan).
 """
 
 import copy
@@ -136,23 +142,117 @@ def test_only_attention_with_all_head_norms_is_rewritten():
     import transformers
 
     from tessel.layers.hf import hf_tp_plan
-    from tessel.layers.hf_attention import HEAD_SPLIT_ATTENTION, head_split_norm_plan
+    from tessel.layers.hf_plans import _SPLIT_ATTENTION, head_split_plan
     from tessel.layers.plan import glob_regex
 
     for family in FAMILIES:
         model = qk_norm_model(family)
-        plan = head_split_norm_plan(model, hf_tp_plan(model), glob_regex)
-        for leaf, style in HEAD_SPLIT_ATTENTION.items():
+        plan = head_split_plan(model, hf_tp_plan(model), glob_regex)
+        for leaf, style in _SPLIT_ATTENTION.items():
             assert plan[f"model.layers.*.self_attn.{leaf}"] == style, (family, leaf)
     # Qwen3's norms are per head (16 weights): its plan splits by heads already, and is left as it is
     qwen3 = transformers.Qwen3ForCausalLM(transformers.Qwen3Config(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1, num_attention_heads=4,
         num_key_value_heads=2, head_dim=16))  # fmt: skip
-    assert head_split_norm_plan(qwen3, hf_tp_plan(qwen3), glob_regex) == hf_tp_plan(qwen3)
+    assert head_split_plan(qwen3, hf_tp_plan(qwen3), glob_regex) == hf_tp_plan(qwen3)
     # an OLMo 2 whose norms do not span the projections' features is not rewritten
     model = qk_norm_model("olmo2")
     model.model.layers[1].self_attn.k_norm = torch.nn.Identity()
-    assert head_split_norm_plan(model, hf_tp_plan(model), glob_regex) == hf_tp_plan(model)
+    assert head_split_plan(model, hf_tp_plan(model), glob_regex) == hf_tp_plan(model)
+
+
+def phi3_model(kv_heads=2, seed=0, **kw):
+    """A tiny Phi-3: fused qkv_proj (four query heads of 16) and gate_up_proj."""
+    import transformers
+
+    base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=kv_heads, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+                eos_token_id=2)  # fmt: skip
+    torch.manual_seed(seed)
+    return transformers.Phi3ForCausalLM(transformers.Phi3Config(**{**base, **kw}))
+
+
+class _InterleavedMLP(torch.nn.Module):
+    """gate and up interleaved feature by feature in gate_up_proj (not two halves)."""
+
+    def __init__(self):
+        super().__init__()
+        self.gate_up_proj, self.down_proj = torch.nn.Linear(8, 12), torch.nn.Linear(6, 8)
+
+    def forward(self, x):
+        y = self.gate_up_proj(x)
+        return self.down_proj(torch.nn.functional.silu(y[..., ::2]) * y[..., 1::2])
+
+
+def test_phi3_is_split_by_heads_and_features_and_interleaved_pairs_are_not():
+    from tessel.layers.hf import hf_tp_plan
+    from tessel.layers.hf_plans import head_split_plan, pairs_halves
+    from tessel.layers.plan import glob_regex
+
+    model = phi3_model()
+    plan = head_split_plan(model, hf_tp_plan(model), glob_regex)
+    assert {k.rpartition(".")[2]: v for k, v in plan.items() if ".layers." in k} == {
+        "qkv_proj": "colwise_qkv", "o_proj": "rowwise", "gate_up_proj": "packed_colwise", "down_proj": "rowwise"
+    }  # fmt: skip
+    assert pairs_halves(model.model.layers[0].mlp) and not pairs_halves(_InterleavedMLP())
+    assert pairs_halves(model.model.layers[0].mlp.to(torch.bfloat16))
+    # an interleaving MLP in one layer keeps Hugging Face's gather for every layer of its stem
+    model.model.layers[1].mlp = _InterleavedMLP()
+    plan = head_split_plan(model, hf_tp_plan(model), glob_regex)
+    assert plan["model.layers.*.mlp.gate_up_proj"] == "colwise_gather_output"
+    assert plan["model.layers.*.self_attn.qkv_proj"] == "colwise_qkv"
+
+
+def test_the_local_heads_view_of_a_config():
+    import pickle
+
+    import transformers
+
+    from tessel.layers.hf_plans import LocalHeadsConfig
+
+    model = phi3_model()
+    config = model.config
+    view = LocalHeadsConfig(config, num_attention_heads=2, num_key_value_heads=1)
+    assert isinstance(view, transformers.Phi3Config) and view.num_attention_heads == 2 and view.hidden_size == 64
+    model.model.layers[0].self_attn.config = view
+    model.set_attn_implementation("eager")  # reaches the view: it reads the shared config
+    assert view._attn_implementation == "eager"
+    view.rope_theta = 123.0
+    assert config.rope_theta == 123.0
+    with pytest.raises(AttributeError, match="num_attention_heads is this rank's share"):
+        view.num_attention_heads = 4
+    copied = copy.deepcopy(model)  # the copy's view reads the copy's config
+    copied_view = copied.model.layers[0].self_attn.config
+    assert type(copied_view) is LocalHeadsConfig and copied_view.num_attention_heads == 2
+    copied.config.rope_theta = 5.0
+    assert copied_view.rope_theta == 5.0 and view.rope_theta == 123.0
+    unpickled = pickle.loads(pickle.dumps(view))
+    assert unpickled.num_key_value_heads == 1 and unpickled.vocab_size == VOCAB
+
+
+def _phi3_ranks(rank, world_size, kv_heads):
+    from tessel.layers.hf_plans import LocalHeadsConfig
+    from tessel.layers.parallelize import parallelize
+
+    t = world_size
+    for sp in (False, True):
+        dense = phi3_model(kv_heads=kv_heads)
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
+        attention, mlp = par.model.layers[1].self_attn, par.model.layers[1].mlp
+        assert attention.qkv_proj.weight.shape == ((64 + 32 * kv_heads) // t, 64)
+        assert type(attention.config) is LocalHeadsConfig and attention.config.num_attention_heads == 4 // t
+        assert mlp.gate_up_proj.weight.shape == (192 // t, 64) and mlp.down_proj.weight.shape == (64, 96 // t)
+        assert par.config.num_attention_heads == 4  # the model's own config is untouched
+        _check_against_dense(dense, par, f"phi3 sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+@pytest.mark.parametrize("world_size, kv_heads", [(2, 2), (4, 4)])
+def test_phi3_split_by_heads_matches_dense(world_size, kv_heads):
+    got = run_ranks(_phi3_ranks, world_size, kv_heads, timeout=300, env=REFERENCE_KERNELS)
+    assert got == ["ok"] * world_size
 
 
 def _families_ranks(rank, world_size, kv_heads, families, sp_options):

@@ -1,0 +1,145 @@
+"""Hugging Face plans that gather what tessel splits: the rewrites :func:`~tessel.layers.parallelize` applies to a
+model's own plan.
+
+Some of Hugging Face's ``base_model_tp_plan`` entries gather a column projection's output whole
+(``colwise_gather_output``) and split the next projection's input again (``rowwise_split_input``): every rank then
+runs every head of the attention, or every feature of the MLP's activation, and the block pays an all-gather beside
+its all-reduce. The plan does so where splitting needs more than a linear layer can know:
+
+- **q/k norms over every head** (OLMo 2 and 3, OLMoE, FlexOlmo, MiniMax-M2): each norm's mean of squares spans all
+  heads. tessel splits q/k/v by heads and keeps the norms whole with
+  :class:`~tessel.layers.norm.SplitRMSNorm` (style ``colwise_norm``: each rank sums its heads' squares, one fp32
+  per token all-reduced).
+- **a fused qkv_proj sliced by the config's head counts** (Phi-3, Phi-4-mini): tessel splits each of q, k and v by
+  heads (style ``colwise_qkv``) and gives the attention a view of its config with this rank's head counts
+  (:class:`LocalHeadsConfig`).
+- **a fused gate_up_proj** whose halves the MLP pairs feature by feature (Phi-3's ``chunk(2)``): rank ``r`` keeps
+  ``[gate_r; up_r]`` (style ``packed_colwise``) and the down projection its input columns. The pairing is probed
+  once per module, on a copy of its weights with the intermediate features permuted (gate and up alike): the
+  output must not change, which holds for ``act(gate)·up`` of the two halves and fails for interleaved pairs.
+
+A rule rewrites a glob stem (``"model.layers.*.self_attn."``) only where every module it matches is of its kind;
+everything else is left as Hugging Face wrote it. A plan the user passes is never rewritten.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.func import functional_call
+
+__all__ = ["LocalHeadsConfig", "fused_qkv_parts", "head_split_plan", "pairs_halves"]
+
+_GATHERED_ATTENTION = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output",
+                       "v_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}  # fmt: skip
+_SPLIT_ATTENTION = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
+                    "q_norm": "colwise_norm", "k_norm": "colwise_norm"}  # fmt: skip
+_GATHERED_QKV = {"qkv_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}
+_SPLIT_QKV = {"qkv_proj": "colwise_qkv", "o_proj": "rowwise"}
+_GATHERED_MLP = {"gate_up_proj": "colwise_gather_output", "down_proj": "rowwise_split_input"}
+_SPLIT_MLP = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+
+
+def head_split_plan(model: nn.Module, plan: dict[str, str], regex_of) -> dict[str, str]:
+    """``plan`` with what it gathers whole for the reasons above split instead; ``regex_of(glob)`` is the
+    compiled pattern of a glob. The modules a stem matches are the parents of its first projection's matches."""
+    modules = dict(model.named_modules())
+    out = dict(plan)
+    rules = ((_GATHERED_ATTENTION, _SPLIT_ATTENTION, _norms_span_heads),
+             (_GATHERED_QKV, _SPLIT_QKV, lambda m: fused_qkv_parts(m) is not None),
+             (_GATHERED_MLP, _SPLIT_MLP, pairs_halves))  # fmt: skip
+    for glob in plan:
+        stem, _, leaf = glob.rpartition(".")
+        stem = stem + "." if stem else ""
+        for gathered, split, fits in rules:
+            if leaf != next(iter(gathered)) or any(plan.get(stem + n) != s for n, s in gathered.items()):
+                continue
+            regex = regex_of(glob)
+            parents = [modules[n.rpartition(".")[0]] for n in modules if regex.fullmatch(n)]
+            if parents and all(fits(m) for m in parents):
+                out.update({stem + n: style for n, style in split.items()})
+    return out
+
+
+def _norms_span_heads(attention: nn.Module) -> bool:
+    for projection, norm in (("q_proj", "q_norm"), ("k_proj", "k_norm")):
+        p, weight = getattr(attention, projection, None), getattr(getattr(attention, norm, None), "weight", None)
+        if not isinstance(p, nn.Linear) or not isinstance(weight, torch.Tensor) or weight.shape != (p.out_features,):
+            return False
+    return True
+
+
+def fused_qkv_parts(attention: nn.Module) -> tuple[int, int, int] | None:
+    """``(H·D, Hkv·D, Hkv·D)``: the widths of q, k and v in ``attention.qkv_proj`` as its forward slices them, by
+    its config's ``num_attention_heads`` and ``num_key_value_heads`` and its ``head_dim`` (None when the module has
+    no such projection or its width is another)."""
+    config, qkv = getattr(attention, "config", None), getattr(attention, "qkv_proj", None)
+    counts = (getattr(config, "num_attention_heads", None), getattr(config, "num_key_value_heads", None),
+              getattr(attention, "head_dim", None))  # fmt: skip
+    if not isinstance(qkv, nn.Linear) or not all(isinstance(n, int) and n > 0 for n in counts):
+        return None
+    heads, kv_heads, head_dim = counts
+    parts = (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim)
+    return parts if sum(parts) == qkv.out_features else None
+
+
+def pairs_halves(mlp: nn.Module) -> bool:
+    """Whether ``mlp`` pairs the two halves of its ``gate_up_proj`` output feature by feature before ``down_proj``
+    (so that each rank may keep the same features of both halves): probed on two random rows, its output unchanged
+    when the intermediate features are permuted in both halves and in ``down_proj``'s input alike. False for a module
+    of another shape or on the meta device."""
+    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
+    if not isinstance(gate_up, nn.Linear) or not isinstance(down, nn.Linear):
+        return False
+    width = down.in_features
+    w = gate_up.weight
+    if gate_up.out_features != 2 * width or w.device.type == "meta" or not w.is_floating_point():
+        return False
+    gen = torch.Generator().manual_seed(0)
+    perm = torch.randperm(width, generator=gen).to(w.device)
+    both = torch.cat([perm, perm + width])
+    x = torch.randn(2, gate_up.in_features, generator=gen).to(w.device, w.dtype)
+    names = {p: n for n, p in mlp.named_parameters()}
+    swapped = {names[w]: w[both], names[down.weight]: down.weight[:, perm]}
+    if gate_up.bias is not None:
+        swapped[names[gate_up.bias]] = gate_up.bias[both]
+    with torch.no_grad():
+        want, got = mlp(x).float(), functional_call(mlp, swapped, (x,)).float()
+    tol = 1e-4 if w.dtype == torch.float32 else 3e-2
+    return got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item())
+
+
+class LocalHeadsConfig:
+    """A view of a model's config with this rank's head counts, for attention that reads its head counts from its
+    config in its forward (Phi-3: ``self.config.num_attention_heads``). Every other attribute, read or written, is
+    the shared config's (``set_attn_implementation`` reaches it); ``isinstance`` sees the config's class."""
+
+    def __init__(self, config, **local: int):
+        object.__setattr__(self, "_shared", config)
+        object.__setattr__(self, "_local", dict(local))
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):  # copy, pickle and friends see this object, not the shared config
+            raise AttributeError(name)
+        local = object.__getattribute__(self, "_local")
+        return local[name] if name in local else getattr(object.__getattribute__(self, "_shared"), name)
+
+    def __setattr__(self, name: str, value) -> None:
+        if name in object.__getattribute__(self, "_local"):
+            raise AttributeError(f"{name} is this rank's share of the model's; set it on the model's config")
+        setattr(object.__getattribute__(self, "_shared"), name, value)
+
+    @property
+    def __class__(self):
+        return type(object.__getattribute__(self, "_shared"))
+
+    def __reduce_ex__(self, protocol):
+        return _local_heads_config, (object.__getattribute__(self, "_shared"), object.__getattribute__(self, "_local"))
+
+    def __repr__(self) -> str:
+        local = ", ".join(f"{k}={v}" for k, v in object.__getattribute__(self, "_local").items())
+        return f"LocalHeadsConfig({local}) of {object.__getattribute__(self, '_shared')!r}"
+
+
+def _local_heads_config(config, local: dict) -> LocalHeadsConfig:
+    return LocalHeadsConfig(config, **local)
