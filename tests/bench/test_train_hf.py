@@ -196,6 +196,17 @@ def test_what_hugging_face_gathers_trains_its_curve_split_by_heads(tmp_path, fam
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+def test_phi3_split_by_heads_compiles(tmp_path):
+    """Phi-3's attention reads its head counts from a view of its config (LocalHeadsConfig): torch.compile traces
+    it in every decoder layer at tp=2 with sequence parallelism, and the curve is the single process's."""
+    run = ["--hf", "phi3", *RUN[2:]]
+    _ok(_train(tmp_path / "one", *run))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", "--compile", "aot_eager", nproc=2))
+    assert _losses(tmp_path / "tp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_the_baseline_computes_what_tessels_layers_compute(one_process, tmp_path):
     """--hf-baseline (Hugging Face's own sdpa attention, head and loss from the logits, nothing swapped) trains the
     same curve as the model with tessel's attention and fused loss, alone and at dp=2 under FSDP."""
