@@ -71,15 +71,12 @@ from .hf_experts import _inside, check_expert_blocks, expert_blocks, gather_rout
 from .linear import ColumnParallelLinear, _check_input, _sequence_from_token_major, _sequence_token_major, _use_overlap
 
 __all__ = [
-    "HEAD_COUNT_ATTRS",
     "HFContextLayout",
     "HFSequenceLayout",
     "RingColumnLinear",
     "SequenceRing",
-    "head_dim_of",
     "hf_tp_plan",
     "is_hf_model",
-    "local_head_updates",
     "packed_positions",
     "register_hf_attention",
     "tessel_attention_forward",
@@ -88,8 +85,6 @@ __all__ = [
 # Attention-module attributes holding a head count (or a width of heads) that Hugging Face modules of
 # various versions read in forward; each becomes its local value (``/ t``) when the heads are split.
 # transformers 5.x Llama/Mistral/Qwen2 attention reshapes with -1 and reads none of them.
-HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
-HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -127,42 +122,6 @@ def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
     if prefix:
         plan.update(getattr(type(model), "_tp_plan", None) or {})
     return plan
-
-
-# ---------------------------------------------------------------------------------------------------- heads
-
-
-def head_dim_of(module: nn.Module) -> int | None:
-    """The module's head dim, by the names Hugging Face attention modules use."""
-    for attr in ("head_dim", "attention_head_size"):
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-            return value
-    return None
-
-
-def local_head_updates(module: nn.Module, t: int) -> dict[str, int]:
-    """The head-count attributes ``module`` has and their local values on each of ``t`` ranks.
-
-    Raises ``ValueError`` (naming the attribute) when a count does not split evenly. Widths of heads
-    (``hidden_size``...) are only touched when they equal the query width ``num_heads · head_dim``.
-    """
-    updates = {}
-    for attr in HEAD_COUNT_ATTRS:
-        value = getattr(module, attr, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            if value % t:
-                raise ValueError(
-                    f"{type(module).__name__}.{attr}={value} does not split over {t} tensor-parallel ranks; kv heads "
-                    "are not replicated across ranks: use a tensor-parallel size that divides every head count"
-                )
-            updates[attr] = value // t
-    head_dim, heads = head_dim_of(module), updates.get("num_heads", updates.get("num_attention_heads"))
-    if head_dim is not None and heads is not None:
-        for attr in HEAD_WIDTH_ATTRS:
-            if getattr(module, attr, None) == heads * t * head_dim:
-                updates[attr] = heads * head_dim
-    return updates
 
 
 # ---------------------------------------------------------------------------------------------------- sequence parallel

@@ -20,6 +20,8 @@ its all-reduce. The plan does so where splitting needs more than a linear layer 
 
 A rule rewrites a glob stem (``"model.layers.*.self_attn."``) only where every module it matches is of its kind;
 everything else is left as Hugging Face wrote it. A plan the user passes is never rewritten.
+
+:func:`local_head_updates` gives the head counts (and head widths) of an attention module on each rank of a split.
 """
 
 from __future__ import annotations
@@ -28,7 +30,19 @@ import torch
 from torch import nn
 from torch.func import functional_call
 
-__all__ = ["LocalHeadsConfig", "fused_qkv_parts", "head_split_plan", "pairs_halves"]
+__all__ = [
+    "HEAD_COUNT_ATTRS",
+    "HEAD_WIDTH_ATTRS",
+    "LocalHeadsConfig",
+    "fused_qkv_parts",
+    "head_dim_of",
+    "head_split_plan",
+    "local_head_updates",
+    "pairs_halves",
+]
+
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
+HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
 
 _GATHERED_ATTENTION = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output",
                        "v_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}  # fmt: skip
@@ -143,3 +157,36 @@ class LocalHeadsConfig:
 
 def _local_heads_config(config, local: dict) -> LocalHeadsConfig:
     return LocalHeadsConfig(config, **local)
+
+
+def head_dim_of(module: nn.Module) -> int | None:
+    """The module's head dim, by the names Hugging Face attention modules use."""
+    for attr in ("head_dim", "attention_head_size"):
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return None
+
+
+def local_head_updates(module: nn.Module, t: int) -> dict[str, int]:
+    """The head-count attributes ``module`` has and their local values on each of ``t`` ranks.
+
+    Raises ``ValueError`` (naming the attribute) when a count does not split evenly. Widths of heads
+    (``hidden_size``...) are only touched when they equal the query width ``num_heads · head_dim``.
+    """
+    updates = {}
+    for attr in HEAD_COUNT_ATTRS:
+        value = getattr(module, attr, None)
+        if isinstance(value, int) and not isinstance(value, bool):
+            if value % t:
+                raise ValueError(
+                    f"{type(module).__name__}.{attr}={value} does not split over {t} tensor-parallel ranks; kv heads "
+                    "are not replicated across ranks: use a tensor-parallel size that divides every head count"
+                )
+            updates[attr] = value // t
+    head_dim, heads = head_dim_of(module), updates.get("num_heads", updates.get("num_attention_heads"))
+    if head_dim is not None and heads is not None:
+        for attr in HEAD_WIDTH_ATTRS:
+            if getattr(module, attr, None) == heads * t * head_dim:
+                updates[attr] = heads * head_dim
+    return updates

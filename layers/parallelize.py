@@ -62,7 +62,7 @@ would drop), widths or head counts that do not split over the group (kv heads fe
 parameters tied to a module split differently, all raise ``ValueError`` and leave the model as it was. Then every
 replacement is built, and only then installed. Parents of split projections see their local head counts: tessel's
 attention derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
-older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layers.hf.local_head_updates`), and
+older head-count attributes (``num_heads``...) are divided (:func:`~tessel.layers.hf_plans.local_head_updates`), and
 parameters with one value per query head (GPT-OSS's attention sinks) keep this rank's heads' values.
 
 ``sequence_parallel=True``: tessel's GPT (and any model written like it) passes the flag to every layer, and the
@@ -91,9 +91,7 @@ from .hf import (
     RingColumnLinear,
     SequenceRing,
     base_model,
-    head_dim_of,
     is_hf_model,
-    local_head_updates,
 )
 from .hf_attention import mla_rope_dim, mla_shared_key, per_head_parameters
 from .hf_balance import balanced_blocks, track_split_loads
@@ -107,7 +105,7 @@ from .hf_experts import (
     reduce_parameter_grads,
     shard_experts,
 )
-from .hf_plans import LocalHeadsConfig, fused_qkv_parts
+from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, local_head_updates
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
 from .norm import SplitRMSNorm, sequence_parallel_norm
