@@ -145,6 +145,20 @@ def test_a_tensor_parallel_checkpoint_resumes_in_one_process(one_process, tmp_pa
 
 
 @pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["phi3", "olmo2"])
+def test_head_split_checkpoints_resume_whole(tmp_path, family):
+    """Phi-3's fused q/k/v (three parts of unequal widths, each split by heads) and OLMo 2's q/k norms (split with
+    their heads), saved at tp=2 with sequence parallelism and resumed in one process: the single process's curve."""
+    run = ["--hf", family, *RUN[2:]]
+    _ok(_train(tmp_path / "one", *run))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", "--save-every", "2", nproc=2))
+    _copy_checkpoint(_checkpoint(tmp_path / "tp2", 2), tmp_path / "resumed")
+    _ok(_train(tmp_path / "resumed", *run, "--resume"))
+    assert _losses(tmp_path / "resumed") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+@pytest.mark.slow
 def test_other_families_train_and_checkpoints_keep_their_model(one_process, tmp_path):
     """Mistral, Qwen2 and Qwen3 of the same shape train; a checkpoint of tessel's GPT (or of another family) is
     refused with one line."""
