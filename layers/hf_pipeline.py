@@ -21,8 +21,8 @@ wrapper gathers the head's parameters only inside its forward, the schedule's ``
 stage: ``lambda output, target: wrapped(output, targets=target)``.
 
 A stage shares the model's parameters; the parameters of other stages may be released. Mixtures of experts
-(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax and MiniMax-M2, Granite-MoE, Laguna, Mellum)
-split like the dense families. Their load-balancing loss (``output_router_logits``)
+(Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax and MiniMax-M2, Granite-MoE,
+Laguna, Mellum) split like the dense families. Their load-balancing loss (``output_router_logits``)
 pools every layer's routers, of which each stage holds a share: it is a function of per-expert sums that add over
 layers (:mod:`.hf_router_loss`), so each stage adds its layers' sums to those it received and passes them on with
 the activation, and the last stage's :meth:`HFPipelineStage.loss` adds ``router_aux_loss_coef`` times the
@@ -66,9 +66,9 @@ _NAME = "hf_pipeline_stage"
 # stages pass on.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo", "olmo2", "olmo3", "phi3", "glm",
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
-                         "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "phimoe", "ernie4_5_moe", "minimax",
-                         "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe", "gemma",
-                         "gemma2", "gemma3_text")  # fmt: skip
+                         "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe",
+                         "minimax", "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe",
+                         "gemma", "gemma2", "gemma3_text")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):

@@ -313,6 +313,7 @@ def _balanced(kind: str):
 PIPELINED_MIXTURES = [
     *MIXTURES,
     "olmoe",
+    "flex_olmo",
     "phimoe",
     "ernie4_5_moe",
     "minimax",

@@ -25,7 +25,7 @@ MIXTURES = {"mixtral": ("Mixtral", {"num_local_experts": 4}),
 
 # The further families whose loss adds Hugging Face's load_balancing_loss_func, their experts as their configs name
 # them (Granite-MoE's logits scaled as well)
-FAMILIES = {"olmoe": {"num_experts": 4}, "phimoe": {"num_local_experts": 4},
+FAMILIES = {"olmoe": {"num_experts": 4}, "flex_olmo": {"num_experts": 4}, "phimoe": {"num_local_experts": 4},
             "ernie4_5_moe": {"moe_num_experts": 4, "moe_k": 2, "moe_intermediate_size": 24},
             "minimax": {"num_local_experts": 4}, "minimax_m2": {"num_local_experts": 4},
             "granitemoe": {"num_local_experts": 4, "logits_scaling": 2.0, "embedding_multiplier": 12.0},
