@@ -199,7 +199,8 @@ class HFSequenceLayout:
 
     def install(self, model: nn.Module, tp_group, rings: dict[str, SequenceRing], cp_group=None) -> None:
         """Scatter before the first layer, a ring per block (``rings``: block name → its ring), gather after
-        the final norm; the router logits are gathered over ``tp_group`` (and ``cp_group``, when given)."""
+        the final norm (once the layers have run); the router logits are gathered over ``tp_group`` (and
+        ``cp_group``, when given)."""
         modules = dict(model.named_modules())
         t = group_size(tp_group)
 
@@ -214,9 +215,22 @@ class HFSequenceLayout:
 
             return _map_hidden_states(args, kwargs, split, self.layers[0])
 
-        def gather_output(module, args, out):
-            return gather_from_tp(out, tp_group, dim=1)
+        # whether this forward has entered a decoder layer: a final norm the model also runs before its layers
+        # (NanoChat's) sees the whole sequence there, and gathers only after them
+        state = {"split": False}
 
+        def enter(split: bool):
+            def hook(module, args):
+                state["split"] = split
+
+            return hook
+
+        def gather_output(module, args, out):
+            return gather_from_tp(out, tp_group, dim=1) if state["split"] else out
+
+        base_model(model)[1].register_forward_pre_hook(enter(False))
+        for name in self.layers:
+            modules[name].register_forward_pre_hook(enter(True))
         if self.local_blocks:
             gather_router_logits(model, type(base_model(model)[1]), self.local_blocks, tp_group, cp_group)
         modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)

@@ -115,6 +115,24 @@ def _check_computes_rms_norm(name: str, norm: nn.Module, weight: torch.Tensor, e
                          "on a probe input, so its weight cannot be copied as is")  # fmt: skip
 
 
+def _check_computes_layer_norm(name: str, norm: nn.LayerNorm) -> None:
+    w = norm.weight
+    if w.device.type == "meta":
+        return
+    probe = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
+    with torch.no_grad():
+        got = norm(probe).float()
+        want = torch.nn.functional.layer_norm(probe.float(), (w.shape[0],), w.float(), _float(norm.bias), norm.eps)
+    tol = 1e-5 if w.dtype == torch.float32 else 2 * torch.finfo(w.dtype).eps
+    if got.shape != want.shape or not torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item()):
+        raise ValueError(f"{name}.from_module: {type(norm).__name__} overrides nn.LayerNorm.forward and does not "
+                         "compute (x - mean)·rsqrt(var + eps)·weight + bias on a probe input")  # fmt: skip
+
+
+def _float(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.float()
+
+
 class LayerNorm(nn.Module):
     """``y = (x − mean) / sqrt(var + eps) · weight + bias`` over the last dimension, fused forward and backward.
 
@@ -140,6 +158,8 @@ class LayerNorm(nn.Module):
             dim = norm.dim
         elif isinstance(norm, nn.LayerNorm):
             dim = _single_dim(cls.__name__, norm, norm.normalized_shape)
+            if type(norm).forward is not nn.LayerNorm.forward:  # a subclass of its own (Nemotron's 1 + weight)
+                _check_computes_layer_norm(cls.__name__, norm)
         else:
             raise TypeError(f"{cls.__name__}.from_module: expected torch.nn.LayerNorm or a tessel LayerNorm, received "
                             f"{type(norm).__name__}")  # fmt: skip

@@ -144,5 +144,30 @@ def match_plan(model: nn.Module, plan, strict: bool = True) -> tuple[list[Entry]
             chosen[owner].parameter_styles[leaf] = (glob, style)
     if not chosen:
         raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
+    chosen.update(_split_activations(dict(modules), chosen))
     order = {name: i for i, (name, _) in enumerate(modules)}
     return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
+
+
+# the names Hugging Face gives a block's activation module (ACT2FN[...])
+ACTIVATION_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
+
+
+def _split_activations(modules: dict[str, nn.Module], chosen: dict[str, Entry]) -> dict[str, Entry]:
+    """Entries (style ``replicated_with_grad_allreduce``) for the learnable activations (Apertus's xIELU) of blocks
+    whose column and row projections the plan splits: they act on this rank's intermediate features, so each rank's
+    gradient of their parameters is a share, summed over the group."""
+    kinds: dict[str, set[str]] = {}
+    for name, e in chosen.items():
+        kinds.setdefault(name.rpartition(".")[0], set()).add(
+            "row" if e.kind == ROW else "column" if e.kind in RING_COLUMNS else ""
+        )
+    found = {}
+    for parent, seen in kinds.items():
+        if not {"row", "column"} <= seen or parent not in modules:
+            continue
+        for child, m in modules[parent].named_children():
+            name = f"{parent}.{child}"
+            if child in ACTIVATION_NAMES and name not in chosen and any(True for _ in m.parameters()):
+                found[name] = Entry(name, m, GRAD_ALL_REDUCE, GRAD_ALL_REDUCE)
+    return found

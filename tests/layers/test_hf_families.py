@@ -1,0 +1,78 @@
+"""``parallelize`` across Hugging Face families beyond Llama: each tiny model (random init, built from its
+config class through the Auto classes) dense against parallelized on 2 gloo ranks, with and without sequence
+parallelism: logits and every gradient shard (fp32, 1e-4 relative, as test_hf.py).
+
+Among them, three that once went wrong:
+
+- Nemotron's LayerNorm1P (``weight + 1``, a subclass of ``nn.LayerNorm`` with its own forward) was copied into
+  tessel's LayerNorm under sequence parallelism as if it were a plain one: wrong logits. It is now probed and kept.
+- NanoChat runs its final norm before its layers too: the norm's gather under sequence parallelism fired there as
+  well (doubling the sequence). It now gathers only once the layers have run.
+- Apertus's xIELU activation learns two scalars that act on each rank's share of the MLP's features: their
+  gradients were each rank's share. They are now summed over the group.
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, _check_against_dense, needs_hf
+from tests.multiprocess import run_ranks
+
+FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", "cohere", "cohere2", "glm4",
+            "granite", "exaone4", "helium", "internlm3", "smollm3", "seed_oss", "vaultgemma", "jais2", "olmo",
+            "ernie4_5", "arcee")  # fmt: skip
+
+
+def family_model(kind: str, seed: int = 0):
+    import transformers
+
+    kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2, attn_implementation="eager")  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **kw)).eval()
+    with torch.no_grad():  # norms and activations away from their initial values, which hide wrong formulas
+        for name, p in model.named_parameters():
+            if "norm" in name or "act_fn" in name:
+                p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.5)
+    return model
+
+
+def _families_ranks(rank, world_size, families):
+    from tessel.layers.parallelize import parallelize
+
+    for kind in families:
+        for sp in (False, True):
+            dense = family_model(kind)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            _check_against_dense(dense, par, f"{kind} sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_families_match_dense_on_two_ranks():
+    assert run_ranks(_families_ranks, 2, FAMILIES, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+@needs_hf
+def test_a_layer_norm_subclass_of_its_own_is_probed():
+    import transformers
+
+    from tessel.layers.norm import LayerNorm, sequence_parallel_norm
+
+    norm = transformers.models.nemotron.modeling_nemotron.NemotronLayerNorm1P(8)
+    with torch.no_grad():
+        norm.weight.uniform_(-0.5, 0.5)
+    with pytest.raises(ValueError, match=r"NemotronLayerNorm1P overrides nn\.LayerNorm\.forward and does not"):
+        LayerNorm.from_module(norm)
+    assert sequence_parallel_norm(norm, None) is None  # kept, its gradients reduced instead
+
+    class Scaled(torch.nn.LayerNorm):  # overrides forward, computes the same: copied
+        def forward(self, x):
+            return super().forward(x) * 1.0
+
+    copied = LayerNorm.from_module(Scaled(8))
+    assert isinstance(copied, LayerNorm) and copied.dim == 8
