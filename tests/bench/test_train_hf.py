@@ -326,7 +326,7 @@ def test_the_atomic_attention_backward_trains_under_pipeline_and_context_paralle
             ["--hf-baseline", "--attention-backward", "atomic"],
             "--hf llama trains without --attention-backward atomic with --hf-baseline",
         ),
-        (["--experts", "4"], "--hf llama is dense: --experts needs a mixture family (mixtral, qwen3_moe)"),
+        (["--experts", "4"], "--hf llama is dense: --experts needs a mixture family (mixtral, qwen3_moe, olmoe)"),
         (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
         (["--label-smoothing", "0.1", "--hf-baseline"], "--label-smoothing shapes tessel's fused loss; --hf-baseline"),
     ],
