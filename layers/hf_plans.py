@@ -18,6 +18,11 @@ its all-reduce. The plan does so where splitting needs more than a linear layer 
   once per module, on a copy of its weights with the intermediate features permuted (gate and up alike): the
   output must not change, which holds for ``act(gate)·up`` of the two halves and fails for interleaved pairs.
 
+- **attention the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, whose plans split the experts
+  alone): every rank would run every head, and sequence parallelism would have no projection to gather the
+  sequence. Plain attention (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and q/k norms) whose heads split over the
+  ranks is split by heads (:func:`whole_attention_plan`).
+
 A rule rewrites a glob stem (``"model.layers.*.self_attn."``) only where every module it matches is of its kind;
 everything else is left as Hugging Face wrote it. A plan the user passes is never rewritten.
 
@@ -25,6 +30,8 @@ everything else is left as Hugging Face wrote it. A plan the user passes is neve
 """
 
 from __future__ import annotations
+
+import re
 
 import torch
 from torch import nn
@@ -39,6 +46,7 @@ __all__ = [
     "head_split_plan",
     "local_head_updates",
     "pairs_halves",
+    "whole_attention_plan",
 ]
 
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
@@ -73,6 +81,67 @@ def head_split_plan(model: nn.Module, plan: dict[str, str], regex_of) -> dict[st
             if parents and all(fits(m) for m in parents):
                 out.update({stem + n: style for n, style in split.items()})
     return out
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# per-head q/k norms ([head_dim] weights, applied to each rank's heads) under the names Hugging Face gives them
+_HEAD_NORMS = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")
+
+
+def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> dict[str, str]:
+    """``plan`` with the attention it leaves whole split by heads: where it names none of a module's ``q_proj``,
+    ``k_proj``, ``v_proj`` and ``o_proj`` (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE: plans of the experts alone) and
+    the module is plain attention that splits over ``t`` ranks (:func:`_plain_attention`), q/k/v become
+    ``colwise``, ``o_proj`` ``rowwise``, per-head q/k norms ``replicated_with_grad_allreduce`` and norms over all
+    heads ``colwise_norm``. Each glob stem (layer indices as ``*``) is rewritten only when every module it
+    matches qualifies."""
+    if t < 2:
+        return dict(plan)
+    covered = [regex_of(glob) for glob in plan]
+    modules = dict(model.named_modules())
+    stems = {re.sub(r"\.\d+\.", ".*.", f".{name}.")[1:] for name in modules
+             if name and not any(r.fullmatch(f"{name}.{p}") for r in covered for p in _PROJECTIONS)}  # fmt: skip
+    out = dict(plan)
+    for stem in sorted(stems):
+        regex = regex_of(stem.rstrip("."))
+        matched = [n for n in modules if regex.fullmatch(n)]
+        styles = [_plain_attention(modules[n], t) for n in matched]
+        if matched and all(styles) and all(st == styles[0] for st in styles):
+            out.update({stem + child: style for child, style in styles[0].items()})
+    return out
+
+
+def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
+    """The styles that split ``m`` by heads over ``t`` ranks, when it is attention of plain ``nn.Linear``
+    projections whose heads (of its ``head_dim``) split evenly, with nothing else that learns but q/k norms."""
+    head_dim = getattr(m, "head_dim", None)
+    children = dict(m.named_children())
+    projections = [children.get(n) for n in _PROJECTIONS]
+    if not isinstance(head_dim, int) or not all(isinstance(p, nn.Linear) for p in projections):
+        return None
+    if any(type(p).forward is not nn.Linear.forward for p in projections):
+        return None
+    q, k, v, o = projections
+    if o.in_features != q.out_features or k.out_features != v.out_features:
+        return None
+    for width in (q.out_features, k.out_features):
+        if width % head_dim or (width // head_dim) % t:
+            return None
+    styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+    for name, child in children.items():
+        if name in styles or not any(True for _ in child.parameters()):
+            continue
+        weight = getattr(child, "weight", None)
+        if name not in _HEAD_NORMS or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+            return None
+        width = (q if name in ("q_norm", "query_layernorm") else k).out_features
+        if weight.shape[0] == head_dim:
+            styles[name] = "replicated_with_grad_allreduce"
+        elif weight.shape[0] == width:
+            styles[name] = "colwise_norm"
+        else:
+            return None
+    return styles
 
 
 def _norms_span_heads(attention: nn.Module) -> bool:

@@ -177,7 +177,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     ep = check_ep_group(ep_group, tp_group)
     context = _context_layout(model, tp_group, cp_group)
     own = plan is None
-    entries, head_params = match_plan(model, own_plan(model) if own else plan, strict=not (own and is_hf_model(model)))
+    plan = own_plan(model, t) if own else plan
+    entries, head_params = match_plan(model, plan, strict=not (own and is_hf_model(model)))
     for e in entries:
         e.ep_group = ep_group
         if e.kind == EXPERTS:

@@ -11,7 +11,7 @@ from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
 from .hf_experts import ExpertSplit
-from .hf_plans import head_split_plan
+from .hf_plans import head_split_plan, whole_attention_plan
 
 __all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
 
@@ -63,10 +63,10 @@ class Entry:
     ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
 
 
-def own_plan(model: nn.Module) -> dict[str, str]:
+def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if plan and is_hf_model(model):
-        plan = head_split_plan(model, plan, glob_regex)
+        plan = whole_attention_plan(model, head_split_plan(model, plan, glob_regex), glob_regex, t)
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "

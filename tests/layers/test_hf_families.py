@@ -2,6 +2,9 @@
 config class through the Auto classes) dense against parallelized on 2 gloo ranks, with and without sequence
 parallelism: logits and every gradient shard (fp32, 1e-4 relative, as test_hf.py).
 
+Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE and Flint, whose own plans split their experts alone, have their attention
+split by heads as well (each rank holds its heads' projections), with or without per-head q/k norms.
+
 Among them, three that once went wrong:
 
 - Nemotron's LayerNorm1P (``weight + 1``, a subclass of ``nn.LayerNorm`` with its own forward) was copied into
@@ -22,7 +25,9 @@ from tests.multiprocess import run_ranks
 
 FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", "cohere", "cohere2", "glm4",
             "granite", "exaone4", "helium", "internlm3", "smollm3", "seed_oss", "vaultgemma", "jais2", "olmo",
-            "ernie4_5", "arcee")  # fmt: skip
+            "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint")  # fmt: skip
+# the families whose own plans leave their attention whole: tessel splits it by heads
+WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint")
 
 
 def family_model(kind: str, seed: int = 0):
@@ -30,7 +35,8 @@ def family_model(kind: str, seed: int = 0):
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
-              eos_token_id=2, attn_implementation="eager")  # fmt: skip
+              eos_token_id=2, attn_implementation="eager", num_experts=4, num_local_experts=4, num_experts_per_tok=2,
+              moe_intermediate_size=32)  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **kw)).eval()
     with torch.no_grad():  # norms and activations away from their initial values, which hide wrong formulas
@@ -47,6 +53,10 @@ def _families_ranks(rank, world_size, families):
         for sp in (False, True):
             dense = family_model(kind)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            if kind in WHOLE_ATTENTION:
+                attention = par.model.layers[1].self_attn
+                assert attention.q_proj.weight.shape == (64 // world_size, 64), kind
+                assert attention.o_proj.weight.shape == (64, 64 // world_size), kind
             _check_against_dense(dense, par, f"{kind} sp={sp}")
     return "ok"
 

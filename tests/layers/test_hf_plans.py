@@ -230,6 +230,39 @@ def test_the_local_heads_view_of_a_config():
     assert unpickled.num_key_value_heads == 1 and unpickled.vocab_size == VOCAB
 
 
+def test_attention_a_plan_leaves_whole_is_split_by_heads_where_it_can_be():
+    import transformers
+
+    from tessel.layers.hf import hf_tp_plan
+    from tessel.layers.hf_plans import whole_attention_plan
+    from tessel.layers.plan import glob_regex
+
+    def model(kind, **kw):
+        base = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4, num_experts=4,
+                    num_experts_per_tok=2, moe_intermediate_size=32, pad_token_id=0)  # fmt: skip
+        config = transformers.AutoConfig.for_model(kind, **{**base, **kw})
+        return transformers.AutoModelForCausalLM.from_config(config)
+
+    stem = "model.layers.*.self_attn."
+    phimoe = model("phimoe")
+    plan = whole_attention_plan(phimoe, hf_tp_plan(phimoe), glob_regex, 2)
+    assert {k: v for k, v in plan.items() if k.startswith(stem)} == {
+        stem + "q_proj": "colwise", stem + "k_proj": "colwise", stem + "v_proj": "colwise", stem + "o_proj": "rowwise"
+    }  # fmt: skip
+    # Hunyuan's per-head q/k norms reduce their gradients; Flint's are per head too
+    plan = whole_attention_plan(hunyuan := model("hunyuan_v1_moe"), hf_tp_plan(hunyuan), glob_regex, 2)
+    assert plan[stem + "query_layernorm"] == plan[stem + "key_layernorm"] == "replicated_with_grad_allreduce"
+    # left whole: one rank; kv heads that do not split; attention with more than q/k/v/o (Afmoe's gate)
+    assert whole_attention_plan(phimoe, hf_tp_plan(phimoe), glob_regex, 1) == hf_tp_plan(phimoe)
+    assert whole_attention_plan(phimoe, hf_tp_plan(phimoe), glob_regex, 4) == hf_tp_plan(phimoe)
+    afmoe = model("afmoe")
+    assert whole_attention_plan(afmoe, hf_tp_plan(afmoe), glob_regex, 2) == hf_tp_plan(afmoe)
+    # a plan that names the attention already is not touched (Llama's)
+    llama = model("llama")
+    assert whole_attention_plan(llama, hf_tp_plan(llama), glob_regex, 2) == hf_tp_plan(llama)
+
+
 def _phi3_ranks(rank, world_size, kv_heads):
     from tessel.layers.hf_plans import LocalHeadsConfig
     from tessel.layers.parallelize import parallelize
