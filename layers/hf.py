@@ -30,61 +30,33 @@ gradients computed while it is in flight. Under sequence parallelism the interme
 ``output_hidden_states`` are sequence shards, and decoding one token at a time (whose length does not
 split) needs ``sequence_parallel=False``.
 
-Context parallelism in a Hugging Face decoder (:class:`HFContextLayout`, ``parallelize(cp_group=)``):
-every rank feeds its :func:`~tessel.parallel.context.split_sequence` share of the tokens, ``[B, S/c]``.
-The model's attention implementation becomes tessel's, which runs
-:func:`~tessel.parallel.context.ring_attention` for the modules marked with the group; the rotary
-module receives the tokens' global (zigzag) positions in place of the local ``0 … S/c-1``, while the
-base model keeps building its mask from local, contiguous positions (a plain causal mask is then
-``None``). Packed documents: the caller passes the WHOLE sequence's ``position_ids [B or 1, S]``
-(restarting at each document, as a padding-free collator makes them; the same on every rank). The base
-model's hook takes each rank's positions from them for the rotary module, calls the base model without
-them (so it builds no mask), and hands the attention modules the documents' segment ids
-(:func:`packed_positions`) through the model's ``**kwargs``: the ring then attends within documents.
-Documents are read from position ids with or without a cache (Hugging Face itself reads them only
-with ``use_cache=False``). A sliding window (Mistral's ``sliding_window``) runs in the ring
-(``ring_attention(window=)``). Padding: the caller passes the WHOLE sequence's ``attention_mask [B, S]``
-(left or right padded rows; the same on every rank), which the hook turns into runs (padding before,
-the tokens, padding after: :func:`padding_runs`) for the ring, so each token sees what the mask lets it
-see; Hugging Face reads documents from position ids only without a mask, and so does the hook. What the
-local view would get wrong is refused with a ``ValueError`` instead: position ids or a mask that are
-not the whole sequence's, a mask with a gap inside a row, a key-value cache longer than the tokens
-(decoding), and labels that
-the model would shift itself (a chunk's last token predicts the first token of the next chunk, held by
-another rank: pass ``shift_labels``, the globally shifted labels split the same way).
+Context parallelism in a Hugging Face decoder (``parallelize(cp_group=)``) is in :mod:`tessel.layers.hf_context`.
 """
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from ..parallel.collectives import gather_from_tp, scatter_to_sequence
-from ..parallel.comm import group_rank, group_size
-from ..parallel.context import zigzag_positions
+from ..parallel.collectives import copy_to_tp, gather_from_tp, scatter_to_sequence
+from ..parallel.comm import group_size
 from ..parallel.overlap import all_gather_matmul
-from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention, tessel_attention_forward
+from .hf_attention import register_hf_attention, tessel_attention_forward
 from .hf_experts import _inside, check_expert_blocks, expert_blocks, gather_router_logits
 from .linear import ColumnParallelLinear, _check_input, _sequence_from_token_major, _sequence_token_major, _use_overlap
 
 __all__ = [
-    "HFContextLayout",
     "HFSequenceLayout",
     "RingColumnLinear",
+    "RingLatentLinear",
     "SequenceRing",
     "hf_tp_plan",
     "is_hf_model",
-    "packed_positions",
     "register_hf_attention",
     "tessel_attention_forward",
 ]
-
-# Attention-module attributes holding a head count (or a width of heads) that Hugging Face modules of
-# various versions read in forward; each becomes its local value (``/ t``) when the heads are split.
-# transformers 5.x Llama/Mistral/Qwen2 attention reshapes with -1 and reads none of them.
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -259,27 +231,62 @@ class RingColumnLinear(ColumnParallelLinear):
         return self.ring.output(self, x)
 
 
+class RingLatentLinear(nn.Linear):
+    """A replicated projection to a narrow latent inside a sequence-parallel Hugging Face block (multi-head latent
+    attention's ``q_a_proj`` and ``kv_a_proj_with_mqa``): it multiplies this rank's ``[B, S/t, H]`` shard, which
+    its block's :class:`SequenceRing` holds, and all-gathers the ``[B, S/t, r]`` result along the sequence
+    (:func:`~tessel.parallel.collectives.gather_from_tp`: what follows is replicated, so the backward keeps this
+    rank's rows of the gradient). The latent, not the hidden state, travels: ``r`` is a fraction of ``H``. The
+    weight and bias, shared with the module it replaces, reach the GEMM through ``copy_to_tp``: each rank's tokens
+    give a share of their gradient, summed over the group in backward.
+
+    Called with the placeholder its block received, as :class:`RingColumnLinear` is.
+    """
+
+    ring: SequenceRing | None = None
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear) -> RingLatentLinear:
+        layer = cls.__new__(cls)
+        nn.Module.__init__(layer)
+        layer.in_features, layer.out_features = linear.in_features, linear.out_features
+        layer.weight, layer.bias = linear.weight, linear.bias
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ring is None:
+            raise RuntimeError(f"{type(self).__name__} runs only inside the block that parallelize() gave a ring")
+        shard = self.ring.shard(self, x)
+        group = self.ring.tp_group
+        bias = None if self.bias is None else copy_to_tp(self.bias, group)
+        y = nn.functional.linear(shard, copy_to_tp(self.weight, group), bias)
+        return gather_from_tp(y, group, dim=y.dim() - 2)
+
+
 class SequenceRing:
     """The column projections of one block sharing one gathered input (q/k/v; gate/up): one ring for all.
 
     ``begin(shard)`` (the block's forward pre-hook) keeps the ``[B, S/t, H]`` shard and returns a
     ``[B, S, H]`` placeholder; the first projection called computes every projection's output with one
     :func:`~tessel.parallel.overlap.all_gather_matmul`; ``end()`` (the block's forward hook) drops what
-    is left. A projection called a second time in the same forward runs a ring of its own.
+    is left. A projection called a second time in the same forward runs a ring of its own. ``latents``
+    (:class:`RingLatentLinear`) read the shard itself.
     """
 
-    def __init__(self, block: str, columns: list[RingColumnLinear], tp_group):
-        if not columns:
+    def __init__(self, block: str, columns: list[RingColumnLinear], tp_group, latents: list[RingLatentLinear] = ()):
+        if not columns and not latents:
             raise ValueError(f"SequenceRing: block {block} has no column-parallel projection to run")
-        self.block, self.columns, self.tp_group = block, columns, tp_group
+        self.block, self.columns, self.latents, self.tp_group = block, columns, list(latents), tp_group
         self._shard = self._placeholder = None
         self._outputs: dict[int, object] = {}
         self._ran = False
         for c in columns:
             c.ring = self
+        for c in self.latents:
+            c.ring, c.tp_group = self, tp_group
 
     def begin(self, x: torch.Tensor) -> torch.Tensor:
-        first = self.columns[0]
+        first = (self.columns or self.latents)[0]
         _check_input(first, x, first.in_features, "in_features")
         if x.dim() not in (2, 3):
             raise ValueError(
@@ -292,7 +299,19 @@ class SequenceRing:
         self._placeholder = x.new_full((1,) * x.dim(), float("nan")).expand(shape)
         return self._placeholder
 
+    def shard(self, latent: RingLatentLinear, x: torch.Tensor) -> torch.Tensor:
+        """The shard behind the placeholder ``x`` that ``latent`` was called with."""
+        self._check_placeholder(x)
+        return self._shard
+
     def output(self, column: RingColumnLinear, x: torch.Tensor):
+        self._check_placeholder(x)
+        if id(column) not in self._outputs:
+            self._outputs.update(self._run(self.columns if not self._ran else [column]))
+            self._ran = True
+        return self._outputs.pop(id(column))
+
+    def _check_placeholder(self, x) -> None:
         if self._placeholder is None or x is not self._placeholder:
             raise ValueError(
                 f"parallelize: under sequence_parallel=True the projections of {self.block} read the sequence "
@@ -300,10 +319,6 @@ class SequenceRing:
                 "input before projecting it, or a projection takes another projection's output): split such a "
                 "module with sequence_parallel=False"
             )
-        if id(column) not in self._outputs:
-            self._outputs.update(self._run(self.columns if not self._ran else [column]))
-            self._ran = True
-        return self._outputs.pop(id(column))
 
     def end(self) -> None:
         self._shard = self._placeholder = None
@@ -340,237 +355,3 @@ def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
 
 def _is_norm(module) -> bool:
     return isinstance(module, nn.Module) and "norm" in type(module).__name__.lower()
-
-
-# ---------------------------------------------------------------------------------------------------- context parallel
-
-
-def _bind(module: nn.Module, args, kwargs) -> inspect.BoundArguments:
-    return inspect.signature(module.forward).bind(*args, **kwargs)
-
-
-def _replace_argument(module: nn.Module, args: tuple, kwargs: dict, name: str, value) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` of a call of ``module`` with argument ``name`` set to ``value`` where the caller put it
-    (positionally or by keyword); the other arguments stay as they were passed, since wrappers around
-    ``forward`` may add keywords of their own."""
-    index = list(inspect.signature(module.forward).parameters).index(name)
-    if index < len(args):
-        return (*args[:index], value, *args[index + 1 :]), kwargs
-    return args, {**kwargs, name: value}
-
-
-def padding_runs(module: nn.Module, c: int, mask, tokens: torch.Tensor) -> torch.Tensor | None:
-    """The padding given to a context-parallel Hugging Face model as ids of runs ``[B, S]``, or None.
-
-    ``mask`` is the base model's ``attention_mask``: ``None``, or the WHOLE sequence's mask ``[B, S]``
-    (``S = c ·`` the local length; the same on every rank, as for position ids) of ones and zeros, whose
-    ones are one run per row: left or right padding (or both); all ones is no padding. A mask of this
-    rank's share of the tokens is refused even when it masks nothing, since another rank's share may not:
-    every rank then refuses alike instead of some waiting in the ring for the others. The result numbers each row's runs
-    ``0`` (padding before), ``1`` (the tokens), ``2`` (padding after), so that the ring attends within
-    them: every token sees exactly the tokens its row's mask lets it see, and padding sees padding only
-    (its outputs are meaningless, as they are everywhere: leave them out of the loss). Raises a
-    ValueError naming what is wrong.
-    """
-    if mask is None:
-        return None
-    b, length = tokens.shape[0], c * tokens.shape[1]
-    what = (f"a {mask.dim()}-D {mask.dtype} mask of shape {list(mask.shape)}" if isinstance(mask, torch.Tensor)
-            else type(mask).__name__)  # fmt: skip
-    if not (isinstance(mask, torch.Tensor) and tuple(mask.shape) == (b, length) and not mask.is_floating_point()
-            and not mask.is_complex() and bool(((mask == 0) | (mask == 1)).all())):  # fmt: skip
-        raise ValueError(
-            f"{type(module).__name__} under context parallelism over {c} ranks: an attention mask that pads must "
-            f"be the whole sequence's integer or boolean mask [{b}, {length}] of ones and zeros (the same on every "
-            f"rank, as position_ids), received {what}"
-        )
-    real = mask.bool()
-    if bool(real.all()):
-        return None
-    pos = torch.arange(length, device=mask.device)
-    start = torch.where(real, pos, length).min(1, keepdim=True).values
-    end = torch.where(real, pos + 1, 0).max(1, keepdim=True).values
-    inside = (pos >= start) & (pos < end)
-    if not bool(torch.equal(inside, real)) or not bool(real.any(1).all()):
-        raise ValueError(
-            f"{type(module).__name__} under context parallelism over {c} ranks: the attention mask's ones must be "
-            "one run in each row (left or right padding), with at least one token; received a row with a gap "
-            "or with none"
-        )
-    return (pos >= start).to(torch.int32) + (pos >= end).to(torch.int32)
-
-
-def _tokens(bound: inspect.BoundArguments) -> torch.Tensor:
-    """The base model's input tokens (``input_ids``, or ``inputs_embeds``)."""
-    tokens = bound.arguments.get("input_ids")
-    return bound.arguments.get("inputs_embeds") if tokens is None else tokens
-
-
-def _split_of(bound: inspect.BoundArguments, split: int) -> int:
-    """The sequence-parallel split the base model's input may carry: hidden states (``inputs_embeds``, a later
-    pipeline stage's input) may be split already; ``input_ids`` never are."""
-    return split if bound.arguments.get("input_ids") is None else 1
-
-
-def _check_var_keyword(module: nn.Module) -> None:
-    """Raise unless ``module.forward`` takes ``**kwargs``, through which extra arguments reach the attention modules."""
-    kinds = [p.kind for p in inspect.signature(module.forward).parameters.values()]
-    if inspect.Parameter.VAR_KEYWORD not in kinds:
-        raise ValueError(
-            f"parallelize: under context parallelism, packed documents (position_ids) need "
-            f"{type(module).__name__}.forward to pass **kwargs on to its attention modules; it takes none"
-        )
-
-
-def packed_positions(position_ids, tokens: torch.Tensor, cp_size: int, split: int = 1
-                     ) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
-    """The whole sequence's ``position_ids`` given to a context-parallel Hugging Face model, checked, and its
-    documents: ``(position_ids, segment_ids [B, S] or None)``.
-
-    ``position_ids`` must cover the whole sequence, ``[B or 1, S]`` with ``S = cp_size ·`` the local
-    length of ``tokens [B, S/c, …]`` (the same on every rank; ``split``: the tokens may also be hidden states already
-    split over that many sequence-parallel ranks, ``[B, S/(c·split), H]``, as a later pipeline stage receives them),
-    as a padding-free collator packs documents:
-    a document begins wherever a position is not the previous one plus one (Hugging Face's rule for
-    packed sequences). ``segment_ids`` numbers the documents ``0, 1, …`` along each row, ``None`` when every
-    row is one document. Raises a ValueError naming what is wrong.
-    """
-    b, local = tokens.shape[0], tokens.shape[1]
-    lengths = sorted({cp_size * local, cp_size * local * split})
-    want = f"[{b} or 1, {' or '.join(map(str, lengths))}]"
-    ok = isinstance(position_ids, torch.Tensor) and position_ids.dim() == 2
-    ok = ok and not (position_ids.is_floating_point() or position_ids.is_complex() or position_ids.dtype == torch.bool)
-    if not ok or position_ids.shape[0] not in (1, b) or position_ids.shape[1] not in lengths:
-        got = type(position_ids).__name__
-        if isinstance(position_ids, torch.Tensor):
-            got = f"{position_ids.dtype} tensor of shape {list(position_ids.shape)}"
-        raise ValueError(
-            f"parallelize: under context parallelism position_ids must be the whole sequence's integer positions "
-            f"{want} (the same on every rank; each rank takes its own tokens' positions from them), received {got}"
-        )
-    if position_ids.device != tokens.device:
-        raise ValueError(f"parallelize: position_ids must be on the inputs' device {tokens.device}, received "
-                         f"{position_ids.device}")  # fmt: skip
-    begins = torch.ones(position_ids.shape, device=position_ids.device, dtype=torch.int32)
-    begins[:, 0] = 0
-    begins[:, 1:] = (position_ids[:, 1:] - position_ids[:, :-1] != 1).to(torch.int32)
-    if not bool(begins.any()):
-        return position_ids, None
-    return position_ids, begins.cumsum(1, dtype=torch.int32).expand(b, -1)
-
-
-@dataclass
-class HFContextLayout:
-    """Where context parallelism reaches into a Hugging Face decoder (see the module docstring).
-
-    ``attention``: the modules that call the attention implementation (class names ending in
-    ``Attention``); ``rotary``: the base model's rotary-embedding module, fed the global positions;
-    ``base``: the base model, whose caller may not pass position ids; ``head``: whether ``model`` is a
-    head model above the base (its loss would shift ``labels`` itself).
-    """
-
-    attention: list[str]
-    rotary: str
-    base: str
-    head: bool
-
-    @classmethod
-    def find(cls, model: nn.Module) -> HFContextLayout:
-        prefix, base = base_model(model)
-        attention = [name for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
-        rotary = [name for name, m in base.named_children() if "rotary" in type(m).__name__.lower()]
-        if not attention:
-            raise ValueError(f"parallelize: cp_group needs attention modules (class names ending in Attention) in "
-                             f"{type(model).__name__}, found none")  # fmt: skip
-        if len(rotary) != 1:
-            raise ValueError(
-                f"parallelize: cp_group needs one rotary-embedding module among the children of {type(base).__name__} "
-                f"(it is fed the global positions of this rank's tokens), found {rotary or 'none'}"
-            )
-        return cls(attention, prefix + rotary[0], prefix.rstrip("."), bool(prefix))
-
-    def install(self, model: nn.Module, cp_group, split: int = 1) -> None:
-        """Mark the attention modules with ``cp_group``, switch the model to tessel's attention, and hook the
-        rotary module (global positions), the base model (whole-sequence position ids: packed documents)
-        and the head (no self-shifted labels). ``split``: the tensor-parallel ranks the sequence is also split
-        over (sequence parallelism), whose shares a later pipeline stage's base model receives as its input."""
-        c, r = group_size(cp_group), group_rank(cp_group)
-        modules = dict(model.named_modules())
-        for name in self.attention:
-            setattr(modules[name], CP_GROUP_ATTR, cp_group)
-        # the positions of this rank's tokens that the caller gave the base model, for its rotary module
-        # (None: the zigzag share of 0 … S-1); set by every call of the base model, before its rotary runs
-        held = {"positions": None}
-
-        def positions(module, args, kwargs):
-            bound = _bind(module, args, kwargs)
-            ids = bound.arguments.get("position_ids")
-            if not isinstance(ids, torch.Tensor):
-                raise ValueError(f"parallelize: {self.rotary} was called without position_ids under context "
-                                 "parallelism")  # fmt: skip
-            if ids.shape[-1] % 2:
-                raise ValueError(
-                    f"parallelize: under context parallelism each rank holds two equal chunks of the sequence "
-                    f"(tessel.parallel.split_sequence), so its length must be even, received {ids.shape[-1]}"
-                )
-            given = held["positions"]
-            if given is None:
-                glob = zigzag_positions(ids.shape[-1] * c, c, r, device=ids.device).expand_as(ids)
-            else:
-                glob = given.expand(ids.shape[0], -1) if given.shape[0] == 1 else given
-            bound.arguments["position_ids"] = glob.to(ids.dtype)
-            return bound.args, bound.kwargs
-
-        def whole_positions(module, args, kwargs):
-            bound = _bind(module, args, kwargs)
-            given = bound.arguments.get("position_ids")
-            held["positions"] = None
-            if c == 1:
-                if given is None:
-                    return None
-                held["positions"] = packed_positions(given, _tokens(bound), c, _split_of(bound, split))[0]
-                return None  # the local view is the whole: the model reads its documents itself
-            runs = None
-            masked = bound.arguments.get("attention_mask") is not None
-            if masked:
-                runs = padding_runs(module, c, bound.arguments["attention_mask"], _tokens(bound))
-                # the padding goes to the ring as runs. Any mask the model builds is then its own, from
-                # the local view (a sliding window over the local tokens, which the ring replaces with
-                # the global one)
-                args, kwargs = _replace_argument(module, args, kwargs, "attention_mask", None)
-            segment_ids = None
-            if given is not None:
-                whole, segment_ids = packed_positions(given, _tokens(bound), c, _split_of(bound, split))
-                if masked:  # as Hugging Face reads them: documents from position ids only without a mask
-                    segment_ids = None
-                held["positions"] = whole[:, zigzag_positions(whole.shape[1], c, r, device=whole.device)]
-                # the local view: positions 0 … S/c-1, a plain causal mask
-                args, kwargs = _replace_argument(module, args, kwargs, "position_ids", None)
-            if runs is not None:
-                segment_ids = runs
-            if segment_ids is not None:
-                _check_var_keyword(module)
-                kwargs = {**kwargs, SEGMENT_IDS_KWARG: segment_ids}
-            return args, kwargs
-
-        def forget_positions(module, args, output):
-            held["positions"] = None
-
-        def no_self_shift(module, args, kwargs):
-            if _bind(module, args, kwargs).arguments.get("labels") is not None and kwargs.get("shift_labels") is None:
-                raise ValueError(
-                    "parallelize: under context parallelism the model cannot shift labels itself (a chunk's last token "
-                    "predicts a token another rank holds): pass shift_labels=split_sequence(labels shifted left by one "
-                    "over the whole sequence, -100 at the end) along with labels"
-                )
-
-        modules[self.rotary].register_forward_pre_hook(positions, with_kwargs=True)
-        modules[self.base].register_forward_pre_hook(whole_positions, with_kwargs=True)
-        modules[self.base].register_forward_hook(forget_positions)
-        if self.head:
-            model.register_forward_pre_hook(no_self_shift, with_kwargs=True)
-        register_hf_attention()
-        if hasattr(model, "set_attn_implementation"):
-            model.set_attn_implementation("tessel")
-        else:  # transformers < 4.56
-            model.config._attn_implementation = "tessel"

@@ -64,6 +64,8 @@ from ..parallel.sharding import local_shard
 
 __all__ = [
     "CP_GROUP_ATTR",
+    "MLA_INPUT_PROJECTIONS",
+    "MLA_LATENT_PROJECTIONS",
     "PER_HEAD_PARAMETERS",
     "SEGMENT_IDS_KWARG",
     "SINKS_KWARG",
@@ -80,7 +82,7 @@ CP_GROUP_ATTR = "tessel_cp_group"
 # Mask entries compared at a time by mask_segments (bytes of the boolean chunk; 8x that for the row ids).
 MASK_CHUNK_ENTRIES = 2**24
 # The keyword argument through which a context-parallel model's base hands its attention modules the whole
-# sequence's segment ids (packed documents; see tessel.layers.hf.packed_positions)
+# sequence's segment ids (packed documents; see tessel.layers.hf_context.packed_positions)
 SEGMENT_IDS_KWARG = "tessel_segment_ids"
 # The keyword argument through which GPT-OSS hands the attention its sinks: a learned logit per query head
 # that joins each row's softmax and attends to nothing
@@ -412,6 +414,12 @@ def register_hf_attention() -> str:
 
 
 # ---------------------------------------------------------------------------------------------------- latent attention
+
+
+# Multi-head latent attention's projections of its input (Hugging Face's names): the replicated ones to narrow
+# latents, and the one split by heads (without a query latent)
+MLA_LATENT_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa")
+MLA_INPUT_PROJECTIONS = ("q_proj",)
 
 
 def mla_rope_dim(model: nn.Module, name: str, projection: nn.Module) -> int:

@@ -18,10 +18,11 @@ its all-reduce. The plan does so where splitting needs more than a linear layer 
   once per module, on a copy of its weights with the intermediate features permuted (gate and up alike): the
   output must not change, which holds for ``act(gate)·up`` of the two halves and fails for interleaved pairs.
 
-- **attention the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, whose plans split the experts
-  alone): every rank would run every head, and sequence parallelism would have no projection to gather the
-  sequence. Plain attention (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and q/k norms) whose heads split over the
-  ranks is split by heads (:func:`whole_attention_plan`).
+- **attention the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, DeepSeek-V3, whose plans split the
+  MLPs or experts alone): every rank would run every head, and sequence parallelism would have no projection to
+  gather the sequence. Plain attention (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and q/k norms) and multi-head
+  latent attention (as DeepSeek-V2's plan splits it) whose heads split over the ranks are split by heads
+  (:func:`whole_attention_plan`).
 
 A rule rewrites a glob stem (``"model.layers.*.self_attn."``) only where every module it matches is of its kind;
 everything else is left as Hugging Face wrote it. A plan the user passes is never rewritten.
@@ -49,6 +50,9 @@ __all__ = [
     "whole_attention_plan",
 ]
 
+# Attention-module attributes holding a head count (or a width of heads) that Hugging Face modules of
+# various versions read in forward; each becomes its local value (``/ t``) when the heads are split.
+# transformers 5.x Llama/Mistral/Qwen2 attention reshapes with -1 and reads none of them.
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
 HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
 
@@ -98,17 +102,36 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
     if t < 2:
         return dict(plan)
     covered = [regex_of(glob) for glob in plan]
+    projections = (*_PROJECTIONS, "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
     modules = dict(model.named_modules())
     stems = {re.sub(r"\.\d+\.", ".*.", f".{name}.")[1:] for name in modules
-             if name and not any(r.fullmatch(f"{name}.{p}") for r in covered for p in _PROJECTIONS)}  # fmt: skip
+             if name and not any(r.fullmatch(f"{name}.{p}") for r in covered for p in projections)}  # fmt: skip
     out = dict(plan)
     for stem in sorted(stems):
         regex = regex_of(stem.rstrip("."))
         matched = [n for n in modules if regex.fullmatch(n)]
-        styles = [_plain_attention(modules[n], t) for n in matched]
+        styles = [_plain_attention(modules[n], t) or _latent_attention(modules[n], t) for n in matched]
         if matched and all(styles) and all(st == styles[0] for st in styles):
             out.update({stem + child: style for child, style in styles[0].items()})
     return out
+
+
+def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
+    """The styles that split multi-head latent attention (DeepSeek-V2/V3's ``kv_a_proj_with_mqa`` → ``kv_b_proj``,
+    ``q_proj`` or ``q_a_proj`` → ``q_b_proj``) by heads over ``t`` ranks, as DeepSeek-V2's plan does; None when
+    ``m`` is not such a module or its ``num_heads`` do not split."""
+    children = dict(m.named_children())
+    heads = getattr(m, "num_heads", None)
+    query = "q_b_proj" if isinstance(children.get("q_b_proj"), nn.Linear) else "q_proj"
+    names = (query, "kv_a_proj_with_mqa", "kv_b_proj", "o_proj")
+    if not isinstance(heads, int) or heads % t or not all(isinstance(children.get(n), nn.Linear) for n in names):
+        return None
+    if any(children[n].out_features % heads for n in (query, "kv_b_proj")) or children["o_proj"].in_features % heads:
+        return None
+    allowed = {*names, "q_a_proj", "q_a_layernorm", "kv_a_layernorm"}
+    if any(n not in allowed and any(True for _ in c.parameters()) for n, c in children.items()):
+        return None
+    return {query: "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise", "o_proj": "rowwise"}
 
 
 def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:

@@ -88,15 +88,22 @@ from ..parallel.sharding import local_shard
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
 from .hf import (
-    HFContextLayout,
     HFSequenceLayout,
     RingColumnLinear,
+    RingLatentLinear,
     SequenceRing,
     base_model,
     is_hf_model,
 )
-from .hf_attention import mla_rope_dim, mla_shared_key, per_head_parameters
+from .hf_attention import (
+    MLA_INPUT_PROJECTIONS,
+    MLA_LATENT_PROJECTIONS,
+    mla_rope_dim,
+    mla_shared_key,
+    per_head_parameters,
+)
 from .hf_balance import balanced_blocks, track_split_loads
+from .hf_context import HFContextLayout
 from .hf_experts import (
     check_ep_group,
     check_parameter_styles,
@@ -122,6 +129,7 @@ from .plan import (
     EMBEDDING,
     EXPERTS,
     GRAD_ALL_REDUCE,
+    LATENT,
     MLA_KV_A,
     MOE,
     NORM,
@@ -189,9 +197,9 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
                          f"{type(model).__name__} (style 'moe_tp_experts' or 'ep_dispatch_experts')")  # fmt: skip
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
     for e in entries:
-        e.sequence_parallel = sequence_parallel and (layout is None or layout.in_region(e.name))
+        e.sequence_parallel = sequence_parallel and not e.latent_fed and (layout is None or layout.in_region(e.name))
         in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
-        e.gathered = in_block and e.kind in RING_COLUMNS
+        e.gathered = in_block and e.kind in RING_COLUMNS and not e.latent_fed
     heads = _local_heads(model, entries, t)
     per_head = per_head_parameters(_attention_parents(model, entries), tp_group, head_params)
     for e in entries:
@@ -231,20 +239,39 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
 def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout:
     """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``), and so do the
     modules beside split experts, which see this rank's tokens (style ``replicated_with_grad_allreduce``)."""
-    for e in entries:
-        if e.kind == MLA_KV_A:
-            raise ValueError(f"parallelize: sequence_parallel=True cannot split {e.name.rsplit('.', 1)[0]}: "
-                             "multi-head latent attention projects its input before its split projections (which "
-                             "would gather a sequence shard); use sequence_parallel=False")  # fmt: skip
-    experts = [e.name for e in entries if e.kind == EXPERTS]
-    layout = HFSequenceLayout.find(model, [e.name for e in entries if e.kind in RING_COLUMNS], experts)
-    layout.check(model, {e.name for e in entries if e.kind in SPLIT_LINEAR})
-    named = {e.name for e in entries}
     modules = dict(model.named_modules())
+    _latent_attention(entries, modules)
+    experts = [e.name for e in entries if e.kind == EXPERTS]
+    fed = [e.name for e in entries if (e.kind in RING_COLUMNS and not e.latent_fed) or e.latent]
+    layout = HFSequenceLayout.find(model, fed, experts)
+    layout.check(model, {e.name for e in entries if e.kind in SPLIT_LINEAR or e.latent})
+    named = {e.name for e in entries}
     entries.extend(Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
     local = [n for n in expert_block_modules(model, layout.local_blocks, experts) if n not in named]
     entries.extend(Entry(n, modules[n], GRAD_ALL_REDUCE, GRAD_ALL_REDUCE) for n in local)
     return layout
+
+
+def _latent_attention(entries: list[Entry], modules: dict[str, nn.Module]) -> None:
+    """Multi-head latent attention under sequence parallelism (DeepSeek-V2/V3): the block's input feeds narrow
+    replicated projections (``kv_a_proj_with_mqa``, ``q_a_proj``), which multiply the shard and gather their
+    latents (``latent``: :class:`~tessel.layers.hf.RingLatentLinear`), and ``q_proj`` where there is one (a ring
+    column); the columns the latents feed (``q_b_proj``, ``kv_b_proj``) read the whole sequence
+    (``latent_fed``). Entries are added for the replicated projections the plan leaves out."""
+    blocks = {e.name.rpartition(".")[0] for e in entries if e.kind == MLA_KV_A}
+    named = {e.name for e in entries}
+    for e in entries:
+        block, _, leaf = e.name.rpartition(".")
+        if block in blocks:
+            if e.kind == MLA_KV_A:
+                e.latent = True
+            elif e.kind in RING_COLUMNS and leaf not in MLA_INPUT_PROJECTIONS:
+                e.latent_fed = True
+    for block in sorted(blocks):
+        for child, m in modules[block].named_children():
+            name = f"{block}.{child}"
+            if isinstance(m, nn.Linear) and name not in named and child in MLA_LATENT_PROJECTIONS:
+                entries.append(Entry(name, m, LATENT, LATENT, latent=True))
 
 
 def _context_layout(model: nn.Module, tp_group, cp_group) -> HFContextLayout | list[nn.Module] | None:
@@ -387,6 +414,8 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[Entry
 
 def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
     """The replacement of ``e.module`` (None: the module stays, with hooks). Changes nothing of the model."""
+    if e.latent:  # under SP: multiplies the shard, gathers the latent
+        return RingLatentLinear.from_linear(e.module)
     column = RingColumnLinear if e.gathered else ColumnParallelLinear
     kw = {} if overlap is None else {"overlap": overlap}
     if e.kind == COLUMN:
@@ -424,10 +453,12 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
 def _rings(layout: HFSequenceLayout, entries: list[Entry], tp_group) -> dict[str, SequenceRing]:
     """One ring per Hugging Face block under sequence parallelism, over the block's column projections."""
     columns: dict[str, list[RingColumnLinear]] = {}
+    latents: dict[str, list[RingLatentLinear]] = {}
     for e in entries:
-        if e.gathered:
-            columns.setdefault(e.name.rsplit(".", 1)[0], []).append(e.new)
-    return {block: SequenceRing(block, columns[block], tp_group) for block in layout.blocks}
+        if e.gathered or e.latent:
+            (latents if e.latent else columns).setdefault(e.name.rsplit(".", 1)[0], []).append(e.new)
+    return {block: SequenceRing(block, columns.get(block, []), tp_group, latents.get(block, []))
+            for block in layout.blocks}  # fmt: skip
 
 
 def _packed_column(cls, linear: nn.Linear, parts, tp_group, sequence_parallel: bool, overlap) -> ColumnParallelLinear:
@@ -480,11 +511,12 @@ def _ties(model: nn.Module, entries: list[Entry]) -> list[tuple[tuple[str, str],
 
 def _install(model: nn.Module, entries: list[Entry], tp_group) -> None:
     for e in entries:
+        if e.kind == MLA_KV_A:  # the module itself, or under SP the projection that gathers its latent
+            hook = lambda m, args, out, e=e: mla_shared_key(out, e.rope_dim, tp_group)
+            (e.new or e.module).register_forward_hook(hook)
         if e.new is not None:
             parent, _, child = e.name.rpartition(".")
             setattr(model.get_submodule(parent), child, e.new)
-        elif e.kind == MLA_KV_A:
-            e.module.register_forward_hook(lambda m, args, out, e=e: mla_shared_key(out, e.rope_dim, tp_group))
         elif e.kind == EXPERTS:
             for name, p in e.shards.items():
                 setattr(e.module, name, p)

@@ -20,6 +20,7 @@ ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
 EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
 COLUMN_QKV = "colwise_qkv"
+LATENT = "latent"  # not a style: a replicated projection of multi-head latent attention under sequence parallelism
 
 STYLES: dict[str, str] = {
     COLUMN: COLUMN, "local_colwise": COLUMN,
@@ -54,6 +55,8 @@ class Entry:
     sequence_parallel: bool = False
     gathered: bool = False  # a column layer fed by its block's sequence ring (Hugging Face under SP)
     parts: tuple[int, ...] | None = None  # packed column layers: the global widths of their parts
+    latent: bool = False  # under SP: a projection of a latent-attention block's input that gathers its output
+    latent_fed: bool = False  # under SP: a column a latent feeds, reading the whole sequence
     new: nn.Module | None = None
     splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
     shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place

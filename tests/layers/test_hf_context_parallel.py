@@ -135,8 +135,9 @@ def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
 @needs_hf
 def test_hf_models_under_context_and_tensor_parallelism_match_dense_on_four_ranks():
     # cp2 x tp2, with and without sequence parallelism (the tp ranks split each cp share again); OLMo 2's q/k
-    # norms over all heads sum their squares over the tp ranks; Phi-3's fused projections split by heads
-    families = ("llama", "qwen2", "olmo2", "phi3")
+    # norms over all heads sum their squares over the tp ranks; Phi-3's fused projections split by heads;
+    # DeepSeek-V3's latent attention gathers its latents under sequence parallelism
+    families = ("llama", "qwen2", "olmo2", "phi3", "deepseek_v3")
     run_ranks(_grid_vs_dense, 4, 2, families, (False, True), 2, timeout=300, env=REFERENCE_KERNELS)
 
 

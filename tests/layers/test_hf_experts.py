@@ -168,16 +168,20 @@ def _two_ranks(rank, world_size):
         dense = _moe(family)
         _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), family)
     # DeepSeek-V2's multi-head latent attention (its own plan: 'mla_kv_a_proj'), with a low-rank query and
-    # without; DeepSeek-V3 (its plan leaves the attention whole: group-limited routing, a shared expert)
+    # without; DeepSeek-V3 (group-limited routing, a shared expert), whose plan leaves the attention whole and tessel
+    # splits as V2's. Under sequence parallelism the narrow projections of the block's input multiply each rank's
+    # shard and gather their latents (RingLatentLinear); the projections they feed read the whole sequence.
+    from tessel.layers.hf import RingLatentLinear
+
     for family, kw in (("deepseek_v2", {}), ("deepseek_v2", {"q_lora_rank": None}), ("deepseek_v3", {})):
-        dense = _moe(family, **kw)
-        par = parallelize(copy.deepcopy(dense), None)
-        if family == "deepseek_v2":
+        for sp in (False, True):
+            dense = _moe(family, **kw)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
             attention = par.model.layers[0].self_attn
             assert attention.num_heads == 2 and attention.kv_b_proj.weight.shape == (32, 16)
-        _check_against_dense(dense, par, f"{family} {kw}")
-    with pytest.raises(ValueError, match=r"cannot split model.layers.0.self_attn: multi-head latent attention"):
-        parallelize(_moe("deepseek_v2"), None, sequence_parallel=True)
+            latents = [attention.kv_a_proj_with_mqa] + ([attention.q_a_proj] if "q_lora_rank" not in kw else [])
+            assert all(isinstance(m, RingLatentLinear) == sp for m in latents)
+            _check_against_dense(dense, par, f"{family} {kw} sp={sp}")
     # expert parallelism over the group: rank r keeps experts 2r, 2r+1 whole, by the keyword or by Hugging Face's
     # expert-parallel plan ('ep_dispatch_experts', 'grouped_gemm'), under every experts implementation
     for family, impl, sp in (("mixtral", "eager", False), ("mixtral", "eager", True), ("qwen2_moe", "eager", True),

@@ -391,7 +391,7 @@ def _context_split(rank, world_size):
     stage's base model takes the whole sequence's positions beside hidden states split over the tensor-parallel
     ranks as well (the model's hook accepts them, and checks them)."""
     from tessel.layers import hf_pipeline_stage, parallelize
-    from tessel.layers.hf import packed_positions
+    from tessel.layers.hf_context import packed_positions
     from tests.layers.test_context_parallel import _grid
 
     solo, tp, cp = _grid(rank, world_size, 2)
