@@ -63,12 +63,13 @@ _NAME = "hf_pipeline_stage"
 # scale theirs inside the embedding module (the first stage's), and Gemma 2's soft-cap their logits, as the last
 # stage does, fused loss too (checked family by family in tests/layers/test_hf_pipeline.py). Left out: Starcoder2's
 # embedding dropout. The mixtures of experts among them train their load-balancing loss through the router sums the
-# stages pass on.
+# stages pass on; DeepSeek-V2/V3 (multi-head latent attention) route as the model does, with no balancing loss of
+# Hugging Face's.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olmo", "olmo2", "olmo3", "phi3", "glm",
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe",
                          "minimax", "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe",
-                         "gemma", "gemma2", "gemma3_text")  # fmt: skip
+                         "gemma", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):

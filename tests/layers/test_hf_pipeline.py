@@ -170,7 +170,7 @@ def test_what_it_refuses():
     starcoder = transformers.Starcoder2ForCausalLM(transformers.Starcoder2Config(
         vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2))  # fmt: skip
-    with pytest.raises(ValueError, match=r"type llama, mistral, .* gemma3_text \(a head on a base model\), received "
+    with pytest.raises(ValueError, match=r"type llama, mistral, .* deepseek_v3 \(a head on a base model\), received "
                                          r"Starcoder2ForCausalLM of type 'starcoder2'"):  # fmt: skip
         hf_pipeline_stage(starcoder, 0, 2)
     stage = hf_pipeline_stage(_mixture("Mixtral", output_router_logits=True), 1, 2)
@@ -196,15 +196,20 @@ def test_a_stage_shares_the_models_parameters_not_its_registrations():
     assert not model.model._forward_hooks and model.config.num_hidden_layers == 3
 
 
+# multi-head latent attention of test_hf_experts's shape: a latent query, a dense first layer, then experts
+MLA = dict(head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=24,
+           n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
+           first_k_dense_replace=1, topk_group=1, num_key_value_heads=4)  # fmt: skip
 FAMILIES = {"ministral": "Ministral", "olmo": "Olmo", "olmo2": "Olmo2", "olmo3": "Olmo3", "phi3": "Phi3", "glm": "Glm",
             "smollm3": "SmolLM3", "helium": "Helium", "exaone4": "Exaone4", "arcee": "Arcee", "seed_oss": "SeedOss",
             "ernie4_5": "Ernie4_5", "hunyuan_v1_dense": "HunYuanDenseV1", "apertus": "Apertus", "cohere": "Cohere",
             "cohere2": "Cohere2", "granite": "Granite", "gemma": "Gemma", "gemma2": "Gemma2",
-            "gemma3_text": "Gemma3Text"}  # fmt: skip
+            "gemma3_text": "Gemma3Text", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}  # fmt: skip
 # What a family's config takes beyond the common shape: Granite's embedding multiplier and logit scaling, Gemma 2's
 # soft-capped logits (a cap the tiny model's logits reach) and eager attention
 FAMILY_EXTRAS = {"granite": {"embedding_multiplier": 12.0, "logits_scaling": 4.0},
-                 "gemma2": {"final_logit_softcapping": 0.5, "attn_implementation": "eager"}}  # fmt: skip
+                 "gemma2": {"final_logit_softcapping": 0.5, "attn_implementation": "eager"},
+                 "deepseek_v2": {**MLA, "n_group": None}, "deepseek_v3": {**MLA, "n_group": 1}}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
