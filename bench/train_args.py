@@ -37,7 +37,7 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 # --hf's families (train_hf.HF_FAMILIES names their classes)
 HF_CHOICES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3", "olmo2",
-              "olmoe", "phi3")  # fmt: skip
+              "olmoe", "phi3", "deepseek_v3")  # fmt: skip
 LR_SCHEDULES = ("cosine", "constant")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 OVERLAPS = {"auto": "auto", "on": True, "off": False, "peer": "peer"}  # --overlap: the layers' `overlap`
@@ -143,7 +143,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         type=int,
         default=0,
         help="a mixture of this many experts in every block instead of the MLP (each the preset's MLP width; "
-        "default: 0, dense); with --hf, of a mixture family (mixtral, qwen3_moe, olmoe)",
+        "default: 0, dense); with --hf, of a mixture family (mixtral, qwen3_moe, olmoe, deepseek_v3)",
     )
     add("--top-k", type=int, default=2, help="experts per token with --experts (default: %(default)s)")
     add(

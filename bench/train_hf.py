@@ -27,6 +27,12 @@ data-parallel ranks (``parallelize(ep_group=)``); under ``--cp`` the routers' lo
 context-parallel group for the balancing loss; under ``--pp`` each stage adds its layers' router sums to those it
 received and passes them on, and the last stage's loss is every layer's (:func:`~tessel.layers.hf_pipeline_stage`).
 
+``--hf deepseek_v3``: DeepSeek-V3's design at the preset's shape (:func:`_latent_attention_config`): multi-head latent
+attention, a dense first layer, then one shared expert beside ``--experts N`` routed by sigmoid scores, group-limited
+by ``--expert-groups`` and ``--top-groups``, and balanced without a loss: ``--expert-bias-rate`` moves each layer's
+routing biases after every step (:func:`~tessel.layers.moe.update_expert_biases`; under ``--hf-baseline`` too, which
+Hugging Face itself never does). ``--aux-loss-coef`` must be 0: the family has no balancing loss of Hugging Face's.
+
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
 it their window is set off explicitly (Mistral's config would otherwise default to 4096).
@@ -42,6 +48,7 @@ from torch import nn
 from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention, register_hf_experts
 from ..layers.gpt import GPTConfig
 from ..layers.hf import base_model
+from ..layers.hf_balance import track_expert_loads
 from ..layers.hf_router_loss import router_sums, router_z_loss
 from .train_args import OVERLAPS
 
@@ -62,11 +69,15 @@ __all__ = [
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
-               "olmoe": "Olmoe", "phi3": "Phi3"}  # fmt: skip
+               "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
-MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size"}
+MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
+                "deepseek_v3": "moe_intermediate_size"}  # fmt: skip
+# The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
+# by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
+BIASED_FAMILIES = ("deepseek_v3",)
 # The families whose attention takes a sliding window (--sliding-window), and how their config asks for one in
 # every layer (Qwen's layers below max_window_layers attend to everything).
 WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
@@ -78,6 +89,10 @@ def _experts_config(args, c: GPTConfig) -> dict:
     """A mixture's fields of the config: --experts of the preset's MLP width each, --top-k of them per token."""
     if args.hf not in MOE_FAMILIES:
         return {}
+    if args.hf in BIASED_FAMILIES:  # one shared expert beside the routed ones, a dense first layer, as DeepSeek-V3
+        return {"n_routed_experts": args.experts, "num_experts_per_tok": args.top_k, "n_shared_experts": 1,
+                "moe_intermediate_size": c.mlp_hidden, "first_k_dense_replace": 1, "n_group": args.expert_groups,
+                "topk_group": args.top_groups}  # fmt: skip
     count = "num_local_experts" if args.hf == "mixtral" else "num_experts"
     return {count: args.experts, "num_experts_per_tok": args.top_k, MOE_FAMILIES[args.hf]: c.mlp_hidden,
             "router_aux_loss_coef": args.aux_loss_coef,
@@ -94,6 +109,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
               initializer_range=c.init_std, tie_word_embeddings=False, attn_implementation=attention,
               pad_token_id=None)  # fmt: skip
     kw.update(_experts_config(args, c))
+    if args.hf == "deepseek_v3":
+        kw.update(_latent_attention_config(c))
     if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
         kw["sliding_window"] = c.sliding_window
         if c.sliding_window is not None:
@@ -108,6 +125,15 @@ def _hf_config(args, c: GPTConfig, attention: str):
     else:
         config.rope_theta = c.rope_theta
     return config
+
+
+def _latent_attention_config(c: GPTConfig) -> dict:
+    """Multi-head latent attention of DeepSeek-V3's proportions to the preset's head dim ``d`` (V3: 128): latents of
+    ``4·d`` (keys and values) and ``12·d`` (queries), rotary keys of ``d/2`` beside ``d`` dims without rotation, values
+    of ``d``. Every head reads the one latent (kv heads = heads); the rotary tables are ``d/2`` wide (``head_dim``)."""
+    d = c.n_embd // c.n_head
+    return {"num_key_value_heads": c.n_head, "kv_lora_rank": 4 * d, "q_lora_rank": 12 * d, "qk_nope_head_dim": d,
+            "qk_rope_head_dim": d // 2, "v_head_dim": d, "head_dim": d // 2}  # fmt: skip
 
 
 def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Module, int, float]:
@@ -127,6 +153,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     if args.recompute:  # Hugging Face's activation checkpointing: each decoder layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.hf_baseline:
+        if args.expert_bias_rate:  # Hugging Face never moves its routing biases: tessel's updates count its routes
+            track_expert_loads(model)
         return model, num_params, flops
     cp = {"cp_group": dims.cp_group} if dims.cp > 1 else {}  # each rank its zigzag share of every sequence
     ep = {"ep_group": dims.ep_group} if dims.ep > 1 else {}  # each rank of an ep group its share of the experts
@@ -227,9 +255,15 @@ def refused_options(args) -> str | None:
     if smoothed and args.hf_baseline:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
+    biased = args.hf in BIASED_FAMILIES
+    if biased and (args.aux_loss_coef > 0 or args.z_loss_coef > 0):
+        return (f"--hf {args.hf} balances its experts by their routing biases (--expert-bias-rate, DeepSeek-V3 uses "
+                "1e-3), not by a loss of Hugging Face's, and gives no router logits: pass --aux-loss-coef 0 (and no "
+                "--z-loss-coef)")  # fmt: skip
     unsupported = {
         **({"--router-score sigmoid": args.router_score != "softmax",
-            "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0} if moe else {}),
+            "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0}
+           if moe and not biased else {}),
         f"--sliding-window (its config slides not every layer; {', '.join(WINDOW_FAMILIES)} do)":
         args.sliding_window is not None and args.hf not in WINDOW_FAMILIES,
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline

@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from tessel.bench.train_hf import HF_FAMILIES
+from tessel.bench.train_hf import HF_FAMILIES, MOE_FAMILIES
 from tests.bench.test_train import PREFIX, _checkpoint, _copy_checkpoint, _losses, _ok, _train
 from tests.bench.test_train_eval import _eval_losses
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
@@ -326,7 +326,7 @@ def test_the_atomic_attention_backward_trains_under_pipeline_and_context_paralle
             ["--hf-baseline", "--attention-backward", "atomic"],
             "--hf llama trains without --attention-backward atomic with --hf-baseline",
         ),
-        (["--experts", "4"], "--hf llama is dense: --experts needs a mixture family (mixtral, qwen3_moe, olmoe)"),
+        (["--experts", "4"], f"--hf llama is dense: --experts needs a mixture family ({', '.join(MOE_FAMILIES)})"),
         (["--recompute", "--sliding-window", "8"], "--hf llama trains without --sliding-window"),
         (["--label-smoothing", "0.1", "--hf-baseline"], "--label-smoothing shapes tessel's fused loss; --hf-baseline"),
     ],

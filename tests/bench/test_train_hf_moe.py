@@ -213,6 +213,34 @@ def test_olmoe_trains_its_balancing_loss_with_its_attention_split_by_heads(tmp_p
         assert _losses(tmp_path / layout) == pytest.approx(_losses(tmp_path / "one"), rel=1e-5), layout
 
 
+DEEPSEEK = ["--hf", "deepseek_v3", "--experts", "4", "--top-k", "2", "--aux-loss-coef", "0", "--expert-bias-rate",
+            "1e-2", "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_deepseek_v3_trains_its_curve_balanced_by_its_routing_biases(tmp_path):
+    """--hf deepseek_v3: multi-head latent attention, a shared expert beside sigmoid-routed experts, balanced without a
+    loss by moving its routing biases (--expert-bias-rate, each step's routes counted over the ranks that route other
+    tokens). The single process's curve at tp=2 with sequence parallelism (the latents gathered), through a pipeline,
+    over two data-parallel ranks, and as Hugging Face computes it (--hf-baseline, tessel moving the same biases); the
+    biases shape that curve: without them it is another."""
+    _ok(_train(tmp_path / "one", *DEEPSEEK))
+    one = _losses(tmp_path / "one")
+    layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "pp2": (["--pp", "2"], 2),
+               "dp2": (["--dp", "2"], 2), "baseline": (["--hf-baseline"], 1)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *DEEPSEEK, *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    _ok(_train(tmp_path / "unbiased", *DEEPSEEK, "--expert-bias-rate", "0"))
+    assert _losses(tmp_path / "unbiased")[1:] != pytest.approx(one[1:], rel=1e-5)
+
+
+def test_deepseek_v3_refuses_a_balancing_loss(tmp_path):
+    proc = _train(tmp_path, *DEEPSEEK[:6], "--steps", "1")  # the default --aux-loss-coef 0.01
+    assert proc.returncode == 2 and "balances its experts by their routing biases" in proc.stderr, proc.stderr
+
+
 @pytest.mark.parametrize(
     ("extra", "nproc", "words"),
     [
