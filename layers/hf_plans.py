@@ -18,10 +18,11 @@ its all-reduce. The plan does so where splitting needs more than a linear layer 
   once per module, on a copy of its weights with the intermediate features permuted (gate and up alike): the
   output must not change, which holds for ``act(gate)·up`` of the two halves and fails for interleaved pairs.
 
-- **attention the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, DeepSeek-V3, whose plans split the
-  MLPs or experts alone): every rank would run every head, and sequence parallelism would have no projection to
-  gather the sequence. Plain attention (``q_proj``/``k_proj``/``v_proj``/``o_proj`` and q/k norms) and multi-head
-  latent attention (as DeepSeek-V2's plan splits it) whose heads split over the ranks are split by heads
+- **attention or MLPs the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, DeepSeek-V3, Afmoe, whose
+  plans split the MLPs or experts alone): every rank would run every head, and sequence parallelism would have no
+  projection to gather the sequence. Plain attention (``q_proj``/``k_proj``/``v_proj``/``o_proj``, q/k norms, an
+  output gate) and multi-head latent attention (as DeepSeek-V2's plan splits it) whose heads split over the ranks
+  are split by heads, gated MLPs (``gate_proj``/``up_proj``/``down_proj``) by features
   (:func:`whole_attention_plan`).
 
 A rule rewrites a glob stem (``"model.layers.*.self_attn."``) only where every module it matches is of its kind;
@@ -32,13 +33,12 @@ everything else is left as Hugging Face wrote it. A plan the user passes is neve
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 from torch.func import functional_call
 
 __all__ = [
+    "ACTIVATION_NAMES",
     "HEAD_COUNT_ATTRS",
     "HEAD_WIDTH_ATTRS",
     "LocalHeadsConfig",
@@ -88,32 +88,46 @@ def head_split_plan(model: nn.Module, plan: dict[str, str], regex_of) -> dict[st
 
 
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
+# the names Hugging Face gives a block's activation module (ACT2FN[...])
+ACTIVATION_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
+# a projection of the block's input that gates the attention's output feature by feature before o_proj (Afmoe's)
+_OUTPUT_GATES = ("gate_proj",)
 # per-head q/k norms ([head_dim] weights, applied to each rank's heads) under the names Hugging Face gives them
 _HEAD_NORMS = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")
 
 
 def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> dict[str, str]:
-    """``plan`` with the attention it leaves whole split by heads: where it names none of a module's ``q_proj``,
-    ``k_proj``, ``v_proj`` and ``o_proj`` (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE: plans of the experts alone) and
-    the module is plain attention that splits over ``t`` ranks (:func:`_plain_attention`), q/k/v become
-    ``colwise``, ``o_proj`` ``rowwise``, per-head q/k norms ``replicated_with_grad_allreduce`` and norms over all
-    heads ``colwise_norm``. Each glob stem (layer indices as ``*``) is rewritten only when every module it
-    matches qualifies."""
+    """``plan`` with the attention and MLPs it leaves whole split: each module whose projections the plan does not
+    name (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE: plans of the experts alone; DeepSeek-V3's attention; Afmoe's dense
+    first MLP) and that splits over ``t`` ranks as plain attention (:func:`_plain_attention`: q/k/v ``colwise``,
+    ``o_proj`` ``rowwise``, per-head q/k norms ``replicated_with_grad_allreduce``, norms over all heads
+    ``colwise_norm``), latent attention (:func:`_latent_attention`) or a gated MLP (:func:`_plain_mlp`). Modules are
+    named in full, each on its own: layers of another kind beside them are left as they are."""
     if t < 2:
         return dict(plan)
     covered = [regex_of(glob) for glob in plan]
-    projections = (*_PROJECTIONS, "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj")
-    modules = dict(model.named_modules())
-    stems = {re.sub(r"\.\d+\.", ".*.", f".{name}.")[1:] for name in modules
-             if name and not any(r.fullmatch(f"{name}.{p}") for r in covered for p in projections)}  # fmt: skip
     out = dict(plan)
-    for stem in sorted(stems):
-        regex = regex_of(stem.rstrip("."))
-        matched = [n for n in modules if regex.fullmatch(n)]
-        styles = [_plain_attention(modules[n], t) or _latent_attention(modules[n], t) for n in matched]
-        if matched and all(styles) and all(st == styles[0] for st in styles):
-            out.update({stem + child: style for child, style in styles[0].items()})
+    for name, m in model.named_modules():
+        styles = (_plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t)) if name else None
+        if styles and not any(r.fullmatch(n) for r in covered for n in (name, *(f"{name}.{c}" for c in styles))):
+            out.update({f"{name}.{child}": style for child, style in styles.items()})
     return out
+
+
+def _plain_mlp(m: nn.Module, t: int) -> dict[str, str] | None:
+    """``gate_proj`` and ``up_proj`` ``colwise``, ``down_proj`` ``rowwise``: a gated MLP of plain ``nn.Linear``s whose
+    intermediate features split over ``t`` ranks, with nothing else that learns but its activation."""
+    children = dict(m.named_children())
+    projections = [children.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
+    if not all(isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in projections):
+        return None
+    gate, up, down = projections
+    if not gate.out_features == up.out_features == down.in_features or gate.out_features % t:
+        return None
+    known = ("gate_proj", "up_proj", "down_proj", *ACTIVATION_NAMES)
+    if any(name not in known and any(True for _ in child.parameters()) for name, child in children.items()):
+        return None
+    return {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
 
 
 def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
@@ -136,7 +150,8 @@ def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
 
 def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     """The styles that split ``m`` by heads over ``t`` ranks, when it is attention of plain ``nn.Linear``
-    projections whose heads (of its ``head_dim``) split evenly, with nothing else that learns but q/k norms."""
+    projections whose heads (of its ``head_dim``) split evenly, with nothing else that learns but q/k norms and a
+    gate of its output (``gate_proj``, as wide as the queries)."""
     head_dim = getattr(m, "head_dim", None)
     children = dict(m.named_children())
     projections = [children.get(n) for n in _PROJECTIONS]
@@ -153,6 +168,11 @@ def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
     for name, child in children.items():
         if name in styles or not any(True for _ in child.parameters()):
+            continue
+        if name in _OUTPUT_GATES and isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward:
+            if child.out_features != q.out_features:
+                return None
+            styles[name] = "colwise"  # a gate on each output feature of the attention: this rank's heads'
             continue
         weight = getattr(child, "weight", None)
         if name not in _HEAD_NORMS or not isinstance(weight, torch.Tensor) or weight.dim() != 1:

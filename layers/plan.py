@@ -11,7 +11,7 @@ from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
 from .hf_experts import ExpertSplit
-from .hf_plans import head_split_plan, whole_attention_plan
+from .hf_plans import ACTIVATION_NAMES, head_split_plan, whole_attention_plan
 
 __all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
 
@@ -150,10 +150,6 @@ def match_plan(model: nn.Module, plan, strict: bool = True) -> tuple[list[Entry]
     chosen.update(_split_activations(dict(modules), chosen))
     order = {name: i for i, (name, _) in enumerate(modules)}
     return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
-
-
-# the names Hugging Face gives a block's activation module (ACT2FN[...])
-ACTIVATION_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
 
 
 def _split_activations(modules: dict[str, nn.Module], chosen: dict[str, Entry]) -> dict[str, Entry]:

@@ -2,8 +2,9 @@
 config class through the Auto classes) dense against parallelized on 2 gloo ranks, with and without sequence
 parallelism: logits and every gradient shard (fp32, 1e-4 relative, as test_hf.py).
 
-Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE and Flint, whose own plans split their experts alone, have their attention
-split by heads as well (each rank holds its heads' projections), with or without per-head q/k norms.
+Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, Flint and Afmoe, whose own plans split their experts alone, have their
+attention split by heads as well (each rank holds its heads' projections), with or without per-head q/k norms, with
+Afmoe's output gate, and Afmoe's dense first MLP by features.
 
 Among them, three that once went wrong:
 
@@ -25,9 +26,9 @@ from tests.multiprocess import run_ranks
 
 FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", "cohere", "cohere2", "glm4",
             "granite", "exaone4", "helium", "internlm3", "smollm3", "seed_oss", "vaultgemma", "jais2", "olmo",
-            "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint")  # fmt: skip
+            "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")  # fmt: skip
 # the families whose own plans leave their attention whole: tessel splits it by heads
-WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint")
+WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
 
 
 def family_model(kind: str, seed: int = 0):

@@ -230,7 +230,7 @@ def test_the_local_heads_view_of_a_config():
     assert unpickled.num_key_value_heads == 1 and unpickled.vocab_size == VOCAB
 
 
-def test_attention_a_plan_leaves_whole_is_split_by_heads_where_it_can_be():
+def test_what_a_plan_leaves_whole_is_split_where_it_can_be():
     import transformers
 
     from tessel.layers.hf import hf_tp_plan
@@ -244,23 +244,28 @@ def test_attention_a_plan_leaves_whole_is_split_by_heads_where_it_can_be():
         config = transformers.AutoConfig.for_model(kind, **{**base, **kw})
         return transformers.AutoModelForCausalLM.from_config(config)
 
-    stem = "model.layers.*.self_attn."
+    def added(model, t=2):
+        plan, own = whole_attention_plan(model, hf_tp_plan(model), glob_regex, t), hf_tp_plan(model)
+        assert all(plan[k] == v for k, v in own.items())
+        return {k: v for k, v in plan.items() if k not in own}
+
     phimoe = model("phimoe")
-    plan = whole_attention_plan(phimoe, hf_tp_plan(phimoe), glob_regex, 2)
-    assert {k: v for k, v in plan.items() if k.startswith(stem)} == {
-        stem + "q_proj": "colwise", stem + "k_proj": "colwise", stem + "v_proj": "colwise", stem + "o_proj": "rowwise"
-    }  # fmt: skip
-    # Hunyuan's per-head q/k norms reduce their gradients; Flint's are per head too
-    plan = whole_attention_plan(hunyuan := model("hunyuan_v1_moe"), hf_tp_plan(hunyuan), glob_regex, 2)
-    assert plan[stem + "query_layernorm"] == plan[stem + "key_layernorm"] == "replicated_with_grad_allreduce"
-    # left whole: one rank; kv heads that do not split; attention with more than q/k/v/o (Afmoe's gate)
-    assert whole_attention_plan(phimoe, hf_tp_plan(phimoe), glob_regex, 1) == hf_tp_plan(phimoe)
-    assert whole_attention_plan(phimoe, hf_tp_plan(phimoe), glob_regex, 4) == hf_tp_plan(phimoe)
-    afmoe = model("afmoe")
-    assert whole_attention_plan(afmoe, hf_tp_plan(afmoe), glob_regex, 2) == hf_tp_plan(afmoe)
-    # a plan that names the attention already is not touched (Llama's)
-    llama = model("llama")
-    assert whole_attention_plan(llama, hf_tp_plan(llama), glob_regex, 2) == hf_tp_plan(llama)
+    attention = {f"model.layers.{i}.self_attn.{p}": "rowwise" if p == "o_proj" else "colwise"
+                 for i in range(2) for p in ("q_proj", "k_proj", "v_proj", "o_proj")}  # fmt: skip
+    assert added(phimoe) == attention
+    # Hunyuan's per-head q/k norms reduce their gradients
+    plan = added(model("hunyuan_v1_moe"))
+    assert plan["model.layers.1.self_attn.query_layernorm"] == "replicated_with_grad_allreduce"
+    assert plan["model.layers.1.self_attn.key_layernorm"] == "replicated_with_grad_allreduce"
+    # Afmoe: its attention's output gate splits with the heads, and its dense first MLP and the shared expert of its
+    # experts' block by features; the experts keep Hugging Face's plan
+    plan = added(model("afmoe"))
+    assert plan["model.layers.0.self_attn.gate_proj"] == plan["model.layers.1.self_attn.gate_proj"] == "colwise"
+    assert plan["model.layers.0.mlp.down_proj"] == plan["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
+    assert not any(".experts." in k for k in plan)
+    # left whole: one rank; kv heads that do not split; a plan that names the attention already (Llama's)
+    assert added(phimoe, 1) == {} and added(phimoe, 4) == {}
+    assert added(model("llama")) == {}
 
 
 def _phi3_ranks(rank, world_size, kv_heads):
