@@ -8,7 +8,8 @@ over the vocabulary as transformers 5.x adds it, and the head model's ``_tp_plan
 gathers q, k and v whole and runs every head on every rank, because the query and key norms span every head
 (OLMo 2 and 3, OLMoE, FlexOlmo, MiniMax-M2: the norms become ``colwise_norm``) or because one fused ``qkv_proj``
 is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits the attention by heads
-(:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads.
+(:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads; attention and gated MLPs
+the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`).
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)
@@ -71,8 +72,9 @@ parameters with one value per query head (GPT-OSS's attention sinks) keep this r
 layers split and gather the sequence. A Hugging Face decoder is split where its layers begin and gathered after its
 final norm (:class:`~tessel.layers.hf.HFSequenceLayout`), and the column projections of each block run as one
 overlapped all-gather ring (:class:`~tessel.layers.hf.SequenceRing`); the sequence length must then be divisible by
-``t``. Parameters replicated over the group (norms, a replicated embedding, biases of row layers) hold their
-complete gradient after ``backward()``.
+``t``. In multi-head latent attention the narrow projections of the block's input multiply the shard and gather their
+latents (:class:`~tessel.layers.hf.RingLatentLinear`). Parameters replicated over the group (norms, a replicated
+embedding, biases of row layers) hold their complete gradient after ``backward()``.
 """
 
 from __future__ import annotations
