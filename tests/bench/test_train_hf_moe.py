@@ -223,17 +223,34 @@ def test_deepseek_v3_trains_its_curve_balanced_by_its_routing_biases(tmp_path):
     """--hf deepseek_v3: multi-head latent attention, a shared expert beside sigmoid-routed experts, balanced without a
     loss by moving its routing biases (--expert-bias-rate, each step's routes counted over the ranks that route other
     tokens). The single process's curve at tp=2 with sequence parallelism (the latents gathered), through a pipeline,
-    over two data-parallel ranks, and as Hugging Face computes it (--hf-baseline, tessel moving the same biases); the
-    biases shape that curve: without them it is another."""
+    over two data-parallel ranks (with the experts split over them too), at cp=2, and as Hugging Face computes it
+    (--hf-baseline, tessel moving the same biases); the biases shape that curve: without them it is another."""
     _ok(_train(tmp_path / "one", *DEEPSEEK))
     one = _losses(tmp_path / "one")
     layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "pp2": (["--pp", "2"], 2),
-               "dp2": (["--dp", "2"], 2), "baseline": (["--hf-baseline"], 1)}  # fmt: skip
+               "dp2": (["--dp", "2"], 2), "dp2-ep2": (["--dp", "2", "--ep", "2"], 2), "cp2": (["--cp", "2"], 2),
+               "baseline": (["--hf-baseline"], 1)}  # fmt: skip
     for name, (layout, nproc) in layouts.items():
         _ok(_train(tmp_path / name, *DEEPSEEK, *layout, nproc=nproc))
         assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
     _ok(_train(tmp_path / "unbiased", *DEEPSEEK, "--expert-bias-rate", "0"))
     assert _losses(tmp_path / "unbiased")[1:] != pytest.approx(one[1:], rel=1e-5)
+
+
+def test_deepseek_v3_takes_its_shape_and_routing_from_the_options():
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import _hf_config
+    from tessel.layers.gpt import GPTConfig
+
+    args = parse_args([*DEEPSEEK[:4], "--top-k", "1", "--aux-loss-coef", "0", "--expert-groups", "2"])
+    c = GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=64, mlp_hidden=96)
+    config = _hf_config(args, c, "sdpa")
+    assert (config.n_routed_experts, config.num_experts_per_tok, config.n_group, config.topk_group) == (4, 1, 2, 1)
+    assert (config.moe_intermediate_size, config.n_shared_experts, config.first_k_dense_replace) == (96, 1, 1)
+    # DeepSeek-V3's proportions to the head dim of 16: latents of 64 and 192, rotary keys of 8 beside 16
+    latent = (config.kv_lora_rank, config.q_lora_rank, config.qk_rope_head_dim, config.qk_nope_head_dim)
+    assert latent == (64, 192, 8, 16)
+    assert config.num_key_value_heads == 4 and config.v_head_dim == 16
 
 
 def test_deepseek_v3_refuses_a_balancing_loss(tmp_path):
