@@ -343,7 +343,10 @@ def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
     """Names (in the base model) of the decoder layers' ModuleList and of the final norm."""
     pp_plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
     names = pp_plan or [name for name, _ in base.named_children()]
-    layers = [n for n in names if isinstance(getattr(base, n, None), nn.ModuleList)]
+    # a ModuleList that learns nothing (Granite-MoE-SWA's rotary embeddings, one per kind of layer) is not the layers
+    layers = [
+        n for n in names if isinstance(m := getattr(base, n, None), nn.ModuleList) and any(True for _ in m.parameters())
+    ]
     norms = [n for n in names[names.index(layers[0]) + 1 :] if _is_norm(getattr(base, n, None))] if layers else []
     if len(layers) != 1 or not norms:
         raise ValueError(

@@ -18,11 +18,13 @@ its all-reduce. The plan does so where splitting needs more than a linear layer 
   once per module, on a copy of its weights with the intermediate features permuted (gate and up alike): the
   output must not change, which holds for ``act(gate)·up`` of the two halves and fails for interleaved pairs.
 
-- **attention or MLPs the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, DeepSeek-V3, Afmoe, whose
-  plans split the MLPs or experts alone): every rank would run every head, and sequence parallelism would have no
-  projection to gather the sequence. Plain attention (``q_proj``/``k_proj``/``v_proj``/``o_proj``, q/k norms, an
-  output gate) and multi-head latent attention (as DeepSeek-V2's plan splits it) whose heads split over the ranks
-  are split by heads, gated MLPs (``gate_proj``/``up_proj``/``down_proj``) by features
+- **attention, MLPs or experts the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, DeepSeek-V3, Afmoe,
+  whose plans split the MLPs or experts alone; GPT-OSS, whose plan splits its embedding alone): every rank would run
+  every head and every expert's every feature, and sequence parallelism would have no projection to gather the
+  sequence. Plain attention (``q_proj``/``k_proj``/``v_proj``/``o_proj``, q/k norms, an output gate; per-head
+  parameters such as GPT-OSS's sinks follow their heads) and multi-head latent attention (as DeepSeek-V2's plan splits
+  it) whose heads split over the ranks are split by heads, gated MLPs (``gate_proj``/``up_proj``/``down_proj``) and
+  Hugging Face experts modules (``moe_tp_experts``, :mod:`~tessel.layers.hf_experts`) by features
   (:func:`whole_attention_plan`).
 
 A rule rewrites a glob stem (``"model.layers.*.self_attn."``) only where every module it matches is of its kind;
@@ -36,6 +38,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.func import functional_call
+
+from .hf_experts import expert_splits
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -101,17 +105,33 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
     name (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE: plans of the experts alone; DeepSeek-V3's attention; Afmoe's dense
     first MLP) and that splits over ``t`` ranks as plain attention (:func:`_plain_attention`: q/k/v ``colwise``,
     ``o_proj`` ``rowwise``, per-head q/k norms ``replicated_with_grad_allreduce``, norms over all heads
-    ``colwise_norm``), latent attention (:func:`_latent_attention`) or a gated MLP (:func:`_plain_mlp`). Modules are
-    named in full, each on its own: layers of another kind beside them are left as they are."""
+    ``colwise_norm``), latent attention (:func:`_latent_attention`), a gated MLP (:func:`_plain_mlp`) or a Hugging Face
+    experts module (``moe_tp_experts``, GPT-OSS's). Modules are named in full, each on its own: layers of another kind
+    beside them are left as they are."""
     if t < 2:
         return dict(plan)
     covered = [regex_of(glob) for glob in plan]
     out = dict(plan)
     for name, m in model.named_modules():
+        if name and _experts(m, t) and not any(r.fullmatch(name) for r in covered):
+            out[name] = "moe_tp_experts"
+            continue
         styles = (_plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t)) if name else None
         if styles and not any(r.fullmatch(n) for r in covered for n in (name, *(f"{name}.{c}" for c in styles))):
             out.update({f"{name}.{child}": style for child, style in styles.items()})
     return out
+
+
+def _experts(m: nn.Module, t: int) -> bool:
+    """Whether ``m`` is a Hugging Face experts module (3-d parameters, the layout its class declares) whose
+    intermediate features split over ``t`` ranks (:func:`~tessel.layers.hf_experts.expert_splits`)."""
+    if not any(p.dim() == 3 for p in m.parameters(recurse=False)):
+        return False
+    try:
+        expert_splits(m, t)
+    except ValueError:
+        return False
+    return True
 
 
 def _plain_mlp(m: nn.Module, t: int) -> dict[str, str] | None:

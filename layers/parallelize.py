@@ -8,8 +8,8 @@ over the vocabulary as transformers 5.x adds it, and the head model's ``_tp_plan
 gathers q, k and v whole and runs every head on every rank, because the query and key norms span every head
 (OLMo 2 and 3, OLMoE, FlexOlmo, MiniMax-M2: the norms become ``colwise_norm``) or because one fused ``qkv_proj``
 is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits the attention by heads
-(:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads; attention and gated MLPs
-the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`).
+(:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads; attention, gated MLPs and
+experts the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`).
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)

@@ -26,7 +26,8 @@ from tests.multiprocess import run_ranks
 
 FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", "cohere", "cohere2", "glm4",
             "granite", "exaone4", "helium", "internlm3", "smollm3", "seed_oss", "vaultgemma", "jais2", "olmo",
-            "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")  # fmt: skip
+            "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe",
+            "granitemoe_swa")  # fmt: skip
 # the families whose own plans leave their attention whole: tessel splits it by heads
 WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
 
@@ -87,3 +88,54 @@ def test_a_layer_norm_subclass_of_its_own_is_probed():
 
     copied = LayerNorm.from_module(Scaled(8))
     assert isinstance(copied, LayerNorm) and copied.dim == 8
+
+
+def gpt_oss_model(seed: int = 0, **kw):
+    """A tiny GPT-OSS with every bias, sink and router away from zero (their initial zeros hide a bias added on
+    every rank), a window of 3 keys in its sliding layers (the batch is 8 tokens long), and a SwiGLU limit that
+    clamps some of the experts' features and not others."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0, num_local_experts=4,
+                  num_experts_per_tok=2, sliding_window=3, attn_implementation="eager", swiglu_limit=0.15,
+                  **kw)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.GptOssForCausalLM(transformers.GptOssConfig(**config)).eval()
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if name.endswith("bias") or "sinks" in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * (1.0 if "sinks" in name else 0.02))
+            elif "norm" in name:
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model
+
+
+def _gpt_oss_ranks(rank, world_size):
+    from tessel.layers import register_hf_attention, register_hf_experts
+    from tessel.layers.parallelize import parallelize
+
+    for experts in ("eager", register_hf_experts()):
+        for attention in ("eager", register_hf_attention()):
+            for sp in (False, True):
+                dense = gpt_oss_model(experts_implementation=experts)
+                dense.set_attn_implementation(attention)
+                par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+                for layer in par.model.layers:  # every projection, expert and sink split by heads or features
+                    assert layer.self_attn.q_proj.weight.shape == (64 // world_size, 64)
+                    assert layer.self_attn.o_proj.weight.shape == (64, 64 // world_size)
+                    assert layer.self_attn.sinks.shape == (4 // world_size,)
+                    assert layer.mlp.experts.gate_up_proj.shape == (4, 64, 2 * 48 // world_size)
+                    assert layer.mlp.experts.down_proj.shape == (4, 48 // world_size, 64)
+                _check_against_dense(dense, par, f"gpt_oss experts={experts} attention={attention} sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_gpt_oss_splits_its_attention_and_experts():
+    """GPT-OSS's plan splits its embedding alone: tessel splits its attention by heads (with their sinks) and its
+    experts by features (interleaved gate/up, biases; the output bias added once), with and without sequence
+    parallelism, through Hugging Face's and tessel's attention and experts."""
+    assert run_ranks(_gpt_oss_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
