@@ -44,6 +44,7 @@ from .hf_experts import expert_splits
 __all__ = [
     "ACTIVATION_NAMES",
     "HEAD_COUNT_ATTRS",
+    "HEAD_NORM_NAMES",
     "HEAD_WIDTH_ATTRS",
     "LocalHeadsConfig",
     "fused_qkv_parts",
@@ -97,7 +98,7 @@ ACTIVATION_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
 # a projection of the block's input that gates the attention's output feature by feature before o_proj (Afmoe's)
 _OUTPUT_GATES = ("gate_proj",)
 # per-head q/k norms ([head_dim] weights, applied to each rank's heads) under the names Hugging Face gives them
-_HEAD_NORMS = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")
+HEAD_NORM_NAMES = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")
 
 
 def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> dict[str, str]:
@@ -195,7 +196,7 @@ def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
             styles[name] = "colwise"  # a gate on each output feature of the attention: this rank's heads'
             continue
         weight = getattr(child, "weight", None)
-        if name not in _HEAD_NORMS or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        if name not in HEAD_NORM_NAMES or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             return None
         width = (q if name in ("q_norm", "query_layernorm") else k).out_features
         if weight.shape[0] == head_dim:

@@ -52,8 +52,9 @@ A plan may also name the parameters of a module it splits as experts (Hugging Fa
 experts), which must agree with the split the experts module's layout gives them, and, as ``colwise``,
 parameters with one value per query head of a module whose projections it splits (``self_attn.sinks``, a
 per-head gate bias): each rank keeps its heads'. A learnable activation (``act_fn`` and the like: Apertus's xIELU)
-of a block whose column and row projections are split acts on this rank's features: its gradients are summed over
-the group (``replicated_with_grad_allreduce``) without a plan entry.
+of a block whose column and row projections are split acts on this rank's features, and a per-head q/k norm the plan
+does not name (Sarvam-MoE's) on this rank's heads: their gradients are summed over the group
+(``replicated_with_grad_allreduce``) without a plan entry.
 A Hugging Face model's own plan may name modules that some of its configurations lack (the dense MLPs of
 a model whose layers are all experts); a user plan may not.
 Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and ``grouped_gemm`` (of a module) and

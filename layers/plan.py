@@ -7,11 +7,12 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
 from .hf_experts import ExpertSplit
-from .hf_plans import ACTIVATION_NAMES, head_split_plan, whole_attention_plan
+from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
 __all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
 
@@ -153,9 +154,11 @@ def match_plan(model: nn.Module, plan, strict: bool = True) -> tuple[list[Entry]
 
 
 def _split_activations(modules: dict[str, nn.Module], chosen: dict[str, Entry]) -> dict[str, Entry]:
-    """Entries (style ``replicated_with_grad_allreduce``) for the learnable activations (Apertus's xIELU) of blocks
-    whose column and row projections the plan splits: they act on this rank's intermediate features, so each rank's
-    gradient of their parameters is a share, summed over the group."""
+    """Entries (style ``replicated_with_grad_allreduce``) for what the plan leaves whole inside blocks whose column
+    and row projections it splits, and that acts on this rank's share of the block: learnable activations (Apertus's
+    xIELU: this rank's intermediate features) and per-head q/k norms (``[head_dim]`` weights applied to each head:
+    this rank's heads, in plans that do not name them, such as Sarvam-MoE's). Each rank's gradient of their
+    parameters is a share, summed over the group."""
     kinds: dict[str, set[str]] = {}
     for name, e in chosen.items():
         kinds.setdefault(name.rpartition(".")[0], set()).add(
@@ -165,8 +168,13 @@ def _split_activations(modules: dict[str, nn.Module], chosen: dict[str, Entry]) 
     for parent, seen in kinds.items():
         if not {"row", "column"} <= seen or parent not in modules:
             continue
+        head_dim = head_dim_of(modules[parent])
         for child, m in modules[parent].named_children():
             name = f"{parent}.{child}"
-            if child in ACTIVATION_NAMES and name not in chosen and any(True for _ in m.parameters()):
+            if name in chosen or not any(True for _ in m.parameters()):
+                continue
+            weight = getattr(m, "weight", None)
+            per_head = child in HEAD_NORM_NAMES and isinstance(weight, torch.Tensor) and weight.shape == (head_dim,)
+            if child in ACTIVATION_NAMES or per_head:
                 found[name] = Entry(name, m, GRAD_ALL_REDUCE, GRAD_ALL_REDUCE)
     return found

@@ -6,7 +6,7 @@ Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, Flint and Afmoe, whose own plans split th
 attention split by heads as well (each rank holds its heads' projections), with or without per-head q/k norms, with
 Afmoe's output gate, and Afmoe's dense first MLP by features.
 
-Among them, three that once went wrong:
+Among them, four that once went wrong:
 
 - Nemotron's LayerNorm1P (``weight + 1``, a subclass of ``nn.LayerNorm`` with its own forward) was copied into
   tessel's LayerNorm under sequence parallelism as if it were a plain one: wrong logits. It is now probed and kept.
@@ -14,6 +14,8 @@ Among them, three that once went wrong:
   well (doubling the sequence). It now gathers only once the layers have run.
 - Apertus's xIELU activation learns two scalars that act on each rank's share of the MLP's features: their
   gradients were each rank's share. They are now summed over the group.
+- Sarvam-MoE's per-head q/k norms, which its plan does not name, act on each rank's heads: their gradients were
+  each rank's share too (every rank's logits right). They are summed as well.
 """
 
 import copy
@@ -27,7 +29,7 @@ from tests.multiprocess import run_ranks
 FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", "cohere", "cohere2", "glm4",
             "granite", "exaone4", "helium", "internlm3", "smollm3", "seed_oss", "vaultgemma", "jais2", "olmo",
             "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe",
-            "granitemoe_swa")  # fmt: skip
+            "granitemoe_swa", "sarvam_moe")  # fmt: skip
 # the families whose own plans leave their attention whole: tessel splits it by heads
 WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
 
