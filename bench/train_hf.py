@@ -33,6 +33,11 @@ by ``--expert-groups`` and ``--top-groups``, and balanced without a loss: ``--ex
 routing biases after every step (:func:`~tessel.layers.moe.update_expert_biases`; under ``--hf-baseline`` too, which
 Hugging Face itself never does). ``--aux-loss-coef`` must be 0: the family has no balancing loss of Hugging Face's.
 
+``--hf gpt_oss``: GPT-OSS's design at the preset's shape: attention sinks, every other layer sliding over 128 keys
+(``--sliding-window W`` replaces the window, :data:`ALTERNATING_WINDOWS`), biased attention and experts with its clamped
+SwiGLU, its balancing loss. Hugging Face runs its sinks in its eager attention only: the baseline's attention is
+that (:data:`EAGER_FAMILIES`). FLOPs count each layer's keys (:func:`attention_windows`).
+
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
 it their window is set off explicitly (Mistral's config would otherwise default to 4096).
@@ -57,6 +62,7 @@ __all__ = [
     "MOE_FAMILIES",
     "WINDOW_FAMILIES",
     "attention_kwargs",
+    "attention_windows",
     "build_hf",
     "decoder_layer_class",
     "decoder_layers",
@@ -69,12 +75,12 @@ __all__ = [
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
-               "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3"}  # fmt: skip
+               "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
-                "deepseek_v3": "moe_intermediate_size"}  # fmt: skip
+                "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size"}  # fmt: skip
 # The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
 # by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
 BIASED_FAMILIES = ("deepseek_v3",)
@@ -83,6 +89,12 @@ BIASED_FAMILIES = ("deepseek_v3",)
 WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
+# The families whose layers alternate between a sliding window and full attention, and their own window, which
+# --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
+ALTERNATING_WINDOWS = {"gpt_oss": 128}
+# The families Hugging Face runs without sdpa (soft-capped attention, attention sinks): the baseline's attention is
+# their eager one
+EAGER_FAMILIES = ("gemma2", "gpt_oss")
 
 
 def _experts_config(args, c: GPTConfig) -> dict:
@@ -93,7 +105,7 @@ def _experts_config(args, c: GPTConfig) -> dict:
         return {"n_routed_experts": args.experts, "num_experts_per_tok": args.top_k, "n_shared_experts": 1,
                 "moe_intermediate_size": c.mlp_hidden, "first_k_dense_replace": 1, "n_group": args.expert_groups,
                 "topk_group": args.top_groups}  # fmt: skip
-    count = "num_local_experts" if args.hf == "mixtral" else "num_experts"
+    count = "num_local_experts" if args.hf in ("mixtral", "gpt_oss") else "num_experts"
     return {count: args.experts, "num_experts_per_tok": args.top_k, MOE_FAMILIES[args.hf]: c.mlp_hidden,
             "router_aux_loss_coef": args.aux_loss_coef,
             "output_router_logits": args.aux_loss_coef > 0 or args.z_loss_coef > 0}  # fmt: skip
@@ -115,6 +127,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
         kw["sliding_window"] = c.sliding_window
         if c.sliding_window is not None:
             kw.update(WINDOW_FAMILIES[args.hf])
+    if args.hf in ALTERNATING_WINDOWS:
+        kw["sliding_window"] = c.sliding_window or ALTERNATING_WINDOWS[args.hf]
     if args.hf in MOE_FAMILIES and not args.hf_baseline:
         kw["experts_implementation"] = register_hf_experts()
     config = getattr(transformers, f"{TEXT_CONFIGS.get(args.hf, HF_FAMILIES[args.hf])}Config")(**kw)
@@ -143,12 +157,12 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     import transformers
 
     torch.manual_seed(args.seed)
-    # the baseline's attention: sdpa, but eager for Gemma 2 (whose soft-capped attention sdpa cannot run)
-    attention = ("eager" if args.hf == "gemma2" else "sdpa") if args.hf_baseline else register_hf_attention()
+    # the baseline's attention: sdpa, but eager for Gemma 2 and GPT-OSS (soft-capped attention, sinks: not sdpa's)
+    attention = ("eager" if args.hf in EAGER_FAMILIES else "sdpa") if args.hf_baseline else register_hf_attention()
     with torch.device(dims.device):
         model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
-    flops = hf_flops_per_token(_active_params(model, args), config, args.seq_len)
+    flops = hf_flops_per_token(_active_params(model, args), config, args.seq_len, attention_windows(model.config))
     model = model.to(dtype=dtype)
     if args.recompute:  # Hugging Face's activation checkpointing: each decoder layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -172,11 +186,23 @@ def _active_params(model: nn.Module, args) -> int:
     return total - experts * (args.experts - args.top_k) // args.experts
 
 
-def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int) -> float:
+def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int, windows: list[int | None] | None = None) -> float:
     """``6·N + 12·L·E·S`` as :meth:`~tessel.layers.GPT.flops_per_token` counts it, N without the input embedding
-    (``min(S, W)`` keys under a sliding window ``W``)."""
-    keys = seq_len if c.sliding_window is None else min(seq_len, c.sliding_window)
-    return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * c.n_layer * c.n_embd * keys
+    (``min(S, W)`` keys under a sliding window ``W``): ``windows`` gives each layer's (None: every earlier key;
+    default: ``c.sliding_window`` in every layer)."""
+    windows = [c.sliding_window] * c.n_layer if windows is None else windows
+    keys = sum(seq_len if w is None else min(seq_len, w) for w in windows)
+    return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * c.n_embd * keys
+
+
+def attention_windows(config) -> list[int | None]:
+    """Each layer's sliding window in a Hugging Face config (None: the layer attends to every earlier key): its
+    ``sliding_window`` in the layers its ``layer_types`` call ``sliding_attention``, or in all when it has none."""
+    window = getattr(config, "sliding_window", None)
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        return [window] * config.num_hidden_layers
+    return [window if kind == "sliding_attention" else None for kind in types]
 
 
 def hf_stage(model: nn.Module, stage: int, num_stages: int, args) -> nn.Module:
@@ -264,8 +290,9 @@ def refused_options(args) -> str | None:
         **({"--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0}
            if moe and not biased else {}),
-        f"--sliding-window (its config slides not every layer; {', '.join(WINDOW_FAMILIES)} do)":
-        args.sliding_window is not None and args.hf not in WINDOW_FAMILIES,
+        f"--sliding-window (its config slides not every layer; {', '.join(WINDOW_FAMILIES)} do, and "
+        f"{', '.join(ALTERNATING_WINDOWS)} every other)": args.sliding_window is not None
+        and args.hf not in WINDOW_FAMILIES and args.hf not in ALTERNATING_WINDOWS,
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline
         and args.attention_backward == "atomic",
     }  # fmt: skip

@@ -43,7 +43,8 @@ the kernel does not take; with sinks or soft-capping, which ``sdpa`` does not ta
 attention.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
-:func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`).
+:func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`), GPT-OSS's sinks
+included (``ring_attention(sinks=)``).
 Nothing here imports ``transformers`` until :func:`register_hf_attention` or the ``sdpa`` fallback runs.
 """
 
@@ -225,8 +226,10 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     softcap = kwargs.get("softcap")
     if not _softcap_fits(softcap):
         refuse(f"softcap must be None or a finite number above 0, received {softcap!r}")
-    if kwargs.get(SINKS_KWARG) is not None:
-        refuse("attention sinks are not supported")
+    sinks = kwargs.get(SINKS_KWARG)
+    if not _sinks_fit(sinks, query):
+        got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        refuse(f"attention sinks must be one float logit per query head on the queries' device, received {got}")
     segment_ids = kwargs.get(SEGMENT_IDS_KWARG)
     width = _kernel_head_dim(query, value)
     if width is None:
@@ -235,7 +238,7 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     q, k, v = (_widened(t, width) for t in (query, key, value))
     out_BHSD = ring_attention(q, k, v, cp_group, causal=causal, scale=_scale(scaling, query), segment_ids=segment_ids,
                               window=window, softcap=None if softcap is None else float(softcap),
-                              deterministic=_deterministic(kwargs))  # fmt: skip
+                              deterministic=_deterministic(kwargs), sinks=sinks)  # fmt: skip
     return out_BHSD[..., : value.shape[-1]].transpose(1, 2), None  # laid out [B, S, H, D] already
 
 

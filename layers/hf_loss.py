@@ -9,8 +9,8 @@ hidden state with the split head's weight: the same loss as Hugging Face's ``For
 by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when the trainer passes it,
 ``shift_labels`` when given; logits scaled as Granite and Cohere scale theirs, soft-capped as Gemma 2 caps its),
 the same gradients, and ``logits=None`` in the output. Mixtures of experts asking for their router logits (Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum:
-``BALANCED_TYPES``) add their load-balancing loss as Hugging Face does (:mod:`.hf_router_loss`; the output's
+Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum,
+GPT-OSS: ``BALANCED_TYPES``) add their load-balancing loss as Hugging Face does (:mod:`.hf_router_loss`; the output's
 ``aux_loss``). A call without labels, one asking for the router logits of another mixture (whose balancing loss may
 be another), or with ``labels`` passed by position, runs the model's own forward unchanged.
 
@@ -44,7 +44,7 @@ OPTIONS = "_tessel_lm_loss_options"  # fuse_lm_loss's label_smoothing and z_loss
 # num_experts and num_experts_per_tok when asked for router logits (checked family by family against their own forward
 # in tests/layers/test_hf_router_loss.py)
 BALANCED_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe", "minimax",
-                  "minimax_m2", "granitemoe", "laguna", "mellum")  # fmt: skip
+                  "minimax_m2", "granitemoe", "laguna", "mellum", "gpt_oss")  # fmt: skip
 
 
 def _check(model) -> ColumnParallelLinear:

@@ -109,15 +109,15 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
     ``colwise_norm``), latent attention (:func:`_latent_attention`), a gated MLP (:func:`_plain_mlp`) or a Hugging Face
     experts module (``moe_tp_experts``, GPT-OSS's). Modules are named in full, each on its own: layers of another kind
     beside them are left as they are."""
-    if t < 2:
-        return dict(plan)
     covered = [regex_of(glob) for glob in plan]
     out = dict(plan)
     for name, m in model.named_modules():
         if name and _experts(m, t) and not any(r.fullmatch(name) for r in covered):
-            out[name] = "moe_tp_experts"
+            out[name] = "moe_tp_experts"  # also for t = 1: an expert-parallel group may split them
             continue
-        styles = (_plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t)) if name else None
+        if t < 2 or not name:
+            continue
+        styles = _plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t)
         if styles and not any(r.fullmatch(n) for r in covered for n in (name, *(f"{name}.{c}" for c in styles))):
             out.update({f"{name}.{child}": style for child, style in styles.items()})
     return out

@@ -46,6 +46,13 @@ attention step it hides behind and waited for after it; the steps are logged wit
 :func:`~.comm.record_event` (``"ring_attention"`` for keys and values, ``"ring_attention.dkv"`` for
 the accumulators), which is how tests check the overlap without timing.
 
+Attention sinks (GPT-OSS's: a learned logit per query head that joins every row's softmax and attends to nothing)
+fold into the merged result once the ring is done: ``lse' = logaddexp(lse, sink)``, ``out' = out·exp(lse - lse')``.
+The backward runs the ring as without them, on ``out'`` and ``lse'``: the probabilities it recomputes from ``lse'``
+are the sink-aware ones and its ``rowsum(dO·out')`` the sink-aware softmax's, so every block's share stays exact, and
+the sink's gradient is ``-Σ_rows exp(sink - lse')·rowsum(dO·out')`` (this rank's rows; reduced over the
+context-parallel group with the other parameters).
+
 Under ``torch.compile`` the ring (point to point, which a graph cannot hold) gives way to its all-gather form,
 as Llama 3 trains with context parallelism: every rank gathers the whole sequence's keys and values (a
 functional all-gather; their gradients reduce-scattered back) and runs flash attention for each of its two
@@ -338,7 +345,7 @@ def _table(tables, step: int, i: int):
     return None if tables is None else tables[step][i]
 
 
-def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None, softcap=None):
+def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None, softcap=None, sinks=None):
     b, hq, length, d = q.shape
     out_acc = torch.empty((b, hq, length, d), device=q.device, dtype=torch.float32)
     lse_acc = torch.empty((b, hq, length), device=q.device, dtype=torch.float32)
@@ -352,6 +359,10 @@ def _ring_forward(q, k, v, group, scale: float, plan: _Plan, tables=None, softca
                 lse_acc[:, :, rows] = lse
             else:
                 _merge(out_acc[:, :, rows], lse_acc[:, :, rows], out, lse)
+    if sinks is not None:  # each head's sink joins every row's softmax (see the module's notes)
+        with_sink = _sink_lse(lse_acc, sinks)
+        out_acc.mul_(torch.exp(lse_acc - with_sink).unsqueeze(-1))
+        lse_acc = with_sink
     # [B, L, Hq, D] in memory, like flash attention's output for a layer's [B, L, Hq·D] projection
     out = torch.empty((b, length, hq, d), device=q.device, dtype=q.dtype).transpose(1, 2)
     out.copy_(out_acc)
@@ -410,11 +421,22 @@ def _ring_backward(q, k, v, out, lse, dout, group, scale: float, deterministic: 
     return dq_acc.to(q.dtype), dkv_home[0].to(k.dtype), dkv_home[1].to(v.dtype)
 
 
+def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """``logaddexp(lse, sink)``: each row's log-sum-exp with its head's sink in the softmax (fp32)."""
+    return torch.logaddexp(lse, sinks.float()[None, :, None])
+
+
+def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """Attention output ``out`` over keys of log-sum-exp ``lse`` with the sinks joined to its softmax, differentiably
+    (through ``lse`` too): ``out·Σ/(Σ + e^sink) = out·sigmoid(lse - sink)``."""
+    return (out * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1)).to(out.dtype)
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, scale, deterministic, plan, tables, softcap):
-        out, lse = _ring_forward(q, k, v, group, scale, plan, tables, softcap)
-        ctx.save_for_backward(q, k, v, out, lse)
+    def forward(ctx, q, k, v, sinks, group, scale, deterministic, plan, tables, softcap):
+        out, lse = _ring_forward(q, k, v, group, scale, plan, tables, softcap, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.group, ctx.scale, ctx.deterministic, ctx.plan, ctx.tables = group, scale, deterministic, plan, tables
         ctx.softcap = softcap
         return out
@@ -422,15 +444,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = _ring_backward(
             q, k, v, out, lse, dout, ctx.group, ctx.scale, ctx.deterministic, ctx.plan, ctx.tables, ctx.softcap
         )
-        return dq, dk, dv, None, None, None, None, None, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[3]:  # the sink's probability times -rowsum(dO·out')
+            sink_p = torch.exp(sinks.float()[None, :, None] - lse)
+            dsinks = -(sink_p * (dout.float() * out.float()).sum(-1)).sum((0, 2)).to(sinks.dtype)
+        return dq, dk, dv, dsinks, None, None, None, None, None, None
 
 
 def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministic: bool, segment_ids, window,
-                        softcap):  # fmt: skip
+                        softcap, sinks=None):  # fmt: skip
     """The ring's result by its all-gather form (see the module's notes): what a compiled model runs."""
     c, r, length = group_size(group), group_rank(group), q.shape[2]
     keys, values = (gather_from_sequence(t, group, dim=2) for t in (k, v))  # [B, H, c·L, D], rank after rank
@@ -440,7 +466,8 @@ def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministi
         keys, values = keys.index_select(2, order), values.index_select(2, order)
     # the segments' numbers (non-decreasing along each row), to pair queries and keys by equal numbers
     number = None if segment_ids is None else run_starts(segment_ids).cumsum(1)
-    attend = functools.partial(flash_attention, scale=scale, deterministic=deterministic, softcap=softcap)
+    attend = functools.partial(_attend_with_sinks, sinks=sinks, scale=scale, deterministic=deterministic,
+                               softcap=softcap)  # fmt: skip
     if not causal:
         ids = None if number is None else (number[:, zigzag_positions(c * length, c, r, device=q.device)], number)
         return attend(q, keys, values, segment_ids=ids)
@@ -451,6 +478,27 @@ def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministi
         outs.append(attend(q[:, :, rows], keys[:, :, :end], values[:, :, :end], causal=True, window=window,
                            segment_ids=ids))  # fmt: skip
     return torch.cat(outs, dim=2)
+
+
+def _attend_with_sinks(q, k, v, sinks=None, **kwargs) -> torch.Tensor:
+    """Flash attention, with ``sinks`` (None: none) joined to its softmax through its log-sum-exp."""
+    if sinks is None:
+        return flash_attention(q, k, v, **kwargs)
+    out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
+    return _with_sinks(out, lse, sinks)
+
+
+def _check_sinks(sinks, q) -> None:
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or not sinks.is_floating_point():
+        got = sinks.dtype if isinstance(sinks, torch.Tensor) else type(sinks).__name__
+        raise TypeError(f"ring_attention: sinks must be None or a floating-point torch.Tensor, received {got}")
+    if tuple(sinks.shape) != (q.shape[1],):
+        raise ValueError(f"ring_attention: sinks must hold one logit per query head, shape ({q.shape[1]},), received "
+                         f"{tuple(sinks.shape)}")  # fmt: skip
+    if sinks.device != q.device:
+        raise ValueError(f"ring_attention: sinks must be on q's device {q.device}, received {sinks.device}")
 
 
 def _check_segment_ids(segment_ids, q, seq_len: int) -> None:
@@ -469,7 +517,7 @@ def _check_segment_ids(segment_ids, q, seq_len: int) -> None:
 
 
 def ring_attention(q, k, v, group=None, *, causal=False, scale=None, deterministic=True,
-                   segment_ids=None, window=None, softcap=None) -> torch.Tensor:  # fmt: skip
+                   segment_ids=None, window=None, softcap=None, sinks=None) -> torch.Tensor:  # fmt: skip
     """Attention over a sequence split across the ranks of ``group``; differentiable.
 
     Args:
@@ -498,6 +546,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
         softcap: ``None``, or a cap ``c > 0`` for soft-capped logits ``c·tanh(s/c)`` (flash attention's
             ``softcap``): every block runs capped, and the partial results merge through the capped
             log-sum-exps.
+        sinks: ``None``, or ``[Hq]`` logits, one per query head, that join every row's softmax and attend to
+            nothing (GPT-OSS's attention sinks): each row's output is scaled by ``Σ/(Σ + e^sink)``.
+            Differentiable; applied once the partial results are merged.
 
     Returns:
         ``[B, Hq, L, D]`` in q's dtype, laid out ``[B, L, Hq, D]`` in memory: the attention output of
@@ -512,6 +563,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
         raise TypeError(f"ring_attention: deterministic must be a bool, received {type(deterministic).__name__}")
     _check_window("ring_attention", window, causal)
     _check_softcap("ring_attention", softcap)
+    _check_sinks(sinks, q)
     c = group_size(group)
     _check_segment_ids(segment_ids, q, c * q.shape[2])
     if (causal or segment_ids is not None) and q.shape[2] % 2 and c > 1:
@@ -520,14 +572,15 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
                          f"{q.shape[2]}")  # fmt: skip
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if c == 1 or q.shape[2] == 0:
-        return flash_attention(q, k, v, causal=causal, scale=scale, deterministic=deterministic,
-                               segment_ids=segment_ids, window=window, softcap=softcap)  # fmt: skip
+        return _attend_with_sinks(q, k, v, sinks, causal=causal, scale=scale, deterministic=deterministic,
+                                  segment_ids=segment_ids, window=window, softcap=softcap)  # fmt: skip
     check_grid("ring_attention", q)
     if torch.compiler.is_compiling():
-        return _gathered_attention(q, k, v, group, causal, scale, deterministic, segment_ids, window, softcap)
+        return _gathered_attention(q, k, v, group, causal, scale, deterministic, segment_ids, window, softcap, sinks)
     plan_key = (causal, q.shape[2] // 2, window)
     plan = _ring_plan(c, group_rank(group), *plan_key)
     tables = _segment_tables(segment_ids, group, plan_key)
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _RingAttention.apply(q, k, v, group, scale, deterministic, plan, tables, softcap)
-    return _ring_forward(q, k, v, group, scale, plan, tables, softcap)[0]
+    learns = (q, k, v) if sinks is None else (q, k, v, sinks)
+    if torch.is_grad_enabled() and any(t.requires_grad for t in learns):
+        return _RingAttention.apply(q, k, v, sinks, group, scale, deterministic, plan, tables, softcap)
+    return _ring_forward(q, k, v, group, scale, plan, tables, softcap, sinks)[0]

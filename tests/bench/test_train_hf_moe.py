@@ -269,3 +269,49 @@ def test_deepseek_v3_refuses_a_balancing_loss(tmp_path):
 def test_options_without_a_counterpart_are_refused(tmp_path, extra, nproc, words):
     proc = _train(tmp_path, *RUN, *extra, nproc=nproc)
     assert proc.returncode == 2 and PREFIX in proc.stderr and words in proc.stderr, proc.stderr
+
+
+GPT_OSS = ["--hf", "gpt_oss", "--experts", "4", "--top-k", "2", "--aux-loss-coef", "0.1", "--sliding-window", "8",
+           "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_gpt_oss_trains_its_curve_in_every_layout(tmp_path):
+    """--hf gpt_oss: attention sinks, every other layer sliding over 8 keys, experts with biases and GPT-OSS's clamped
+    SwiGLU, its balancing loss trained. Its plan splits the embedding alone; tessel splits its attention by heads
+    (their sinks too) and its experts by features. The single process's curve as Hugging Face computes it (eager
+    attention), at tp=2 with sequence parallelism, through a pipeline carrying the router sums, at cp=2 (the sinks
+    joined to the ring's merged softmax); over two data-parallel ranks (each balancing its own tokens) with the
+    experts whole or split over them."""
+    _ok(_train(tmp_path / "one", *GPT_OSS))
+    one = _losses(tmp_path / "one")
+    layouts = {"baseline": (["--hf-baseline"], 1), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
+               "pp2": (["--pp", "2"], 2), "cp2": (["--cp", "2"], 2)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *GPT_OSS, *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    _ok(_train(tmp_path / "dp2", *GPT_OSS, "--dp", "2", nproc=2))
+    _ok(_train(tmp_path / "dp2-ep2", *GPT_OSS, "--dp", "2", "--ep", "2", nproc=2))
+    assert _losses(tmp_path / "dp2-ep2") == pytest.approx(_losses(tmp_path / "dp2"), rel=1e-5)
+    assert _losses(tmp_path / "dp2")[-1] < _losses(tmp_path / "dp2")[0]
+
+
+def test_gpt_oss_takes_its_shape_and_windows_from_the_options():
+    """Every other layer slides: over --sliding-window keys, or GPT-OSS's own 128; the FLOPs count each layer's keys."""
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import _hf_config, attention_windows, hf_flops_per_token
+    from tessel.layers.gpt import GPTConfig
+
+    c = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=64, block_size=512, mlp_hidden=96)
+    config = _hf_config(parse_args(GPT_OSS), GPTConfig(**{**c.__dict__, "sliding_window": 8}), "eager")
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (4, 2, 96)
+    assert config.router_aux_loss_coef == 0.1 and config.output_router_logits
+    assert attention_windows(config) == [8, None, 8, None]
+    at = GPT_OSS.index("--sliding-window")
+    own = _hf_config(parse_args(GPT_OSS[:at] + GPT_OSS[at + 2 :]), c, "eager")
+    assert attention_windows(own) == [128, None, 128, None]
+    # 12·E·(keys of every layer): two layers over min(S, W) keys, two over all S
+    dense = hf_flops_per_token(10**6, c, 512, [None] * 4)
+    assert dense - hf_flops_per_token(10**6, c, 512, [128, None, 128, None]) == 12 * 64 * 2 * (512 - 128)
+    assert hf_flops_per_token(10**6, c, 512) == dense  # no window in c: every key of every layer

@@ -71,6 +71,10 @@ def _family_model(family: str):
         return qk_norm_model(family)
     if family == "phi3":  # fused qkv_proj and gate_up_proj, split by heads and by features
         return phi3_model()
+    if family == "gpt_oss":  # attention sinks, a window of 3 in every other layer, experts with biases
+        from tests.layers.test_hf_families import gpt_oss_model
+
+        return gpt_oss_model()
     if family == "llama-head24":  # a head dim the kernel lacks: widened to 32 with zeros
         return _model("llama", kv_heads=2, head_dim=24)
     return _model(family, kv_heads=2)
@@ -80,7 +84,7 @@ def _layer_windows(family: str) -> tuple:
     """The sliding window of each of the 2 layers (None: full attention)."""
     if family.startswith("mistral-window"):
         return (int(family.removeprefix("mistral-window")),) * 2
-    return (3, None) if family.startswith("gemma2") else (None, None)
+    return (3, None) if family.startswith(("gemma2", "gpt_oss")) else (None, None)
 
 
 def _ring_links(family: str, cp: int, seq_len: int) -> int:
@@ -127,6 +131,7 @@ def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
         "deepseek_v3",
         "llama-head24",
         "gemma2-head256",
+        "gpt_oss",
     )
     run_ranks(_grid_vs_dense, 2, 2, families, (False,), 2, timeout=300, env=REFERENCE_KERNELS)
 
@@ -136,8 +141,8 @@ def test_hf_models_under_context_parallelism_match_dense_on_two_ranks():
 def test_hf_models_under_context_and_tensor_parallelism_match_dense_on_four_ranks():
     # cp2 x tp2, with and without sequence parallelism (the tp ranks split each cp share again); OLMo 2's q/k
     # norms over all heads sum their squares over the tp ranks; Phi-3's fused projections split by heads;
-    # DeepSeek-V3's latent attention gathers its latents under sequence parallelism
-    families = ("llama", "qwen2", "olmo2", "phi3", "deepseek_v3")
+    # DeepSeek-V3's latent attention gathers its latents under sequence parallelism; GPT-OSS's sinks split by heads
+    families = ("llama", "qwen2", "olmo2", "phi3", "deepseek_v3", "gpt_oss")
     run_ranks(_grid_vs_dense, 4, 2, families, (False, True), 2, timeout=300, env=REFERENCE_KERNELS)
 
 
@@ -214,12 +219,16 @@ def _loss_and_refusals(rank, world_size):
         cache = par(local, use_cache=True).past_key_values
         with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks"):
             par(local[:, :2], past_key_values=cache)
-    # attention sinks (GPT-OSS) are not taken by the ring
+    # attention sinks (GPT-OSS's) join the ring's softmax, one logit per query head: others are refused
     from tessel.layers.hf_attention import tessel_attention_forward
 
     q, kv = torch.randn(B, 4, S // 2, 16), torch.randn(B, 2, S // 2, 16)
-    with pytest.raises(ValueError, match="LlamaAttention under context parallelism over 2 ranks: attention sinks"):
-        tessel_attention_forward(par.model.layers[0].self_attn, q, kv, kv, None, s_aux=torch.zeros(4))
+    with pytest.raises(
+        ValueError,
+        match=r"LlamaAttention under context parallelism over 2 ranks: attention sinks "
+        r"must be one float logit per query head .* received torch.float32 \(3,\)",
+    ):
+        tessel_attention_forward(par.model.layers[0].self_attn, q, kv, kv, None, s_aux=torch.zeros(3))
     # a window as long as the sequence is no window at all (shorter ones: _grid_vs_dense)
     wide = _model("mistral", sliding_window=S)
     _check_against_dense(wide, parallelize(copy.deepcopy(wide), tp_group, cp_group=cp_group), tp_group, cp_group,

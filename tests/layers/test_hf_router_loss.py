@@ -30,7 +30,8 @@ FAMILIES = {"olmoe": {"num_experts": 4}, "flex_olmo": {"num_experts": 4}, "phimo
             "minimax": {"num_local_experts": 4}, "minimax_m2": {"num_local_experts": 4},
             "granitemoe": {"num_local_experts": 4, "logits_scaling": 2.0, "embedding_multiplier": 12.0},
             "laguna": {"num_experts": 4, "moe_intermediate_size": 24},
-            "mellum": {"num_experts": 4, "moe_intermediate_size": 24}}  # fmt: skip
+            "mellum": {"num_experts": 4, "moe_intermediate_size": 24},
+            "gpt_oss": {"num_local_experts": 4, "sliding_window": 4, "attn_implementation": "eager"}}  # fmt: skip
 
 
 def family_model(kind: str, layers: int = 3, **extra):
