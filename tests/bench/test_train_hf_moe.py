@@ -282,12 +282,13 @@ def test_gpt_oss_trains_its_curve_in_every_layout(tmp_path):
     SwiGLU, its balancing loss trained. Its plan splits the embedding alone; tessel splits its attention by heads
     (their sinks too) and its experts by features. The single process's curve as Hugging Face computes it (eager
     attention), at tp=2 with sequence parallelism, through a pipeline carrying the router sums, at cp=2 (the sinks
-    joined to the ring's merged softmax); over two data-parallel ranks (each balancing its own tokens) with the
-    experts whole or split over them."""
+    joined to the ring's merged softmax; compiled, to its all-gather form's); over two data-parallel ranks (each
+    balancing its own tokens) with the experts whole or split over them."""
     _ok(_train(tmp_path / "one", *GPT_OSS))
     one = _losses(tmp_path / "one")
     layouts = {"baseline": (["--hf-baseline"], 1), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
-               "pp2": (["--pp", "2"], 2), "cp2": (["--cp", "2"], 2)}  # fmt: skip
+               "pp2": (["--pp", "2"], 2), "cp2": (["--cp", "2"], 2),
+               "cp2-compiled": (["--cp", "2", "--compile", "aot_eager"], 2)}  # fmt: skip
     for name, (layout, nproc) in layouts.items():
         _ok(_train(tmp_path / name, *GPT_OSS, *layout, nproc=nproc))
         assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
