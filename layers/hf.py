@@ -35,7 +35,8 @@ Context parallelism in a Hugging Face decoder (``parallelize(cp_group=)``) is in
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -116,7 +117,12 @@ class HFSequenceLayout:
     residual-stream norms (direct children of the layers whose class name says Norm, and the final
     norm); ``blocks``: modules inside a layer holding column-parallel projections, which gather the
     sequence at their input; ``local_blocks``: direct children of the layers holding split experts
-    (:mod:`tessel.layers.hf_experts`), which compute on the shard and gather only inside their experts.
+    (:mod:`tessel.layers.hf_experts`), which compute on the shard and gather only inside their experts;
+    ``token_blocks``: plain ``nn.Linear`` direct children of the layers the plan leaves whole (Gemma 4's per-layer
+    input gate and projection), and the modules beside experts that sit directly in a layer (Gemma 4's
+    router), which compute on the shard token by token, their gradients summed over the group. A layer that takes a
+    ``per_layer_input`` (Gemma 4's: ``[B, S, P]`` beside the residual stream) receives this rank's share of
+    it.
     """
 
     layers: list[str]
@@ -124,6 +130,7 @@ class HFSequenceLayout:
     norms: list[str]
     blocks: list[str]
     local_blocks: list[str]
+    token_blocks: list[str] = field(default_factory=list)
 
     @classmethod
     def find(cls, model: nn.Module, column_names: list[str], expert_names: list[str] = ()) -> HFSequenceLayout:
@@ -135,7 +142,17 @@ class HFSequenceLayout:
                  for child, m in layer.named_children() if _is_norm(m)]  # fmt: skip
         norms.append(prefix + norm_name)
         blocks = sorted({name.rsplit(".", 1)[0] for name in column_names if _inside(name, layer_names)})
-        return cls(layer_names, prefix + norm_name, norms, blocks, expert_blocks(layer_names, blocks, expert_names))
+        local = expert_blocks(layer_names, blocks, expert_names)
+        tokens = []
+        for name, layer in zip(layer_names, layers):
+            holds_experts = any(block.rpartition(".")[0] == name for block in local if block in expert_names)
+            for child, m in layer.named_children():
+                full, plain = f"{name}.{child}", isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+                # beside experts that sit in the layer itself, its other modules (their router) see the shard too
+                beside = holds_experts and full not in (*norms, *blocks, *local) and any(True for _ in m.parameters())
+                if plain or beside:
+                    tokens.append(full)
+        return cls(layer_names, prefix + norm_name, norms, blocks, local, tokens)
 
     def in_region(self, name: str) -> bool:
         """Whether module ``name`` sees the sequence shard (inside a layer, or a residual-stream norm)."""
@@ -154,7 +171,7 @@ class HFSequenceLayout:
                         f"parallelize: sequence_parallel=True cannot split {full}: a decoder layer's direct "
                         "children see a sequence shard; only blocks below them gather it"
                     )
-                if full not in self.blocks and full not in self.local_blocks:
+                if full not in self.blocks and full not in self.local_blocks and full not in self.token_blocks:
                     raise ValueError(
                         f"parallelize: sequence_parallel=True but the plan splits nothing in {full} "
                         f"({type(m).__name__}): every block of a decoder layer receives a sequence shard, so each "
@@ -206,6 +223,8 @@ class HFSequenceLayout:
         if self.local_blocks:
             gather_router_logits(model, type(base_model(model)[1]), self.local_blocks, tp_group, cp_group)
         modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)
+        for name in self.layers:
+            _scatter_per_layer_input(modules[name], tp_group)
         for name in self.blocks:
             ring = rings[name]
             modules[name].register_forward_pre_hook(
@@ -214,6 +233,25 @@ class HFSequenceLayout:
             )
             modules[name].register_forward_hook(lambda m, args, out, ring=ring: ring.end(), always_call=True)
         modules[self.final_norm].register_forward_hook(gather_output)
+
+
+def _scatter_per_layer_input(layer: nn.Module, tp_group) -> None:
+    """A layer whose forward takes ``per_layer_input`` (``[B, S, P]``, the whole sequence, as Gemma 4's base model
+    computes it) receives this rank's share of its sequence, as its hidden states are; the gradient is gathered
+    back."""
+    names = list(inspect.signature(type(layer).forward).parameters)[1:]
+    if "per_layer_input" not in names:
+        return
+    index = names.index("per_layer_input")
+
+    def split(module, args, kwargs):
+        if index < len(args) and isinstance(args[index], torch.Tensor):
+            args = (*args[:index], scatter_to_sequence(args[index], tp_group, dim=1), *args[index + 1 :])
+        elif isinstance(kwargs.get("per_layer_input"), torch.Tensor):
+            kwargs = {**kwargs, "per_layer_input": scatter_to_sequence(kwargs["per_layer_input"], tp_group, dim=1)}
+        return args, kwargs
+
+    layer.register_forward_pre_hook(split, with_kwargs=True)
 
 
 class RingColumnLinear(ColumnParallelLinear):

@@ -429,9 +429,12 @@ def _inside(name: str, parents) -> bool:
 
 
 def expert_blocks(layer_names: list[str], ring_blocks: list[str], expert_names) -> list[str]:
-    """The blocks holding split experts (``mlp``), which receive their layer's sequence shard and compute on
-    it; raises when one is not a direct child of a layer or holds column projections (a sequence ring)."""
-    blocks = sorted({name.rsplit(".", 1)[0] for name in expert_names})
+    """The blocks holding split experts (``mlp``; the experts themselves where they sit directly in a layer), which
+    receive their layer's sequence shard and compute on it; raises when one is not a direct child of a layer or
+    holds column projections (a sequence ring)."""
+    # experts that sit directly in a decoder layer (Gemma 4's, beside its dense MLP) are their own block
+    parents = {name: name.rsplit(".", 1)[0] for name in expert_names}
+    blocks = sorted({name if parent in layer_names else parent for name, parent in parents.items()})
     for block in blocks:
         if block.rpartition(".")[0] not in layer_names:
             raise ValueError(f"parallelize: sequence_parallel=True needs the experts' block {block} to be a "

@@ -241,7 +241,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
 
 def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout:
     """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``), and so do the
-    modules beside split experts, which see this rank's tokens (style ``replicated_with_grad_allreduce``)."""
+    modules beside split experts and the layers' own linear layers (Gemma 4's per-layer input gate), which see this
+    rank's tokens (style ``replicated_with_grad_allreduce``)."""
     modules = dict(model.named_modules())
     _latent_attention(entries, modules)
     experts = [e.name for e in entries if e.kind == EXPERTS]
@@ -251,6 +252,7 @@ def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout
     named = {e.name for e in entries}
     entries.extend(Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
     local = [n for n in expert_block_modules(model, layout.local_blocks, experts) if n not in named]
+    local += [n for n in expert_block_modules(model, layout.token_blocks, experts) if n not in named]  # on the shard
     entries.extend(Entry(n, modules[n], GRAD_ALL_REDUCE, GRAD_ALL_REDUCE) for n in local)
     return layout
 

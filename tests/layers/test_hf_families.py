@@ -141,3 +141,82 @@ def test_gpt_oss_splits_its_attention_and_experts():
     experts by features (interleaved gate/up, biases; the output bias added once), with and without sequence
     parallelism, through Hugging Face's and tessel's attention and experts."""
     assert run_ranks(_gpt_oss_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def gemma4_model(seed: int = 0, **kw):
+    """A tiny Gemma 4 text model with its per-layer inputs (an embedding of 8 features per layer, gated into every
+    layer's residual stream), its norms and per-layer scalars away from their initial values."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0,
+                  vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, attn_implementation="eager",
+                  **kw)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("gemma4_text", **config))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "norm" in name or "scale" in name:
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+GEMMA4_VARIANTS = {"per-layer inputs": {}, "experts beside the MLP": dict(enable_moe_block=True, num_experts=4,
+                                                                          top_k_experts=2, moe_intermediate_size=32),
+                   "k = v": dict(attention_k_eq_v=True)}  # fmt: skip
+
+
+def _gemma4_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    for variant, kw in GEMMA4_VARIANTS.items():
+        for sp in (False, True):
+            dense = gemma4_model(**kw)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            layer = par.model.layers[0]
+            assert layer.self_attn.q_proj.weight.shape == (64 // world_size, 64)
+            assert layer.mlp.down_proj.weight.shape == (64, 96 // world_size)
+            if "experts" in variant:
+                assert layer.experts.down_proj.shape[-1] * world_size in (32, 64)  # split by features
+            _check_against_float64(dense, par, f"gemma4 {variant} sp={sp}")
+    return "ok"
+
+
+def _check_against_float64(dense, par, tag):
+    """par (parallelized, fp32) against the dense model in float64: logits and every gradient shard within 1e-4 of
+    their largest entry, or 4× the dense fp32 model's own error where that is larger. For models whose fp32 rounding
+    alone exceeds test_hf's elementwise tolerance (Gemma 4's gradients of its two scaled embeddings)."""
+    from tessel.parallel.sharding import shard_like
+    from tests.layers.test_hf import _batch, _forward_backward
+
+    ids, weights = _batch()
+    exact = copy.deepcopy(dense).double()
+    exact.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64
+    want = _forward_backward(exact, ids, weights.double())
+    rounded, got = _forward_backward(dense, ids, weights), _forward_backward(par, ids, weights)
+
+    def error(x, ref):
+        return ((x.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
+
+    pairs = [("logits", got, rounded, want)]
+    exact_params, dense_params = dict(exact.named_parameters()), dict(dense.named_parameters())
+    for name, p in par.named_parameters():
+        ref = shard_like(exact_params[name].grad, p, None)
+        pairs.append((name, p.grad, shard_like(dense_params[name].grad, p, None), ref))
+    for name, g, d, ref in pairs:
+        assert g.shape == ref.shape, f"{tag} {name}: {tuple(g.shape)} vs {tuple(ref.shape)}"
+        bound = max(4 * error(d, ref), 1e-4)
+        assert error(g, ref) <= bound, (
+            f"{tag} {name}: error {error(g, ref):.3g}, the dense fp32 model's {error(d, ref):.3g}"
+        )
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_gemma4_with_its_per_layer_inputs_and_experts_in_the_layer():
+    """Gemma 4 splits its attention and MLP by its plan; under sequence parallelism each layer's per-layer input
+    (computed for the whole sequence before the layers) is split along the sequence with the residual stream, the
+    layer's own per-layer gate and projection multiply this rank's tokens (their gradients summed over the group),
+    and experts that sit in the layer itself, beside its dense MLP, route this rank's tokens with the layer's router."""
+    assert run_ranks(_gemma4_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
