@@ -9,7 +9,8 @@ gathers q, k and v whole and runs every head on every rank, because the query an
 (OLMo 2 and 3, OLMoE, FlexOlmo, MiniMax-M2: the norms become ``colwise_norm``) or because one fused ``qkv_proj``
 is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits the attention by heads
 (:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads; attention, gated MLPs and
-experts the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`).
+experts the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`), and so is the
+Gated DeltaNet linear attention it gathers whole (Qwen3.5: :mod:`~tessel.layers.hf_linear_attention`).
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)
@@ -25,9 +26,12 @@ embedding (embedding_rowwise; rowwise on an        VocabParallelEmbedding: vocab
 nn.Embedding)
 norm (sequence_parallel)                           tessel RMSNorm/LayerNorm under sequence parallelism;
                                                    unchanged without it (its input is replicated)
-colwise_qkv                                        a fused [q; k; v] projection (Phi-3's qkv_proj), each part
-                                                   split by heads; its attention reads this rank's head
-                                                   counts from a view of its config (LocalHeadsConfig)
+colwise_qkv                                        a fused [q; k; v] projection (Phi-3's qkv_proj, a Gated
+                                                   DeltaNet's in_proj_qkv), each part split by heads; its
+                                                   attention reads this rank's head counts from a view of
+                                                   its config (LocalHeadsConfig) or its own attributes
+colwise_conv                                       a Gated DeltaNet's depthwise conv1d over [q | k | v]
+                                                   channels: this rank's channels of each part
 colwise_norm                                       SplitRMSNorm: an RMS norm over features a column layer
                                                    splits (all-head q/k norms): weight ``r·N/t …``, its
                                                    mean of squares summed over the group
@@ -117,6 +121,7 @@ from .hf_experts import (
     reduce_parameter_grads,
     shard_experts,
 )
+from .hf_linear_attention import delta_net_updates, delta_parts, is_delta_net, split_depthwise_conv
 from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, local_head_updates
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
@@ -125,6 +130,7 @@ from .plan import (
     ALL_REDUCE,
     BY_HEADS,
     COLUMN,
+    COLUMN_CONV,
     COLUMN_GATHER,
     COLUMN_NORM,
     COLUMN_QKV,
@@ -311,6 +317,12 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
             check_heads(parent_name, parent.n_head, parent.n_kv_head, t)
             continue
         _check_head_widths(parent_name, parent, children, t)
+        if is_delta_net(parent):  # linear attention: its forward splits its channels by its head counts
+            if not is_delta_net(parent, t):
+                raise ValueError(f"parallelize: {parent_name}: its {parent.num_k_heads} key heads do not split over "
+                                 f"{t} tensor-parallel ranks")  # fmt: skip
+            heads.append((parent, delta_net_updates(parent, t)))
+            continue
         try:
             updates = local_head_updates(parent, t)
         except ValueError as err:
@@ -355,13 +367,21 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
                 _fail(e, f"out_features={out} cannot hold two packed halves")
             out = e.parts = (out // 2, out // 2)
         elif e.kind == COLUMN_QKV:
-            out = e.parts = fused_qkv_parts(model.get_submodule(e.name.rpartition(".")[0]))
+            parent = model.get_submodule(e.name.rpartition(".")[0])
+            out = e.parts = delta_parts(parent) if is_delta_net(parent) else fused_qkv_parts(parent)
             if out is None:
                 _fail(e, "expected the qkv_proj of an attention module whose config's num_attention_heads and "
                          "num_key_value_heads and whose head_dim give its width (H + 2·Hkv)·head_dim")  # fmt: skip
         for n in (out,) if isinstance(out, int) else out:
             if n % t:
                 _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")
+    elif e.kind == COLUMN_CONV:
+        parent = model.get_submodule(e.name.rpartition(".")[0])
+        if not is_delta_net(parent) or m is not parent.conv1d:
+            _fail(e, "expected the depthwise conv1d of a Gated DeltaNet block (tessel.layers.hf_linear_attention)")
+        e.parts = delta_parts(parent)
+        if any(n % t for n in e.parts):
+            _fail(e, f"its channels {e.parts} (q, k, v) do not split over the tensor-parallel size {t}")
     elif e.kind == MLA_KV_A:
         if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
             _fail(e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa) that does not override forward")
@@ -429,6 +449,8 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
         return ColumnParallelLinear.from_linear(e.module, tp_group=tp_group, gather_output=True, **kw)
     if e.kind in PACKED:
         return _packed_column(column, e.module, e.parts, tp_group, e.sequence_parallel, overlap)
+    if e.kind == COLUMN_CONV:
+        return split_depthwise_conv(e.module, e.parts, tp_group)
     if e.kind == ROW:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == ROW_SPLIT:

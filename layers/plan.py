@@ -12,6 +12,7 @@ from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
 from .hf_experts import ExpertSplit
+from .hf_linear_attention import delta_net_plan
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
 __all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
@@ -20,7 +21,7 @@ COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colw
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
 EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
-COLUMN_QKV = "colwise_qkv"
+COLUMN_QKV, COLUMN_CONV = "colwise_qkv", "colwise_conv"
 LATENT = "latent"  # not a style: a replicated projection of multi-head latent attention under sequence parallelism
 
 STYLES: dict[str, str] = {
@@ -35,7 +36,7 @@ STYLES: dict[str, str] = {
     GRAD_ALL_REDUCE: GRAD_ALL_REDUCE, ALL_REDUCE: ALL_REDUCE,
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
-    "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM, COLUMN_QKV: COLUMN_QKV,
+    "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM, COLUMN_QKV: COLUMN_QKV, COLUMN_CONV: COLUMN_CONV,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
 SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT)
@@ -71,6 +72,7 @@ def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if plan and is_hf_model(model):
         plan = whole_attention_plan(model, head_split_plan(model, plan, glob_regex), glob_regex, t)
+        plan = delta_net_plan(model, plan, glob_regex, t)
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "

@@ -220,3 +220,49 @@ def test_gemma4_with_its_per_layer_inputs_and_experts_in_the_layer():
     layer's own per-layer gate and projection multiply this rank's tokens (their gradients summed over the group),
     and experts that sit in the layer itself, beside its dense MLP, route this rank's tokens with the layer's router."""
     assert run_ranks(_gemma4_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def qwen3_5_model(kind: str = "qwen3_5_text", seed: int = 0):
+    """A tiny Qwen3.5 (or Qwen3.5-MoE) of one Gated DeltaNet layer (2 key heads, 4 value heads of 8 features) and one
+    full-attention layer, every parameter of the linear attention away from its initial value."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0,
+                  layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+                  linear_num_key_heads=2, linear_num_value_heads=4, attn_implementation="eager", num_experts=4,
+                  num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=32)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "norm" in name or "dt_bias" in name or "A_log" in name:
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def _qwen3_5_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    for kind in ("qwen3_5_text", "qwen3_5_moe_text"):
+        for sp in (False, True):
+            dense = qwen3_5_model(kind)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            delta = par.model.layers[0].linear_attn
+            assert (delta.num_k_heads, delta.num_v_heads, delta.key_dim, delta.value_dim) == (1, 2, 8, 16)
+            assert delta.in_proj_qkv.weight.shape == ((2 * 16 + 32) // world_size, 64)
+            assert delta.conv1d.weight.shape[0] == delta.conv1d.groups == (2 * 16 + 32) // world_size
+            assert delta.in_proj_z.weight.shape == (16, 64) and delta.in_proj_b.weight.shape == (2, 64)
+            assert delta.A_log.shape == delta.dt_bias.shape == (2,) and delta.out_proj.weight.shape == (64, 16)
+            _check_against_dense(dense, par, f"{kind} sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_qwen3_5_linear_attention_splits_by_heads():
+    """Hugging Face's Qwen3.5 plan gathers its Gated DeltaNet blocks whole; tessel splits them by heads (each rank its
+    key heads and their value heads: their rows of the packed q/k/v projection and channels of the depthwise
+    convolution, z, b, a, A_log and dt_bias), with and without sequence parallelism, against the dense model."""
+    assert run_ranks(_qwen3_5_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
