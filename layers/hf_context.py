@@ -153,6 +153,23 @@ def packed_positions(position_ids, tokens: torch.Tensor, cp_size: int, split: in
     return position_ids, begins.cumsum(1, dtype=torch.int32).expand(b, -1)
 
 
+# Hugging Face's names for decoder layers that are not attention (config.layer_types / layers_block_type)
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+
+
+def _other_sequence_mixers(model: nn.Module) -> list[str]:
+    """Modules that mix tokens along the sequence other than attention: convolutions over the sequence (the short
+    convolutions of Gated DeltaNet, Mamba and LFM2 blocks), or the modules of decoder layers whose type the config
+    names as other than attention (``linear_attention``, ``mamba``, ``conv``...)."""
+    found = [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, nn.Conv1d)]
+    config = getattr(model, "config", None)
+    types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
+    if isinstance(types, list | tuple):
+        kinds = sorted({str(t) for t in types if t not in _ATTENTION_LAYER_TYPES})
+        found += [f"its layers of type {kind!r}" for kind in kinds]
+    return found
+
+
 @dataclass
 class HFContextLayout:
     """Where context parallelism reaches into a Hugging Face decoder (see the module docstring).
@@ -176,6 +193,13 @@ class HFContextLayout:
         if not attention:
             raise ValueError(f"parallelize: cp_group needs attention modules (class names ending in Attention) in "
                              f"{type(model).__name__}, found none")  # fmt: skip
+        mixers = _other_sequence_mixers(model)
+        if mixers:
+            raise ValueError(
+                f"parallelize: cp_group splits the sequence for attention only, but {type(model).__name__} also mixes "
+                f"tokens in {mixers[0]} (linear attention, a state space or a convolution over the sequence), which "
+                "would see this rank's share of the tokens alone; train it without context parallelism"
+            )
         if len(rotary) != 1:
             raise ValueError(
                 f"parallelize: cp_group needs one rotary-embedding module among the children of {type(base).__name__} "

@@ -256,6 +256,17 @@ def _qwen3_5_ranks(rank, world_size):
             assert delta.in_proj_z.weight.shape == (16, 64) and delta.in_proj_b.weight.shape == (2, 64)
             assert delta.A_log.shape == delta.dt_bias.shape == (2,) and delta.out_proj.weight.shape == (64, 16)
             _check_against_dense(dense, par, f"{kind} sp={sp}")
+    # context parallelism would hand the recurrence and its convolution this rank's share of the tokens alone
+    import torch.distributed as dist
+
+    singles = [dist.new_group([r]) for r in range(world_size)]
+    model = qwen3_5_model()
+    before, types = {k: v.clone() for k, v in model.state_dict().items()}, [type(m) for m in model.modules()]
+    with pytest.raises(ValueError, match=r"cp_group splits the sequence for attention only, but Qwen3_5ForCausalLM "
+                                         r"also mixes tokens in model\.layers\.0\.linear_attn\.conv1d"):  # fmt: skip
+        parallelize(model, singles[rank], cp_group=dist.group.WORLD)
+    assert [type(m) for m in model.modules()] == types
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
     return "ok"
 
 
@@ -264,5 +275,6 @@ def _qwen3_5_ranks(rank, world_size):
 def test_qwen3_5_linear_attention_splits_by_heads():
     """Hugging Face's Qwen3.5 plan gathers its Gated DeltaNet blocks whole; tessel splits them by heads (each rank its
     key heads and their value heads: their rows of the packed q/k/v projection and channels of the depthwise
-    convolution, z, b, a, A_log and dt_bias), with and without sequence parallelism, against the dense model."""
+    convolution, z, b, a, A_log and dt_bias), with and without sequence parallelism, against the dense model. Context
+    parallelism, which the recurrence does not take, is refused before anything changes."""
     assert run_ranks(_qwen3_5_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
