@@ -1,13 +1,22 @@
-"""Gated DeltaNet linear attention (Qwen3.5's ``linear_attn``) split by heads over tensor-parallel ranks.
+"""Gated DeltaNet linear attention (Qwen3.5's and Qwen3-Next's ``linear_attn``) split by heads over tensor-parallel
+ranks.
 
 Hugging Face's plan gathers the block's projections whole (``colwise_gather_output``), so every rank runs every
 head of the recurrence. The heads are independent, so tessel splits them instead, each of ``t`` ranks keeping
 ``Hk/t`` key heads and ``Hv/t`` value heads (value head ``j`` reads key head ``j // (Hv/Hk)``: a contiguous share of
-each keeps the pairs together):
+each keeps the pairs together). Qwen3.5 projects q, k, v, z, b and a apart:
 
     in_proj_qkv [2·Hk·Dk + Hv·Dv, H]  colwise_qkv over its parts (q, k, v): rows of this rank's heads of each
-    conv1d      depthwise over the same channels [q | k | v]: colwise_conv, this rank's channels (weights, bias)
     in_proj_z   [Hv·Dv, H], in_proj_b, in_proj_a [Hv, H]: colwise (this rank's value heads)
+
+Qwen3-Next packs them by key head (``[q k v z]`` of key head 0, then of key head 1...; ``[b a]`` likewise), so a
+contiguous share of the rows is this rank's key heads with their value heads:
+
+    in_proj_qkvz [2·Hk·Dk + 2·Hv·Dv, H], in_proj_ba [2·Hv, H]: colwise
+
+and for both:
+
+    conv1d      depthwise over the channels [q | k | v]: colwise_conv, this rank's channels of each (weights, bias)
     A_log, dt_bias [Hv]: this rank's value heads' values
     norm        a gated RMSNorm over each head's Dv features: whole, its gradient summed over the group
     out_proj    rowwise
@@ -26,10 +35,21 @@ from torch import nn
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 
-__all__ = ["delta_net_plan", "delta_net_updates", "delta_parts", "is_delta_net", "split_depthwise_conv"]
+__all__ = ["delta_layout", "delta_net_plan", "delta_net_updates", "delta_parts", "is_delta_net", "split_depthwise_conv"]
 
-_INPUTS = ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")
-_GATHERED = {**dict.fromkeys(_INPUTS, "colwise_gather_output"), "out_proj": "colwise_gather_output"}
+# each layout's input projections, by its first one's name, and the styles that split them
+_LAYOUTS = {"in_proj_qkv": {"in_proj_qkv": "colwise_qkv", "in_proj_z": "colwise", "in_proj_b": "colwise",
+                            "in_proj_a": "colwise"},
+            "in_proj_qkvz": {"in_proj_qkvz": "colwise", "in_proj_ba": "colwise"}}  # fmt: skip
+_SPLIT_REST = {"out_proj": "rowwise", "conv1d": "colwise_conv", "A_log": "colwise", "dt_bias": "colwise",
+               "norm": "replicated_with_grad_allreduce"}  # fmt: skip
+
+
+def _widths(first: str, hk: int, hv: int, dk: int, dv: int) -> dict[str, int]:
+    """The output width of each input projection of a layout."""
+    if first == "in_proj_qkv":
+        return {"in_proj_qkv": 2 * hk * dk + hv * dv, "in_proj_z": hv * dv, "in_proj_b": hv, "in_proj_a": hv}
+    return {"in_proj_qkvz": 2 * hk * dk + 2 * hv * dv, "in_proj_ba": 2 * hv}
 
 
 def is_delta_net(m: nn.Module, t: int = 1) -> bool:
@@ -38,17 +58,29 @@ def is_delta_net(m: nn.Module, t: int = 1) -> bool:
     if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
         return False
     hk, hv, dk, dv = counts
-    linears = [getattr(m, n, None) for n in (*_INPUTS, "out_proj")]
-    if not all(isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in linears):
+    first = delta_layout(m)
+    if first is None or hv % hk:
         return False
+    widths = {**_widths(first, hk, hv, dk, dv), "out_proj": hv * dv}
+    for name, width in widths.items():
+        p = getattr(m, name, None)
+        if not isinstance(p, nn.Linear) or type(p).forward is not nn.Linear.forward:
+            return False
+        if (p.in_features if name == "out_proj" else p.out_features) != width:
+            return False
     conv = getattr(m, "conv1d", None)
-    if not isinstance(conv, nn.Conv1d) or conv.groups != conv.in_channels or conv.out_channels != conv.in_channels:
-        return False
-    qkv, z, b, a, out = linears
-    widths = (qkv.out_features, conv.in_channels, z.out_features, b.out_features, a.out_features, out.in_features)
-    if widths != (2 * hk * dk + hv * dv, 2 * hk * dk + hv * dv, hv * dv, hv, hv, hv * dv) or hv % hk:
+    if (
+        not isinstance(conv, nn.Conv1d)
+        or not conv.groups == conv.in_channels == conv.out_channels == 2 * hk * dk + hv * dv
+    ):
         return False
     return hk % t == 0 and all(isinstance(getattr(m, n, None), nn.Parameter) for n in ("A_log", "dt_bias"))
+
+
+def delta_layout(m: nn.Module) -> str | None:
+    """The name of the block's first input projection (``in_proj_qkv``: Qwen3.5's; ``in_proj_qkvz``: Qwen3-Next's),
+    or None."""
+    return next((first for first in _LAYOUTS if isinstance(getattr(m, first, None), nn.Linear)), None)
 
 
 def delta_parts(m: nn.Module) -> tuple[int, int, int]:
@@ -67,14 +99,13 @@ def delta_net_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> 
     modules = dict(model.named_modules())
     for glob in plan:
         stem, _, leaf = glob.rpartition(".")
-        if leaf != "in_proj_qkv" or any(plan.get(f"{stem}.{n}") != s for n, s in _GATHERED.items()):
+        split = _LAYOUTS.get(leaf)
+        if split is None or any(plan.get(f"{stem}.{n}") != "colwise_gather_output" for n in (*split, "out_proj")):
             continue
         regex = regex_of(stem)
         blocks = [m for n, m in modules.items() if regex.fullmatch(n)]
-        if blocks and all(is_delta_net(m, t) for m in blocks):
-            out.update({glob: "colwise_qkv", **{f"{stem}.{n}": "colwise" for n in _INPUTS[1:]},
-                        f"{stem}.out_proj": "rowwise", f"{stem}.conv1d": "colwise_conv", f"{stem}.A_log": "colwise",
-                        f"{stem}.dt_bias": "colwise", f"{stem}.norm": "replicated_with_grad_allreduce"})  # fmt: skip
+        if blocks and all(is_delta_net(m, t) and delta_layout(m) == leaf for m in blocks):
+            out.update({f"{stem}.{n}": style for n, style in {**split, **_SPLIT_REST}.items()})
     return out
 
 
