@@ -1,10 +1,10 @@
-"""Gated DeltaNet linear attention (Qwen3.5's and Qwen3-Next's ``linear_attn``) split by heads over tensor-parallel
-ranks.
+"""Gated DeltaNet linear attention (Qwen3.5's, Qwen3-Next's and OLMo-hybrid's ``linear_attn``) split by heads over
+tensor-parallel ranks.
 
-Hugging Face's plan gathers the block's projections whole (``colwise_gather_output``), so every rank runs every
-head of the recurrence. The heads are independent, so tessel splits them instead, each of ``t`` ranks keeping
-``Hk/t`` key heads and ``Hv/t`` value heads (value head ``j`` reads key head ``j // (Hv/Hk)``: a contiguous share of
-each keeps the pairs together). Qwen3.5 projects q, k, v, z, b and a apart:
+Hugging Face's plans gather the block's projections whole (``colwise_gather_output``) or leave them out, so every
+rank runs every head of the recurrence. The heads are independent, so tessel splits them instead, each of ``t``
+ranks keeping ``Hk/t`` key heads and ``Hv/t`` value heads (value head ``j`` reads key head ``j // (Hv/Hk)``: a
+contiguous share of each keeps the pairs together). Qwen3.5 projects q, k, v, z, b and a apart:
 
     in_proj_qkv [2·Hk·Dk + Hv·Dv, H]  colwise_qkv over its parts (q, k, v): rows of this rank's heads of each
     in_proj_z   [Hv·Dv, H], in_proj_b, in_proj_a [Hv, H]: colwise (this rank's value heads)
@@ -14,16 +14,21 @@ contiguous share of the rows is this rank's key heads with their value heads:
 
     in_proj_qkvz [2·Hk·Dk + 2·Hv·Dv, H], in_proj_ba [2·Hv, H]: colwise
 
-and for both:
+OLMo-hybrid projects each apart under attention's names, and its plan leaves the block whole:
+
+    q_proj, k_proj [Hk·Dk, H], v_proj, g_proj [Hv·Dv, H], a_proj, b_proj [Hv, H]: colwise
+
+and for all three:
 
     conv1d      depthwise over the channels [q | k | v]: colwise_conv, this rank's channels of each (weights, bias)
     A_log, dt_bias [Hv]: this rank's value heads' values
-    norm        a gated RMSNorm over each head's Dv features: whole, its gradient summed over the group
-    out_proj    rowwise
+    norm        a gated RMSNorm over each head's Dv features (OLMo-hybrid's o_norm): whole, its gradient summed
+                over the group
+    out_proj    rowwise (OLMo-hybrid's o_proj)
 
 The module's head counts and widths (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``),
 which its forward reads to split the mixed channels, take their local values. Under sequence parallelism the block
-gathers the sequence once for its four input projections (one ring), and the causal convolution and the
+gathers the sequence once for its input projections (one ring), and the causal convolution and the
 recurrence run over the whole sequence of this rank's heads.
 """
 
@@ -40,15 +45,25 @@ __all__ = ["delta_layout", "delta_net_plan", "delta_net_updates", "delta_parts",
 # each layout's input projections, by its first one's name, and the styles that split them
 _LAYOUTS = {"in_proj_qkv": {"in_proj_qkv": "colwise_qkv", "in_proj_z": "colwise", "in_proj_b": "colwise",
                             "in_proj_a": "colwise"},
-            "in_proj_qkvz": {"in_proj_qkvz": "colwise", "in_proj_ba": "colwise"}}  # fmt: skip
-_SPLIT_REST = {"out_proj": "rowwise", "conv1d": "colwise_conv", "A_log": "colwise", "dt_bias": "colwise",
-               "norm": "replicated_with_grad_allreduce"}  # fmt: skip
+            "in_proj_qkvz": {"in_proj_qkvz": "colwise", "in_proj_ba": "colwise"},
+            "q_proj": dict.fromkeys(("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj"),
+                                    "colwise")}  # fmt: skip
+# each layout's output projection and norm
+_OUTPUTS = {"in_proj_qkv": ("out_proj", "norm"), "in_proj_qkvz": ("out_proj", "norm"), "q_proj": ("o_proj", "o_norm")}
+
+
+def _split_rest(first: str) -> dict[str, str]:
+    out, norm = _OUTPUTS[first]
+    return {out: "rowwise", "conv1d": "colwise_conv", "A_log": "colwise", "dt_bias": "colwise",
+            norm: "replicated_with_grad_allreduce"}  # fmt: skip
 
 
 def _widths(first: str, hk: int, hv: int, dk: int, dv: int) -> dict[str, int]:
     """The output width of each input projection of a layout."""
     if first == "in_proj_qkv":
         return {"in_proj_qkv": 2 * hk * dk + hv * dv, "in_proj_z": hv * dv, "in_proj_b": hv, "in_proj_a": hv}
+    if first == "q_proj":
+        return {"q_proj": hk * dk, "k_proj": hk * dk, "v_proj": hv * dv, "g_proj": hv * dv, "a_proj": hv, "b_proj": hv}
     return {"in_proj_qkvz": 2 * hk * dk + 2 * hv * dv, "in_proj_ba": 2 * hv}
 
 
@@ -61,12 +76,13 @@ def is_delta_net(m: nn.Module, t: int = 1) -> bool:
     first = delta_layout(m)
     if first is None or hv % hk:
         return False
-    widths = {**_widths(first, hk, hv, dk, dv), "out_proj": hv * dv}
+    out = _OUTPUTS[first][0]
+    widths = {**_widths(first, hk, hv, dk, dv), out: hv * dv}
     for name, width in widths.items():
         p = getattr(m, name, None)
         if not isinstance(p, nn.Linear) or type(p).forward is not nn.Linear.forward:
             return False
-        if (p.in_features if name == "out_proj" else p.out_features) != width:
+        if (p.in_features if name == out else p.out_features) != width:
             return False
     conv = getattr(m, "conv1d", None)
     if (
@@ -78,8 +94,10 @@ def is_delta_net(m: nn.Module, t: int = 1) -> bool:
 
 
 def delta_layout(m: nn.Module) -> str | None:
-    """The name of the block's first input projection (``in_proj_qkv``: Qwen3.5's; ``in_proj_qkvz``: Qwen3-Next's),
-    or None."""
+    """The name of the block's first input projection (``in_proj_qkv``: Qwen3.5's; ``in_proj_qkvz``: Qwen3-Next's;
+    ``q_proj``: OLMo-hybrid's, beside a ``conv1d``), or None."""
+    if not isinstance(getattr(m, "conv1d", None), nn.Conv1d):
+        return None
     return next((first for first in _LAYOUTS if isinstance(getattr(m, first, None), nn.Linear)), None)
 
 
@@ -91,8 +109,8 @@ def delta_parts(m: nn.Module) -> tuple[int, int, int]:
 def delta_net_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> dict[str, str]:
     """``plan`` with the Gated DeltaNet blocks it gathers whole (every input projection and ``out_proj``
     ``colwise_gather_output``, as Hugging Face's Qwen3.5 plan does) split by heads instead, as the module's notes lay
-    out, where every block a glob stem matches is one whose heads split over ``t`` ranks; ``regex_of(glob)`` is the
-    compiled pattern of a glob."""
+    out, where every block a glob stem matches is one whose heads split over ``t`` ranks, and the blocks it does not
+    name (OLMo-hybrid's) split too, each by its full name; ``regex_of(glob)`` is the compiled pattern of a glob."""
     out = dict(plan)
     if t < 2:
         return out
@@ -105,7 +123,14 @@ def delta_net_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> 
         regex = regex_of(stem)
         blocks = [m for n, m in modules.items() if regex.fullmatch(n)]
         if blocks and all(is_delta_net(m, t) and delta_layout(m) == leaf for m in blocks):
-            out.update({f"{stem}.{n}": style for n, style in {**split, **_SPLIT_REST}.items()})
+            out.update({f"{stem}.{n}": style for n, style in {**split, **_split_rest(leaf)}.items()})
+    # blocks the plan does not name at all (OLMo-hybrid's): each on its own
+    covered = [regex_of(glob) for glob in out]
+    for name, m in modules.items():
+        if name and is_delta_net(m, t) and not any(r.fullmatch(f"{name}.{child}") for r in covered for child in
+                                                    _LAYOUTS[delta_layout(m)]):  # fmt: skip
+            first = delta_layout(m)
+            out.update({f"{name}.{n}": style for n, style in {**_LAYOUTS[first], **_split_rest(first)}.items()})
     return out
 
 

@@ -10,7 +10,8 @@ gathers q, k and v whole and runs every head on every rank, because the query an
 is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits the attention by heads
 (:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads; attention, gated MLPs and
 experts the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`), and so is the
-Gated DeltaNet linear attention it gathers whole (Qwen3.5, Qwen3-Next: :mod:`~tessel.layers.hf_linear_attention`).
+Gated DeltaNet linear attention it gathers whole or leaves out (Qwen3.5, Qwen3-Next, OLMo-hybrid:
+:mod:`~tessel.layers.hf_linear_attention`).
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)

@@ -223,8 +223,9 @@ def test_gemma4_with_its_per_layer_inputs_and_experts_in_the_layer():
 
 
 def qwen3_5_model(kind: str = "qwen3_5_text", seed: int = 0):
-    """A tiny Qwen3.5 (or Qwen3.5-MoE, Qwen3-Next) of one Gated DeltaNet layer (2 key heads, 4 value heads of 8
-    features) and one full-attention layer, every parameter of the linear attention away from its initial value."""
+    """A tiny Qwen3.5 (or Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid) of one Gated DeltaNet layer (2 key heads, 4 value
+    heads of 8 features) and one full-attention layer, every parameter of the linear attention away from its initial
+    value."""
     import transformers
 
     config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
@@ -237,7 +238,7 @@ def qwen3_5_model(kind: str = "qwen3_5_text", seed: int = 0):
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
-            if "norm" in name or "dt_bias" in name or "A_log" in name:
+            if "norm" in name or "dt_bias" in name or "A_log" in name or "conv1d.bias" in name:
                 p.add_(torch.rand(p.shape, generator=gen) * 0.5)
     return model.eval()
 
@@ -245,20 +246,24 @@ def qwen3_5_model(kind: str = "qwen3_5_text", seed: int = 0):
 def _qwen3_5_ranks(rank, world_size):
     from tessel.layers.parallelize import parallelize
 
-    for kind in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next"):
+    for kind in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid"):
         for sp in (False, True):
             dense = qwen3_5_model(kind)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
             delta = par.model.layers[0].linear_attn
             assert (delta.num_k_heads, delta.num_v_heads, delta.key_dim, delta.value_dim) == (1, 2, 8, 16)
+            out = delta.o_proj if kind == "olmo_hybrid" else delta.out_proj
             if kind == "qwen3_next":  # q, k, v, z packed by key head; b, a likewise
                 assert delta.in_proj_qkvz.weight.shape == ((2 * 16 + 2 * 32) // world_size, 64)
                 assert delta.in_proj_ba.weight.shape == (2 * 4 // world_size, 64)
+            elif kind == "olmo_hybrid":  # each apart, under attention's names; its plan names none of them
+                assert delta.q_proj.weight.shape == (8, 64) and delta.v_proj.weight.shape == (16, 64)
+                assert delta.g_proj.weight.shape == (16, 64) and delta.a_proj.weight.shape == (2, 64)
             else:
                 assert delta.in_proj_qkv.weight.shape == ((2 * 16 + 32) // world_size, 64)
                 assert delta.in_proj_z.weight.shape == (16, 64) and delta.in_proj_b.weight.shape == (2, 64)
             assert delta.conv1d.weight.shape[0] == delta.conv1d.groups == (2 * 16 + 32) // world_size
-            assert delta.A_log.shape == delta.dt_bias.shape == (2,) and delta.out_proj.weight.shape == (64, 16)
+            assert delta.A_log.shape == delta.dt_bias.shape == (2,) and out.weight.shape == (64, 16)
             _check_against_dense(dense, par, f"{kind} sp={sp}")
     # context parallelism would hand the recurrence and its convolution this rank's share of the tokens alone
     import torch.distributed as dist
@@ -277,9 +282,10 @@ def _qwen3_5_ranks(rank, world_size):
 @pytest.mark.multiprocess
 @needs_hf
 def test_qwen3_5_linear_attention_splits_by_heads():
-    """Hugging Face's Qwen3.5 and Qwen3-Next plans gather their Gated DeltaNet blocks whole; tessel splits them by
-    heads (each rank its key heads and their value heads: their rows of the q/k/v projection, or of Qwen3-Next's
-    projections packed by key head, and channels of the depthwise convolution, z, b, a, A_log and dt_bias), with and
+    """Hugging Face's Qwen3.5 and Qwen3-Next plans gather their Gated DeltaNet blocks whole, and OLMo-hybrid's leaves
+    them out; tessel splits them by heads (each rank its key heads and their value heads: their rows of the q/k/v
+    projections, or of Qwen3-Next's packed by key head, and channels of the depthwise convolution, z/g, b, a, A_log and
+    dt_bias), with and
     without sequence parallelism, against the dense model. Context parallelism, which the recurrence does not take,
     is refused before anything changes."""
     assert run_ranks(_qwen3_5_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
