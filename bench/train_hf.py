@@ -38,6 +38,12 @@ Hugging Face itself never does). ``--aux-loss-coef`` must be 0: the family has n
 SwiGLU, its balancing loss. Hugging Face runs its sinks in its eager attention only: the baseline's attention is
 that (:data:`EAGER_FAMILIES`). FLOPs count each layer's keys (:func:`attention_windows`).
 
+``--hf qwen3_5``: Qwen3.5's design at the preset's shape: three Gated DeltaNet linear-attention layers to each
+full-attention one (:func:`_linear_attention_config`), split by heads under tensor parallelism
+(:mod:`~tessel.layers.hf_linear_attention`); it trains under tp/sp and dp, not cp or pp
+(:data:`LINEAR_ATTENTION_FAMILIES`). Its recurrence runs Hugging Face's kernels (``fla`` where installed, its torch
+fallback otherwise).
+
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
 it their window is set off explicitly (Mistral's config would otherwise default to 4096).
@@ -59,6 +65,7 @@ from .train_args import OVERLAPS
 
 __all__ = [
     "HF_FAMILIES",
+    "LINEAR_ATTENTION_FAMILIES",
     "MOE_FAMILIES",
     "WINDOW_FAMILIES",
     "attention_kwargs",
@@ -75,9 +82,11 @@ __all__ = [
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
-               "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss"}  # fmt: skip
-# Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM)
-TEXT_CONFIGS = {"gemma3": "Gemma3Text"}
+               "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
+               "qwen3_5": "Qwen3_5"}  # fmt: skip
+# Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
+# they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
+TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
                 "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size"}  # fmt: skip
@@ -89,6 +98,9 @@ BIASED_FAMILIES = ("deepseek_v3",)
 WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
+# The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention), which
+# context parallelism does not take and whose recurrences pipeline stages do not carry
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5",)
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
 ALTERNATING_WINDOWS = {"gpt_oss": 128}
@@ -123,6 +135,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
     kw.update(_experts_config(args, c))
     if args.hf == "deepseek_v3":
         kw.update(_latent_attention_config(c))
+    if args.hf in LINEAR_ATTENTION_FAMILIES:
+        kw.update(_linear_attention_config(c))
     if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
         kw["sliding_window"] = c.sliding_window
         if c.sliding_window is not None:
@@ -132,13 +146,22 @@ def _hf_config(args, c: GPTConfig, attention: str):
     if args.hf in MOE_FAMILIES and not args.hf_baseline:
         kw["experts_implementation"] = register_hf_experts()
     config = getattr(transformers, f"{TEXT_CONFIGS.get(args.hf, HF_FAMILIES[args.hf])}Config")(**kw)
-    if args.hf in TEXT_CONFIGS:  # Gemma 3 keeps its own rotary bases, one per kind of layer
+    if args.hf in TEXT_CONFIGS:  # Gemma 3 keeps its own rotary bases, Qwen3.5 its partial rotary
         return config
     if hasattr(config, "rope_parameters"):  # transformers 5: the rotary base lives in rope_parameters
         config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": c.rope_theta}
     else:
         config.rope_theta = c.rope_theta
     return config
+
+
+def _linear_attention_config(c: GPTConfig) -> dict:
+    """Gated DeltaNet layers of Qwen3.5's proportions to the preset's heads (Qwen3.5: 16 key heads and 32 value heads
+    of 128 features beside 16 query heads of 256): half as many key heads as the preset's heads, as many value heads,
+    each of the preset's head dim; three linear-attention layers to each full-attention one (its default)."""
+    d = c.n_embd // c.n_head
+    return {"linear_num_key_heads": max(1, c.n_head // 2), "linear_num_value_heads": c.n_head,
+            "linear_key_head_dim": d, "linear_value_head_dim": d}  # fmt: skip
 
 
 def _latent_attention_config(c: GPTConfig) -> dict:
@@ -197,12 +220,14 @@ def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int, windows: lis
 
 def attention_windows(config) -> list[int | None]:
     """Each layer's sliding window in a Hugging Face config (None: the layer attends to every earlier key): its
-    ``sliding_window`` in the layers its ``layer_types`` call ``sliding_attention``, or in all when it has none."""
+    ``sliding_window`` in the layers its ``layer_types`` call ``sliding_attention``, or in all when it has none; 0 in
+    linear-attention layers, which compare no query with any key (their recurrence's FLOPs, linear in the sequence,
+    go uncounted)."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
     if types is None:
         return [window] * config.num_hidden_layers
-    return [window if kind == "sliding_attention" else None for kind in types]
+    return [window if kind == "sliding_attention" else 0 if kind == "linear_attention" else None for kind in types]
 
 
 def hf_stage(model: nn.Module, stage: int, num_stages: int, args) -> nn.Module:
@@ -281,6 +306,10 @@ def refused_options(args) -> str | None:
     if smoothed and args.hf_baseline:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
+    if args.hf in LINEAR_ATTENTION_FAMILIES and (args.cp > 1 or args.pp > 1):
+        return (f"--hf {args.hf} mixes tokens by linear attention in most layers: it trains under --tp (with "
+                "--sequence-parallel) and --dp, not --cp (each rank's recurrence would see its share of the tokens "
+                "alone) or --pp (its stages are not built)")  # fmt: skip
     biased = args.hf in BIASED_FAMILIES
     if biased and (args.aux_loss_coef > 0 or args.z_loss_coef > 0):
         return (f"--hf {args.hf} balances its experts by their routing biases (--expert-bias-rate, DeepSeek-V3 uses "

@@ -351,3 +351,41 @@ def test_the_command_line_offers_every_family_the_job_builds():
     from tessel.bench.train_args import HF_CHOICES
 
     assert sorted(HF_CHOICES) == sorted(HF_FAMILIES)
+
+
+QWEN3_5 = ["--hf", "qwen3_5", "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_qwen3_5_trains_its_linear_attention_split_by_heads(tmp_path):
+    """--hf qwen3_5: three Gated DeltaNet layers to each full-attention one. The single process's curve as Hugging
+    Face computes it, at tp=2 with and without sequence parallelism (the linear attention split by heads), and over
+    two data-parallel ranks under ZeRO-2; --cp and --pp are refused before anything runs."""
+    proc = _ok(_train(tmp_path / "one", *QWEN3_5))
+    assert "Hugging Face Qwen3_5 tiny" in proc.stdout
+    one = _losses(tmp_path / "one")
+    layouts = {"baseline": (["--hf-baseline"], 1), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
+               "tp2": (["--tp", "2"], 2), "dp2": (["--dp", "2", "--zero", "2"], 2)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *QWEN3_5, *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    for layout in (["--cp", "2"], ["--pp", "2"]):
+        proc = _train(tmp_path / "refused", *QWEN3_5, *layout, nproc=2)
+        assert proc.returncode == 2 and "mixes tokens by linear attention in most layers" in proc.stderr, proc.stderr
+
+
+def test_qwen3_5_takes_its_heads_from_the_preset():
+    """Half as many key heads as the preset's heads, as many value heads, each of its head dim; three linear layers
+    to each full one, whose attention alone the FLOPs count."""
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import _hf_config, attention_windows, hf_flops_per_token
+    from tessel.layers.gpt import GPTConfig
+
+    c = GPTConfig(vocab_size=256, n_layer=4, n_head=4, n_embd=64, block_size=64, mlp_hidden=96)
+    config = _hf_config(parse_args(QWEN3_5), c, "sdpa")
+    assert config.model_type == "qwen3_5_text" and config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    heads = (config.linear_num_key_heads, config.linear_num_value_heads)
+    assert heads == (2, 4) and config.linear_key_head_dim == config.linear_value_head_dim == 16
+    assert attention_windows(config) == [0, 0, 0, None]
+    assert hf_flops_per_token(10**6, c, 64, [0, 0, 0, None]) == 6 * (10**6 - 256 * 64) + 12 * 64 * 64
