@@ -60,7 +60,7 @@ from ..kernels._memo import kept_on
 from ..kernels.attention_inputs import HEAD_DIMS
 from ..parallel.collectives import copy_to_tp
 from ..parallel.comm import group_rank, group_size
-from ..parallel.context import ring_attention
+from ..parallel.context import _apply_sinks, ring_attention
 from ..parallel.sharding import local_shard
 
 __all__ = [
@@ -339,11 +339,8 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     q, k, v = (_widened(t, width) for t in (query, key, value))
     out_BHSD = flash_attention(q, k, v, causal=causal and query.shape[2] > 1, scale=_scale(scaling, query),
                                deterministic=_deterministic(kwargs), **extra)  # fmt: skip
-    if sinks is not None:
-        # the sink's exp joins each row's softmax denominator: out · Σ/(Σ + e^sink) = out · sigmoid(lse - sink)
-        # (differentiable through lse, so the sinks and q, k get their gradients)
-        out_BHSD, lse = out_BHSD
-        out_BHSD = (out_BHSD * torch.sigmoid(lse - sinks.float()[None, :, None])[..., None]).to(out_BHSD.dtype)
+    if sinks is not None:  # differentiable through lse, so the sinks and q, k get their gradients
+        out_BHSD = _apply_sinks(*out_BHSD, sinks)
     return out_BHSD[..., : value.shape[-1]].transpose(1, 2).contiguous(), None
 
 

@@ -40,7 +40,15 @@ from torch import nn
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 
-__all__ = ["delta_layout", "delta_net_plan", "delta_net_updates", "delta_parts", "is_delta_net", "split_depthwise_conv"]
+__all__ = [
+    "delta_layout",
+    "delta_net_styles",
+    "delta_net_updates",
+    "delta_parts",
+    "gathered_delta_rules",
+    "is_delta_net",
+    "split_depthwise_conv",
+]
 
 # each layout's input projections, by its first one's name, and the styles that split them
 _LAYOUTS = {"in_proj_qkv": {"in_proj_qkv": "colwise_qkv", "in_proj_z": "colwise", "in_proj_b": "colwise",
@@ -106,36 +114,31 @@ def delta_parts(m: nn.Module) -> tuple[int, int, int]:
     return m.num_k_heads * m.head_k_dim, m.num_k_heads * m.head_k_dim, m.num_v_heads * m.head_v_dim
 
 
-def delta_net_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> dict[str, str]:
-    """``plan`` with the Gated DeltaNet blocks it gathers whole (every input projection and ``out_proj``
-    ``colwise_gather_output``, as Hugging Face's Qwen3.5 plan does) split by heads instead, as the module's notes lay
-    out, where every block a glob stem matches is one whose heads split over ``t`` ranks, and the blocks it does not
-    name (OLMo-hybrid's) split too, each by its full name; ``regex_of(glob)`` is the compiled pattern of a glob."""
-    out = dict(plan)
-    if t < 2:
-        return out
-    modules = dict(model.named_modules())
-    for glob in plan:
-        stem, _, leaf = glob.rpartition(".")
-        split = _LAYOUTS.get(leaf)
-        if split is None or any(plan.get(f"{stem}.{n}") != "colwise_gather_output" for n in (*split, "out_proj")):
-            continue
-        regex = regex_of(stem)
-        blocks = [m for n, m in modules.items() if regex.fullmatch(n)]
-        if blocks and all(is_delta_net(m, t) and delta_layout(m) == leaf for m in blocks):
-            out.update({f"{stem}.{n}": style for n, style in {**split, **_split_rest(leaf)}.items()})
-    # blocks the plan does not name at all (OLMo-hybrid's): each on its own
-    covered = [regex_of(glob) for glob in out]
-    for name, m in modules.items():
-        if name and is_delta_net(m, t) and not any(r.fullmatch(f"{name}.{child}") for r in covered for child in
-                                                    _LAYOUTS[delta_layout(m)]):  # fmt: skip
-            first = delta_layout(m)
-            out.update({f"{name}.{n}": style for n, style in {**_LAYOUTS[first], **_split_rest(first)}.items()})
-    return out
+def delta_net_styles(m: nn.Module, t: int) -> dict[str, str] | None:
+    """The styles that split ``m`` by heads over ``t`` ranks, by its children's and parameters' names (as the module's
+    notes lay out), when it is a Gated DeltaNet block whose heads split; None otherwise."""
+    if t < 2 or not is_delta_net(m, t):
+        return None
+    first = delta_layout(m)
+    return {**_LAYOUTS[first], **_split_rest(first)}
+
+
+def gathered_delta_rules(t: int) -> list[tuple[dict[str, str], object]]:
+    """``(gathered, styles_of)`` for each layout Hugging Face's plans gather whole (every input projection and
+    ``out_proj`` ``colwise_gather_output``: Qwen3.5's, Qwen3-Next's): what a plan says of a block's children, and
+    the styles that split such a block over ``t`` ranks (:func:`delta_net_styles`; None where it does not split)."""
+    rules = []
+    for first in ("in_proj_qkv", "in_proj_qkvz"):
+        gathered = dict.fromkeys((*_LAYOUTS[first], "out_proj"), "colwise_gather_output")
+        rules.append((gathered, lambda m, first=first: delta_net_styles(m, t) if delta_layout(m) == first else None))
+    return rules
 
 
 def delta_net_updates(m: nn.Module, t: int) -> dict[str, int]:
     """The block's head counts and channel widths on each of ``t`` ranks."""
+    if not is_delta_net(m, t):
+        raise ValueError(f"delta_net_updates: expected a Gated DeltaNet block whose key and value heads split over {t} "
+                         f"ranks, received {type(m).__name__}")  # fmt: skip
     hk, hv = m.num_k_heads // t, m.num_v_heads // t
     key, value = hk * m.head_k_dim, hv * m.head_v_dim
     updates = {"num_k_heads": hk, "num_v_heads": hv, "key_dim": key, "value_dim": value}
@@ -148,6 +151,12 @@ def split_depthwise_conv(conv: nn.Conv1d, parts: tuple[int, ...], tp_group) -> n
     """This rank's channels of a depthwise convolution over packed ``parts`` (its share of each part, in order):
     a new ``nn.Conv1d`` whose weight (and bias) are tagged for :mod:`tessel.parallel.sharding`."""
     t, r = group_size(tp_group), group_rank(tp_group)
+    if not isinstance(conv, nn.Conv1d) or not conv.groups == conv.in_channels == conv.out_channels:
+        raise TypeError(f"split_depthwise_conv: conv must be a depthwise nn.Conv1d (groups = channels), received "
+                        f"{conv}")  # fmt: skip
+    if sum(parts) != conv.in_channels or any(n % t for n in parts):
+        raise ValueError(f"split_depthwise_conv: parts must add up to the {conv.in_channels} channels, each divisible "
+                         f"by the tensor-parallel size {t}, received {tuple(parts)}")  # fmt: skip
     local = sum(parts) // t
     new = nn.Conv1d(local, local, conv.kernel_size[0], stride=conv.stride, padding=conv.padding,
                     dilation=conv.dilation, groups=local, bias=conv.bias is not None, padding_mode=conv.padding_mode,

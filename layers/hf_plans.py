@@ -40,6 +40,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .hf_experts import expert_splits
+from .hf_linear_attention import delta_net_styles, gathered_delta_rules
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -71,24 +72,29 @@ _GATHERED_MLP = {"gate_up_proj": "colwise_gather_output", "down_proj": "rowwise_
 _SPLIT_MLP = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
 
 
-def head_split_plan(model: nn.Module, plan: dict[str, str], regex_of) -> dict[str, str]:
-    """``plan`` with what it gathers whole for the reasons above split instead; ``regex_of(glob)`` is the
-    compiled pattern of a glob. The modules a stem matches are the parents of its first projection's matches."""
+def head_split_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int = 1) -> dict[str, str]:
+    """``plan`` with what it gathers whole for the reasons above split instead (and the Gated DeltaNet blocks it
+    gathers, over ``t`` ranks: :func:`~tessel.layers.hf_linear_attention.gathered_delta_rules`); ``regex_of(glob)`` is
+    the compiled pattern of a glob. The modules a stem matches are the parents of its first projection's matches."""
     modules = dict(model.named_modules())
     out = dict(plan)
-    rules = ((_GATHERED_ATTENTION, _SPLIT_ATTENTION, _norms_span_heads),
-             (_GATHERED_QKV, _SPLIT_QKV, lambda m: fused_qkv_parts(m) is not None),
-             (_GATHERED_MLP, _SPLIT_MLP, pairs_halves))  # fmt: skip
+
+    def fixed(split, fits):  # the same styles for every module that fits
+        return lambda m: split if fits(m) else None
+
+    rules = [(_GATHERED_ATTENTION, fixed(_SPLIT_ATTENTION, _norms_span_heads)),
+             (_GATHERED_QKV, fixed(_SPLIT_QKV, lambda m: fused_qkv_parts(m) is not None)),
+             (_GATHERED_MLP, fixed(_SPLIT_MLP, pairs_halves)), *gathered_delta_rules(t)]  # fmt: skip
     for glob in plan:
         stem, _, leaf = glob.rpartition(".")
         stem = stem + "." if stem else ""
-        for gathered, split, fits in rules:
+        for gathered, styles_of in rules:
             if leaf != next(iter(gathered)) or any(plan.get(stem + n) != s for n, s in gathered.items()):
                 continue
             regex = regex_of(glob)
-            parents = [modules[n.rpartition(".")[0]] for n in modules if regex.fullmatch(n)]
-            if parents and all(fits(m) for m in parents):
-                out.update({stem + n: style for n, style in split.items()})
+            splits = [styles_of(modules[n.rpartition(".")[0]]) for n in modules if regex.fullmatch(n)]
+            if splits and all(split is not None and split == splits[0] for split in splits):
+                out.update({stem + n: style for n, style in splits[0].items()})
     return out
 
 
@@ -106,8 +112,9 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
     name (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE: plans of the experts alone; DeepSeek-V3's attention; Afmoe's dense
     first MLP) and that splits over ``t`` ranks as plain attention (:func:`_plain_attention`: q/k/v ``colwise``,
     ``o_proj`` ``rowwise``, per-head q/k norms ``replicated_with_grad_allreduce``, norms over all heads
-    ``colwise_norm``), latent attention (:func:`_latent_attention`), a gated MLP (:func:`_plain_mlp`) or a Hugging Face
-    experts module (``moe_tp_experts``, GPT-OSS's). Modules are named in full, each on its own: layers of another kind
+    ``colwise_norm``), latent attention (:func:`_latent_attention`), a gated MLP (:func:`_plain_mlp`), a Gated DeltaNet
+    block (OLMo-hybrid's: :func:`~tessel.layers.hf_linear_attention.delta_net_styles`) or a Hugging Face experts
+    module (``moe_tp_experts``, GPT-OSS's). Modules are named in full, each on its own: layers of another kind
     beside them are left as they are."""
     covered = [regex_of(glob) for glob in plan]
     out = dict(plan)
@@ -117,7 +124,7 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
             continue
         if t < 2 or not name:
             continue
-        styles = _plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t)
+        styles = _plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t) or delta_net_styles(m, t)
         if styles and not any(r.fullmatch(n) for r in covered for n in (name, *(f"{name}.{c}" for c in styles))):
             out.update({f"{name}.{child}": style for child, style in styles.items()})
     return out

@@ -12,7 +12,6 @@ from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
 from .hf_experts import ExpertSplit
-from .hf_linear_attention import delta_net_plan
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
 __all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
@@ -71,8 +70,7 @@ class Entry:
 def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if plan and is_hf_model(model):
-        plan = whole_attention_plan(model, head_split_plan(model, plan, glob_regex), glob_regex, t)
-        plan = delta_net_plan(model, plan, glob_regex, t)
+        plan = whole_attention_plan(model, head_split_plan(model, plan, glob_regex, t), glob_regex, t)
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
@@ -150,12 +148,12 @@ def match_plan(model: nn.Module, plan, strict: bool = True) -> tuple[list[Entry]
             chosen[owner].parameter_styles[leaf] = (glob, style)
     if not chosen:
         raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
-    chosen.update(_split_activations(dict(modules), chosen))
+    chosen.update(_shares_in_split_blocks(dict(modules), chosen))
     order = {name: i for i, (name, _) in enumerate(modules)}
     return sorted(chosen.values(), key=lambda e: order[e.name]), head_params
 
 
-def _split_activations(modules: dict[str, nn.Module], chosen: dict[str, Entry]) -> dict[str, Entry]:
+def _shares_in_split_blocks(modules: dict[str, nn.Module], chosen: dict[str, Entry]) -> dict[str, Entry]:
     """Entries (style ``replicated_with_grad_allreduce``) for what the plan leaves whole inside blocks whose column
     and row projections it splits, and that acts on this rank's share of the block: learnable activations (Apertus's
     xIELU: this rank's intermediate features) and per-head q/k norms (``[head_dim]`` weights applied to each head:

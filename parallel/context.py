@@ -426,7 +426,7 @@ def _sink_lse(lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     return torch.logaddexp(lse, sinks.float()[None, :, None])
 
 
-def _with_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+def _apply_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
     """Attention output ``out`` over keys of log-sum-exp ``lse`` with the sinks joined to its softmax, differentiably
     (through ``lse`` too): ``out·Σ/(Σ + e^sink) = out·sigmoid(lse - sink)``."""
     return (out * torch.sigmoid(lse - sinks.float()[None, :, None]).unsqueeze(-1)).to(out.dtype)
@@ -466,7 +466,7 @@ def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministi
         keys, values = keys.index_select(2, order), values.index_select(2, order)
     # the segments' numbers (non-decreasing along each row), to pair queries and keys by equal numbers
     number = None if segment_ids is None else run_starts(segment_ids).cumsum(1)
-    attend = functools.partial(_attend_with_sinks, sinks=sinks, scale=scale, deterministic=deterministic,
+    attend = functools.partial(_attendapply_sinks, sinks=sinks, scale=scale, deterministic=deterministic,
                                softcap=softcap)  # fmt: skip
     if not causal:
         ids = None if number is None else (number[:, zigzag_positions(c * length, c, r, device=q.device)], number)
@@ -480,12 +480,12 @@ def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministi
     return torch.cat(outs, dim=2)
 
 
-def _attend_with_sinks(q, k, v, sinks=None, **kwargs) -> torch.Tensor:
+def _attendapply_sinks(q, k, v, sinks=None, **kwargs) -> torch.Tensor:
     """Flash attention, with ``sinks`` (None: none) joined to its softmax through its log-sum-exp."""
     if sinks is None:
         return flash_attention(q, k, v, **kwargs)
     out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
-    return _with_sinks(out, lse, sinks)
+    return _apply_sinks(out, lse, sinks)
 
 
 def _check_sinks(sinks, q) -> None:
@@ -572,7 +572,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
                          f"{q.shape[2]}")  # fmt: skip
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     if c == 1 or q.shape[2] == 0:
-        return _attend_with_sinks(q, k, v, sinks, causal=causal, scale=scale, deterministic=deterministic,
+        return _attendapply_sinks(q, k, v, sinks, causal=causal, scale=scale, deterministic=deterministic,
                                   segment_ids=segment_ids, window=window, softcap=softcap)  # fmt: skip
     check_grid("ring_attention", q)
     if torch.compiler.is_compiling():

@@ -289,3 +289,14 @@ def test_qwen3_5_linear_attention_splits_by_heads():
     without sequence parallelism, against the dense model. Context parallelism, which the recurrence does not take,
     is refused before anything changes."""
     assert run_ranks(_qwen3_5_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def test_the_linear_attention_helpers_refuse_what_they_do_not_split():
+    from tessel.layers.hf_linear_attention import delta_net_updates, split_depthwise_conv
+
+    with pytest.raises(TypeError, match=r"conv must be a depthwise nn\.Conv1d"):
+        split_depthwise_conv(torch.nn.Conv1d(4, 4, 3), (2, 2), None)
+    with pytest.raises(ValueError, match=r"parts must add up to the 6 channels.*received \(2, 2\)"):
+        split_depthwise_conv(torch.nn.Conv1d(6, 6, 3, groups=6), (2, 2), None)
+    with pytest.raises(ValueError, match=r"delta_net_updates: expected a Gated DeltaNet block .* received Linear"):
+        delta_net_updates(torch.nn.Linear(2, 2), 2)
