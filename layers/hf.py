@@ -222,6 +222,11 @@ class HFSequenceLayout:
             modules[name].register_forward_pre_hook(enter(True))
         if self.local_blocks:
             gather_router_logits(model, type(base_model(model)[1]), self.local_blocks, tp_group, cp_group)
+        for name in self.local_blocks:  # a shard in the row layers' token-major layout, which blocks of experts may
+            modules[name].register_forward_pre_hook(  # view(-1, hidden) (LFM2-MoE's)
+                lambda m, args, kwargs, name=name: _map_hidden_states(args, kwargs, _contiguous, name),
+                with_kwargs=True,
+            )
         modules[self.layers[0]].register_forward_pre_hook(scatter, with_kwargs=True)
         for name in self.layers:
             _scatter_per_layer_input(modules[name], tp_group)
@@ -233,6 +238,10 @@ class HFSequenceLayout:
             )
             modules[name].register_forward_hook(lambda m, args, out, ring=ring: ring.end(), always_call=True)
         modules[self.final_norm].register_forward_hook(gather_output)
+
+
+def _contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x.contiguous()
 
 
 def _scatter_per_layer_input(layer: nn.Module, tp_group) -> None:

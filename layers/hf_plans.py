@@ -41,6 +41,7 @@ from torch.func import functional_call
 
 from .hf_experts import expert_splits
 from .hf_linear_attention import delta_net_styles, gathered_delta_rules
+from .hf_mixers import mamba_styles, short_conv_styles
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -101,10 +102,12 @@ def head_split_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int = 1
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 # the names Hugging Face gives a block's activation module (ACT2FN[...])
 ACTIVATION_NAMES = ("act_fn", "act", "activation_fn", "activation", "act_func")
-# a projection of the block's input that gates the attention's output feature by feature before o_proj (Afmoe's)
-_OUTPUT_GATES = ("gate_proj",)
+# a projection of the block's input that gates the attention's output before o_proj, feature by feature (Afmoe's) or
+# head by head (LFM3's)
+_OUTPUT_GATES = ("gate_proj", "g_proj")
 # per-head q/k norms ([head_dim] weights, applied to each rank's heads) under the names Hugging Face gives them
-HEAD_NORM_NAMES = ("q_norm", "k_norm", "query_layernorm", "key_layernorm")
+HEAD_NORM_NAMES = ("q_norm", "k_norm", "query_layernorm", "key_layernorm", "q_layernorm", "k_layernorm")
+_QUERY_NORMS = ("q_norm", "query_layernorm", "q_layernorm")
 
 
 def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> dict[str, str]:
@@ -124,7 +127,8 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
             continue
         if t < 2 or not name:
             continue
-        styles = _plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t) or delta_net_styles(m, t)
+        styles = (_plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t) or delta_net_styles(m, t)
+                  or mamba_styles(m, t) or short_conv_styles(m, t))  # fmt: skip
         if styles and not any(r.fullmatch(n) for r in covered for n in (name, *(f"{name}.{c}" for c in styles))):
             out.update({f"{name}.{child}": style for child, style in styles.items()})
     return out
@@ -142,20 +146,39 @@ def _experts(m: nn.Module, t: int) -> bool:
     return True
 
 
+# MLPs by their projections' names: the styles that split them by intermediate features, and whether the names alone
+# say the activation acts feature by feature (else it is probed: _permutes_features): gated, LFM2's SwiGLU,
+# Nemotron-H's relu², Granite's shared MLP (packed, chunk(2))
+_MLPS = (({"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}, True),
+         ({"w1": "colwise", "w3": "colwise", "w2": "rowwise"}, True),
+         ({"up_proj": "colwise", "down_proj": "rowwise"}, False),
+         ({"input_linear": "packed_colwise", "output_linear": "rowwise"}, False))  # fmt: skip
+
+
 def _plain_mlp(m: nn.Module, t: int) -> dict[str, str] | None:
-    """``gate_proj`` and ``up_proj`` ``colwise``, ``down_proj`` ``rowwise``: a gated MLP of plain ``nn.Linear``s whose
-    intermediate features split over ``t`` ranks, with nothing else that learns but its activation."""
+    """The styles that split an MLP of plain ``nn.Linear``s by its intermediate features over ``t`` ranks (column
+    projections ``colwise``, or ``packed_colwise`` over two packed halves, the last ``rowwise``), with nothing else that
+    learns but its activation: a gated MLP by its names (``gate_proj``/``up_proj``/``down_proj``, LFM2's
+    ``w1``/``w3``/``w2``), an MLP of ``up_proj``/``down_proj`` (Nemotron-H's) or a packed one
+    (``input_linear``/``output_linear``, Granite's shared MLP) whose output the probe
+    :func:`_permutes_features` finds unchanged when its intermediate features are permuted."""
     children = dict(m.named_children())
-    projections = [children.get(n) for n in ("gate_proj", "up_proj", "down_proj")]
-    if not all(isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in projections):
-        return None
-    gate, up, down = projections
-    if not gate.out_features == up.out_features == down.in_features or gate.out_features % t:
-        return None
-    known = ("gate_proj", "up_proj", "down_proj", *ACTIVATION_NAMES)
-    if any(name not in known and any(True for _ in child.parameters()) for name, child in children.items()):
-        return None
-    return {"gate_proj": "colwise", "up_proj": "colwise", "down_proj": "rowwise"}
+    for styles, named in _MLPS:
+        layers = [children.get(n) for n in styles]
+        if not all(isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in layers):
+            continue
+        *columns, down = layers
+        halves = styles[next(iter(styles))] == "packed_colwise"
+        width = down.in_features
+        if any(c.out_features != width * (2 if halves else 1) for c in columns) or width % t:
+            return None
+        learning = [n for n, c in children.items() if any(True for _ in c.parameters())]
+        if any(n not in (*styles, *ACTIVATION_NAMES) for n in learning):
+            return None
+        if not named and not _permutes_features(m, next(iter(styles)), list(styles)[-1], halves):
+            return None
+        return dict(styles)
+    return None
 
 
 def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
@@ -179,10 +202,12 @@ def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
 def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     """The styles that split ``m`` by heads over ``t`` ranks, when it is attention of plain ``nn.Linear``
     projections whose heads (of its ``head_dim``) split evenly, with nothing else that learns but q/k norms and a
-    gate of its output (``gate_proj``, as wide as the queries)."""
+    gate of its output (``gate_proj`` or ``g_proj``, one value per query feature or per query head). The output
+    projection is ``o_proj``, or LFM2's ``out_proj``."""
     head_dim = getattr(m, "head_dim", None)
     children = dict(m.named_children())
-    projections = [children.get(n) for n in _PROJECTIONS]
+    out = "o_proj" if "o_proj" in children else "out_proj"  # LFM2's
+    projections = [children.get(n) for n in (*_PROJECTIONS[:3], out)]
     if not isinstance(head_dim, int) or not all(isinstance(p, nn.Linear) for p in projections):
         return None
     if any(type(p).forward is not nn.Linear.forward for p in projections):
@@ -193,19 +218,19 @@ def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     for width in (q.out_features, k.out_features):
         if width % head_dim or (width // head_dim) % t:
             return None
-    styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise"}
+    styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", out: "rowwise"}
     for name, child in children.items():
         if name in styles or not any(True for _ in child.parameters()):
             continue
         if name in _OUTPUT_GATES and isinstance(child, nn.Linear) and type(child).forward is nn.Linear.forward:
-            if child.out_features != q.out_features:
+            if child.out_features not in (q.out_features, q.out_features // head_dim):
                 return None
-            styles[name] = "colwise"  # a gate on each output feature of the attention: this rank's heads'
+            styles[name] = "colwise"  # a gate on each output feature or head of the attention: this rank's heads'
             continue
         weight = getattr(child, "weight", None)
         if name not in HEAD_NORM_NAMES or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
             return None
-        width = (q if name in ("q_norm", "query_layernorm") else k).out_features
+        width = (q if name in _QUERY_NORMS else k).out_features
         if weight.shape[0] == head_dim:
             styles[name] = "replicated_with_grad_allreduce"
         elif weight.shape[0] == width:
@@ -239,24 +264,30 @@ def fused_qkv_parts(attention: nn.Module) -> tuple[int, int, int] | None:
 
 def pairs_halves(mlp: nn.Module) -> bool:
     """Whether ``mlp`` pairs the two halves of its ``gate_up_proj`` output feature by feature before ``down_proj``
-    (so that each rank may keep the same features of both halves): probed on two random rows, its output unchanged
-    when the intermediate features are permuted in both halves and in ``down_proj``'s input alike. False for a module
-    of another shape or on the meta device."""
-    gate_up, down = getattr(mlp, "gate_up_proj", None), getattr(mlp, "down_proj", None)
-    if not isinstance(gate_up, nn.Linear) or not isinstance(down, nn.Linear):
+    (so that each rank may keep the same features of both halves): :func:`_permutes_features`."""
+    return _permutes_features(mlp, "gate_up_proj", "down_proj", halves=True)
+
+
+def _permutes_features(mlp: nn.Module, column: str, row: str, halves: bool) -> bool:
+    """Whether ``mlp``'s output is unchanged when the intermediate features between its ``column`` and ``row``
+    projections are permuted (in both halves of ``column``'s output alike, with ``halves``): probed on two random rows.
+    It holds for an activation that acts feature by feature (``act(gate)·up`` of two halves), and fails for
+    interleaved pairs or features mixed otherwise. False for a module of another shape or on the meta device."""
+    up, down = getattr(mlp, column, None), getattr(mlp, row, None)
+    if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear):
         return False
     width = down.in_features
-    w = gate_up.weight
-    if gate_up.out_features != 2 * width or w.device.type == "meta" or not w.is_floating_point():
+    w = up.weight
+    if up.out_features != width * (2 if halves else 1) or w.device.type == "meta" or not w.is_floating_point():
         return False
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(width, generator=gen).to(w.device)
-    both = torch.cat([perm, perm + width])
-    x = torch.randn(2, gate_up.in_features, generator=gen).to(w.device, w.dtype)
+    rows = torch.cat([perm, perm + width]) if halves else perm
+    x = torch.randn(2, up.in_features, generator=gen).to(w.device, w.dtype)
     names = {p: n for n, p in mlp.named_parameters()}
-    swapped = {names[w]: w[both], names[down.weight]: down.weight[:, perm]}
-    if gate_up.bias is not None:
-        swapped[names[gate_up.bias]] = gate_up.bias[both]
+    swapped = {names[w]: w[rows], names[down.weight]: down.weight[:, perm]}
+    if up.bias is not None:
+        swapped[names[up.bias]] = up.bias[rows]
     with torch.no_grad():
         want, got = mlp(x).float(), functional_call(mlp, swapped, (x,)).float()
     tol = 1e-4 if w.dtype == torch.float32 else 3e-2

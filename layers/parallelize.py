@@ -11,7 +11,8 @@ is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits th
 (:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads; attention, gated MLPs and
 experts the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`), and so is the
 Gated DeltaNet linear attention it gathers whole or leaves out (Qwen3.5, Qwen3-Next, OLMo-hybrid:
-:mod:`~tessel.layers.hf_linear_attention`).
+:mod:`~tessel.layers.hf_linear_attention`), and so are Mamba-2 mixers and LFM2's short convolutions
+(:mod:`~tessel.layers.hf_mixers`).
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)
@@ -28,11 +29,13 @@ nn.Embedding)
 norm (sequence_parallel)                           tessel RMSNorm/LayerNorm under sequence parallelism;
                                                    unchanged without it (its input is replicated)
 colwise_qkv                                        a fused [q; k; v] projection (Phi-3's qkv_proj, a Gated
-                                                   DeltaNet's in_proj_qkv), each part split by heads; its
-                                                   attention reads this rank's head counts from a view of
-                                                   its config (LocalHeadsConfig) or its own attributes
-colwise_conv                                       a Gated DeltaNet's depthwise conv1d over [q | k | v]
-                                                   channels: this rank's channels of each part
+                                                   DeltaNet's in_proj_qkv; a Mamba-2 or short-conv in_proj),
+                                                   each part split; its block reads this rank's head counts
+                                                   from a view of its config (LocalHeadsConfig) or its own
+                                                   attributes
+colwise_conv                                       a depthwise conv1d over packed channels ([q | k | v],
+                                                   [x | B | C]): this rank's channels of each part
+colwise_gated_norm                                 SplitGatedRMSNorm: a Mamba-2 mixer's gated norm
 colwise_norm                                       SplitRMSNorm: an RMS norm over features a column layer
                                                    splits (all-head q/k norms): weight ``r·N/t …``, its
                                                    mean of squares summed over the group
@@ -122,7 +125,15 @@ from .hf_experts import (
     reduce_parameter_grads,
     shard_experts,
 )
-from .hf_linear_attention import delta_net_updates, delta_parts, is_delta_net, split_depthwise_conv
+from .hf_linear_attention import delta_net_updates, is_delta_net, split_depthwise_conv
+from .hf_mixers import (
+    SplitGatedRMSNorm,
+    check_mixers_whole,
+    install_mamba_hooks,
+    is_mamba2,
+    mamba_updates,
+    packed_parts,
+)
 from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, local_head_updates
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
@@ -138,6 +149,7 @@ from .plan import (
     COLUMNS,
     EMBEDDING,
     EXPERTS,
+    GATED_NORM,
     GRAD_ALL_REDUCE,
     LATENT,
     MLA_KV_A,
@@ -211,6 +223,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
         e.gathered = in_block and e.kind in RING_COLUMNS and not e.latent_fed
     heads = _local_heads(model, entries, t)
+    check_mixers_whole(model, {e.name: e.kind for e in entries} | dict.fromkeys(head_params, COLUMN), t)
+    mixers = [(p, p.n_groups, getattr(p, "mup_vector", None)) for p, _ in heads if is_mamba2(p)]
     per_head = per_head_parameters(_attention_parents(model, entries), tp_group, head_params)
     for e in entries:
         e.new = _build(e, tp_group, overlap)
@@ -226,6 +240,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
             setattr(parent, attr, value)
     for parent, name, local in per_head:
         setattr(parent, name, local)
+    for mixer, groups, mup in mixers:
+        install_mamba_hooks(mixer, groups, mup, tp_group)
     if layout is not None:
         layout.install(model, tp_group, rings, cp_group)
     if isinstance(context, HFContextLayout):
@@ -317,6 +333,12 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
         if isinstance(parent, ParallelAttention):
             check_heads(parent_name, parent.n_head, parent.n_kv_head, t)
             continue
+        if is_mamba2(parent):  # its forward splits its channels by its head and group counts
+            if not is_mamba2(parent, t):
+                raise ValueError(f"parallelize: {parent_name}: its {parent.num_heads} heads and {parent.n_groups} "
+                                 f"groups do not split over {t} tensor-parallel ranks")  # fmt: skip
+            heads.append((parent, mamba_updates(parent, t)))
+            continue
         _check_head_widths(parent_name, parent, children, t)
         if is_delta_net(parent):  # linear attention: its forward splits its channels by its head counts
             if not is_delta_net(parent, t):
@@ -369,20 +391,28 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
             out = e.parts = (out // 2, out // 2)
         elif e.kind == COLUMN_QKV:
             parent = model.get_submodule(e.name.rpartition(".")[0])
-            out = e.parts = delta_parts(parent) if is_delta_net(parent) else fused_qkv_parts(parent)
+            out = e.parts = packed_parts(parent, e.name.rpartition(".")[2]) or fused_qkv_parts(parent)
             if out is None:
                 _fail(e, "expected the qkv_proj of an attention module whose config's num_attention_heads and "
-                         "num_key_value_heads and whose head_dim give its width (H + 2·Hkv)·head_dim")  # fmt: skip
+                         "num_key_value_heads and whose head_dim give its width (H + 2·Hkv)·head_dim, or the input "
+                         "projection of a Gated DeltaNet, Mamba-2 or short-convolution block")  # fmt: skip
         for n in (out,) if isinstance(out, int) else out:
             if n % t:
                 _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")
     elif e.kind == COLUMN_CONV:
-        parent = model.get_submodule(e.name.rpartition(".")[0])
-        if not is_delta_net(parent) or m is not parent.conv1d:
-            _fail(e, "expected the depthwise conv1d of a Gated DeltaNet block (tessel.layers.hf_linear_attention)")
-        e.parts = delta_parts(parent)
+        parent_name, _, leaf = e.name.rpartition(".")
+        e.parts = packed_parts(model.get_submodule(parent_name), leaf)
+        if e.parts is None:
+            _fail(e, "expected the depthwise convolution of a Gated DeltaNet, Mamba-2 or short-convolution block "
+                     "(tessel.layers.hf_linear_attention, tessel.layers.hf_mixers)")  # fmt: skip
         if any(n % t for n in e.parts):
-            _fail(e, f"its channels {e.parts} (q, k, v) do not split over the tensor-parallel size {t}")
+            _fail(e, f"its channels {e.parts} do not split over the tensor-parallel size {t}")
+    elif e.kind == GATED_NORM:
+        parent_name, _, leaf = e.name.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        if not is_mamba2(parent) or leaf != "norm":
+            _fail(e, "expected the gated norm of a Mamba-2 mixer (tessel.layers.hf_mixers)")
+        e.groups = parent.n_groups
     elif e.kind == MLA_KV_A:
         if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
             _fail(e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa) that does not override forward")
@@ -470,6 +500,8 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
             return SplitRMSNorm.from_module(e.module, tp_group=tp_group)
         except (TypeError, ValueError) as err:
             _fail(e, str(err))
+    if e.kind == GATED_NORM:
+        return SplitGatedRMSNorm.from_module(e.module, e.groups, tp_group)
     if e.kind == NORM and e.sequence_parallel and any(True for _ in e.module.parameters()):
         norm = sequence_parallel_norm(e.module, tp_group)
         if norm is None:  # a norm tessel's kernels do not reproduce keeps its forward; its grads are reduced

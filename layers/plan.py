@@ -20,7 +20,7 @@ COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colw
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
 EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
-COLUMN_QKV, COLUMN_CONV = "colwise_qkv", "colwise_conv"
+COLUMN_QKV, COLUMN_CONV, GATED_NORM = "colwise_qkv", "colwise_conv", "colwise_gated_norm"
 LATENT = "latent"  # not a style: a replicated projection of multi-head latent attention under sequence parallelism
 
 STYLES: dict[str, str] = {
@@ -36,6 +36,7 @@ STYLES: dict[str, str] = {
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
     "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM, COLUMN_QKV: COLUMN_QKV, COLUMN_CONV: COLUMN_CONV,
+    GATED_NORM: GATED_NORM,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
 SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT)
@@ -62,6 +63,7 @@ class Entry:
     splits: list[ExpertSplit] | None = None  # experts: how each parameter splits
     shards: dict[str, nn.Parameter] | None = None  # experts: this rank's parameters, installed in place
     parameter_styles: dict[str, tuple[str, str]] = field(default_factory=dict)  # experts: (glob, style) by name
+    groups: int | None = None  # colwise_gated_norm: the groups of its mixer's norm
     rope_dim: int | None = None  # mla_kv_a_proj: the width of the rotary key shared by every head
     expert_split: str = "features"  # experts: "features" or "experts"
     ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one

@@ -1,0 +1,362 @@
+"""Token mixers other than attention split over tensor-parallel ranks: Mamba-2 mixers (Bamba, Falcon-H1, Granite 4.0
+hybrid, Nemotron-H, Zamba 2's ``mamba``) by heads, and LFM2's short convolutions by channels.
+
+Hugging Face's plans leave these blocks out, so every rank would run every head of the scan, and sequence
+parallelism would have no column projection to gather the sequence. tessel splits them as Megatron-LM and vLLM split
+Mamba-2. The mixer of ``H`` heads of ``P`` features (``I = H·P``), ``G`` groups of B and C of ``N`` states each,
+projects its input once, ``in_proj → [z (I) | x (I) | B (G·N) | C (G·N) | dt (H)]``, convolves ``[x | B | C]``
+channel by channel, scans each head with its group's B and C, normalises ``y·silu(z)`` per group, and projects back:
+
+    in_proj     colwise_qkv over its five parts: this rank's I/t of z and of x, G·N/t of B and of C, H/t of dt
+    conv1d      colwise_conv over [x | B | C]: this rank's channels of each
+    A_log, dt_bias, D [H]: this rank's heads' values
+    norm        colwise_gated_norm (:class:`SplitGatedRMSNorm`): its weight ``r·I/t …``
+    out_proj    rowwise
+
+Head ``h`` reads group ``h // (H/G)``, so a contiguous share of the heads keeps its groups. When the groups split
+over the ranks (``G % t == 0``) each rank holds whole groups and nothing more travels than the two projections'.
+When they do not (``t % G == 0``: Bamba, Granite 4.0 and Falcon-H1 have ``G = 1``) the ``t/G`` ranks of a group each
+hold a share of its B and C: the block all-gathers them after ``in_proj`` (``2·G·N`` features a token, against the
+``H`` its output projection reduces) and keeps its own group, the convolution's B and C channels are gathered from
+their shards the same way, and the gated norm of a group that spans ranks sums its squares over them (one fp32 a
+token). Every parameter stays a shard of the whole (its gradient that of the dense model's rows), whatever ``G``.
+
+The mixer's head counts and widths (``num_heads``, ``intermediate_size``, ``n_groups``, ``conv_dim``), which its
+forward reads, take their local values; Falcon-H1's per-feature multipliers (``mup_vector``) keep this rank's
+features. In training Hugging Face fuses the whole block into one ``mamba_ssm`` kernel when that package is
+installed, reading ``out_proj``'s weight itself, which would skip the row layer's reduction: the split mixer runs its
+unfused path (the same ``mamba_ssm`` scan kernels where installed). Falcon-H1's scale of the mixer's input
+(``ssm_in_multiplier``) is applied to the input the mixer receives, where a sequence-parallel block gathers it from.
+
+LFM2's short convolution ``in_proj → [B | C | x]``, ``y = C · conv(B · x)``, ``out_proj`` mixes no channels with
+another: ``in_proj`` is ``colwise_qkv`` over its three parts, the depthwise ``conv`` ``colwise_conv``, ``out_proj``
+``rowwise``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..parallel.collectives import gather_from_sequence, sum_over_ranks
+from ..parallel.comm import group_rank, group_size
+from ..parallel.sharding import local_shard
+from .hf_linear_attention import delta_parts, is_delta_net
+
+__all__ = [
+    "SplitGatedRMSNorm",
+    "check_mixers_whole",
+    "install_mamba_hooks",
+    "is_mamba2",
+    "is_short_conv",
+    "mamba_parts",
+    "mamba_styles",
+    "mamba_updates",
+    "packed_parts",
+    "short_conv_styles",
+]
+
+_COUNTS = ("num_heads", "head_dim", "n_groups", "ssm_state_size", "intermediate_size", "conv_dim")
+_PER_HEAD = ("A_log", "dt_bias", "D")
+
+
+def _plain_linear(m) -> bool:
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
+def _depthwise(m, channels: int) -> bool:
+    return isinstance(m, nn.Conv1d) and m.groups == m.in_channels == m.out_channels == channels
+
+
+def _norm_kind(norm: nn.Module, width: int, groups: int) -> str | None:
+    """``"identity"``, ``"grouped"`` (Mamba-2's gated norm: ``group_size``, the gate applied before the norm, the
+    weight after the cast back), ``"falcon"`` (Falcon-H1's: ``n_groups``, ``norm_before_gate``, the weight in fp32),
+    or None for a norm tessel does not reproduce."""
+    if type(norm) is nn.Identity:
+        return "identity"
+    weight = getattr(norm, "weight", None)
+    if not isinstance(weight, nn.Parameter) or weight.shape != (width,) or len(list(norm.parameters())) != 1:
+        return None
+    if not isinstance(getattr(norm, "variance_epsilon", None), float):
+        return None
+    if getattr(norm, "group_size", None) == width // groups and not hasattr(norm, "norm_before_gate"):
+        return "grouped"
+    if getattr(norm, "n_groups", None) == groups and isinstance(getattr(norm, "norm_before_gate", None), bool):
+        return "falcon"
+    return None
+
+
+def is_mamba2(m: nn.Module, t: int = 1) -> bool:
+    """Whether ``m`` is a Hugging Face Mamba-2 mixer (the attributes and children the module's notes name, plain
+    projections, a gated norm tessel reproduces) whose heads split over ``t`` ranks with their groups (``G % t == 0``)
+    or their groups' shares (``t % G == 0``, B and C of ``G·N`` features divisible by ``t``)."""
+    counts = [getattr(m, n, None) for n in _COUNTS]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+        return False
+    heads, head_dim, groups, states, width, conv_dim = counts
+    if heads * head_dim != width or heads % groups or conv_dim != width + 2 * groups * states:
+        return False
+    in_proj, out_proj = getattr(m, "in_proj", None), getattr(m, "out_proj", None)
+    if not (_plain_linear(in_proj) and _plain_linear(out_proj) and _depthwise(getattr(m, "conv1d", None), conv_dim)):
+        return False
+    if in_proj.out_features != width + conv_dim + heads or out_proj.in_features != width:
+        return False
+    if not all(isinstance(p := getattr(m, n, None), nn.Parameter) and p.shape == (heads,) for n in _PER_HEAD):
+        return False
+    if _norm_kind(getattr(m, "norm", None) or nn.Identity(), width, groups) is None:
+        return False
+    mup = getattr(m, "mup_vector", None)
+    if mup is not None and (not isinstance(mup, torch.Tensor) or mup.shape[-1] != in_proj.out_features):
+        return False
+    if heads % t:
+        return False
+    return groups % t == 0 or (t % groups == 0 and groups * states % t == 0)
+
+
+def mamba_parts(m: nn.Module, child: str) -> tuple[int, ...]:
+    """The widths of the parts a Mamba-2 mixer's ``in_proj`` (z, x, B, C, dt) or ``conv1d`` (x, B, C) packs."""
+    bc = m.n_groups * m.ssm_state_size
+    if child == "in_proj":
+        return m.intermediate_size, m.intermediate_size, bc, bc, m.num_heads
+    return m.intermediate_size, bc, bc
+
+
+def mamba_styles(m: nn.Module, t: int) -> dict[str, str] | None:
+    """The styles that split ``m`` by heads over ``t`` ranks (as the module's notes lay out), when it is a Mamba-2
+    mixer whose heads split; None otherwise."""
+    if t < 2 or not is_mamba2(m, t):
+        return None
+    styles = {"in_proj": "colwise_qkv", "conv1d": "colwise_conv", "A_log": "colwise", "dt_bias": "colwise",
+              "D": "colwise", "out_proj": "rowwise"}  # fmt: skip
+    if any(True for _ in m.norm.parameters()):
+        styles["norm"] = "colwise_gated_norm"
+    return styles
+
+
+def check_mixers_whole(model: nn.Module, named: dict[str, str], t: int) -> None:
+    """Raise ``ValueError`` when a plan (``named``: module and parameter names → canonical styles) splits some of a
+    Mamba-2 mixer over ``t`` ranks and not all of it: its forward reads every part together, so each child and
+    per-head parameter of :func:`mamba_styles` must have its style."""
+    for parent in sorted({n.rpartition(".")[0] for n in named}):
+        m = model.get_submodule(parent)
+        styles = mamba_styles(m, t) if t > 1 and is_mamba2(m) else None
+        kinds = {n.rpartition(".")[2]: k for n, k in named.items() if n.rpartition(".")[0] == parent}
+        missing = {c: s for c, s in (styles or {}).items() if kinds.get(c) != s}
+        if missing:
+            raise ValueError(f"parallelize: {parent} is a Mamba-2 mixer whose plan splits some of it; it must also "
+                             f"split {missing} (tessel.layers.hf_mixers)")  # fmt: skip
+
+
+def packed_parts(parent: nn.Module, child: str) -> tuple[int, ...] | None:
+    """The widths of the parts that ``parent``'s ``child`` packs, each split on its own: a Gated DeltaNet's
+    ``in_proj_qkv`` and ``conv1d`` (q, k, v), a Mamba-2 mixer's ``in_proj`` (z, x, B, C, dt) and ``conv1d`` (x, B, C), a
+    short convolution's ``in_proj`` (B, C, x) and ``conv``; None for another module."""
+    if is_delta_net(parent) and child in ("in_proj_qkv", "conv1d"):
+        return delta_parts(parent)
+    if is_mamba2(parent) and child in ("in_proj", "conv1d"):
+        return mamba_parts(parent, child)
+    if is_short_conv(parent) and child in ("in_proj", "conv"):
+        return (parent.conv.in_channels,) * (3 if child == "in_proj" else 1)
+    return None
+
+
+def _local_groups(m: nn.Module, t: int) -> int:
+    return m.n_groups // t if m.n_groups % t == 0 else 1
+
+
+def mamba_updates(m: nn.Module, t: int) -> dict[str, int]:
+    """The mixer's head counts and widths on each of ``t`` ranks."""
+    if not is_mamba2(m, t):
+        raise ValueError(f"mamba_updates: expected a Mamba-2 mixer whose heads and groups split over {t} ranks, "
+                         f"received {type(m).__name__}")  # fmt: skip
+    groups, width = _local_groups(m, t), m.intermediate_size // t
+    updates = {"num_heads": m.num_heads // t, "intermediate_size": width, "n_groups": groups,
+               "conv_dim": width + 2 * groups * m.ssm_state_size}  # fmt: skip
+    if hasattr(m, "groups_time_state_size"):  # Falcon-H1's
+        updates["groups_time_state_size"] = groups * m.ssm_state_size
+    return updates
+
+
+def _own_group(shards: torch.Tensor, dim: int, states: int, groups: int, tp_group) -> torch.Tensor:
+    """``[B_r | C_r]`` along ``dim`` (this rank's ``G·N/t`` of each) → ``[B_g | C_g]``, the ``N`` features of this
+    rank's group ``g`` of each: all-gathered (backward: the ranks' gradients reduce-scattered onto the shards)."""
+    t, r = group_size(tp_group), group_rank(tp_group)
+    share = shards.shape[dim] // 2
+    full = gather_from_sequence(shards, tp_group, dim=dim)  # [B_0 | C_0 | B_1 | C_1 ...]
+    by_rank = full.unflatten(dim, (t, 2, share))
+    g = r * groups // t
+    parts = [by_rank.select(dim + 1, i).flatten(dim, dim + 1).narrow(dim, g * states, states) for i in (0, 1)]
+    return torch.cat(parts, dim)
+
+
+class _SharedGroups:
+    """The hooks of a mixer whose groups span ranks: ``in_proj``'s output and the convolution's B and C channels
+    become this rank's group's, gathered from the ranks' shards."""
+
+    def __init__(self, mixer: nn.Module, groups: int, tp_group):
+        self.groups, self.states, self.tp_group = groups, mixer.ssm_state_size, tp_group
+        self.x_width = mixer.intermediate_size  # local, as updated
+        self.saved: list[dict] = []
+
+    def projected(self, module, args, out: torch.Tensor) -> torch.Tensor:
+        a, share = 2 * self.x_width, self.groups * self.states // group_size(self.tp_group)
+        bc = _own_group(out[..., a : a + 2 * share], out.dim() - 1, self.states, self.groups, self.tp_group)
+        return torch.cat([out[..., :a], bc, out[..., a + 2 * share :]], -1)
+
+    def enter(self, conv: nn.Conv1d) -> None:
+        own = {}
+        for name in ("weight", "bias"):
+            p = conv._parameters.get(name)
+            if p is None:
+                continue
+            own[name] = p
+            bc = _own_group(p[self.x_width :], 0, self.states, self.groups, self.tp_group)
+            conv._parameters[name] = torch.cat([p[: self.x_width], bc])
+        self.saved.append(own)
+
+    def leave(self, conv: nn.Conv1d) -> None:
+        conv._parameters.update(self.saved.pop())
+
+
+def install_mamba_hooks(mixer: nn.Module, full_groups: int, mup: torch.Tensor | None, tp_group) -> None:
+    """After the split (the mixer's attributes local): the unfused path in training, the shared groups' hooks where
+    ``full_groups`` do not split over the group, and this rank's share of ``mup`` (Falcon-H1's ``mup_vector``)."""
+    t = group_size(tp_group)
+    shared = _SharedGroups(mixer, full_groups, tp_group) if full_groups % t else None
+    saved: list[bool] = []
+    scale = getattr(mixer, "ssm_in_multiplier", None)
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
+        mixer.ssm_in_multiplier = _UNIT  # Falcon-H1 scales its input inside: applied to the input the block
+    else:  # receives instead, where a sequence-parallel block's ring gathers it from
+        scale = None
+
+    def enter(m, args, kwargs):
+        if scale is not None:
+            if args:
+                args = (args[0] * scale, *args[1:])
+            else:
+                kwargs = {**kwargs, "hidden_states": kwargs["hidden_states"] * scale}
+        saved.append(m.training)
+        m.training = False  # Hugging Face's fused training kernel reads out_proj.weight and skips its reduction
+        if shared is not None:
+            shared.enter(m.conv1d)
+        return args, kwargs
+
+    def leave(m, args, kwargs, out):
+        m.training = saved.pop()
+        if shared is not None:
+            shared.leave(m.conv1d)
+
+    mixer.register_forward_pre_hook(enter, with_kwargs=True)
+    mixer.register_forward_hook(leave, with_kwargs=True, always_call=True)
+    if shared is not None:
+        mixer.in_proj.register_forward_hook(shared.projected)
+    if mup is not None:
+        width, heads = mixer.intermediate_size, mixer.num_heads  # local
+        states, share = mixer.ssm_state_size, full_groups * mixer.ssm_state_size // t
+        z, x, b, c, dt = mup.split([width * t, width * t, full_groups * states, full_groups * states, heads * t], -1)
+        r, g = group_rank(tp_group), group_rank(tp_group) * full_groups // t
+        own = [z.narrow(-1, r * width, width), x.narrow(-1, r * width, width)]
+        if shared is None:
+            own += [b.narrow(-1, r * share, share), c.narrow(-1, r * share, share)]
+        else:
+            own += [b.narrow(-1, g * states, states), c.narrow(-1, g * states, states)]
+        own.append(dt.narrow(-1, r * heads, heads))
+        mixer.register_buffer("mup_vector", torch.cat(own, -1).clone(), persistent=False)
+
+
+class _Unit:
+    """The multiplier 1 that gives back the tensor itself (``x * _UNIT is x``): a sequence-parallel block's projections
+    must receive the very tensor the block did."""
+
+    def __rmul__(self, x):
+        return x
+
+    __mul__ = __rmul__
+
+    def __repr__(self) -> str:
+        return "1"
+
+
+_UNIT = _Unit()
+
+
+class SplitGatedRMSNorm(nn.Module):
+    """A Mamba-2 mixer's gated RMS norm over ``groups`` groups of features that a column layer splits over
+    ``tp_group``: this rank's weight ``r·I/t …``. Each group is normalised over its features; a group that spans
+    ranks (``t % groups == 0``) sums its squares over them (one fp32 a token, its gradient summed back). ``kind`` is
+    Hugging Face's form (:func:`_norm_kind`): ``"grouped"`` gates before the norm and scales after the cast back,
+    ``"falcon"`` gates before or after (``norm_before_gate``) and scales in fp32."""
+
+    def __init__(self, weight: torch.Tensor, groups: int, eps: float, kind: str, norm_before_gate: bool, tp_group):
+        super().__init__()
+        t = group_size(tp_group)
+        width = weight.shape[0] * t
+        if kind not in ("grouped", "falcon") or not (groups % t == 0 or t % groups == 0) or width % groups:
+            raise ValueError(f"SplitGatedRMSNorm: expected kind 'grouped' or 'falcon' and groups that split over or "
+                             f"divide the {t} ranks, received kind={kind!r}, groups={groups}")  # fmt: skip
+        self.weight = nn.Parameter(weight)
+        self.weight.tensor_parallel, self.weight.tp_dim, self.weight.tp_parts = True, 0, (width,)
+        self.group_size, self.groups, self.variance_epsilon = width // groups, groups, eps
+        self.kind, self.norm_before_gate, self.tp_group = kind, norm_before_gate, tp_group
+
+    @classmethod
+    def from_module(cls, norm: nn.Module, groups: int, tp_group) -> SplitGatedRMSNorm:
+        """This rank's share of a Hugging Face gated norm over ``groups`` groups of its ``weight``'s features."""
+        kind = _norm_kind(norm, getattr(getattr(norm, "weight", None), "shape", (0,))[0], groups)
+        if kind not in ("grouped", "falcon"):
+            raise TypeError(f"SplitGatedRMSNorm.from_module: expected a Mamba-2 gated RMS norm over {groups} groups "
+                            f"(group_size, or Falcon-H1's n_groups and norm_before_gate), received {norm}")  # fmt: skip
+        t, r = group_size(tp_group), group_rank(tp_group)
+        width = norm.weight.shape[0]
+        if width % t:
+            raise ValueError(f"SplitGatedRMSNorm.from_module: {width} features do not split over {t} ranks")
+        shard = local_shard(norm.weight.detach(), 0, (width,), r, t).clone().requires_grad_(norm.weight.requires_grad)
+        return cls(shard, groups, norm.variance_epsilon, kind, bool(getattr(norm, "norm_before_gate", False)), tp_group)
+
+    def forward(self, hidden_states: torch.Tensor, gate: torch.Tensor | None = None) -> torch.Tensor:
+        dtype = hidden_states.dtype
+        gate_first = gate is not None and not (self.kind == "falcon" and self.norm_before_gate)
+        x = hidden_states.float()
+        if gate_first:
+            x = x * F.silu(gate.float())
+        t = group_size(self.tp_group)
+        if self.groups % t == 0:  # whole groups on this rank
+            grouped = x.unflatten(-1, (-1, self.group_size))
+            normed = (grouped * torch.rsqrt(grouped.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)).flatten(-2)
+        else:  # this rank's features are a share of one group: its squares summed over the group's ranks
+            g = group_rank(self.tp_group) * self.groups // t
+            one_hot = F.one_hot(torch.tensor(g, device=x.device), self.groups).to(x.dtype)
+            squares = sum_over_ranks(x.pow(2).sum(-1, keepdim=True) * one_hot, self.tp_group)[..., g : g + 1]
+            normed = x * torch.rsqrt(squares / self.group_size + self.variance_epsilon)
+        if self.kind == "grouped":
+            return self.weight * normed.to(dtype)
+        out = self.weight * normed
+        if gate is not None and not gate_first:
+            out = out * F.silu(gate.float())
+        return out.to(dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]} of {self.group_size * self.groups} features, {self.groups} groups, {self.kind}"
+
+
+def is_short_conv(m: nn.Module, t: int = 1) -> bool:
+    """Whether ``m`` is LFM2's short convolution (``in_proj`` to ``[B | C | x]``, a depthwise ``conv`` over the
+    ``D`` channels, ``out_proj`` from them, plain layers) whose channels split over ``t`` ranks."""
+    in_proj, out_proj, conv = (getattr(m, n, None) for n in ("in_proj", "out_proj", "conv"))
+    if not (_plain_linear(in_proj) and _plain_linear(out_proj) and isinstance(conv, nn.Conv1d)):
+        return False
+    channels = conv.in_channels
+    if not _depthwise(conv, channels) or in_proj.out_features != 3 * channels or out_proj.in_features != channels:
+        return False
+    others = {n for n, c in m.named_children() if any(True for _ in c.parameters())} - {"in_proj", "out_proj", "conv"}
+    return not others and not list(m.parameters(recurse=False)) and channels % t == 0
+
+
+def short_conv_styles(m: nn.Module, t: int) -> dict[str, str] | None:
+    """``in_proj`` ``colwise_qkv`` over ``[B | C | x]``, ``conv`` ``colwise_conv``, ``out_proj`` ``rowwise``, when ``m``
+    is a short convolution whose channels split over ``t`` ranks; None otherwise."""
+    if t < 2 or not is_short_conv(m, t):
+        return None
+    return {"in_proj": "colwise_qkv", "conv": "colwise_conv", "out_proj": "rowwise"}
