@@ -1,0 +1,209 @@
+"""``parallelize`` on Hugging Face hybrids whose layers mix tokens other than by attention
+(:mod:`tessel.layers.hf_mixers`): Mamba-2 mixers split by heads (Bamba, Falcon-H1, Granite 4.0 hybrid, Nemotron-H),
+with their groups of B and C whole on each rank (``G % t == 0``) or shared by several ranks (``t % G == 0``), and
+LFM2's short convolutions by channels. Each tiny model dense against parallelized on gloo ranks, with and without
+sequence parallelism: logits and every gradient shard (fp32, 1e-4 relative, as test_hf.py)."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.layers.test_hf import REFERENCE_KERNELS, VOCAB, _assert_unchanged, _check_against_dense, _state, needs_hf
+from tests.multiprocess import run_ranks
+
+MAMBA = "mamba"  # the mixer's name in the layer: Nemotron-H's is "mixer"
+
+
+def mamba_model(kind: str, groups: int = 1, kv_heads: int = 2, seed: int = 0):
+    """A tiny hybrid of one Mamba-2 layer (8 heads of ``P`` features, ``groups`` groups of 8 states, chunks of 4
+    tokens) and one attention layer, every parameter of the mixer away from its initial value. Falcon-H1 has its
+    gated norm, an input scale and per-part multipliers of ``in_proj``'s output; Granite 4.0 hybrid has experts
+    beside a shared MLP of one packed projection."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=kv_heads, head_dim=16, tie_word_embeddings=False, pad_token_id=0,
+                  attn_implementation="eager")  # fmt: skip
+    if kind == "nemotron_h":
+        config.update(layers_block_type=["mamba", "attention"], mamba_num_heads=8, mamba_head_dim=8, n_groups=groups,
+                      ssm_state_size=8, expand=1, chunk_size=4)  # fmt: skip
+    else:
+        config.update(mamba_n_heads=8, mamba_d_head=16, mamba_n_groups=groups, mamba_d_state=8, mamba_expand=2,
+                      mamba_chunk_size=4, mamba_proj_bias=True)  # fmt: skip
+    if kind == "bamba":
+        config.update(attn_layer_indices=[1])
+    elif kind == "granitemoehybrid":
+        config.update(layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+                      shared_intermediate_size=32)  # fmt: skip
+    elif kind == "falcon_h1":
+        config.update(mamba_d_ssm=128, mamba_rms_norm=True, ssm_in_multiplier=0.7,
+                      ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9])  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("norm", "dt_bias", "A_log", "conv1d.bias", ".D", "in_proj.bias")):
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def _mixer(model):
+    layer = model.model.layers[0]
+    return layer.mixer if hasattr(layer, "mixer") else layer.mamba
+
+
+def _check_mixer_shapes(mixer, t: int, heads: int, width: int, groups: int, states: int = 8):
+    local_groups = groups // t if groups % t == 0 else 1
+    assert (mixer.num_heads, mixer.intermediate_size, mixer.n_groups) == (heads // t, width // t, local_groups)
+    assert mixer.conv_dim == width // t + 2 * local_groups * states
+    # every parameter a shard of the whole: B and C too where ranks share their groups
+    assert mixer.in_proj.weight.shape[0] == (2 * width + 2 * groups * states + heads) // t
+    assert mixer.conv1d.weight.shape[0] == (width + 2 * groups * states) // t
+    assert mixer.A_log.shape == mixer.dt_bias.shape == mixer.D.shape == (heads // t,)
+    assert mixer.norm.weight.shape == (width // t,) and mixer.out_proj.weight.shape == (64, width // t)
+
+
+def _never_fused(model, kind):
+    """Hugging Face's fused training kernel (``mamba_ssm``'s) reads out_proj's weight itself, skipping the row
+    layer's reduction: the split mixer must never call it. Made to raise when given a split weight, as if the package
+    were installed (the dense model gets the fallback's None)."""
+    import importlib
+
+    module = importlib.import_module(type(_mixer(model)).__module__)
+    original = module.mamba2_split_conv1d_scan_combined
+
+    def fused(*args, outproj_weight=None, **kwargs):
+        if getattr(outproj_weight, "tensor_parallel", False):
+            raise AssertionError(f"{kind}: the split mixer called the fused training kernel")
+        return original(*args, outproj_weight=outproj_weight, **kwargs)
+
+    module.mamba2_split_conv1d_scan_combined = fused
+    return lambda: setattr(module, "mamba2_split_conv1d_scan_combined", original)
+
+
+def _mamba_ranks(rank, world_size, cases):
+    from tessel.layers.parallelize import parallelize
+
+    for kind, groups, kv_heads in cases:
+        heads, width = 8, 64 if kind == "nemotron_h" else 128
+        for sp in (False, True):
+            dense = mamba_model(kind, groups, kv_heads)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            _check_mixer_shapes(_mixer(par), world_size, heads, width, groups)
+            _check_against_dense(dense, par, f"{kind} G={groups} sp={sp}")
+        # in training, on the unfused path: the same logits and gradients
+        dense, par = mamba_model(kind, groups, kv_heads), parallelize(mamba_model(kind, groups, kv_heads), None)
+        restore = _never_fused(par, kind)
+        try:
+            _check_against_dense(dense.train(), par.train(), f"{kind} G={groups} training", use_cache=False)
+        finally:
+            restore()
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_mamba2_mixers_split_by_heads():
+    """Bamba with one group (each rank holds a share of its B and C and of the convolution's channels: gathered,
+    the gated norm's squares summed over the ranks) and with two (a group on each rank); Nemotron-H with two groups and
+    its relu² MLP; Falcon-H1 with one group, its gated norm, input scale and per-part multipliers; Granite 4.0 hybrid
+    with its experts and shared packed MLP."""
+    cases = [("bamba", 1, 2), ("bamba", 2, 2), ("nemotron_h", 2, 2), ("falcon_h1", 1, 2), ("granitemoehybrid", 1, 2)]
+    assert run_ranks(_mamba_ranks, 2, cases, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_mamba2_groups_shared_by_pairs_of_four_ranks():
+    """Four ranks, two groups: ranks 0 and 1 share group 0's B and C, ranks 2 and 3 group 1's (each rank's shard
+    gathered, only its group kept, the norm's squares summed over the pair); and four groups, one on each rank."""
+    cases = [("bamba", 2, 4), ("bamba", 4, 4)]
+    assert run_ranks(_mamba_ranks, 4, cases, timeout=1200, env=REFERENCE_KERNELS) == ["ok"] * 4
+
+
+def lfm_model(kind: str, seed: int = 0):
+    """A tiny LFM2 (LFM2-MoE, LFM3): short convolution, attention, short convolution, every convolution's bias and
+    norm away from its initial value. LFM2's attention names its output projection ``out_proj`` and its per-head
+    norms ``q_layernorm``/``k_layernorm``; its MLP is ``w1``/``w3``/``w2``; LFM3 gates its attention head by head
+    (``g_proj``)."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0, attn_implementation="eager",
+                  layer_types=["conv", "full_attention", "conv"], conv_bias=True)  # fmt: skip
+    if kind == "lfm2_moe":
+        config.update(num_dense_layers=1, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+    if kind != "lfm3":
+        config.update(block_auto_adjust_ff_dim=False)
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "norm" in name or "conv.bias" in name:
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def _lfm_ranks(rank, world_size):
+    from tessel.layers.linear import ColumnParallelLinear, RowParallelLinear
+    from tessel.layers.parallelize import parallelize
+
+    for kind in ("lfm2", "lfm2_moe", "lfm3"):
+        for sp in (False, True):
+            dense = lfm_model(kind)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            conv, attention = par.model.layers[0].conv, par.model.layers[1].self_attn
+            assert conv.in_proj.weight.shape == (3 * 64 // world_size, 64) and conv.out_proj.weight.shape == (64, 32)
+            assert conv.conv.weight.shape[0] == 64 // world_size
+            out = attention.o_proj if kind == "lfm3" else attention.out_proj
+            assert isinstance(attention.q_proj, ColumnParallelLinear) and isinstance(out, RowParallelLinear)
+            if kind == "lfm3":  # one gate per head: this rank's heads'
+                assert attention.g_proj.weight.shape == (4 // world_size, 64)
+            if kind != "lfm2_moe":
+                assert par.model.layers[0].feed_forward.w2.weight.shape == (64, 96 // world_size)
+            _check_against_dense(dense, par, f"{kind} sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_lfm2_short_convolutions_and_attention_split():
+    """LFM2's short convolution by channels (``in_proj`` over its three parts B, C, x; the depthwise convolution;
+    ``out_proj``), its attention by heads and its MLP by features; LFM2-MoE's experts beside them (their block receives
+    a contiguous shard under sequence parallelism, which it views as tokens); LFM3's per-head output gate."""
+    assert run_ranks(_lfm_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def _refusals(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    model = mamba_model("bamba")
+    before, types = _state(model), [type(m) for m in model.modules()]
+    plan = {"model.layers.0.mamba.in_proj": "colwise_qkv", "model.layers.0.mamba.out_proj": "rowwise"}
+    with pytest.raises(ValueError, match=r"model\.layers\.0\.mamba is a Mamba-2 mixer whose plan splits some of it; "
+                                         r"it must also split .*'conv1d': 'colwise_conv'"):  # fmt: skip
+        parallelize(model, None, plan=plan)
+    _assert_unchanged(model, before, types)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_a_mixer_split_in_part_is_refused_before_anything_changes():
+    assert run_ranks(_refusals, 2, timeout=300) == ["ok", "ok"]
+
+
+def test_the_mixer_helpers_refuse_what_they_do_not_split():
+    from tessel.layers.hf_mixers import SplitGatedRMSNorm, mamba_updates
+
+    with pytest.raises(ValueError, match=r"mamba_updates: expected a Mamba-2 mixer .* received Linear"):
+        mamba_updates(torch.nn.Linear(2, 2), 2)
+    with pytest.raises(TypeError, match=r"SplitGatedRMSNorm\.from_module: expected a Mamba-2 gated RMS norm over 1 "
+                                        r"groups .* received LayerNorm"):  # fmt: skip
+        SplitGatedRMSNorm.from_module(torch.nn.LayerNorm(8), 1, None)
+    with pytest.raises(ValueError, match=r"SplitGatedRMSNorm: expected kind 'grouped' or 'falcon' .* received "
+                                         r"kind='layer'"):  # fmt: skip
+        SplitGatedRMSNorm(torch.ones(4), 1, 1e-6, "layer", False, None)
