@@ -42,7 +42,10 @@ that (:data:`EAGER_FAMILIES`). FLOPs count each layer's keys (:func:`attention_w
 full-attention one (:func:`_linear_attention_config`), split by heads under tensor parallelism
 (:mod:`~tessel.layers.hf_linear_attention`); it trains under tp/sp and dp, not cp or pp
 (:data:`LINEAR_ATTENTION_FAMILIES`). Its recurrence runs Hugging Face's kernels (``fla`` where installed, its torch
-fallback otherwise).
+fallback otherwise). ``--hf bamba``: Bamba's design, three Mamba-2 layers to each attention layer
+(:func:`_state_space_config`), the mixers split by heads (:mod:`~tessel.layers.hf_mixers`), the same layouts; its scan
+runs ``mamba_ssm``'s kernels where installed, Hugging Face's torch fallback otherwise. FLOPs count neither
+recurrence.
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -83,7 +86,7 @@ __all__ = [
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
-               "qwen3_5": "Qwen3_5"}  # fmt: skip
+               "qwen3_5": "Qwen3_5", "bamba": "Bamba"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text"}
@@ -98,9 +101,10 @@ BIASED_FAMILIES = ("deepseek_v3",)
 WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
-# The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention), which
-# context parallelism does not take and whose recurrences pipeline stages do not carry
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5",)
+# The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention) or Mamba-2
+# mixers (tessel.layers.hf_mixers), which context parallelism does not take and whose recurrences pipeline stages do
+# not carry
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "bamba")
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
 ALTERNATING_WINDOWS = {"gpt_oss": 128}
@@ -135,8 +139,10 @@ def _hf_config(args, c: GPTConfig, attention: str):
     kw.update(_experts_config(args, c))
     if args.hf == "deepseek_v3":
         kw.update(_latent_attention_config(c))
-    if args.hf in LINEAR_ATTENTION_FAMILIES:
+    if args.hf == "qwen3_5":
         kw.update(_linear_attention_config(c))
+    if args.hf == "bamba":
+        kw.update(_state_space_config(c))
     if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
         kw["sliding_window"] = c.sliding_window
         if c.sliding_window is not None:
@@ -162,6 +168,16 @@ def _linear_attention_config(c: GPTConfig) -> dict:
     d = c.n_embd // c.n_head
     return {"linear_num_key_heads": max(1, c.n_head // 2), "linear_num_value_heads": c.n_head,
             "linear_key_head_dim": d, "linear_value_head_dim": d}  # fmt: skip
+
+
+def _state_space_config(c: GPTConfig) -> dict:
+    """Mamba-2 mixers of Bamba's proportions (Bamba-9B: 128 heads of 64 features, twice the width, one group of B and
+    C of 128 states, chunks of 256 tokens) at the preset's shape: heads of the preset's head dim over twice its width,
+    one group; three Mamba-2 layers to each attention layer."""
+    d = c.n_embd // c.n_head
+    return {"mamba_n_heads": 2 * c.n_embd // d, "mamba_d_head": d, "mamba_expand": 2, "mamba_n_groups": 1,
+            "mamba_d_state": 128, "mamba_chunk_size": 256, "mamba_d_conv": 4,
+            "attn_layer_indices": list(range(3, c.n_layer, 4))}  # fmt: skip
 
 
 def _latent_attention_config(c: GPTConfig) -> dict:
@@ -307,9 +323,9 @@ def refused_options(args) -> str | None:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
     if args.hf in LINEAR_ATTENTION_FAMILIES and (args.cp > 1 or args.pp > 1):
-        return (f"--hf {args.hf} mixes tokens by linear attention in most layers: it trains under --tp (with "
-                "--sequence-parallel) and --dp, not --cp (each rank's recurrence would see its share of the tokens "
-                "alone) or --pp (its stages are not built)")  # fmt: skip
+        return (f"--hf {args.hf} mixes tokens by linear attention or state spaces in most layers: it trains under "
+                "--tp (with --sequence-parallel) and --dp, not --cp (each rank's recurrence would see its share of the "
+                "tokens alone) or --pp (its stages are not built)")  # fmt: skip
     biased = args.hf in BIASED_FAMILIES
     if biased and (args.aux_loss_coef > 0 or args.z_loss_coef > 0):
         return (f"--hf {args.hf} balances its experts by their routing biases (--expert-bias-rate, DeepSeek-V3 uses "

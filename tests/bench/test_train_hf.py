@@ -372,7 +372,42 @@ def test_qwen3_5_trains_its_linear_attention_split_by_heads(tmp_path):
         assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
     for layout in (["--cp", "2"], ["--pp", "2"]):
         proc = _train(tmp_path / "refused", *QWEN3_5, *layout, nproc=2)
-        assert proc.returncode == 2 and "mixes tokens by linear attention in most layers" in proc.stderr, proc.stderr
+        assert proc.returncode == 2 and "mixes tokens by linear attention or state spaces" in proc.stderr, proc.stderr
+
+
+BAMBA = ["--hf", "bamba", "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_bamba_trains_its_mamba2_mixers_split_by_heads(tmp_path):
+    """--hf bamba: three Mamba-2 layers to each attention layer, one group of B and C (shared by the tensor-parallel
+    ranks). The single process's curve as Hugging Face computes it, at tp=2 with and without sequence parallelism (the
+    mixers split by heads), and over two data-parallel ranks under ZeRO-2; --cp and --pp are refused."""
+    proc = _ok(_train(tmp_path / "one", *BAMBA))
+    assert "Hugging Face Bamba tiny" in proc.stdout
+    one = _losses(tmp_path / "one")
+    layouts = {"baseline": (["--hf-baseline"], 1), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
+               "tp2": (["--tp", "2"], 2), "dp2": (["--dp", "2", "--zero", "2"], 2)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *BAMBA, *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    proc = _train(tmp_path / "refused", *BAMBA, "--cp", "2", nproc=2)
+    assert proc.returncode == 2 and "mixes tokens by linear attention or state spaces" in proc.stderr, proc.stderr
+
+
+def test_bamba_takes_its_mixers_from_the_preset():
+    """Heads of the preset's head dim over twice its width, one group; an attention layer after each three Mamba-2
+    layers, whose attention alone the FLOPs count."""
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import _hf_config, attention_windows
+    from tessel.layers.gpt import GPTConfig
+
+    c = GPTConfig(vocab_size=256, n_layer=8, n_head=4, n_embd=64, block_size=64, mlp_hidden=96)
+    config = _hf_config(parse_args(BAMBA), c, "sdpa")
+    assert config.model_type == "bamba" and config.attn_layer_indices == [3, 7]
+    assert (config.mamba_n_heads, config.mamba_d_head, config.mamba_n_groups, config.mamba_expand) == (8, 16, 1, 2)
+    assert attention_windows(config) == [0, 0, 0, None] * 2
 
 
 def test_qwen3_5_takes_its_heads_from_the_preset():
