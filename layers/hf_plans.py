@@ -18,6 +18,8 @@ its all-reduce. The plan does so where splitting needs more than a linear layer 
   once per module, on a copy of its weights with the intermediate features permuted (gate and up alike): the
   output must not change, which holds for ``act(gate)·up`` of the two halves and fails for interleaved pairs.
 
+- **differential attention** (DiffLlama: head ``i`` paired with head ``i + H/2``): each half of the heads split over
+  the ranks, so that every pair stays on one rank (:func:`_differential_attention`).
 - **attention, MLPs or experts the plan does not name** (Phi-3.5-MoE, Granite-MoE, Hunyuan-MoE, DeepSeek-V3, Afmoe,
   whose plans split the MLPs or experts alone; GPT-OSS, whose plan splits its embedding alone): every rank would run
   every head and every expert's every feature, and sequence parallelism would have no projection to gather the
@@ -127,10 +129,12 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
             continue
         if t < 2 or not name:
             continue
-        styles = (_plain_attention(m, t) or _latent_attention(m, t) or _plain_mlp(m, t) or delta_net_styles(m, t)
-                  or mamba_styles(m, t) or short_conv_styles(m, t))  # fmt: skip
-        if styles and not any(r.fullmatch(n) for r in covered for n in (name, *(f"{name}.{c}" for c in styles))):
-            out.update({f"{name}.{child}": style for child, style in styles.items()})
+        detectors = (_differential_attention, _plain_attention, _latent_attention, _plain_mlp, delta_net_styles,
+                     mamba_styles, short_conv_styles)  # fmt: skip
+        styles = next((found for detect in detectors if (found := detect(m, t))), None)
+        names = {child: f"{name}.{child}" if child else name for child in styles or ()}  # "": the module itself
+        if styles and not any(r.fullmatch(n) for r in covered for n in (name, *names.values())):
+            out.update({names[child]: style for child, style in styles.items()})
     return out
 
 
@@ -199,7 +203,32 @@ def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     return {query: "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise", "o_proj": "rowwise"}
 
 
+_LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")
+
+
+def _differential_attention(m: nn.Module, t: int) -> dict[str, str] | None:
+    """Differential attention (DiffLlama's: ``softmax(Q₁K₁ᵀ) − λ·softmax(Q₂K₂ᵀ)``, query head ``i`` paired with head
+    ``i + H/2``, the values' first and second halves of kv heads with each), split over ``t`` ranks by pairs: q, k and
+    v ``packed_colwise`` (this rank's share of each half of the heads, so its pairs stay on it), ``o_proj`` ``rowwise``
+    (its input is pair by pair), and the module's own ``λ`` vectors, which every head shares,
+    ``replicated_with_grad_allreduce``. None when ``m`` is not such a module or its halves do not split."""
+    if not all(isinstance(getattr(m, n, None), nn.Parameter) for n in _LAMBDAS) or not hasattr(m, "groupnorm"):
+        return None
+    styles = _head_styles(m, 2 * t)  # each half of the heads splits over t
+    if styles is None or set(styles) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
+        return None
+    if {n for n, _ in m.named_parameters(recurse=False)} != set(_LAMBDAS):
+        return None
+    return {"q_proj": "packed_colwise", "k_proj": "packed_colwise", "v_proj": "packed_colwise", "o_proj": "rowwise",
+            "": "replicated_with_grad_allreduce"}  # fmt: skip
+
+
 def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
+    """:func:`_head_styles` of attention that does not pair its heads (as differential attention does)."""
+    return None if any(hasattr(m, n) for n in _LAMBDAS) else _head_styles(m, t)
+
+
+def _head_styles(m: nn.Module, t: int) -> dict[str, str] | None:
     """The styles that split ``m`` by heads over ``t`` ranks, when it is attention of plain ``nn.Linear``
     projections whose heads (of its ``head_dim``) split evenly, with nothing else that learns but q/k norms and a
     gate of its output (``gate_proj`` or ``g_proj``, one value per query feature or per query head). The output

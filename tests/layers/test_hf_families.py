@@ -34,13 +34,14 @@ FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", 
 WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
 
 
-def family_model(kind: str, seed: int = 0):
+def family_model(kind: str, seed: int = 0, **config):
     import transformers
 
     kw = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
               eos_token_id=2, attn_implementation="eager", num_experts=4, num_local_experts=4, num_experts_per_tok=2,
               moe_intermediate_size=32)  # fmt: skip
+    kw.update(config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **kw)).eval()
     with torch.no_grad():  # norms and activations away from their initial values, which hide wrong formulas
@@ -69,6 +70,38 @@ def _families_ranks(rank, world_size, families):
 @needs_hf
 def test_families_match_dense_on_two_ranks():
     assert run_ranks(_families_ranks, 2, FAMILIES, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def _diffllama_ranks(rank, world_size):
+    from tessel.layers.linear import ColumnParallelLinear
+    from tessel.layers.parallelize import parallelize
+
+    for sp in (False, True):
+        dense = family_model("diffllama", num_key_value_heads=4)
+        with torch.no_grad():  # λ = exp(λq1·λk1) − exp(λq2·λk2) + λ_init away from its initial value
+            for name, p in dense.named_parameters():
+                if "lambda" in name:
+                    p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(len(name))) * 0.3)
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+        attention, whole = par.model.layers[0].self_attn, dense.model.layers[0].self_attn
+        # this rank's share of each half of the heads: head i stays with its partner i + H/2
+        assert torch.equal(attention.q_proj.weight, whole.q_proj.weight.view(2, 2, 16, 64)[:, rank].reshape(32, 64))
+        assert attention.k_proj.weight.shape == attention.v_proj.weight.shape == (32, 64)
+        assert attention.o_proj.weight.shape == (64, 32)
+        _check_against_dense(dense, par, f"diffllama sp={sp}")
+    # two kv heads: a half of one head per rank would not split; the attention stays whole
+    par = parallelize(family_model("diffllama"), None)
+    assert not isinstance(par.model.layers[0].self_attn.q_proj, ColumnParallelLinear)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_diffllama_keeps_its_head_pairs_on_each_rank():
+    """DiffLlama's differential attention pairs query head i with head i + H/2 and the first and second halves of its
+    kv heads; its plan splits only the embedding. tessel splits each half of the heads (q, k, v ``packed_colwise``),
+    the output by pairs, and sums its shared λ vectors' gradients over the ranks."""
+    assert run_ranks(_diffllama_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
 @needs_hf
