@@ -463,9 +463,10 @@ def per_head_parameters(
             p = parent._parameters.get(name)
             if p is None or t == 1:
                 continue
-            if p.dim() != 1 or p.shape[0] % t:
-                raise ValueError(f"parallelize: {parent_name}.{name} of shape {list(p.shape)} holds one value per "
-                                 f"query head, which must split over {t} tensor-parallel ranks")  # fmt: skip
+            if p.dim() == 0 or p.shape[0] % t:
+                raise ValueError(f"parallelize: {parent_name}.{name} of shape {list(p.shape)} holds one value (or "
+                                 f"row) per query head or channel, which must split over {t} tensor-parallel "
+                                 f"ranks")  # fmt: skip
             local = nn.Parameter(local_shard(p.detach(), 0, (p.shape[0],), r, t).clone(), requires_grad=p.requires_grad)
             local.tensor_parallel, local.tp_dim, local.tp_parts = True, 0, (p.shape[0],)
             shards.append((parent, name, local))

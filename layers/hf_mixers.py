@@ -28,6 +28,22 @@ installed, reading ``out_proj``'s weight itself, which would skip the row layer'
 unfused path (the same ``mamba_ssm`` scan kernels where installed). Falcon-H1's scale of the mixer's input
 (``ssm_in_multiplier``) is applied to the input the mixer receives, where a sequence-parallel block gathers it from.
 
+Jamba's Mamba (Mamba-1) mixer of ``I`` channels, ``N`` states and a time step of rank ``R``, ``in_proj → [x | z]``,
+convolves x, projects it to ``[dt (R) | B (N) | C (N)]`` (``x_proj``, over every channel), normalises each, widens dt
+back to the channels (``dt_proj``) and scans channel by channel:
+
+    in_proj     packed_colwise over [x | z]: this rank's I/t of each
+    conv1d      colwise_conv: this rank's channels
+    x_proj      rowwise_shared (:class:`SharedRowLinear`): its input columns, the sum replicated (R + 2N a token),
+                which every rank's channels read
+    dt_layernorm, b_layernorm, c_layernorm: whole, their gradients summed over the group
+    dt_proj     colwise (its weight and bias, which the mixer reads itself: this rank's channels)
+    A_log [I, N], D [I]: this rank's channels' rows
+    out_proj    rowwise
+
+Under sequence parallelism ``x_proj`` and ``dt_proj`` read the whole sequence inside the block
+(:func:`inner_projections`).
+
 LFM2's short convolution ``in_proj → [B | C | x]``, ``y = C · conv(B · x)``, ``out_proj`` mixes no channels with
 another: ``in_proj`` is ``colwise_qkv`` over its three parts, the depthwise ``conv`` ``colwise_conv``, ``out_proj``
 ``rowwise``.
@@ -39,20 +55,25 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..parallel.collectives import gather_from_sequence, sum_over_ranks
+from ..parallel.collectives import copy_to_tp, gather_from_sequence, sum_over_ranks
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 from .hf_linear_attention import delta_parts, is_delta_net
+from .linear import RowParallelLinear
 
 __all__ = [
+    "SharedRowLinear",
     "SplitGatedRMSNorm",
     "check_mixers_whole",
     "install_mamba_hooks",
+    "is_mamba1",
     "is_mamba2",
     "is_short_conv",
+    "mamba1_styles",
     "mamba_parts",
     "mamba_styles",
     "mamba_updates",
+    "mixer_updates",
     "packed_parts",
     "short_conv_styles",
 ]
@@ -148,6 +169,73 @@ def check_mixers_whole(model: nn.Module, named: dict[str, str], t: int) -> None:
                              f"split {missing} (tessel.layers.hf_mixers)")  # fmt: skip
 
 
+_MAMBA1 = ("intermediate_size", "ssm_state_size", "time_step_rank")
+_MAMBA1_NORMS = ("dt_layernorm", "b_layernorm", "c_layernorm")
+
+
+def is_mamba1(m: nn.Module, t: int = 1) -> bool:
+    """Whether ``m`` is a Hugging Face Mamba (Mamba-1) mixer such as Jamba's (the attributes and children the module's
+    notes name, plain projections, norms of the time step and of B and C or none) whose channels split over ``t``."""
+    counts = [getattr(m, n, None) for n in _MAMBA1]
+    if not all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in counts):
+        return False
+    width, states, rank = counts
+    layers = [getattr(m, n, None) for n in ("in_proj", "x_proj", "dt_proj", "out_proj")]
+    if not all(_plain_linear(p) for p in layers) or not _depthwise(getattr(m, "conv1d", None), width):
+        return False
+    in_proj, x_proj, dt_proj, out_proj = layers
+    shapes = [(in_proj.out_features, 2 * width), (x_proj.in_features, width), (x_proj.out_features, rank + 2 * states),
+              (dt_proj.in_features, rank), (dt_proj.out_features, width), (out_proj.in_features, width)]  # fmt: skip
+    a_log, d = getattr(m, "A_log", None), getattr(m, "D", None)
+    if any(a != b for a, b in shapes) or not (isinstance(a_log, nn.Parameter) and a_log.shape == (width, states)):
+        return False
+    learning = {n for n, c in m.named_children() if any(True for _ in c.parameters())}
+    allowed = {"in_proj", "x_proj", "dt_proj", "out_proj", "conv1d", *_MAMBA1_NORMS}
+    return isinstance(d, nn.Parameter) and d.shape == (width,) and learning <= allowed and width % t == 0
+
+
+def mamba1_styles(m: nn.Module, t: int) -> dict[str, str] | None:
+    """The styles that split ``m`` by channels over ``t`` ranks (as the module's notes lay out), when it is a Mamba-1
+    mixer whose channels split; None otherwise."""
+    if t < 2 or not is_mamba1(m, t):
+        return None
+    styles = {"in_proj": "packed_colwise", "conv1d": "colwise_conv", "x_proj": "rowwise_shared", "dt_proj": "colwise",
+              "A_log": "colwise", "D": "colwise", "out_proj": "rowwise"}  # fmt: skip
+    for name in _MAMBA1_NORMS:
+        if any(True for _ in getattr(m, name, nn.Identity()).parameters()):
+            styles[name] = "replicated_with_grad_allreduce"
+    return styles
+
+
+def inner_projections(parent: nn.Module) -> tuple[str, ...]:
+    """The split projections of ``parent`` that read another of its tensors than its input, which a sequence-parallel
+    block does not gather for them: a Mamba-1 mixer's ``x_proj`` and ``dt_proj``."""
+    return ("x_proj", "dt_proj") if is_mamba1(parent) else ()
+
+
+class SharedRowLinear(RowParallelLinear):
+    """A row-parallel layer inside a block whose ranks each read its whole (summed) output with their own share of
+    the block (a Mamba-1 mixer's ``x_proj``): forward, this rank's input columns and the sum over the group, as
+    :class:`~tessel.layers.RowParallelLinear`; backward, the ranks' gradients of the output are summed too
+    (``copy_to_tp``), each being a share."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return copy_to_tp(super().forward(x), self.tp_group)
+
+
+def mixer_updates(m: nn.Module, t: int) -> dict[str, int] | None:
+    """The attributes a split mixer's forward reads, with their values on each of ``t`` ranks (a Mamba-2 mixer's
+    :func:`mamba_updates`; a Mamba-1 mixer's ``intermediate_size``), None for another module; raises ``ValueError``
+    for a mixer that does not split over ``t``."""
+    if is_mamba2(m):
+        return mamba_updates(m, t)
+    if is_mamba1(m):
+        if not is_mamba1(m, t):
+            raise ValueError(f"its {m.intermediate_size} channels do not split over {t} tensor-parallel ranks")
+        return {"intermediate_size": m.intermediate_size // t}
+    return None
+
+
 def packed_parts(parent: nn.Module, child: str) -> tuple[int, ...] | None:
     """The widths of the parts that ``parent``'s ``child`` packs, each split on its own: a Gated DeltaNet's
     ``in_proj_qkv`` and ``conv1d`` (q, k, v), a Mamba-2 mixer's ``in_proj`` (z, x, B, C, dt) and ``conv1d`` (x, B, C), a
@@ -156,6 +244,8 @@ def packed_parts(parent: nn.Module, child: str) -> tuple[int, ...] | None:
         return delta_parts(parent)
     if is_mamba2(parent) and child in ("in_proj", "conv1d"):
         return mamba_parts(parent, child)
+    if is_mamba1(parent) and child == "conv1d":
+        return (parent.intermediate_size,)
     if is_short_conv(parent) and child in ("in_proj", "conv"):
         return (parent.conv.in_channels,) * (3 if child == "in_proj" else 1)
     return None
@@ -169,7 +259,8 @@ def mamba_updates(m: nn.Module, t: int) -> dict[str, int]:
     """The mixer's head counts and widths on each of ``t`` ranks."""
     if not is_mamba2(m, t):
         raise ValueError(f"mamba_updates: expected a Mamba-2 mixer whose heads and groups split over {t} ranks, "
-                         f"received {type(m).__name__}")  # fmt: skip
+                         f"received {type(m).__name__}" + (f" of {m.num_heads} heads and {m.n_groups} groups"
+                                                           if is_mamba2(m) else ""))  # fmt: skip
     groups, width = _local_groups(m, t), m.intermediate_size // t
     updates = {"num_heads": m.num_heads // t, "intermediate_size": width, "n_groups": groups,
                "conv_dim": width + 2 * groups * m.ssm_state_size}  # fmt: skip

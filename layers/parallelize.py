@@ -11,7 +11,7 @@ is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits th
 (:func:`~tessel.layers.hf_plans.head_split_plan`), so each rank computes only its heads; attention, gated MLPs and
 experts the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`), and so is the
 Gated DeltaNet linear attention it gathers whole or leaves out (Qwen3.5, Qwen3-Next, OLMo-hybrid:
-:mod:`~tessel.layers.hf_linear_attention`), and so are Mamba-2 mixers and LFM2's short convolutions
+:mod:`~tessel.layers.hf_linear_attention`), and so are Mamba-2 and Mamba-1 mixers and LFM2's short convolutions
 (:mod:`~tessel.layers.hf_mixers`).
 
 =================================================  ===================================================
@@ -36,6 +36,8 @@ colwise_qkv                                        a fused [q; k; v] projection 
 colwise_conv                                       a depthwise conv1d over packed channels ([q | k | v],
                                                    [x | B | C]): this rank's channels of each part
 colwise_gated_norm                                 SplitGatedRMSNorm: a Mamba-2 mixer's gated norm
+rowwise_shared                                     SharedRowLinear: a row layer whose summed output each
+                                                   rank's share of its block reads (Mamba-1's x_proj)
 colwise_norm                                       SplitRMSNorm: an RMS norm over features a column layer
                                                    splits (all-head q/k norms): weight ``r·N/t …``, its
                                                    mean of squares summed over the group
@@ -127,11 +129,13 @@ from .hf_experts import (
 )
 from .hf_linear_attention import delta_net_updates, is_delta_net, split_depthwise_conv
 from .hf_mixers import (
+    SharedRowLinear,
     SplitGatedRMSNorm,
     check_mixers_whole,
+    inner_projections,
     install_mamba_hooks,
     is_mamba2,
-    mamba_updates,
+    mixer_updates,
     packed_parts,
 )
 from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, local_head_updates
@@ -159,12 +163,14 @@ from .plan import (
     PACKED_COLUMN,
     RING_COLUMNS,
     ROW,
+    ROW_SHARED,
     ROW_SPLIT,
     SPLIT_LINEAR,
     STYLES,
     Entry,
     match_plan,
     own_plan,
+    tied_parameters,
 )
 
 __all__ = ["STYLES", "parallelize"]
@@ -229,7 +235,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     for e in entries:
         e.new = _build(e, tp_group, overlap)
     rings = _rings(layout, entries, tp_group) if layout is not None else {}
-    ties = _ties(model, entries)
+    ties = tied_parameters(model, entries)
     balanced = is_hf_model(model) and balanced_blocks(model)  # checked here: raises before any change
     # ---- nothing of the model has changed above this line ----
     _install(model, entries, tp_group)
@@ -268,6 +274,9 @@ def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout
     rank's tokens (style ``replicated_with_grad_allreduce``)."""
     modules = dict(model.named_modules())
     _latent_attention(entries, modules)
+    for e in entries:  # a mixer's projections of its own tensors read the whole sequence, as latent-fed columns do
+        parent, _, leaf = e.name.rpartition(".")
+        e.latent_fed = e.latent_fed or leaf in inner_projections(modules[parent])
     experts = [e.name for e in entries if e.kind == EXPERTS]
     fed = [e.name for e in entries if (e.kind in RING_COLUMNS and not e.latent_fed) or e.latent]
     layout = HFSequenceLayout.find(model, fed, experts)
@@ -333,11 +342,12 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
         if isinstance(parent, ParallelAttention):
             check_heads(parent_name, parent.n_head, parent.n_kv_head, t)
             continue
-        if is_mamba2(parent):  # its forward splits its channels by its head and group counts
-            if not is_mamba2(parent, t):
-                raise ValueError(f"parallelize: {parent_name}: its {parent.num_heads} heads and {parent.n_groups} "
-                                 f"groups do not split over {t} tensor-parallel ranks")  # fmt: skip
-            heads.append((parent, mamba_updates(parent, t)))
+        try:  # a mixer's forward splits its channels by its head and group counts
+            updates = mixer_updates(parent, t)
+        except ValueError as err:
+            raise ValueError(f"parallelize: {parent_name}: {err}") from None
+        if updates is not None:
+            heads.append((parent, updates))
             continue
         _check_head_widths(parent_name, parent, children, t)
         if is_delta_net(parent):  # linear attention: its forward splits its channels by its head counts
@@ -380,7 +390,7 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
             _fail(e, f"expected an nn.Linear{'' if e.kind in PACKED else ' or ' + parallel.__name__}")
         elif type(m).forward is not nn.Linear.forward:
             _fail(e, "it overrides nn.Linear.forward, which the parallel layer would not reproduce")
-        if e.kind in (ROW, ROW_SPLIT):
+        if e.kind in (ROW, ROW_SPLIT, ROW_SHARED):
             if m.in_features % t:
                 _fail(e, f"in_features={m.in_features} is not divisible by the tensor-parallel size {t}")
             return
@@ -486,6 +496,8 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == ROW_SPLIT:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False, **kw)
+    if e.kind == ROW_SHARED:
+        return SharedRowLinear.from_linear(e.module, tp_group=tp_group, **kw)
     if e.kind == EXPERTS:
         ep = e.ep_group is not None
         e.shards = shard_experts(e.module, e.splits, e.ep_group if ep else tp_group, expert_parallel=ep)
@@ -540,33 +552,6 @@ def _packed_column(cls, linear: nn.Linear, parts, tp_group, sequence_parallel: b
 
 
 # ---------------------------------------------------------------------------------------------------- installing
-
-
-def _ties(model: nn.Module, entries: list[Entry]) -> list[tuple[tuple[str, str], tuple[str, str]]]:
-    """Parameters shared by replaced modules (a tied lm_head and embedding), to share again after the swap."""
-    replaced = {e.name: e for e in entries if e.new is not None}
-    owners: dict[int, list[tuple[str, str]]] = {}
-    for mod_name, m in model.named_modules(remove_duplicate=False):
-        for p_name, p in m.named_parameters(recurse=False):
-            owners.setdefault(id(p), []).append((mod_name, p_name))
-    ties = []
-    for group in owners.values():
-        names = sorted({mod for mod, _ in group})
-        if len(names) < 2 or not any(n in replaced for n in names):
-            continue
-        outside = [n for n in names if n not in replaced]
-        if outside:
-            raise ValueError(f"parallelize: {names[0]} shares a parameter with {outside}, which the plan does not "
-                             f"split the same way: split both or untie them")  # fmt: skip
-        source, source_p = group[0]
-        want = getattr(replaced[source].new, source_p)
-        for target, target_p in group[1:]:
-            got = getattr(replaced[target].new, target_p)
-            if got.shape != want.shape or getattr(got, "tp_dim", 0) != getattr(want, "tp_dim", 0):
-                raise ValueError(f"parallelize: {source} and {target} share a parameter but are split differently "
-                                 f"({tuple(want.shape)} vs {tuple(got.shape)})")  # fmt: skip
-            ties.append(((target, target_p), (source, source_p)))
-    return ties
 
 
 def _install(model: nn.Module, entries: list[Entry], tp_group) -> None:

@@ -14,13 +14,13 @@ from .hf import hf_tp_plan, is_hf_model
 from .hf_experts import ExpertSplit
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
-__all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan"]
+__all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan", "tied_parameters"]
 
 COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
 EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
-COLUMN_QKV, COLUMN_CONV, GATED_NORM = "colwise_qkv", "colwise_conv", "colwise_gated_norm"
+COLUMN_QKV, COLUMN_CONV, GATED_NORM, ROW_SHARED = "colwise_qkv", "colwise_conv", "colwise_gated_norm", "rowwise_shared"
 LATENT = "latent"  # not a style: a replicated projection of multi-head latent attention under sequence parallelism
 
 STYLES: dict[str, str] = {
@@ -36,14 +36,14 @@ STYLES: dict[str, str] = {
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
     "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM, COLUMN_QKV: COLUMN_QKV, COLUMN_CONV: COLUMN_CONV,
-    GATED_NORM: GATED_NORM,
+    GATED_NORM: GATED_NORM, ROW_SHARED: ROW_SHARED,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
-SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT)
+SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT, ROW_SHARED)
 PACKED = (PACKED_COLUMN, COLUMN_QKV)  # one column layer over parts split separately, returning one tensor
 COLUMNS = (COLUMN, COLUMN_GATHER, *PACKED)
 RING_COLUMNS = (COLUMN, *PACKED)  # column layers a Hugging Face block's sequence ring feeds under SP
-BY_HEADS = (COLUMN, *PACKED, ROW)  # projections whose parent's heads are split
+BY_HEADS = (COLUMN, *PACKED, ROW, ROW_SHARED)  # projections whose parent's heads are split
 
 
 @dataclass
@@ -180,3 +180,30 @@ def _shares_in_split_blocks(modules: dict[str, nn.Module], chosen: dict[str, Ent
             if child in ACTIVATION_NAMES or per_head:
                 found[name] = Entry(name, m, GRAD_ALL_REDUCE, GRAD_ALL_REDUCE)
     return found
+
+
+def tied_parameters(model: nn.Module, entries: list[Entry]) -> list[tuple[tuple[str, str], tuple[str, str]]]:
+    """Parameters shared by replaced modules (a tied lm_head and embedding), to share again after the swap."""
+    replaced = {e.name: e for e in entries if e.new is not None}
+    owners: dict[int, list[tuple[str, str]]] = {}
+    for mod_name, m in model.named_modules(remove_duplicate=False):
+        for p_name, p in m.named_parameters(recurse=False):
+            owners.setdefault(id(p), []).append((mod_name, p_name))
+    ties = []
+    for group in owners.values():
+        names = sorted({mod for mod, _ in group})
+        if len(names) < 2 or not any(n in replaced for n in names):
+            continue
+        outside = [n for n in names if n not in replaced]
+        if outside:
+            raise ValueError(f"parallelize: {names[0]} shares a parameter with {outside}, which the plan does not "
+                             f"split the same way: split both or untie them")  # fmt: skip
+        source, source_p = group[0]
+        want = getattr(replaced[source].new, source_p)
+        for target, target_p in group[1:]:
+            got = getattr(replaced[target].new, target_p)
+            if got.shape != want.shape or getattr(got, "tp_dim", 0) != getattr(want, "tp_dim", 0):
+                raise ValueError(f"parallelize: {source} and {target} share a parameter but are split differently "
+                                 f"({tuple(want.shape)} vs {tuple(got.shape)})")  # fmt: skip
+            ties.append(((target, target_p), (source, source_p)))
+    return ties

@@ -1,8 +1,9 @@
 """``parallelize`` on Hugging Face hybrids whose layers mix tokens other than by attention
 (:mod:`tessel.layers.hf_mixers`): Mamba-2 mixers split by heads (Bamba, Falcon-H1, Granite 4.0 hybrid, Nemotron-H),
-with their groups of B and C whole on each rank (``G % t == 0``) or shared by several ranks (``t % G == 0``), and
-LFM2's short convolutions by channels. Each tiny model dense against parallelized on gloo ranks, with and without
-sequence parallelism: logits and every gradient shard (fp32, 1e-4 relative, as test_hf.py)."""
+with their groups of B and C whole on each rank (``G % t == 0``) or shared by several ranks (``t % G == 0``), Jamba's
+Mamba-1 mixers by channels, and LFM2's short convolutions by channels. Each tiny model dense against parallelized
+on gloo ranks, with and without sequence parallelism: logits and every gradient shard (fp32, 1e-4 relative, as
+test_hf.py)."""
 
 import copy
 
@@ -121,6 +122,53 @@ def test_mamba2_groups_shared_by_pairs_of_four_ranks():
     gathered, only its group kept, the norm's squares summed over the pair); and four groups, one on each rank."""
     cases = [("bamba", 2, 4), ("bamba", 4, 4)]
     assert run_ranks(_mamba_ranks, 4, cases, timeout=1200, env=REFERENCE_KERNELS) == ["ok"] * 4
+
+
+def jamba_model(seed: int = 0):
+    """A tiny Jamba: Mamba-1 mixers (64 channels, 8 states, a time step of rank 8, biased projections) in layers 0 and
+    2, attention in 1 and 3, experts in 1 and 3; every norm, the convolution's and dt_proj's biases and D away from
+    their initial values."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+                  num_key_value_heads=2, tie_word_embeddings=False, pad_token_id=0, attn_implementation="eager",
+                  attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  num_experts=4, num_experts_per_tok=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+                  mamba_dt_rank=8, mamba_proj_bias=True)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("jamba", **config))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("norm", "conv1d.bias", ".D", "dt_proj.bias")):
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def _jamba_ranks(rank, world_size):
+    from tessel.layers.hf_mixers import SharedRowLinear
+    from tessel.layers.parallelize import parallelize
+
+    for sp in (False, True):
+        dense = jamba_model()
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+        mixer = par.model.layers[0].mamba
+        assert mixer.in_proj.weight.shape == (2 * 128 // world_size, 64) and mixer.conv1d.weight.shape[0] == 64
+        assert isinstance(mixer.x_proj, SharedRowLinear) and mixer.x_proj.weight.shape == (24, 128 // world_size)
+        assert mixer.dt_proj.weight.shape == (128 // world_size, 8) and mixer.A_log.shape == (64, 8)
+        assert mixer.D.shape == (64,) and mixer.out_proj.weight.shape == (64, 64)
+        _check_against_dense(dense, par, f"jamba sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_jamba_mamba1_mixers_split_by_channels():
+    """Jamba's Mamba-1 mixers by channels: ``in_proj``'s x and z halves, the convolution, ``dt_proj``, ``A_log``'s and
+    ``D``'s rows, ``out_proj``; ``x_proj`` over every channel as a row layer whose sum every rank reads (the ranks'
+    gradients of it summed back), its time-step and B/C norms whole with their gradients summed; with and without
+    sequence parallelism (``x_proj`` and ``dt_proj`` then read the whole sequence inside the block)."""
+    assert run_ranks(_jamba_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
 def lfm_model(kind: str, seed: int = 0):
