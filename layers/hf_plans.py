@@ -65,6 +65,8 @@ __all__ = [
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
 HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
 
+_GATHERING = ("colwise_gather_output", "colwise_rep", "gather", "colwise_gather", "rowwise_split_input",
+              "rowwise_rep", "rowwise_split")  # fmt: skip
 _GATHERED_ATTENTION = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gather_output",
                        "v_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}  # fmt: skip
 _SPLIT_ATTENTION = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
@@ -120,8 +122,10 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
     ``colwise_norm``), latent attention (:func:`_latent_attention`), a gated MLP (:func:`_plain_mlp`), a Gated DeltaNet
     block (OLMo-hybrid's: :func:`~tessel.layers.hf_linear_attention.delta_net_styles`) or a Hugging Face experts
     module (``moe_tp_experts``, GPT-OSS's). Modules are named in full, each on its own: layers of another kind
-    beside them are left as they are."""
-    covered = [regex_of(glob) for glob in plan]
+    beside them are left as they are. A module the plan gathers whole (``colwise_gather_output``, LaraMini's linear
+    attention's ``out_proj``) counts as unnamed: the split replaces what the plan says of it."""
+    # a module the plan gathers whole (LaraMini's linear attention: out_proj colwise_gather_output) is not split by it
+    covered = [regex_of(glob) for glob, style in plan.items() if style not in _GATHERING]
     out = dict(plan)
     for name, m in model.named_modules():
         if name and _experts(m, t) and not any(r.fullmatch(name) for r in covered):
@@ -135,6 +139,11 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
         names = {child: f"{name}.{child}" if child else name for child in styles or ()}  # "": the module itself
         if styles and not any(r.fullmatch(n) for r in covered for n in (name, *names.values())):
             out.update({names[child]: style for child, style in styles.items()})
+    named = set(out) - set(plan)
+    for glob, style in plan.items():  # the plan's gathering globs whose every module is now split otherwise
+        hits = [n for n, _ in model.named_modules() if regex_of(glob).fullmatch(n)]
+        if style in _GATHERING and hits and all(n in named for n in hits):
+            del out[glob]
     return out
 
 

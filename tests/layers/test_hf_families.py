@@ -279,7 +279,7 @@ def qwen3_5_model(kind: str = "qwen3_5_text", seed: int = 0):
 def _qwen3_5_ranks(rank, world_size):
     from tessel.layers.parallelize import parallelize
 
-    for kind in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid"):
+    for kind in ("qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "lara_mini"):
         for sp in (False, True):
             dense = qwen3_5_model(kind)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
@@ -315,12 +315,12 @@ def _qwen3_5_ranks(rank, world_size):
 @pytest.mark.multiprocess
 @needs_hf
 def test_qwen3_5_linear_attention_splits_by_heads():
-    """Hugging Face's Qwen3.5 and Qwen3-Next plans gather their Gated DeltaNet blocks whole, and OLMo-hybrid's leaves
-    them out; tessel splits them by heads (each rank its key heads and their value heads: their rows of the q/k/v
-    projections, or of Qwen3-Next's packed by key head, and channels of the depthwise convolution, z/g, b, a, A_log and
-    dt_bias), with and
-    without sequence parallelism, against the dense model. Context parallelism, which the recurrence does not take,
-    is refused before anything changes."""
+    """Hugging Face's Qwen3.5 and Qwen3-Next plans gather their Gated DeltaNet blocks whole, LaraMini's gathers only
+    their output projection's output, and OLMo-hybrid's leaves them out; tessel splits them by heads (each rank its key
+    heads and their value heads: their rows of the q/k/v projections, or of Qwen3-Next's packed by key head, and
+    channels of the depthwise convolution, z/g, b, a, A_log and dt_bias), with and without sequence parallelism,
+    against the dense model. Context parallelism, which the recurrence does not take, is refused before anything
+    changes."""
     assert run_ranks(_qwen3_5_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
