@@ -1,18 +1,18 @@
 """A parallelized Hugging Face causal language model whose ``forward(..., labels=...)`` never holds its logits.
 
-``LlamaForCausalLM.forward`` (and every ``*ForCausalLM`` like it) computes ``logits = lm_head(hidden)`` for
-every position, upcasts them to fp32 and takes their cross entropy: after :func:`~.parallelize.parallelize`
-each rank then holds the gathered ``[B, S, V]`` logits, their fp32 copy and their gradient, several GB at
-Llama 3's 128k vocabulary. :func:`fuse_lm_loss` replaces the model's ``forward`` (on the instance) so that a
-call with ``labels`` runs the base model, then :func:`~.linear_cross_entropy.linear_cross_entropy` on its last
-hidden state with the split head's weight: the same loss as Hugging Face's ``ForCausalLMLoss`` (labels shifted
-by one, ``-100`` ignored, the mean, or the sum over ``num_items_in_batch`` when the trainer passes it,
-``shift_labels`` when given; logits scaled as Granite and Cohere scale theirs, soft-capped as Gemma 2 caps its),
-the same gradients, and ``logits=None`` in the output. Mixtures of experts asking for their router logits (Mixtral,
-Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum,
-GPT-OSS: ``BALANCED_TYPES``) add their load-balancing loss as Hugging Face does (:mod:`.hf_router_loss`; the output's
-``aux_loss``). A call without labels, one asking for the router logits of another mixture (whose balancing loss may
-be another), or with ``labels`` passed by position, runs the model's own forward unchanged.
+``LlamaForCausalLM.forward`` (and every ``*ForCausalLM`` like it) computes ``logits = lm_head(hidden)`` for every
+position, upcasts them to fp32 and takes their cross entropy: after :func:`~.parallelize.parallelize` each rank then
+holds the gathered ``[B, S, V]`` logits, their fp32 copy and their gradient, several GB at Llama 3's 128k vocabulary.
+:func:`fuse_lm_loss` replaces the model's ``forward`` (on the instance) so that a call with ``labels`` runs the base
+model, then :func:`~.linear_cross_entropy.linear_cross_entropy` on its last hidden state with the split head's weight:
+the same loss as Hugging Face's ``ForCausalLMLoss`` (labels shifted by one, ``-100`` ignored, the mean, or the sum
+over ``num_items_in_batch`` when the trainer passes it, ``shift_labels`` when given; logits scaled as Granite,
+HyperCLOVA X, Falcon-H1 and Cohere scale theirs (:func:`logit_multiplier`), soft-capped as Gemma 2 caps its), the same
+gradients, and ``logits=None`` in the output. Mixtures of experts asking for their router logits (Mixtral, Qwen2-MoE,
+Qwen3-MoE, OLMoE, FlexOlmo, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax, MiniMax-M2, Granite-MoE, Laguna, Mellum, GPT-OSS:
+``BALANCED_TYPES``) add their load-balancing loss as Hugging Face does (:mod:`.hf_router_loss`; the output's
+``aux_loss``). A call without labels, one asking for the router logits of another mixture (whose balancing loss may be
+another), or with ``labels`` passed by position, runs the model's own forward unchanged.
 
 ``fuse_lm_loss(model, label_smoothing=, z_loss=)`` adds what Hugging Face's loss lacks: label smoothing (as
 ``F.cross_entropy``'s) and PaLM's z-loss on the logits (``z_loss · logsumexp²`` per token), as tessel's GPT takes
@@ -74,10 +74,20 @@ def logit_softcap(model: nn.Module) -> float | None:
     return None if cap is None else float(cap)
 
 
+# Families whose head multiplies its logits by the config's logits_scaling (Granite's and MiniCPM3 divide by it)
+_MULTIPLIED_SCALING = ("hyperclovax",)
+
+
 def logit_multiplier(model: nn.Module) -> float:
-    """What the model's head multiplies its logits by: ``1 / logits_scaling`` (Granite's families) times the
+    """What the model's head multiplies its logits by: ``1 / logits_scaling`` (Granite's families, MiniCPM3), or
+    ``logits_scaling`` (HyperCLOVA X's), times Falcon-H1's ``lm_head_multiplier``, Muse's ``output_multiplier`` and the
     ``logit_scale`` the model holds (Cohere's); 1 for every other model."""
-    scale = 1.0 / float(getattr(_text_config(model), "logits_scaling", None) or 1.0)
+    config = _text_config(model)
+    scaling = float(getattr(config, "logits_scaling", None) or 1.0)
+    multiplied = any(str(getattr(c, "model_type", "")).startswith(_MULTIPLIED_SCALING) for c in (model.config, config))
+    scale = scaling if multiplied else 1.0 / scaling
+    for name in ("lm_head_multiplier", "output_multiplier"):
+        scale *= float(getattr(config, name, None) or 1.0)
     held = getattr(model, "logit_scale", None)
     if isinstance(held, (int, float)) and not isinstance(held, bool):
         scale *= float(held)

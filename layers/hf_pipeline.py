@@ -46,7 +46,7 @@ from torch import nn
 
 from ..parallel.collectives import copy_to_tp
 from .cross_entropy import vocab_parallel_cross_entropy
-from .hf import base_model, is_hf_model
+from .hf import _decoder_names, base_model, is_hf_model
 from .hf_attention import CP_GROUP_ATTR
 from .hf_experts import ROUTER_GATHER
 from .hf_loss import BALANCED_TYPES, OPTIONS, head_loss, logit_multiplier, logit_softcap
@@ -81,20 +81,22 @@ class HFPipelineStage(nn.Module):
                  forward_kwargs: dict | None = None):  # fmt: skip
         super().__init__()
         _, base = base_model(model)
+        layers, norm, embedding = _names(model, base)
         config = copy.deepcopy(base.config)
+        types = getattr(config, "layer_types", None)
         config.num_hidden_layers = stop - start
-        if getattr(config, "layer_types", None) is not None:
-            config.layer_types = list(config.layer_types)[start:stop]
+        if types is not None:
+            _set_layer_types(config, list(types), start, stop)
         stage = copy.copy(base)  # shares every submodule, parameter and hook with the model
         # ... in dictionaries of its own: what is registered on the stage later stays off the model
         stage.__dict__.update({k: type(v)(v) for k, v in vars(base).items() if isinstance(v, dict)})
-        stage._modules["layers"] = nn.ModuleList(base.layers[start:stop])
+        stage._modules[layers] = nn.ModuleList(getattr(base, layers)[start:stop])
         if not first:
-            stage._modules["embed_tokens"] = None  # a later stage is fed inputs_embeds
+            stage._modules[embedding] = None  # a later stage is fed inputs_embeds
             if "embedding_multiplier" in vars(stage):  # Granite's: the first stage's base model multiplied them
                 stage.embedding_multiplier = 1.0
         if not last:
-            stage._modules["norm"] = nn.Identity()
+            stage._modules[norm] = nn.Identity()
         stage.config = config
         self.base = stage
         self.head = model.get_output_embeddings() if last else None
@@ -210,6 +212,39 @@ def _carried(carried) -> tuple[torch.Tensor | None, torch.Tensor | None]:
     return position_ids, sums
 
 
+def _names(model: nn.Module, base: nn.Module) -> tuple[str, str, str]:
+    """The names in the base model of its decoder layers, its final norm (Nemotron-H's ``norm_f``, LFM2's
+    ``embedding_norm``) and its input embedding (Nemotron-H's ``embeddings``)."""
+    try:
+        layers, norm = _decoder_names(model, base)
+    except ValueError:
+        layers = norm = None
+    embeddings = base.get_input_embeddings()
+    embedding = next((n for n, m in base.named_children() if m is embeddings), None)
+    if layers != "layers" or embedding is None:
+        raise ValueError(f"{_NAME}: cannot find {type(base).__name__}'s input embedding, its decoder layers (a "
+                         f"ModuleList named layers) and the final norm after them")  # fmt: skip
+    return layers, norm, embedding
+
+
+def _set_layer_types(config, types: list[str], start: int, stop: int) -> None:
+    """``config``'s layer types become those of layers ``start … stop-1``: set, or where the config computes them
+    (Bamba's and Falcon-H1's from their attention layers' indices, Jamba's from a period and an offset) through what
+    they are computed from; raises when the slice's types cannot be said so."""
+    try:
+        config.layer_types = types[start:stop]
+    except AttributeError:  # a property without a setter
+        if getattr(config, "attn_layer_indices", None) is not None:
+            config.attn_layer_indices = [i - start for i in config.attn_layer_indices if start <= i < stop]
+        for kind in ("attn", "expert"):  # Jamba's: every period-th layer from the offset
+            period, offset = (getattr(config, f"{kind}_layer_{n}", None) for n in ("period", "offset"))
+            if isinstance(period, int) and isinstance(offset, int):
+                setattr(config, f"{kind}_layer_offset", (offset - start) % period)
+    if list(config.layer_types) != types[start:stop]:
+        raise ValueError(f"{_NAME}: {type(config).__name__} computes its layer types in a way a stage of layers "
+                         f"{start} … {stop - 1} cannot give")  # fmt: skip
+
+
 def _size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
@@ -247,6 +282,7 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{_NAME}: {arg} must be an int, received {type(value).__name__}")
+    _names(model, base)
     layers = len(base.layers)
     if not 1 <= num_stages <= layers:
         raise ValueError(f"{_NAME}: num_stages must be in [1, {layers}] (the model's decoder layers), received "

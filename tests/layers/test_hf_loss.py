@@ -88,10 +88,13 @@ def test_what_it_refuses():
 @pytest.mark.parametrize(("name", "scaled"), [
     ("Granite", {"logits_scaling": 4.0}), ("Cohere", {"logit_scale": 0.25}), ("Cohere2", {"logit_scale": 0.25}),
     ("Gemma2", {"final_logit_softcapping": 0.5, "head_dim": 16, "attn_implementation": "eager"}),
+    ("HyperCLOVAX", {"logits_scaling": 4.0, "head_dim": 16}), ("FalconH1", {"lm_head_multiplier": 4.0, "head_dim": 16,
+     "mamba_d_ssm": 64, "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 8, "mamba_chunk_size": 4}),
 ])  # fmt: skip
 def test_scaled_and_capped_logits_in_the_fused_loss(name, scaled):
-    """Granite divides its logits by logits_scaling, Cohere multiplies them by logit_scale, Gemma 2 soft-caps them
-    (a cap the tiny model's logits reach): the fused loss and its gradients are the model's own (one process)."""
+    """Granite divides its logits by logits_scaling and HyperCLOVA X multiplies them by it, Cohere multiplies them
+    by logit_scale and Falcon-H1 by lm_head_multiplier, Gemma 2 soft-caps them (a cap the tiny model's logits reach):
+    the fused loss and its gradients are the model's own (one process)."""
     import transformers
 
     config = getattr(transformers, f"{name}Config")(
