@@ -69,7 +69,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe",
                          "minimax", "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe",
-                         "gemma", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss")  # fmt: skip
+                         "gemma", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
+                         # hybrids: linear attention, state spaces or short convolutions between attention layers
+                         "qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "falcon_h1",
+                         "nemotron_h", "jamba", "lfm2")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):

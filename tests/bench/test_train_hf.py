@@ -353,6 +353,14 @@ def test_the_command_line_offers_every_family_the_job_builds():
     assert sorted(HF_CHOICES) == sorted(HF_FAMILIES)
 
 
+# the layouts a hybrid of linear attention or state spaces trains in with the single process's curve
+HYBRID_LAYOUTS = {
+    "baseline": (["--hf-baseline"], 1),
+    "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
+    "tp2": (["--tp", "2"], 2),
+    "pp2": (["--pp", "2"], 2),
+    "dp2": (["--dp", "2", "--zero", "2"], 2),
+}
 QWEN3_5 = ["--hf", "qwen3_5", "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]
 
 
@@ -360,19 +368,16 @@ QWEN3_5 = ["--hf", "qwen3_5", "--steps", "3", "--seq-len", "32", "--batch-size",
 @pytest.mark.multiprocess
 def test_qwen3_5_trains_its_linear_attention_split_by_heads(tmp_path):
     """--hf qwen3_5: three Gated DeltaNet layers to each full-attention one. The single process's curve as Hugging
-    Face computes it, at tp=2 with and without sequence parallelism (the linear attention split by heads), and over
-    two data-parallel ranks under ZeRO-2; --cp and --pp are refused before anything runs."""
+    Face computes it, at tp=2 with and without sequence parallelism (the linear attention split by heads), in two
+    pipeline stages, and over two data-parallel ranks under ZeRO-2; --cp is refused before anything runs."""
     proc = _ok(_train(tmp_path / "one", *QWEN3_5))
     assert "Hugging Face Qwen3_5 tiny" in proc.stdout
     one = _losses(tmp_path / "one")
-    layouts = {"baseline": (["--hf-baseline"], 1), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
-               "tp2": (["--tp", "2"], 2), "dp2": (["--dp", "2", "--zero", "2"], 2)}  # fmt: skip
-    for name, (layout, nproc) in layouts.items():
+    for name, (layout, nproc) in HYBRID_LAYOUTS.items():
         _ok(_train(tmp_path / name, *QWEN3_5, *layout, nproc=nproc))
         assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
-    for layout in (["--cp", "2"], ["--pp", "2"]):
-        proc = _train(tmp_path / "refused", *QWEN3_5, *layout, nproc=2)
-        assert proc.returncode == 2 and "mixes tokens by linear attention or state spaces" in proc.stderr, proc.stderr
+    proc = _train(tmp_path / "refused", *QWEN3_5, "--cp", "2", nproc=2)
+    assert proc.returncode == 2 and "mixes tokens by linear attention or state spaces" in proc.stderr, proc.stderr
 
 
 BAMBA = ["--hf", "bamba", "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]
@@ -383,13 +388,11 @@ BAMBA = ["--hf", "bamba", "--steps", "3", "--seq-len", "32", "--batch-size", "8"
 def test_bamba_trains_its_mamba2_mixers_split_by_heads(tmp_path):
     """--hf bamba: three Mamba-2 layers to each attention layer, one group of B and C (shared by the tensor-parallel
     ranks). The single process's curve as Hugging Face computes it, at tp=2 with and without sequence parallelism (the
-    mixers split by heads), and over two data-parallel ranks under ZeRO-2; --cp and --pp are refused."""
+    mixers split by heads), in two pipeline stages, and over two data-parallel ranks under ZeRO-2; --cp is refused."""
     proc = _ok(_train(tmp_path / "one", *BAMBA))
     assert "Hugging Face Bamba tiny" in proc.stdout
     one = _losses(tmp_path / "one")
-    layouts = {"baseline": (["--hf-baseline"], 1), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2),
-               "tp2": (["--tp", "2"], 2), "dp2": (["--dp", "2", "--zero", "2"], 2)}  # fmt: skip
-    for name, (layout, nproc) in layouts.items():
+    for name, (layout, nproc) in HYBRID_LAYOUTS.items():
         _ok(_train(tmp_path / name, *BAMBA, *layout, nproc=nproc))
         assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
     proc = _train(tmp_path / "refused", *BAMBA, "--cp", "2", nproc=2)

@@ -420,3 +420,57 @@ def _context_split(rank, world_size):
 @pytest.mark.multiprocess
 def test_context_parallel_stages_under_sequence_parallelism():
     assert run_ranks(_context_split, 4, timeout=240, env=REFERENCE_KERNELS) == ["ok"] * 4
+
+
+_LINEAR = dict(layer_types=["linear_attention", "full_attention"] * 2, linear_key_head_dim=8, linear_value_head_dim=8,
+               linear_num_key_heads=2, linear_num_value_heads=4)  # fmt: skip
+_MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state=8, mamba_expand=2, mamba_chunk_size=4)
+# Hybrids whose layers mix tokens by linear attention, state spaces or short convolutions between attention layers,
+# four layers of alternating kinds each (their configs' layer types, stored or computed from attention indices, a
+# period and an offset)
+HYBRIDS = {"qwen3_5_text": _LINEAR, "qwen3_next": {**_LINEAR, "num_experts": 4, "num_experts_per_tok": 2,
+                                                   "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+           "olmo_hybrid": _LINEAR, "bamba": {**_MAMBA2, "attn_layer_indices": [1, 3]},
+           "granitemoehybrid": {**_MAMBA2, "layer_types": ["mamba", "attention"] * 2, "num_local_experts": 4,
+                                "num_experts_per_tok": 2, "shared_intermediate_size": 16},
+           "falcon_h1": {**_MAMBA2, "mamba_d_ssm": 64, "mamba_rms_norm": True, "lm_head_multiplier": 2.0,
+                         "embedding_multiplier": 3.0},
+           "nemotron_h": {"layers_block_type": ["mamba", "attention", "mamba", "mlp"], "mamba_num_heads": 4,
+                          "mamba_head_dim": 8, "n_groups": 1, "ssm_state_size": 8, "chunk_size": 4},
+           "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
+                     "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 8, "mamba_dt_rank": 4},
+           "lfm2": {"layer_types": ["conv", "full_attention"] * 2, "block_auto_adjust_ff_dim": False}}  # fmt: skip
+
+
+@pytest.mark.parametrize("kind", list(HYBRIDS))
+def test_hybrids_chain_to_their_logits_and_gradients(kind):
+    """Each hybrid of SUPPORTED_MODEL_TYPES: its stages, chained, give the model's logits (Falcon-H1's multiplied by
+    its lm_head_multiplier, its embeddings by its embedding_multiplier once), its loss, from the logits and fused, and
+    its gradients, for every split into 2 and 3 (a stage's layers keep their kinds: Bamba's attention indices and
+    Jamba's offsets are those of its layers; Nemotron-H's final norm is norm_f, LFM2's embedding_norm)."""
+    import transformers
+
+    from tessel.layers.hf_pipeline import SUPPORTED_MODEL_TYPES
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, pad_token_id=0,
+              attn_implementation="eager", **HYBRIDS[kind])  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **kw)).eval()
+    assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
+    ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    want = model(ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    want_grads = _grads(model)
+    for n in (2, 3):
+        for fused in (False, True):
+            model.zero_grad(set_to_none=True)
+            _, h, loss = _chained(model, ids, n, fused)
+            if not fused:
+                torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=1e-5, msg=f"{kind} in {n} stages")
+            torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
+            loss.backward()
+            got = _grads(model)
+            assert got.keys() == want_grads.keys(), kind
+            for name, g in got.items():
+                torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{kind} {n} {name}")
