@@ -44,6 +44,16 @@ back to the channels (``dt_proj``) and scans channel by channel:
 Under sequence parallelism ``x_proj`` and ``dt_proj`` read the whole sequence inside the block
 (:func:`inner_projections`).
 
+MiniMax's lightning attention (linear attention whose heads decay at their own rates, ``slope_rate``) projects
+``[q k v]`` head by head (``qkv_proj``), gates its output feature by feature and normalises it over every head:
+
+    qkv_proj    colwise: a contiguous share of its rows is this rank's heads' q, k and v
+    output_gate colwise
+    norm        colwise_norm (:class:`~tessel.layers.norm.SplitRMSNorm`: its mean of squares summed over the group)
+    out_proj    rowwise
+
+and each rank keeps its heads' decay rates, its decay tables recomputed from them (``decay_factors``).
+
 LFM2's short convolution ``in_proj → [B | C | x]``, ``y = C · conv(B · x)``, ``out_proj`` mixes no channels with
 another: ``in_proj`` is ``colwise_qkv`` over its three parts, the depthwise ``conv`` ``colwise_conv``, ``out_proj``
 ``rowwise``.
@@ -66,13 +76,16 @@ __all__ = [
     "SplitGatedRMSNorm",
     "check_mixers_whole",
     "install_mamba_hooks",
+    "is_lightning",
     "is_mamba1",
     "is_mamba2",
     "is_short_conv",
+    "lightning_styles",
     "mamba1_styles",
     "mamba_parts",
     "mamba_styles",
     "mamba_updates",
+    "mixer_installer",
     "mixer_updates",
     "packed_parts",
     "short_conv_styles",
@@ -221,6 +234,59 @@ class SharedRowLinear(RowParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return copy_to_tp(super().forward(x), self.tp_group)
+
+
+_DECAYS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+
+
+def is_lightning(m: nn.Module, t: int = 1) -> bool:
+    """Whether ``m`` is MiniMax's lightning attention (the children, buffers and method the module's notes name, plain
+    projections, nothing else that learns) whose heads split over ``t`` ranks."""
+    heads, head_dim = getattr(m, "num_attention_heads", None), getattr(m, "head_dim", None)
+    if not (isinstance(heads, int) and isinstance(head_dim, int) and callable(getattr(m, "decay_factors", None))):
+        return False
+    layers = [getattr(m, n, None) for n in ("qkv_proj", "output_gate", "out_proj")]
+    if not all(_plain_linear(p) for p in layers) or not all(
+        isinstance(getattr(m, b, None), torch.Tensor) for b in _DECAYS
+    ):
+        return False
+    qkv, gate, out = layers
+    width = heads * head_dim
+    norm_weight = getattr(getattr(m, "norm", None), "weight", None)
+    if (qkv.out_features, gate.out_features, out.in_features) != (3 * width, width, width) or m.slope_rate.shape[
+        0
+    ] != heads:
+        return False
+    learning = {n for n, c in m.named_children() if any(True for _ in c.parameters())}
+    fits = isinstance(norm_weight, torch.Tensor) and norm_weight.shape == (width,)
+    return fits and learning == {"qkv_proj", "output_gate", "out_proj", "norm"} and heads % t == 0
+
+
+def lightning_styles(m: nn.Module, t: int) -> dict[str, str] | None:
+    """The styles that split lightning attention by heads over ``t`` ranks (the module's notes), or None."""
+    if t < 2 or not is_lightning(m, t):
+        return None
+    return {"qkv_proj": "colwise", "output_gate": "colwise", "norm": "colwise_norm", "out_proj": "rowwise"}
+
+
+def mixer_installer(m: nn.Module, tp_group):
+    """What a split mixer needs once its layers and attributes are local, as a function of no argument that installs
+    it (computed before anything changes, from the whole module): a Mamba-2 mixer's hooks (:func:`install_mamba_hooks`),
+    lightning attention's decay rates and tables of this rank's heads; None for another module."""
+    if is_mamba2(m):
+        groups, mup = m.n_groups, getattr(m, "mup_vector", None)
+        return lambda: install_mamba_hooks(m, groups, mup, tp_group)
+    if is_lightning(m):
+        t, r = group_size(tp_group), group_rank(tp_group)
+        rates = m.slope_rate.narrow(0, r * m.slope_rate.shape[0] // t, m.slope_rate.shape[0] // t).clone()
+
+        def install():
+            tables = dict(zip(_DECAYS, (rates, *m.decay_factors(rates)), strict=True))
+            for name, table in tables.items():
+                m.register_buffer(name, table, persistent=name in m.state_dict())
+
+        return install
+    return None
 
 
 def mixer_updates(m: nn.Module, t: int) -> dict[str, int] | None:

@@ -133,8 +133,8 @@ from .hf_mixers import (
     SplitGatedRMSNorm,
     check_mixers_whole,
     inner_projections,
-    install_mamba_hooks,
     is_mamba2,
+    mixer_installer,
     mixer_updates,
     packed_parts,
 )
@@ -230,7 +230,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         e.gathered = in_block and e.kind in RING_COLUMNS and not e.latent_fed
     heads = _local_heads(model, entries, t)
     check_mixers_whole(model, {e.name: e.kind for e in entries} | dict.fromkeys(head_params, COLUMN), t)
-    mixers = [(p, p.n_groups, getattr(p, "mup_vector", None)) for p, _ in heads if is_mamba2(p)]
+    installs = [f for p, _ in heads if (f := mixer_installer(p, tp_group)) is not None]  # what they need after
     per_head = per_head_parameters(_attention_parents(model, entries), tp_group, head_params)
     for e in entries:
         e.new = _build(e, tp_group, overlap)
@@ -246,8 +246,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
             setattr(parent, attr, value)
     for parent, name, local in per_head:
         setattr(parent, name, local)
-    for mixer, groups, mup in mixers:
-        install_mamba_hooks(mixer, groups, mup, tp_group)
+    for install in installs:
+        install()
     if layout is not None:
         layout.install(model, tp_group, rings, cp_group)
     if isinstance(context, HFContextLayout):

@@ -171,6 +171,53 @@ def test_jamba_mamba1_mixers_split_by_channels():
     assert run_ranks(_jamba_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
+def minimax_model(seed: int = 0):
+    """A tiny MiniMax: lightning attention (4 heads of 16, blocks of 4 tokens) then softmax attention, experts in
+    both layers; its norms away from their initial values."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, pad_token_id=0,
+                  attn_implementation="eager", layer_types=["linear_attention", "full_attention"], block_size=4,
+                  num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("minimax", **config))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def _minimax_ranks(rank, world_size):
+    from tessel.layers.norm import SplitRMSNorm
+    from tessel.layers.parallelize import parallelize
+
+    for sp in (False, True):
+        dense = minimax_model()
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+        mine, whole = par.model.layers[0].self_attn, dense.model.layers[0].self_attn
+        assert mine.num_attention_heads == 4 // world_size and isinstance(mine.norm, SplitRMSNorm)
+        assert mine.qkv_proj.weight.shape == (3 * 64 // world_size, 64) and mine.out_proj.weight.shape == (64, 32)
+        own = slice(rank * 2, rank * 2 + 2)  # this rank's heads' decay rates and tables
+        assert torch.equal(mine.slope_rate, whole.slope_rate[own])
+        for name in ("query_decay", "key_decay"):
+            torch.testing.assert_close(getattr(mine, name), getattr(whole, name)[own], rtol=0, atol=0)
+        torch.testing.assert_close(mine.diagonal_decay, whole.diagonal_decay[:, own], rtol=0, atol=0)
+        _check_against_dense(dense, par, f"minimax sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_minimax_lightning_attention_splits_by_heads():
+    """MiniMax's lightning attention, which its plan leaves whole: q/k/v (packed head by head) and the output gate by
+    heads, the norm over every head as SplitRMSNorm, each rank its heads' decay rates and tables; over several blocks
+    of tokens, with and without sequence parallelism."""
+    assert run_ranks(_minimax_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
 def lfm_model(kind: str, seed: int = 0):
     """A tiny LFM2 (LFM2-MoE, LFM3): short convolution, attention, short convolution, every convolution's bias and
     norm away from its initial value. LFM2's attention names its output projection ``out_proj`` and its per-head
