@@ -70,9 +70,11 @@ class Entry:
 
 
 def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
+    """tessel's GPT's plan, or a Hugging Face model's as :mod:`~tessel.layers.hf_plans` rewrites it; a Hugging Face
+    model without a plan of its own (Mamba-2's, Zamba 2's) gets the blocks :func:`whole_attention_plan` finds."""
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
-    if plan and is_hf_model(model):
-        plan = whole_attention_plan(model, head_split_plan(model, plan, glob_regex, t), glob_regex, t)
+    if is_hf_model(model) and (plan or t > 1):
+        plan = whole_attention_plan(model, head_split_plan(model, plan or {}, glob_regex, t), glob_regex, t)
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "

@@ -124,6 +124,51 @@ def test_mamba2_groups_shared_by_pairs_of_four_ranks():
     assert run_ranks(_mamba_ranks, 4, cases, timeout=1200, env=REFERENCE_KERNELS) == ["ok"] * 4
 
 
+PLANLESS = {"mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=8, expand=2, chunk_size=4),
+            "zamba2": dict(num_attention_heads=4, n_mamba_heads=8, mamba_headdim=16, mamba_ngroups=2, mamba_d_state=8,
+                           mamba_expand=2, chunk_size=4, layers_block_type=["mamba", "hybrid"])}  # fmt: skip
+
+
+def planless_model(kind: str, seed: int = 0):
+    """A tiny Mamba-2 (two mixers) or Zamba 2 (a Mamba-2 layer, then a hybrid layer whose shared attention block
+    reads the hidden states beside the embeddings), which have no tensor-parallel plan of their own."""
+    import transformers
+
+    config = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, tie_word_embeddings=False, **PLANLESS[kind])
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
+    with torch.no_grad():
+        gen = torch.Generator().manual_seed(seed + 1)
+        for name, p in model.named_parameters():
+            if any(k in name for k in ("norm", "dt_bias", "A_log", "conv1d.bias", ".D")):
+                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
+    return model.eval()
+
+
+def _planless_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    for kind, layouts in (("mamba2", (False, True)), ("zamba2", (False,))):
+        for sp in layouts:
+            dense = planless_model(kind)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            mixer = par.backbone.layers[0].mixer if kind == "mamba2" else par.model.layers[0].mamba
+            _check_mixer_shapes(mixer, world_size, 8, 128, 2)
+            if kind == "zamba2":  # the shared attention, which reads [hidden | embeddings], by heads
+                attention = par.model.layers[1].shared_transformer.self_attn
+                assert attention.q_proj.weight.shape == (128 // world_size, 128)
+            _check_against_dense(dense, par, f"{kind} sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_models_without_a_plan_split_what_tessel_finds():
+    """Mamba-2 and Zamba 2 have no tensor-parallel plan: parallelize splits the mixers and attention it recognises
+    (:func:`~tessel.layers.hf_plans.whole_attention_plan`), with and without sequence parallelism for Mamba-2."""
+    assert run_ranks(_planless_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
 def jamba_model(seed: int = 0):
     """A tiny Jamba: Mamba-1 mixers (64 channels, 8 states, a time step of rank 8, biased projections) in layers 0 and
     2, attention in 1 and 3, experts in 1 and 3; every norm, the convolution's and dt_proj's biases and D away from
