@@ -272,10 +272,13 @@ def lightning_styles(m: nn.Module, t: int) -> dict[str, str] | None:
 def mixer_installer(m: nn.Module, tp_group):
     """What a split mixer needs once its layers and attributes are local, as a function of no argument that installs
     it (computed before anything changes, from the whole module): a Mamba-2 mixer's hooks (:func:`install_mamba_hooks`),
-    lightning attention's decay rates and tables of this rank's heads; None for another module."""
+    a Mamba-1 mixer's unfused path, lightning attention's decay rates and tables of this rank's heads; None for another
+    module."""
     if is_mamba2(m):
         groups, mup = m.n_groups, getattr(m, "mup_vector", None)
         return lambda: install_mamba_hooks(m, groups, mup, tp_group)
+    if is_mamba1(m):
+        return lambda: _run_unfused(m)
     if is_lightning(m):
         t, r = group_size(tp_group), group_rank(tp_group)
         rates = m.slope_rate.narrow(0, r * m.slope_rate.shape[0] // t, m.slope_rate.shape[0] // t).clone()
@@ -376,12 +379,29 @@ class _SharedGroups:
         conv._parameters.update(self.saved.pop())
 
 
+def _run_unfused(mixer: nn.Module) -> None:
+    """The mixer's forward runs as in evaluation (``training`` off on the mixer alone, its children untouched):
+    Hugging Face fuses a Mamba block into one ``mamba_ssm`` kernel in training, reading ``out_proj``'s (and Mamba-1's
+    ``x_proj``'s) weight itself, which would skip the split layers' reductions."""
+    saved: list[bool] = []
+
+    def enter(m, args):
+        saved.append(m.training)
+        m.training = False
+
+    def leave(m, args, out):
+        m.training = saved.pop()
+
+    mixer.register_forward_pre_hook(enter)
+    mixer.register_forward_hook(leave, always_call=True)
+
+
 def install_mamba_hooks(mixer: nn.Module, full_groups: int, mup: torch.Tensor | None, tp_group) -> None:
     """After the split (the mixer's attributes local): the unfused path in training, the shared groups' hooks where
     ``full_groups`` do not split over the group, and this rank's share of ``mup`` (Falcon-H1's ``mup_vector``)."""
     t = group_size(tp_group)
     shared = _SharedGroups(mixer, full_groups, tp_group) if full_groups % t else None
-    saved: list[bool] = []
+    _run_unfused(mixer)
     scale = getattr(mixer, "ssm_in_multiplier", None)
     if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
         mixer.ssm_in_multiplier = _UNIT  # Falcon-H1 scales its input inside: applied to the input the block
@@ -394,14 +414,11 @@ def install_mamba_hooks(mixer: nn.Module, full_groups: int, mup: torch.Tensor | 
                 args = (args[0] * scale, *args[1:])
             else:
                 kwargs = {**kwargs, "hidden_states": kwargs["hidden_states"] * scale}
-        saved.append(m.training)
-        m.training = False  # Hugging Face's fused training kernel reads out_proj.weight and skips its reduction
         if shared is not None:
             shared.enter(m.conv1d)
         return args, kwargs
 
     def leave(m, args, kwargs, out):
-        m.training = saved.pop()
         if shared is not None:
             shared.leave(m.conv1d)
 

@@ -66,22 +66,22 @@ def _check_mixer_shapes(mixer, t: int, heads: int, width: int, groups: int, stat
     assert mixer.norm.weight.shape == (width // t,) and mixer.out_proj.weight.shape == (64, width // t)
 
 
-def _never_fused(model, kind):
-    """Hugging Face's fused training kernel (``mamba_ssm``'s) reads out_proj's weight itself, skipping the row
-    layer's reduction: the split mixer must never call it. Made to raise when given a split weight, as if the package
-    were installed (the dense model gets the fallback's None)."""
+def _never_fused(mixer, kind, name="mamba2_split_conv1d_scan_combined"):
+    """Hugging Face's fused training kernel (``mamba_ssm``'s, ``name`` in the mixer's module) reads out_proj's weight
+    itself, skipping the row layer's reduction: the split mixer must never call it. Made to raise when given a split
+    weight, as if the package were installed (the dense model gets the fallback's None)."""
     import importlib
 
-    module = importlib.import_module(type(_mixer(model)).__module__)
-    original = module.mamba2_split_conv1d_scan_combined
+    module = importlib.import_module(type(mixer).__module__)
+    original = getattr(module, name)
 
-    def fused(*args, outproj_weight=None, **kwargs):
-        if getattr(outproj_weight, "tensor_parallel", False):
+    def fused(*args, **kwargs):
+        if any(getattr(a, "tensor_parallel", False) for a in (*args, *kwargs.values())):
             raise AssertionError(f"{kind}: the split mixer called the fused training kernel")
-        return original(*args, outproj_weight=outproj_weight, **kwargs)
+        return original(*args, **kwargs)
 
-    module.mamba2_split_conv1d_scan_combined = fused
-    return lambda: setattr(module, "mamba2_split_conv1d_scan_combined", original)
+    setattr(module, name, fused)
+    return lambda: setattr(module, name, original)
 
 
 def _mamba_ranks(rank, world_size, cases):
@@ -96,7 +96,7 @@ def _mamba_ranks(rank, world_size, cases):
             _check_against_dense(dense, par, f"{kind} G={groups} sp={sp}")
         # in training, on the unfused path: the same logits and gradients
         dense, par = mamba_model(kind, groups, kv_heads), parallelize(mamba_model(kind, groups, kv_heads), None)
-        restore = _never_fused(par, kind)
+        restore = _never_fused(_mixer(par), kind)
         try:
             _check_against_dense(dense.train(), par.train(), f"{kind} G={groups} training", use_cache=False)
         finally:
@@ -124,14 +124,17 @@ def test_mamba2_groups_shared_by_pairs_of_four_ranks():
     assert run_ranks(_mamba_ranks, 4, cases, timeout=1200, env=REFERENCE_KERNELS) == ["ok"] * 4
 
 
+_MAMBA = dict(state_size=8, expand=2, time_step_rank=8, use_bias=True)
 PLANLESS = {"mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=8, expand=2, chunk_size=4),
+            "mamba": _MAMBA, "falcon_mamba": _MAMBA,
             "zamba2": dict(num_attention_heads=4, n_mamba_heads=8, mamba_headdim=16, mamba_ngroups=2, mamba_d_state=8,
                            mamba_expand=2, chunk_size=4, layers_block_type=["mamba", "hybrid"])}  # fmt: skip
 
 
 def planless_model(kind: str, seed: int = 0):
-    """A tiny Mamba-2 (two mixers) or Zamba 2 (a Mamba-2 layer, then a hybrid layer whose shared attention block
-    reads the hidden states beside the embeddings), which have no tensor-parallel plan of their own."""
+    """A tiny Mamba-2 (two mixers), Mamba or Falcon-Mamba (two Mamba-1 mixers) or Zamba 2 (a Mamba-2 layer, then a
+    hybrid layer whose shared attention block reads the hidden states beside the embeddings), which have no
+    tensor-parallel plan of their own."""
     import transformers
 
     config = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, tie_word_embeddings=False, **PLANLESS[kind])
@@ -146,26 +149,39 @@ def planless_model(kind: str, seed: int = 0):
 
 
 def _planless_ranks(rank, world_size):
+    from tessel.layers.hf_mixers import SharedRowLinear
     from tessel.layers.parallelize import parallelize
 
-    for kind, layouts in (("mamba2", (False, True)), ("zamba2", (False,))):
+    for kind, layouts in (("mamba2", (False, True)), ("mamba", (False, True)), ("falcon_mamba", (False,)),
+                          ("zamba2", (False,))):  # fmt: skip
         for sp in layouts:
             dense = planless_model(kind)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
-            mixer = par.backbone.layers[0].mixer if kind == "mamba2" else par.model.layers[0].mamba
-            _check_mixer_shapes(mixer, world_size, 8, 128, 2)
+            mixer = par.model.layers[0].mamba if kind == "zamba2" else par.backbone.layers[0].mixer
+            if kind in ("mamba", "falcon_mamba"):
+                assert isinstance(mixer.x_proj, SharedRowLinear) and mixer.A_log.shape == (128 // world_size, 8)
+            else:
+                _check_mixer_shapes(mixer, world_size, 8, 128, 2)
             if kind == "zamba2":  # the shared attention, which reads [hidden | embeddings], by heads
                 attention = par.model.layers[1].shared_transformer.self_attn
                 assert attention.q_proj.weight.shape == (128 // world_size, 128)
             _check_against_dense(dense, par, f"{kind} sp={sp}")
+        if kind == "mamba":  # in training, off Hugging Face's fused kernel (which would skip x_proj's reduction)
+            dense, par = planless_model(kind), parallelize(planless_model(kind), None)
+            restore = _never_fused(par.backbone.layers[0].mixer, kind, "mamba_inner_fn")
+            try:
+                _check_against_dense(dense.train(), par.train(), f"{kind} training", use_cache=False)
+            finally:
+                restore()
     return "ok"
 
 
 @pytest.mark.multiprocess
 @needs_hf
 def test_models_without_a_plan_split_what_tessel_finds():
-    """Mamba-2 and Zamba 2 have no tensor-parallel plan: parallelize splits the mixers and attention it recognises
-    (:func:`~tessel.layers.hf_plans.whole_attention_plan`), with and without sequence parallelism for Mamba-2."""
+    """Mamba-2, Mamba, Falcon-Mamba and Zamba 2 have no tensor-parallel plan: parallelize splits the mixers and
+    attention it recognises (:func:`~tessel.layers.hf_plans.whole_attention_plan`), with and without sequence
+    parallelism for Mamba-2 and Mamba, and Mamba in training off the fused kernel."""
     assert run_ranks(_planless_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
