@@ -222,18 +222,34 @@ def mamba1_styles(m: nn.Module, t: int) -> dict[str, str] | None:
 
 def inner_projections(parent: nn.Module) -> tuple[str, ...]:
     """The split projections of ``parent`` that read another of its tensors than its input, which a sequence-parallel
-    block does not gather for them: a Mamba-1 mixer's ``x_proj`` and ``dt_proj``."""
-    return ("x_proj", "dt_proj") if is_mamba1(parent) else ()
+    block does not gather for them: a Mamba-1 mixer's ``x_proj`` and ``dt_proj``, Doge's attention's ``dt_proj``."""
+    return ("x_proj", "dt_proj") if is_mamba1(parent) else ("dt_proj",) if is_dynamic_mask(parent) else ()
+
+
+def is_dynamic_mask(m: nn.Module, t: int = 1) -> bool:
+    """Whether ``m`` is Doge's dynamic-mask attention (its mask from the values of every kv head, ``dt_proj``
+    ``[Hkv, Hkv·D]``, scaled per kv head by ``A``) whose kv heads split over ``t`` ranks."""
+    a, dt, v = getattr(m, "A", None), getattr(m, "dt_proj", None), getattr(m, "v_proj", None)
+    if not (isinstance(a, nn.Parameter) and a.dim() == 1 and _plain_linear(dt) and _plain_linear(v)):
+        return False
+    return dt.in_features == v.out_features and dt.out_features == a.shape[0] and a.shape[0] % t == 0
 
 
 class SharedRowLinear(RowParallelLinear):
     """A row-parallel layer inside a block whose ranks each read its whole (summed) output with their own share of
     the block (a Mamba-1 mixer's ``x_proj``): forward, this rank's input columns and the sum over the group, as
     :class:`~tessel.layers.RowParallelLinear`; backward, the ranks' gradients of the output are summed too
-    (``copy_to_tp``), each being a share."""
+    (``copy_to_tp``), each being a share. With ``per_head`` (style ``rowwise_heads``: Doge's ``dt_proj``, one output
+    per kv head) each rank keeps its heads' share of the sum."""
+
+    per_head = False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return copy_to_tp(super().forward(x), self.tp_group)
+        y = copy_to_tp(super().forward(x), self.tp_group)
+        if not self.per_head:
+            return y
+        n = y.shape[-1] // self.tp_size
+        return y.narrow(-1, group_rank(self.tp_group) * n, n)
 
 
 _DECAYS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")

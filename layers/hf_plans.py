@@ -43,7 +43,7 @@ from torch.func import functional_call
 
 from .hf_experts import expert_splits
 from .hf_linear_attention import delta_net_styles, gathered_delta_rules
-from .hf_mixers import lightning_styles, mamba1_styles, mamba_styles, short_conv_styles
+from .hf_mixers import is_dynamic_mask, lightning_styles, mamba1_styles, mamba_styles, short_conv_styles
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -72,6 +72,16 @@ _GATHERED_ATTENTION = {"q_proj": "colwise_gather_output", "k_proj": "colwise_gat
 _SPLIT_ATTENTION = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", "o_proj": "rowwise",
                     "q_norm": "colwise_norm", "k_norm": "colwise_norm"}  # fmt: skip
 _GATHERED_QKV = {"qkv_proj": "colwise_gather_output", "o_proj": "rowwise_split_input"}
+# Doge's plan: dt_proj (from every kv head's values to one value per kv head) rowwise, each rank then holding the mask
+# of every head
+_DYNAMIC_MASK = {
+    "q_proj": "colwise",
+    "k_proj": "colwise",
+    "v_proj": "colwise",
+    "dt_proj": "rowwise",
+    "o_proj": "rowwise",
+}
+_SPLIT_MASK = {**_DYNAMIC_MASK, "dt_proj": "rowwise_heads", "A": "colwise"}
 _SPLIT_QKV = {"qkv_proj": "colwise_qkv", "o_proj": "rowwise"}
 _GATHERED_MLP = {"gate_up_proj": "colwise_gather_output", "down_proj": "rowwise_split_input"}
 _SPLIT_MLP = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
@@ -89,6 +99,7 @@ def head_split_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int = 1
 
     rules = [(_GATHERED_ATTENTION, fixed(_SPLIT_ATTENTION, _norms_span_heads)),
              (_GATHERED_QKV, fixed(_SPLIT_QKV, lambda m: fused_qkv_parts(m) is not None)),
+             (_DYNAMIC_MASK, lambda m: _SPLIT_MASK if is_dynamic_mask(m, t) else None),
              (_GATHERED_MLP, fixed(_SPLIT_MLP, pairs_halves)), *gathered_delta_rules(t)]  # fmt: skip
     for glob in plan:
         stem, _, leaf = glob.rpartition(".")

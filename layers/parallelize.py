@@ -38,6 +38,8 @@ colwise_conv                                       a depthwise conv1d over packe
 colwise_gated_norm                                 SplitGatedRMSNorm: a Mamba-2 mixer's gated norm
 rowwise_shared                                     SharedRowLinear: a row layer whose summed output each
                                                    rank's share of its block reads (Mamba-1's x_proj)
+rowwise_heads                                      the same, each rank its heads' share of the output
+                                                   (Doge's dt_proj, one value per kv head)
 colwise_norm                                       SplitRMSNorm: an RMS norm over features a column layer
                                                    splits (all-head q/k norms): weight ``r·N/t …``, its
                                                    mean of squares summed over the group
@@ -163,6 +165,7 @@ from .plan import (
     PACKED_COLUMN,
     RING_COLUMNS,
     ROW,
+    ROW_HEADS,
     ROW_SHARED,
     ROW_SPLIT,
     SPLIT_LINEAR,
@@ -270,8 +273,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
 
 def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout:
     """The Hugging Face residual stream's layout; its norms join the plan (style ``norm``), and so do the
-    modules beside split experts and the layers' own linear layers (Gemma 4's per-layer input gate), which see this
-    rank's tokens (style ``replicated_with_grad_allreduce``)."""
+    modules beside split experts, the layers' own linear layers (Gemma 4's per-layer input gate) and the layers' own
+    parameters (Doge's residual scales), which see this rank's tokens (style ``replicated_with_grad_allreduce``)."""
     modules = dict(model.named_modules())
     _latent_attention(entries, modules)
     for e in entries:  # a mixer's projections of its own tensors read the whole sequence, as latent-fed columns do
@@ -281,10 +284,15 @@ def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout
     fed = [e.name for e in entries if (e.kind in RING_COLUMNS and not e.latent_fed) or e.latent]
     layout = HFSequenceLayout.find(model, fed, experts)
     layout.check(model, {e.name for e in entries if e.kind in SPLIT_LINEAR or e.latent})
+    for e in entries:  # it would read the placeholder the block's ring hands its columns (Doge's router_gate)
+        if e.kind == COLUMN_GATHER and e.name.rpartition(".")[0] in layout.blocks:
+            _fail(e, "a column layer that gathers its output inside a block whose projections gather the sequence "
+                     "under sequence_parallel=True; pass sequence_parallel=False")  # fmt: skip
     named = {e.name for e in entries}
     entries.extend(Entry(n, modules[n], NORM, NORM) for n in layout.norms if n not in named)
     local = [n for n in expert_block_modules(model, layout.local_blocks, experts) if n not in named]
     local += [n for n in expert_block_modules(model, layout.token_blocks, experts) if n not in named]  # on the shard
+    local += [n for n in layout.layers if n not in named and modules[n]._parameters]  # Doge's residual scales
     entries.extend(Entry(n, modules[n], GRAD_ALL_REDUCE, GRAD_ALL_REDUCE) for n in local)
     return layout
 
@@ -390,7 +398,9 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
             _fail(e, f"expected an nn.Linear{'' if e.kind in PACKED else ' or ' + parallel.__name__}")
         elif type(m).forward is not nn.Linear.forward:
             _fail(e, "it overrides nn.Linear.forward, which the parallel layer would not reproduce")
-        if e.kind in (ROW, ROW_SPLIT, ROW_SHARED):
+        if e.kind in (ROW, ROW_SPLIT, ROW_SHARED, ROW_HEADS):
+            if e.kind == ROW_HEADS and m.out_features % t:
+                _fail(e, f"its {m.out_features} heads' outputs do not split over the tensor-parallel size {t}")
             if m.in_features % t:
                 _fail(e, f"in_features={m.in_features} is not divisible by the tensor-parallel size {t}")
             return
@@ -496,8 +506,10 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == ROW_SPLIT:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, input_is_parallel=False, **kw)
-    if e.kind == ROW_SHARED:
-        return SharedRowLinear.from_linear(e.module, tp_group=tp_group, **kw)
+    if e.kind in (ROW_SHARED, ROW_HEADS):
+        layer = SharedRowLinear.from_linear(e.module, tp_group=tp_group, **kw)
+        layer.per_head = e.kind == ROW_HEADS
+        return layer
     if e.kind == EXPERTS:
         ep = e.ep_group is not None
         e.shards = shard_experts(e.module, e.splits, e.ep_group if ep else tp_group, expert_parallel=ep)

@@ -20,7 +20,8 @@ COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colw
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
 GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_reduce", "replicate"
 EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
-COLUMN_QKV, COLUMN_CONV, GATED_NORM, ROW_SHARED = "colwise_qkv", "colwise_conv", "colwise_gated_norm", "rowwise_shared"
+COLUMN_QKV, COLUMN_CONV, GATED_NORM = "colwise_qkv", "colwise_conv", "colwise_gated_norm"
+ROW_SHARED, ROW_HEADS = "rowwise_shared", "rowwise_heads"
 LATENT = "latent"  # not a style: a replicated projection of multi-head latent attention under sequence parallelism
 
 STYLES: dict[str, str] = {
@@ -36,14 +37,14 @@ STYLES: dict[str, str] = {
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
     "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM, COLUMN_QKV: COLUMN_QKV, COLUMN_CONV: COLUMN_CONV,
-    GATED_NORM: GATED_NORM, ROW_SHARED: ROW_SHARED,
+    GATED_NORM: GATED_NORM, ROW_SHARED: ROW_SHARED, ROW_HEADS: ROW_HEADS,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
-SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT, ROW_SHARED)
+SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT, ROW_SHARED, ROW_HEADS)
 PACKED = (PACKED_COLUMN, COLUMN_QKV)  # one column layer over parts split separately, returning one tensor
 COLUMNS = (COLUMN, COLUMN_GATHER, *PACKED)
 RING_COLUMNS = (COLUMN, *PACKED)  # column layers a Hugging Face block's sequence ring feeds under SP
-BY_HEADS = (COLUMN, *PACKED, ROW, ROW_SHARED)  # projections whose parent's heads are split
+BY_HEADS = (COLUMN, *PACKED, ROW, ROW_SHARED, ROW_HEADS)  # projections whose parent's heads are split
 
 
 @dataclass

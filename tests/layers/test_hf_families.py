@@ -104,6 +104,40 @@ def test_diffllama_keeps_its_head_pairs_on_each_rank():
     assert run_ranks(_diffllama_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
+def _doge_ranks(rank, world_size):
+    from tessel.layers.hf_mixers import SharedRowLinear
+    from tessel.layers.parallelize import parallelize
+
+    for moe, layouts in ((False, (False, True)), (True, (False,))):
+        for sp in layouts:
+            config = dict(is_moe=True, num_experts=16, num_experts_per_tok=2) if moe else {}
+            dense = family_model("doge", **config)
+            with torch.no_grad():  # the mask's per-kv-head scales and the residual scales away from their init
+                for name, p in dense.named_parameters():
+                    if name.endswith((".A", "residual")):
+                        p.add_(torch.rand(p.shape, generator=torch.Generator().manual_seed(len(name))))
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            attention = par.model.layers[0].self_attn
+            assert isinstance(attention.dt_proj, SharedRowLinear) and attention.dt_proj.per_head
+            assert attention.dt_proj.weight.shape == (2, 32 // world_size) and attention.A.shape == (2 // world_size,)
+            _check_against_dense(dense, par, f"doge moe={moe} sp={sp}")
+    model = family_model("doge", is_moe=True, num_experts=16, num_experts_per_tok=2)
+    with pytest.raises(ValueError, match=r"router_gate .* gathers its output inside a block .* sequence_parallel"):
+        parallelize(model, None, sequence_parallel=True)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_doge_keeps_each_rank_its_heads_masks():
+    """Doge's dynamic mask comes from every kv head's values (``dt_proj``, which its plan splits rowwise so that every
+    rank would hold every head's mask): each rank keeps its kv heads' share of the summed output (``rowwise_heads``)
+    and its heads' ``A``; the layers' residual scales, which see each rank's tokens under sequence parallelism, have
+    their gradients summed. Its mixture of embedding experts trains without sequence parallelism, which refuses its
+    router (it would read the sequence its block gathers for the other projections)."""
+    assert run_ranks(_doge_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
 @needs_hf
 def test_a_layer_norm_subclass_of_its_own_is_probed():
     import transformers
