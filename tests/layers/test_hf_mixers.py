@@ -363,3 +363,31 @@ def test_the_mixer_helpers_refuse_what_they_do_not_split():
     with pytest.raises(ValueError, match=r"SplitGatedRMSNorm: expected kind 'grouped' or 'falcon' .* received "
                                          r"kind='layer'"):  # fmt: skip
         SplitGatedRMSNorm(torch.ones(4), 1, 1e-6, "layer", False, None)
+
+
+def _generate_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    makers = {"bamba": lambda: mamba_model("bamba"), "falcon_h1": lambda: mamba_model("falcon_h1"),
+              "jamba": jamba_model, "mamba": lambda: planless_model("mamba"), "lfm2": lambda: lfm_model("lfm2"),
+              "minimax": minimax_model}  # fmt: skip
+    ids = torch.randint(1, VOCAB, (2, 9), generator=torch.Generator().manual_seed(5))
+    for kind, make in makers.items():
+        dense = make()
+        par = parallelize(copy.deepcopy(dense), None)
+        with torch.no_grad():
+            want, got = (m.generate(ids, max_new_tokens=4, do_sample=False, output_logits=True,
+                                    return_dict_in_generate=True) for m in (dense, par))  # fmt: skip
+        assert torch.equal(got.sequences, want.sequences), kind
+        for step, (a, b) in enumerate(zip(got.logits, want.logits, strict=True)):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=f"{kind} step {step}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_split_mixers_generate_as_the_dense_model():
+    """Greedy generation over the cache (each rank's convolution and recurrent states of its heads or channels, one
+    token at a time after the prompt): the dense model's tokens and logits, for Mamba-2 with its groups shared by the
+    ranks, Falcon-H1, Jamba's and Mamba's Mamba-1, LFM2's short convolutions and MiniMax's lightning attention."""
+    assert run_ranks(_generate_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
