@@ -1,5 +1,7 @@
-"""Token mixers other than attention split over tensor-parallel ranks: Mamba-2 mixers (Bamba, Falcon-H1, Granite 4.0
-hybrid, Nemotron-H, Zamba 2's ``mamba``) by heads, and LFM2's short convolutions by channels.
+"""Token mixers other than softmax attention split over tensor-parallel ranks: Mamba-2 mixers (Bamba, Falcon-H1,
+Granite 4.0 hybrid, Nemotron-H, Mamba-2, Zamba 2's ``mamba``) by heads, Mamba-1 mixers (Jamba, Mamba, Falcon-Mamba) by
+channels, MiniMax's lightning attention by heads, LFM2's short convolutions by channels, and Doge's dynamic-mask
+projection (:class:`SharedRowLinear`, ``rowwise_heads``).
 
 Hugging Face's plans leave these blocks out, so every rank would run every head of the scan, and sequence
 parallelism would have no column projection to gather the sequence. tessel splits them as Megatron-LM and vLLM split
@@ -24,11 +26,11 @@ token). Every parameter stays a shard of the whole (its gradient that of the den
 The mixer's head counts and widths (``num_heads``, ``intermediate_size``, ``n_groups``, ``conv_dim``), which its
 forward reads, take their local values; Falcon-H1's per-feature multipliers (``mup_vector``) keep this rank's
 features. In training Hugging Face fuses the whole block into one ``mamba_ssm`` kernel when that package is
-installed, reading ``out_proj``'s weight itself, which would skip the row layer's reduction: the split mixer runs its
-unfused path (the same ``mamba_ssm`` scan kernels where installed). Falcon-H1's scale of the mixer's input
+installed, reading ``out_proj``'s weight itself, which would skip the row layer's reduction: a split mixer (Mamba-2 or
+Mamba-1) runs its unfused path (the same ``mamba_ssm`` scan kernels where installed). Falcon-H1's scale of the mixer's input
 (``ssm_in_multiplier``) is applied to the input the mixer receives, where a sequence-parallel block gathers it from.
 
-Jamba's Mamba (Mamba-1) mixer of ``I`` channels, ``N`` states and a time step of rank ``R``, ``in_proj → [x | z]``,
+A Mamba-1 mixer (Jamba's, Mamba's, Falcon-Mamba's) of ``I`` channels, ``N`` states and a time step of rank ``R``, ``in_proj → [x | z]``,
 convolves x, projects it to ``[dt (R) | B (N) | C (N)]`` (``x_proj``, over every channel), normalises each, widens dt
 back to the channels (``dt_proj``) and scans channel by channel:
 
