@@ -25,14 +25,14 @@ token). Every parameter stays a shard of the whole (its gradient that of the den
 
 The mixer's head counts and widths (``num_heads``, ``intermediate_size``, ``n_groups``, ``conv_dim``), which its
 forward reads, take their local values; Falcon-H1's per-feature multipliers (``mup_vector``) keep this rank's
-features. In training Hugging Face fuses the whole block into one ``mamba_ssm`` kernel when that package is
-installed, reading ``out_proj``'s weight itself, which would skip the row layer's reduction: a split mixer (Mamba-2 or
-Mamba-1) runs its unfused path (the same ``mamba_ssm`` scan kernels where installed). Falcon-H1's scale of the mixer's input
+features. In training Hugging Face fuses the whole block into one ``mamba_ssm`` kernel when that package is installed,
+reading ``out_proj``'s weight itself, which would skip the row layer's reduction: a split mixer (Mamba-2 or Mamba-1)
+runs its unfused path (the same ``mamba_ssm`` scan kernels where installed). Falcon-H1's scale of the mixer's input
 (``ssm_in_multiplier``) is applied to the input the mixer receives, where a sequence-parallel block gathers it from.
 
-A Mamba-1 mixer (Jamba's, Mamba's, Falcon-Mamba's) of ``I`` channels, ``N`` states and a time step of rank ``R``, ``in_proj → [x | z]``,
-convolves x, projects it to ``[dt (R) | B (N) | C (N)]`` (``x_proj``, over every channel), normalises each, widens dt
-back to the channels (``dt_proj``) and scans channel by channel:
+A Mamba-1 mixer (Jamba's, Mamba's, Falcon-Mamba's) of ``I`` channels, ``N`` states and a time step of rank ``R``,
+``in_proj → [x | z]``, convolves x, projects it to ``[dt (R) | B (N) | C (N)]`` (``x_proj``, over every channel),
+normalises each, widens dt back to the channels (``dt_proj``) and scans channel by channel:
 
     in_proj     packed_colwise over [x | z]: this rank's I/t of each
     conv1d      colwise_conv: this rank's channels
