@@ -421,9 +421,10 @@ def install_mamba_hooks(mixer: nn.Module, full_groups: int, mup: torch.Tensor | 
     shared = _SharedGroups(mixer, full_groups, tp_group) if full_groups % t else None
     _run_unfused(mixer)
     scale = getattr(mixer, "ssm_in_multiplier", None)
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool) and scale != 1:
-        mixer.ssm_in_multiplier = _UNIT  # Falcon-H1 scales its input inside: applied to the input the block
-    else:  # receives instead, where a sequence-parallel block's ring gathers it from
+    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
+        mixer.ssm_in_multiplier = _UNIT  # Falcon-H1 scales its input inside (x * 1.0 too is another tensor): applied
+        scale = None if scale == 1 else scale  # to the input the block receives, where a sequence-parallel block's
+    else:  # ring gathers it from
         scale = None
 
     def enter(m, args, kwargs):

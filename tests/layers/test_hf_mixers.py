@@ -37,9 +37,10 @@ def mamba_model(kind: str, groups: int = 1, kv_heads: int = 2, seed: int = 0):
     elif kind == "granitemoehybrid":
         config.update(layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
                       shared_intermediate_size=32)  # fmt: skip
-    elif kind == "falcon_h1":
-        config.update(mamba_d_ssm=128, mamba_rms_norm=True, ssm_in_multiplier=0.7,
-                      ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9])  # fmt: skip
+    elif kind == "falcon_h1":  # one group: its own input scale and multipliers; two: its defaults (a scale of 1.0)
+        config.update(mamba_d_ssm=128, mamba_rms_norm=True)
+        if groups == 1:
+            config.update(ssm_in_multiplier=0.7, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
     with torch.no_grad():
@@ -109,9 +110,17 @@ def _mamba_ranks(rank, world_size, cases):
 def test_mamba2_mixers_split_by_heads():
     """Bamba with one group (each rank holds a share of its B and C and of the convolution's channels: gathered,
     the gated norm's squares summed over the ranks) and with two (a group on each rank); Nemotron-H with two groups and
-    its relu² MLP; Falcon-H1 with one group, its gated norm, input scale and per-part multipliers; Granite 4.0 hybrid
+    its relu² MLP; Falcon-H1 with one group, its gated norm, input scale and per-part multipliers, and with two groups
+    and its defaults (an input scale of 1.0, which multiplies into another tensor all the same); Granite 4.0 hybrid
     with its experts and shared packed MLP."""
-    cases = [("bamba", 1, 2), ("bamba", 2, 2), ("nemotron_h", 2, 2), ("falcon_h1", 1, 2), ("granitemoehybrid", 1, 2)]
+    cases = [
+        ("bamba", 1, 2),
+        ("bamba", 2, 2),
+        ("nemotron_h", 2, 2),
+        ("falcon_h1", 1, 2),
+        ("falcon_h1", 2, 2),
+        ("granitemoehybrid", 1, 2),
+    ]
     assert run_ranks(_mamba_ranks, 2, cases, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
