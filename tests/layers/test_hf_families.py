@@ -29,7 +29,9 @@ from tests.multiprocess import run_ranks
 FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", "cohere", "cohere2", "glm4",
             "granite", "exaone4", "helium", "internlm3", "smollm3", "seed_oss", "vaultgemma", "jais2", "olmo",
             "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe",
-            "granitemoe_swa", "sarvam_moe")  # fmt: skip
+            "granitemoe_swa", "sarvam_moe", "apertus1p5_text", "aria_text", "beam", "cohere2_moe", "cwm", "exaone",
+            "exaone_moe", "granite_swa", "granitemoeshared", "hy_v3", "hyperclovax", "iquestcoder", "kolibri1",
+            "llama4_text", "mimo_v2_flash", "ministral3", "solar_open")  # fmt: skip
 # the families whose own plans leave their attention whole: tessel splits it by heads
 WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
 
