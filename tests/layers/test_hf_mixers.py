@@ -43,10 +43,16 @@ def mamba_model(kind: str, groups: int = 1, kv_heads: int = 2, seed: int = 0):
             config.update(ssm_in_multiplier=0.7, ssm_multipliers=[0.5, 1.5, 0.7, 1.3, 0.9])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
+    return _perturbed(model, ("norm", "dt_bias", "A_log", "conv1d.bias", ".D", "in_proj.bias"), seed)
+
+
+def _perturbed(model, keys: tuple[str, ...], seed: int):
+    """``model`` in evaluation, every parameter whose name holds one of ``keys`` moved away from its initial value
+    (by up to 0.5), which would hide wrong formulas."""
     with torch.no_grad():
         gen = torch.Generator().manual_seed(seed + 1)
         for name, p in model.named_parameters():
-            if any(k in name for k in ("norm", "dt_bias", "A_log", "conv1d.bias", ".D", "in_proj.bias")):
+            if any(k in name for k in keys):
                 p.add_(torch.rand(p.shape, generator=gen) * 0.5)
     return model.eval()
 
@@ -149,12 +155,7 @@ def planless_model(kind: str, seed: int = 0):
     config = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, tie_word_embeddings=False, **PLANLESS[kind])
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if any(k in name for k in ("norm", "dt_bias", "A_log", "conv1d.bias", ".D")):
-                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
-    return model.eval()
+    return _perturbed(model, ("norm", "dt_bias", "A_log", "conv1d.bias", ".D"), seed)
 
 
 def _planless_ranks(rank, world_size):
@@ -207,12 +208,7 @@ def jamba_model(seed: int = 0):
                   mamba_dt_rank=8, mamba_proj_bias=True)  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("jamba", **config))
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if any(k in name for k in ("norm", "conv1d.bias", ".D", "dt_proj.bias")):
-                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
-    return model.eval()
+    return _perturbed(model, ("norm", "conv1d.bias", ".D", "dt_proj.bias"), seed)
 
 
 def _jamba_ranks(rank, world_size):
@@ -252,12 +248,7 @@ def minimax_model(seed: int = 0):
                   num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model("minimax", **config))
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
-    return model.eval()
+    return _perturbed(model, ("norm",), seed)
 
 
 def _minimax_ranks(rank, world_size):
@@ -304,12 +295,7 @@ def lfm_model(kind: str, seed: int = 0):
         config.update(block_auto_adjust_ff_dim=False)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
-    with torch.no_grad():
-        gen = torch.Generator().manual_seed(seed + 1)
-        for name, p in model.named_parameters():
-            if "norm" in name or "conv.bias" in name:
-                p.add_(torch.rand(p.shape, generator=gen) * 0.5)
-    return model.eval()
+    return _perturbed(model, ("norm", "conv.bias"), seed)
 
 
 def _lfm_ranks(rank, world_size):
