@@ -40,12 +40,12 @@ that (:data:`EAGER_FAMILIES`). FLOPs count each layer's keys (:func:`attention_w
 
 ``--hf qwen3_5``: Qwen3.5's design at the preset's shape: three Gated DeltaNet linear-attention layers to each
 full-attention one (:func:`_linear_attention_config`), split by heads under tensor parallelism
-(:mod:`~tessel.layers.hf_linear_attention`); it trains under tp/sp, pp and dp, not cp
-(:data:`LINEAR_ATTENTION_FAMILIES`). Its recurrence runs Hugging Face's kernels (``fla`` where installed, its torch
-fallback otherwise). ``--hf bamba``: Bamba's design, three Mamba-2 layers to each attention layer
-(:func:`_state_space_config`), the mixers split by heads (:mod:`~tessel.layers.hf_mixers`), the same layouts; its scan
-runs ``mamba_ssm``'s kernels where installed, Hugging Face's torch fallback otherwise. FLOPs count neither
-recurrence.
+(:mod:`~tessel.layers.hf_linear_attention`); under cp each linear-attention layer trades the sequence split for a split
+of its heads (:mod:`~tessel.layers.hf_mixer_context`). Its recurrence runs Hugging Face's kernels (``fla`` where
+installed, its torch fallback otherwise). ``--hf bamba``: Bamba's design, three Mamba-2 layers to each attention layer
+(:func:`_state_space_config`), the mixers split by heads (:mod:`~tessel.layers.hf_mixers`), the same layouts
+(:data:`LINEAR_ATTENTION_FAMILIES`); its scan runs ``mamba_ssm``'s kernels where installed, Hugging Face's torch
+fallback otherwise. FLOPs count neither recurrence.
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -102,7 +102,7 @@ WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window":
                    "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
 # The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention) or Mamba-2
-# mixers (tessel.layers.hf_mixers), which context parallelism does not take
+# mixers (tessel.layers.hf_mixers), which run under context parallelism by heads (tessel.layers.hf_mixer_context)
 LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "bamba")
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
@@ -321,10 +321,6 @@ def refused_options(args) -> str | None:
     if smoothed and args.hf_baseline:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
-    if args.hf in LINEAR_ATTENTION_FAMILIES and args.cp > 1:
-        return (f"--hf {args.hf} mixes tokens by linear attention or state spaces in most layers: it trains under "
-                "--tp (with --sequence-parallel), --pp and --dp, not --cp (each rank's recurrence would see its share "
-                "of the tokens alone)")  # fmt: skip
     biased = args.hf in BIASED_FAMILIES
     if biased and (args.aux_loss_coef > 0 or args.z_loss_coef > 0):
         return (f"--hf {args.hf} balances its experts by their routing biases (--expert-bias-rate, DeepSeek-V3 uses "

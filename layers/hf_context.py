@@ -26,7 +26,7 @@ another rank: pass ``shift_labels``, the globally shifted labels split the same 
 from __future__ import annotations
 
 import inspect
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -35,6 +35,8 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
 from .hf import base_model
 from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention
+from .hf_mixer_context import MixerContext, context_mixers, entry_names, mixer_context
+from .hf_mixer_context import install as install_mixer
 
 __all__ = ["HFContextLayout", "packed_positions", "padding_runs"]
 
@@ -157,17 +159,29 @@ def packed_positions(position_ids, tokens: torch.Tensor, cp_size: int, split: in
 _ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
 
 
-def _other_sequence_mixers(model: nn.Module) -> list[str]:
-    """Modules that mix tokens along the sequence other than attention: convolutions over the sequence (the short
-    convolutions of Gated DeltaNet, Mamba and LFM2 blocks), or the modules of decoder layers whose type the config
-    names as other than attention (``linear_attention``, ``mamba``, ``conv``...)."""
-    found = [f"{name} ({type(m).__name__})" for name, m in model.named_modules() if isinstance(m, nn.Conv1d)]
+def _other_sequence_mixers(model: nn.Module, mixers: list[str]) -> list[str]:
+    """Modules that mix tokens along the sequence other than attention and the ``mixers`` that run under context
+    parallelism (:mod:`~tessel.layers.hf_mixer_context`): convolutions over the sequence (Mamba-1's), or the decoder
+    layers whose type the config names as other than attention (``linear_attention``, ``mamba``, ``conv``...) and
+    that hold none of ``mixers``."""
+    inside = tuple(f"{n}." for n in mixers)
+    found = [f"{name} ({type(m).__name__})" for name, m in model.named_modules()
+             if isinstance(m, nn.Conv1d) and not name.startswith(inside)]  # fmt: skip
     config = getattr(model, "config", None)
     types = getattr(config, "layer_types", None) or getattr(config, "layers_block_type", None)
     if isinstance(types, list | tuple):
-        kinds = sorted({str(t) for t in types if t not in _ATTENTION_LAYER_TYPES})
+        layers = _decoder_layers(model)
+        kinds = sorted({str(kind) for i, kind in enumerate(types) if kind not in _ATTENTION_LAYER_TYPES
+                        and not (i < len(layers) and any(n.startswith(f"{layers[i]}.") for n in mixers))})  # fmt: skip
         found += [f"its layers of type {kind!r}" for kind in kinds]
     return found
+
+
+def _decoder_layers(model: nn.Module) -> list[str]:
+    """The names of the base model's decoder layers (its ``layers`` ModuleList), or none."""
+    prefix, base = base_model(model)
+    layers = getattr(base, "layers", None)
+    return [f"{prefix}layers.{i}" for i in range(len(layers))] if isinstance(layers, nn.ModuleList) else []
 
 
 @dataclass
@@ -175,15 +189,19 @@ class HFContextLayout:
     """Where context parallelism reaches into a Hugging Face decoder (see the module docstring).
 
     ``attention``: the modules that call the attention implementation (class names ending in
-    ``Attention``); ``rotary``: the base model's rotary-embedding module, fed the global positions;
+    ``Attention``); ``rotary``: the base model's rotary-embedding module, fed the global positions (None: a hybrid
+    whose attention reads no positions, its only embedding the tokens');
     ``base``: the base model, whose caller may not pass position ids; ``head``: whether ``model`` is a
-    head model above the base (its loss would shift ``labels`` itself).
+    head model above the base (its loss would shift ``labels`` itself); ``mixers``: the token mixers other than
+    attention that trade the sequence split for a split of their heads (:mod:`~tessel.layers.hf_mixer_context`).
     """
 
     attention: list[str]
-    rotary: str
+    rotary: str | None
     base: str
     head: bool
+    mixers: list[str] = field(default_factory=list)
+    plans: list[MixerContext] = field(default_factory=list)
 
     @classmethod
     def find(cls, model: nn.Module) -> HFContextLayout:
@@ -193,19 +211,36 @@ class HFContextLayout:
         if not attention:
             raise ValueError(f"parallelize: cp_group needs attention modules (class names ending in Attention) in "
                              f"{type(model).__name__}, found none")  # fmt: skip
-        mixers = _other_sequence_mixers(model)
-        if mixers:
+        mixers = context_mixers(model)
+        others = _other_sequence_mixers(model, mixers)
+        if others:
             raise ValueError(
-                f"parallelize: cp_group splits the sequence for attention only, but {type(model).__name__} also mixes "
-                f"tokens in {mixers[0]} (linear attention, a state space or a convolution over the sequence), which "
-                "would see this rank's share of the tokens alone; train it without context parallelism"
+                f"parallelize: cp_group splits the sequence for attention and for Mamba-2, Gated DeltaNet and short "
+                f"convolution mixers, but {type(model).__name__} also mixes tokens in {others[0]}, which would see "
+                "this rank's share of the tokens alone; train it without context parallelism"
             )
+        embeddings = [m for m in base.modules() if isinstance(m, nn.Embedding)]
+        if not rotary and mixers and len(embeddings) == 1:  # a hybrid's attention without positions (NoPE: Granite
+            return cls(attention, None, prefix.rstrip("."), bool(prefix), mixers)  # 4.0 hybrid, Nemotron-H)
         if len(rotary) != 1:
             raise ValueError(
                 f"parallelize: cp_group needs one rotary-embedding module among the children of {type(base).__name__} "
                 f"(it is fed the global positions of this rank's tokens), found {rotary or 'none'}"
             )
-        return cls(attention, prefix + rotary[0], prefix.rstrip("."), bool(prefix))
+        return cls(attention, prefix + rotary[0], prefix.rstrip("."), bool(prefix), mixers)
+
+    def plan_mixers(self, model: nn.Module, split: set[str], t: int, cp_group) -> None:
+        """Plan each mixer (raising before anything changes when its heads do not split); ``split``: the names of the
+        modules that ``parallelize`` splits over its ``t`` tensor-parallel ranks."""
+        c, modules = group_size(cp_group), dict(model.named_modules())
+        self.plans = (
+            []
+            if c == 1
+            else [
+                mixer_context(n, modules[n], t if f"{n}.{entry_names(modules[n])[0]}" in split else 1, c)
+                for n in self.mixers
+            ]
+        )
 
     def install(self, model: nn.Module, cp_group, split: int = 1) -> None:
         """Mark the attention modules with ``cp_group``, switch the model to tessel's attention, and hook the
@@ -252,6 +287,12 @@ class HFContextLayout:
             masked = bound.arguments.get("attention_mask") is not None
             if masked:
                 runs = padding_runs(module, c, bound.arguments["attention_mask"], _tokens(bound))
+                if self.mixers and runs is not None and bool((runs == 0).any()):
+                    raise ValueError(
+                        f"parallelize: under context parallelism {self.mixers[0]} runs its recurrence over the whole "
+                        "sequence without a mask, which would carry left padding's state into the tokens: pad on the "
+                        "right (nothing after a token reaches it)"
+                    )
                 # the padding goes to the ring as runs. Any mask the model builds is then its own, from
                 # the local view (a sliding window over the local tokens, which the ring replaces with
                 # the global one)
@@ -282,11 +323,14 @@ class HFContextLayout:
                     "over the whole sequence, -100 at the end) along with labels"
                 )
 
-        modules[self.rotary].register_forward_pre_hook(positions, with_kwargs=True)
+        if self.rotary is not None:
+            modules[self.rotary].register_forward_pre_hook(positions, with_kwargs=True)
         modules[self.base].register_forward_pre_hook(whole_positions, with_kwargs=True)
         modules[self.base].register_forward_hook(forget_positions)
         if self.head:
             model.register_forward_pre_hook(no_self_shift, with_kwargs=True)
+        for plan in self.plans:
+            install_mixer(model.get_submodule(plan.name), plan, cp_group)
         register_hf_attention()
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("tessel")

@@ -89,7 +89,9 @@ __all__ = [
     "mamba_updates",
     "mixer_installer",
     "mixer_updates",
+    "move_input_scale",
     "packed_parts",
+    "run_unfused",
     "short_conv_styles",
 ]
 
@@ -296,7 +298,7 @@ def mixer_installer(m: nn.Module, tp_group):
         groups, mup = m.n_groups, getattr(m, "mup_vector", None)
         return lambda: install_mamba_hooks(m, groups, mup, tp_group)
     if is_mamba1(m):
-        return lambda: _run_unfused(m)
+        return lambda: run_unfused(m)
     if is_lightning(m):
         t, r = group_size(tp_group), group_rank(tp_group)
         rates = m.slope_rate.narrow(0, r * m.slope_rate.shape[0] // t, m.slope_rate.shape[0] // t).clone()
@@ -397,7 +399,7 @@ class _SharedGroups:
         conv._parameters.update(self.saved.pop())
 
 
-def _run_unfused(mixer: nn.Module) -> None:
+def run_unfused(mixer: nn.Module) -> None:
     """The mixer's forward runs as in evaluation (``training`` off on the mixer alone, its children untouched):
     Hugging Face fuses a Mamba block into one ``mamba_ssm`` kernel in training, reading ``out_proj``'s (and Mamba-1's
     ``x_proj``'s) weight itself, which would skip the split layers' reductions."""
@@ -414,28 +416,36 @@ def _run_unfused(mixer: nn.Module) -> None:
     mixer.register_forward_hook(leave, always_call=True)
 
 
+def move_input_scale(mixer: nn.Module) -> None:
+    """Falcon-H1 scales its mixer's input inside the mixer (``ssm_in_multiplier``; ``x * 1.0`` too is another tensor):
+    the scale moves to a forward pre-hook, so that the projections receive the very tensor the mixer did, which a
+    sequence-parallel block's ring (or a context-parallel mixer) hands them. Nothing for another mixer."""
+    scale = getattr(mixer, "ssm_in_multiplier", None)
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        return
+    mixer.ssm_in_multiplier = _UNIT
+    if scale == 1:
+        return
+
+    def scaled(m, args, kwargs):
+        if args:
+            return (args[0] * scale, *args[1:]), kwargs
+        return args, {**kwargs, "hidden_states": kwargs["hidden_states"] * scale}
+
+    mixer.register_forward_pre_hook(scaled, with_kwargs=True)
+
+
 def install_mamba_hooks(mixer: nn.Module, full_groups: int, mup: torch.Tensor | None, tp_group) -> None:
     """After the split (the mixer's attributes local): the unfused path in training, the shared groups' hooks where
     ``full_groups`` do not split over the group, and this rank's share of ``mup`` (Falcon-H1's ``mup_vector``)."""
     t = group_size(tp_group)
     shared = _SharedGroups(mixer, full_groups, tp_group) if full_groups % t else None
-    _run_unfused(mixer)
-    scale = getattr(mixer, "ssm_in_multiplier", None)
-    if isinstance(scale, (int, float)) and not isinstance(scale, bool):
-        mixer.ssm_in_multiplier = _UNIT  # Falcon-H1 scales its input inside (x * 1.0 too is another tensor): applied
-        scale = None if scale == 1 else scale  # to the input the block receives, where a sequence-parallel block's
-    else:  # ring gathers it from
-        scale = None
+    run_unfused(mixer)
+    move_input_scale(mixer)
 
     def enter(m, args, kwargs):
-        if scale is not None:
-            if args:
-                args = (args[0] * scale, *args[1:])
-            else:
-                kwargs = {**kwargs, "hidden_states": kwargs["hidden_states"] * scale}
         if shared is not None:
             shared.enter(m.conv1d)
-        return args, kwargs
 
     def leave(m, args, kwargs, out):
         if shared is not None:

@@ -202,8 +202,9 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     :func:`~tessel.parallel.context.split_sequence` share of the tokens and attention runs as
     :func:`~tessel.parallel.context.ring_attention`. tessel's GPT takes the group in its attention
     modules (as ``GPT(cp_group=)`` does); a Hugging Face decoder is switched to tessel's attention
-    implementation, its rotary embeddings see the global positions, and what its local view would
-    compute wrongly is refused (see :mod:`tessel.layers.hf`). Parameters are replicated over the cp
+    implementation, its rotary embeddings see the global positions, a hybrid's recurrences run over the
+    whole sequence of a share of their heads (:mod:`~tessel.layers.hf_mixer_context`), and what its local view
+    would compute wrongly is refused (see :mod:`tessel.layers.hf`). Parameters are replicated over the cp
     ranks: reduce their gradients over the cp group as over a data-parallel one.
     """
     if not isinstance(model, nn.Module):
@@ -232,6 +233,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
         e.gathered = in_block and e.kind in RING_COLUMNS and not e.latent_fed
     heads = _local_heads(model, entries, t)
+    if isinstance(context, HFContextLayout):
+        context.plan_mixers(model, {e.name for e in entries}, t, cp_group)
     check_mixers_whole(model, {e.name: e.kind for e in entries} | dict.fromkeys(head_params, COLUMN), t)
     installs = [f for p, _ in heads if (f := mixer_installer(p, tp_group)) is not None]  # what they need after
     per_head = per_head_parameters(_attention_parents(model, entries), tp_group, head_params)

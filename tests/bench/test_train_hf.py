@@ -360,19 +360,18 @@ HYBRID_LAYOUTS = {
     "tp2": (["--tp", "2"], 2),
     "pp2": (["--pp", "2"], 2),
     "dp2": (["--dp", "2", "--zero", "2"], 2),
+    "cp2": (["--cp", "2"], 2),
 }
 
 
 def _check_hybrid_curves(tmp_path, run: list[str], name: str) -> None:
-    """``run``'s single-process curve in every layout of HYBRID_LAYOUTS, and --cp refused before anything runs."""
+    """``run``'s single-process curve in every layout of HYBRID_LAYOUTS."""
     proc = _ok(_train(tmp_path / "one", *run))
     assert f"Hugging Face {name} tiny" in proc.stdout
     one = _losses(tmp_path / "one")
     for layout_name, (layout, nproc) in HYBRID_LAYOUTS.items():
         _ok(_train(tmp_path / layout_name, *run, *layout, nproc=nproc))
         assert _losses(tmp_path / layout_name) == pytest.approx(one, rel=1e-5), layout_name
-    proc = _train(tmp_path / "refused", *run, "--cp", "2", nproc=2)
-    assert proc.returncode == 2 and "mixes tokens by linear attention or state spaces" in proc.stderr, proc.stderr
 
 
 QWEN3_5 = ["--hf", "qwen3_5", "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]
@@ -383,7 +382,8 @@ QWEN3_5 = ["--hf", "qwen3_5", "--steps", "3", "--seq-len", "32", "--batch-size",
 def test_qwen3_5_trains_its_linear_attention_split_by_heads(tmp_path):
     """--hf qwen3_5: three Gated DeltaNet layers to each full-attention one. The single process's curve as Hugging
     Face computes it, at tp=2 with and without sequence parallelism (the linear attention split by heads), in two
-    pipeline stages, and over two data-parallel ranks under ZeRO-2; --cp is refused before anything runs."""
+    pipeline stages, over two data-parallel ranks under ZeRO-2, and over two context-parallel ranks (the linear
+    attention trading the sequence split for a split of its heads)."""
     _check_hybrid_curves(tmp_path, QWEN3_5, "Qwen3_5")
 
 
@@ -395,7 +395,8 @@ BAMBA = ["--hf", "bamba", "--steps", "3", "--seq-len", "32", "--batch-size", "8"
 def test_bamba_trains_its_mamba2_mixers_split_by_heads(tmp_path):
     """--hf bamba: three Mamba-2 layers to each attention layer, one group of B and C (shared by the tensor-parallel
     ranks). The single process's curve as Hugging Face computes it, at tp=2 with and without sequence parallelism (the
-    mixers split by heads), in two pipeline stages, and over two data-parallel ranks under ZeRO-2; --cp is refused."""
+    mixers split by heads), in two pipeline stages, over two data-parallel ranks under ZeRO-2, and over two
+    context-parallel ranks."""
     _check_hybrid_curves(tmp_path, BAMBA, "Bamba")
 
 
