@@ -35,8 +35,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
 from .hf import base_model
 from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention
-from .hf_mixer_context import MixerContext, context_mixers, entry_names, mixer_context
-from .hf_mixer_context import install as install_mixer
+from .hf_mixer_context import MixerContext, context_mixers, entry_names, install_mixer_context, mixer_context
 
 __all__ = ["HFContextLayout", "packed_positions", "padding_runs"]
 
@@ -208,17 +207,17 @@ class HFContextLayout:
         prefix, base = base_model(model)
         attention = [name for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
         rotary = [name for name, m in base.named_children() if "rotary" in type(m).__name__.lower()]
-        if not attention:
-            raise ValueError(f"parallelize: cp_group needs attention modules (class names ending in Attention) in "
-                             f"{type(model).__name__}, found none")  # fmt: skip
         mixers = context_mixers(model)
         others = _other_sequence_mixers(model, mixers)
         if others:
             raise ValueError(
-                f"parallelize: cp_group splits the sequence for attention and for Mamba-2, Gated DeltaNet and short "
-                f"convolution mixers, but {type(model).__name__} also mixes tokens in {others[0]}, which would see "
-                "this rank's share of the tokens alone; train it without context parallelism"
+                f"parallelize: cp_group splits the sequence for attention and for the Mamba, Gated DeltaNet, lightning "
+                f"attention and short convolution mixers, but {type(model).__name__} also mixes tokens in {others[0]}, "
+                "which would see this rank's share of the tokens alone; train it without context parallelism"
             )
+        if not attention and not mixers:
+            raise ValueError(f"parallelize: cp_group needs attention modules (class names ending in Attention) in "
+                             f"{type(model).__name__}, found none")  # fmt: skip
         embeddings = [m for m in base.modules() if isinstance(m, nn.Embedding)]
         if not rotary and mixers and len(embeddings) == 1:  # a hybrid's attention without positions (NoPE: Granite
             return cls(attention, None, prefix.rstrip("."), bool(prefix), mixers)  # 4.0 hybrid, Nemotron-H)
@@ -330,7 +329,9 @@ class HFContextLayout:
         if self.head:
             model.register_forward_pre_hook(no_self_shift, with_kwargs=True)
         for plan in self.plans:
-            install_mixer(model.get_submodule(plan.name), plan, cp_group)
+            install_mixer_context(model.get_submodule(plan.name), plan, cp_group)
+        if not self.attention:  # a state-space model: nothing calls an attention implementation
+            return
         register_hf_attention()
         if hasattr(model, "set_attn_implementation"):
             model.set_attn_implementation("tessel")

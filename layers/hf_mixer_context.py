@@ -1,6 +1,6 @@
 """Context parallelism in a Hugging Face hybrid's token mixers other than attention: Mamba-2 blocks (Bamba, Falcon-H1,
-Granite 4.0 hybrid, Nemotron-H, Zamba 2), Gated DeltaNet linear attention (Qwen3.5, Qwen3-Next, OLMo-hybrid) and
-LFM2's short convolutions.
+Granite 4.0 hybrid, Nemotron-H, Zamba 2, Mamba-2), Mamba-1 blocks (Jamba, Mamba, Falcon-Mamba), Gated DeltaNet linear
+attention (Qwen3.5, Qwen3-Next, OLMo-hybrid), MiniMax's lightning attention and LFM2's short convolutions.
 
 Under context parallelism each rank holds its zigzag share of the tokens (two chunks of ``S/2c``). Attention runs as
 the ring; a recurrence or a causal convolution cannot run on such a share. As Megatron-LM does for Mamba, each such
@@ -14,10 +14,13 @@ mixer trades the sequence split for a split of its heads for the length of the r
                         ``mup_vector``) read as this rank's slice of the replicated whole
     way back            :func:`~tessel.parallel.context_heads.heads_to_sequence` of the tensors a Mamba-2 block
                         hands its gated norm (the scan's output and the gate: the norm, whose groups may span heads,
-                        then runs on this rank's tokens with every head) or that the others hand ``out_proj``
+                        then runs on this rank's tokens with every head) or lightning attention its norm over every
+                        head (its output gate then reads this rank's tokens), or that the others hand ``out_proj``
     output projection   this rank's tokens, as usual
 
-Mamba-2's B and C follow their groups: where the groups split over the ranks each holds whole groups; where they do
+A Mamba-1 block splits by channels; its ``x_proj``, which reads every channel, multiplies this rank's and sums over
+the cp ranks (its time step and B and C, ``R + 2N`` features a token; the gradient summed back). Mamba-2's B and C
+follow their groups: where the groups split over the ranks each holds whole groups; where they do
 not (one group, as Bamba, Granite 4.0 and Falcon-H1 ship) every rank receives the group its heads read. Parameters
 stay replicated over the context-parallel ranks, each rank's gradient holding its heads' share: reduce gradients over
 the cp group as over a data-parallel one (as for the rest of the model). The mixer receives a placeholder of the whole
@@ -35,12 +38,22 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from ..parallel.collectives import sum_over_ranks
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context_heads import heads_to_sequence, sequence_to_heads, split_features
 from .hf_linear_attention import delta_layout, delta_net_updates, is_delta_net
-from .hf_mixers import is_mamba2, is_short_conv, mamba_updates, move_input_scale, run_unfused
+from .hf_mixers import (
+    DECAY_BUFFERS,
+    is_lightning,
+    is_mamba1,
+    is_mamba2,
+    is_short_conv,
+    mamba_updates,
+    move_input_scale,
+    run_unfused,
+)
 
-__all__ = ["MixerContext", "context_mixers", "entry_names", "mixer_context"]
+__all__ = ["MixerContext", "context_mixers", "entry_names", "install_mixer_context", "mixer_context"]
 
 # each Gated DeltaNet layout's input projections (by its first one's name) and output projection
 _DELTA_ENTRIES = {"in_proj_qkv": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
@@ -54,7 +67,10 @@ class MixerContext:
     """How one mixer runs under context parallelism over ``c`` ranks (the module's notes): ``entries``, its input
     projections and the features ``[c, F']`` of each one's output that each rank owns; ``exit``, the child whose tensor
     arguments go back to the sequence split; ``params``, ``(child, attribute, dim, [c, n])``: the per-head tensors
-    read as each rank's slice (``""``: the mixer's own); ``counts``, the head counts and widths its forward reads."""
+    read as each rank's slice (``""``: the mixer's own); ``counts``, the head counts and widths its forward reads;
+    ``mamba``: a Mamba block, kept off Hugging Face's fused training kernel; ``local``, projections of the mixer's
+    input that stay on this rank's tokens (lightning attention's output gate, applied after the way back); ``sums``,
+    children that read every head's features, whose outputs are summed over the cp ranks (Mamba-1's ``x_proj``)."""
 
     name: str
     entries: dict[str, torch.Tensor]
@@ -62,18 +78,26 @@ class MixerContext:
     params: list[tuple[str, str, int, torch.Tensor]] = field(default_factory=list)
     counts: dict[str, int] = field(default_factory=dict)
     mamba: bool = False
+    local: tuple[str, ...] = ()
+    sums: tuple[str, ...] = ()
+
+
+def _is_context_mixer(m: nn.Module) -> bool:
+    return is_mamba2(m) or is_delta_net(m) or is_short_conv(m) or is_mamba1(m) or is_lightning(m)
 
 
 def context_mixers(model: nn.Module) -> list[str]:
     """The names of the mixers of ``model`` that run under context parallelism (the module's notes)."""
-    return [n for n, m in model.named_modules() if is_mamba2(m) or is_delta_net(m) or is_short_conv(m)]
+    return [n for n, m in model.named_modules() if _is_context_mixer(m)]
 
 
 def entry_names(m: nn.Module) -> tuple[str, ...]:
     """The input projections of a mixer of :func:`context_mixers`."""
-    if is_mamba2(m) or is_short_conv(m):
-        return ("in_proj",)
-    return _DELTA_ENTRIES[delta_layout(m)]
+    if is_lightning(m):
+        return ("qkv_proj", "output_gate")
+    if is_delta_net(m):
+        return _DELTA_ENTRIES[delta_layout(m)]
+    return ("in_proj",)
 
 
 def _packed(*parts: tuple[torch.Tensor, int]) -> torch.Tensor:
@@ -171,6 +195,22 @@ def _delta_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
     return MixerContext(name, entries, _DELTA_EXIT[first], params, counts)
 
 
+def _mamba1_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
+    width = m.intermediate_size // t
+    if width % c:
+        _refuse(name, f"{width} channels", t, c)
+    if m.x_proj.bias is not None:
+        raise ValueError(f"parallelize: {name}: its x_proj has a bias, which the sum of the context-parallel ranks' "
+                         "channels would count once on each rank")  # fmt: skip
+    own = split_features(width, c)
+    params = [("conv1d", p, 0, own) for p in ("weight", "bias") if getattr(m.conv1d, p) is not None]
+    params += [("dt_proj", p, 0, own) for p in ("weight", "bias") if getattr(m.dt_proj, p) is not None]
+    params += [("x_proj", "weight", 1, own), ("", "A_log", 0, own), ("", "D", 0, own)]
+    entries = {"in_proj": _packed((own, width), (own, width))}
+    return MixerContext(name, entries, "out_proj", params, {"intermediate_size": width // c}, mamba=True,
+                        sums=("x_proj",))  # fmt: skip
+
+
 def mixer_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
     """The plan of the mixer ``m`` (whole, a mixer of :func:`context_mixers`) split over ``t`` tensor-parallel ranks
     (1: whole) and run over ``c`` context-parallel ones; raises ``ValueError`` when its heads do not split."""
@@ -178,6 +218,16 @@ def mixer_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
         return _mamba_context(name, m, t, c)
     if is_delta_net(m):
         return _delta_context(name, m, t, c)
+    if is_mamba1(m):
+        return _mamba1_context(name, m, t, c)
+    if is_lightning(m):
+        heads = m.num_attention_heads // t
+        if heads % c:
+            _refuse(name, f"{heads} heads", t, c)
+        own = split_features(heads, c)
+        params = [("", b, 1 if b == "diagonal_decay" else 0, own) for b in DECAY_BUFFERS]
+        return MixerContext(name, {"qkv_proj": split_features(3 * heads * m.head_dim, c)}, "norm", params,
+                            {"num_attention_heads": heads // c}, local=("output_gate",))  # fmt: skip
     if is_short_conv(m):
         channels = m.conv.in_channels // t
         if channels % c:
@@ -188,7 +238,7 @@ def mixer_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
     raise ValueError(f"parallelize: {name} ({type(m).__name__}) is not a mixer tessel runs under context parallelism")
 
 
-def install(m: nn.Module, plan: MixerContext, cp_group) -> None:
+def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
     """Hook ``m`` (split over its tensor-parallel ranks already, if at all) to run as ``plan`` says."""
     c, k = group_size(cp_group), group_rank(cp_group)
     if plan.mamba:
@@ -249,7 +299,10 @@ def install(m: nn.Module, plan: MixerContext, cp_group) -> None:
 
     m.register_forward_pre_hook(enter, with_kwargs=True)
     m.register_forward_hook(leave, with_kwargs=True, always_call=True, prepend=True)
-    for child in plan.entries:
+    for child in (*plan.entries, *plan.local):
         m.get_submodule(child).register_forward_pre_hook(projection_input)
+    for child in plan.entries:
         m.get_submodule(child).register_forward_hook(to_heads(child))
+    for child in plan.sums:  # every rank's channels' share of the output, summed (and so the gradients back)
+        m.get_submodule(child).register_forward_hook(lambda module, args, out: sum_over_ranks(out, cp_group))
     m.get_submodule(plan.exit).register_forward_pre_hook(to_sequence, with_kwargs=True)

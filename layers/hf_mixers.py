@@ -74,6 +74,7 @@ from .hf_linear_attention import delta_parts, is_delta_net
 from .linear import RowParallelLinear
 
 __all__ = [
+    "DECAY_BUFFERS",
     "SharedRowLinear",
     "SplitGatedRMSNorm",
     "check_mixers_whole",
@@ -256,7 +257,7 @@ class SharedRowLinear(RowParallelLinear):
         return y.narrow(-1, group_rank(self.tp_group) * n, n)
 
 
-_DECAYS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
+DECAY_BUFFERS = ("slope_rate", "query_decay", "key_decay", "diagonal_decay")
 
 
 def is_lightning(m: nn.Module, t: int = 1) -> bool:
@@ -267,7 +268,7 @@ def is_lightning(m: nn.Module, t: int = 1) -> bool:
         return False
     layers = [getattr(m, n, None) for n in ("qkv_proj", "output_gate", "out_proj")]
     if not all(_plain_linear(p) for p in layers) or not all(
-        isinstance(getattr(m, b, None), torch.Tensor) for b in _DECAYS
+        isinstance(getattr(m, b, None), torch.Tensor) for b in DECAY_BUFFERS
     ):
         return False
     qkv, gate, out = layers
@@ -304,7 +305,7 @@ def mixer_installer(m: nn.Module, tp_group):
         rates = m.slope_rate.narrow(0, r * m.slope_rate.shape[0] // t, m.slope_rate.shape[0] // t).clone()
 
         def install():
-            tables = dict(zip(_DECAYS, (rates, *m.decay_factors(rates)), strict=True))
+            tables = dict(zip(DECAY_BUFFERS, (rates, *m.decay_factors(rates)), strict=True))
             for name, table in tables.items():
                 m.register_buffer(name, table, persistent=name in m.state_dict())
 

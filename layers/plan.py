@@ -76,6 +76,8 @@ def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if is_hf_model(model) and (plan or t > 1):
         plan = whole_attention_plan(model, head_split_plan(model, plan or {}, glob_regex, t), glob_regex, t)
+    if not plan and is_hf_model(model) and t == 1:  # nothing splits over one rank (context parallelism alone)
+        return {}
     if not plan:
         raise ValueError(
             f"parallelize: {type(model).__name__} has no tensor-parallel plan (no tessel_tp_plan, no Hugging Face "
@@ -151,7 +153,7 @@ def match_plan(model: nn.Module, plan, strict: bool = True) -> tuple[list[Entry]
                                  f"parameters only of modules split as 'moe_tp_experts' or by heads (received "
                                  f"{p})")  # fmt: skip
             chosen[owner].parameter_styles[leaf] = (glob, style)
-    if not chosen:
+    if not chosen and (strict or plan):
         raise ValueError(f"parallelize: the plan matches no module of {type(model).__name__}: {dict(plan)}")
     chosen.update(_shares_in_split_blocks(dict(modules), chosen))
     order = {name: i for i, (name, _) in enumerate(modules)}

@@ -25,15 +25,17 @@ from tests.multiprocess import run_ranks
 def hybrid_model(kind: str):
     """``"bamba"`` (one group of B and C), ``"bamba:2"`` (two groups), and the other hybrids' tiny models."""
     from tests.layers.test_hf_families import qwen3_5_model
-    from tests.layers.test_hf_mixers import lfm_model, mamba_model, planless_model
+    from tests.layers.test_hf_mixers import jamba_model, lfm_model, mamba_model, minimax_model, planless_model
 
     name, _, groups = kind.partition(":")
     if name in ("bamba", "falcon_h1", "nemotron_h", "granitemoehybrid"):
         return mamba_model(name, int(groups or 1))
     if name.startswith("lfm"):
         return lfm_model(name)
-    if name == "zamba2":
+    if name in ("zamba2", "mamba", "mamba2", "falcon_mamba"):
         return planless_model(name)
+    if name in ("jamba", "minimax"):
+        return jamba_model() if name == "jamba" else minimax_model()
     return qwen3_5_model(name)
 
 
@@ -46,7 +48,7 @@ def _mixers(model, names=None):
 
 def _counts(mixer) -> dict:
     names = ("num_heads", "intermediate_size", "n_groups", "conv_dim", "num_k_heads", "num_v_heads", "key_dim",
-             "value_dim")  # fmt: skip
+             "value_dim", "num_attention_heads")  # fmt: skip
     return {n: getattr(mixer, n) for n in names if hasattr(mixer, n)}
 
 
@@ -89,9 +91,11 @@ def test_hybrids_under_context_parallelism_match_dense_on_two_ranks():
     """cp=2 alone. Bamba with one group of B and C (each rank's heads read it whole) and with two (one each);
     Falcon-H1 (its input scale, its per-part multipliers sliced with their heads, its gated norm); Granite 4.0 hybrid
     and Nemotron-H (attention without positions); Qwen3.5, Qwen3-Next (q, k, v, z packed key head by key head) and
-    OLMo-hybrid's Gated DeltaNet; LFM2's short convolution."""
+    OLMo-hybrid's Gated DeltaNet; LFM2's short convolution; Jamba's Mamba-1 (x_proj summed over the ranks' channels);
+    MiniMax's lightning attention (its norm over every head on this rank's tokens, its output gate too); the
+    state-space models without attention, Mamba, Falcon-Mamba and Mamba-2, and Zamba 2 (which have no plan)."""
     kinds = ("bamba", "bamba:2", "falcon_h1", "granitemoehybrid", "nemotron_h", "qwen3_5_text", "qwen3_next",
-             "olmo_hybrid", "lfm2")  # fmt: skip
+             "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "falcon_mamba", "mamba2", "zamba2")  # fmt: skip
     run_ranks(_grid_ranks, 2, 2, kinds, (False,), timeout=600, env=REFERENCE_KERNELS)
 
 
@@ -102,7 +106,7 @@ def test_hybrids_under_context_and_tensor_parallelism_on_four_ranks():
     """tp=2 × cp=2, with and without sequence parallelism: each rank's tensor-parallel heads split again over the
     cp ranks (the Gated DeltaNets' one key head on each tensor-parallel rank read whole by both cp ranks); Zamba 2,
     which has no plan of its own, without."""
-    kinds = ("bamba", "falcon_h1", "qwen3_next", "olmo_hybrid", "lfm2")
+    kinds = ("bamba", "falcon_h1", "qwen3_next", "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba")
     run_ranks(_grid_ranks, 4, 2, kinds, (False, True), timeout=600, env=REFERENCE_KERNELS)
     run_ranks(_grid_ranks, 4, 2, ("zamba2",), (False,), timeout=600, env=REFERENCE_KERNELS)
 
@@ -172,7 +176,7 @@ def _padding_ranks(rank, world_size):
     ids, _ = _batch()
     mask = torch.ones_like(ids)
     mask[0, S - 3 :] = 0  # the first row ends in 3 pads
-    for kind in ("bamba", "qwen3_5_text", "lfm2"):
+    for kind in ("bamba", "qwen3_5_text", "lfm2", "jamba", "minimax"):
         dense = hybrid_model(kind)
         par = parallelize(copy.deepcopy(dense), solo, cp_group=cp_group)
         with torch.no_grad():
@@ -194,16 +198,32 @@ def test_padding_under_context_parallelism():
     run_ranks(_padding_ranks, 2, timeout=300, env=REFERENCE_KERNELS)
 
 
+def recurrent_gemma_model():
+    """A tiny RecurrentGemma, whose recurrent blocks (a convolution and the RG-LRU) tessel does not split."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model("recurrent_gemma", vocab_size=128, hidden_size=64,
+                                               intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                                               num_key_value_heads=1, head_dim=16, lru_width=64)  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(config).eval()
+
+
 def _refusal_ranks(rank, world_size):
     from tessel.layers.parallelize import parallelize
     from tests.layers.test_hf_families import qwen3_5_model
     from tests.layers.test_hf_mixers import jamba_model
 
     solo, _, cp_group = _grid(rank, world_size, world_size)
+    biased = jamba_model()
+    for name, m in biased.named_modules():
+        if name.endswith("mamba"):  # x_proj with a bias: the ranks' sum would add it once each
+            x_proj = torch.nn.Linear(m.x_proj.in_features, m.x_proj.out_features)
+            m.x_proj = x_proj
     cases = (
         # one key head read by both ranks, but its 3 value heads do not split over them
         (qwen3_5_model(linear_num_key_heads=1, linear_num_value_heads=3), "do not split over the 2 context-parallel"),
-        (jamba_model(), "mixes tokens in"),  # Mamba-1, whose x_proj reads every channel: refused by name
+        (biased, "x_proj has a bias"),
+        (recurrent_gemma_model(), r"also mixes tokens in model\.layers\.0\.temporal_block\.conv_1d"),
     )
     for model, match in cases:
         before, types = _state(model), [type(m) for m in model.modules()]
