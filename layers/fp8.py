@@ -166,8 +166,9 @@ class Fp8Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear) -> Fp8Linear:
-        """An ``Fp8Linear`` holding ``linear``'s own parameters (not copies): optimizers and wrappers that hold
-        them keep working."""
+        """An ``Fp8Linear`` holding ``linear``'s own parameters (not copies) and hooks: optimizers and wrappers that
+        hold them keep working, and so do the hooks ``parallelize`` installs (a context-parallel mixer's
+        projections)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"Fp8Linear.from_linear: expected an nn.Linear, received {type(linear).__name__}")
         layer = cls.__new__(cls)
@@ -175,7 +176,13 @@ class Fp8Linear(nn.Linear):
         layer.in_features, layer.out_features = linear.in_features, linear.out_features
         layer.weight, layer.bias = linear.weight, linear.bias
         layer.train(linear.training)
+        for hooks in _FORWARD_HOOKS:
+            setattr(layer, hooks, getattr(linear, hooks))
         return layer
+
+
+_FORWARD_HOOKS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks",
+                  "_forward_hooks_with_kwargs", "_forward_hooks_always_called")  # fmt: skip
 
 
 def fp8_layers(model: nn.Module) -> list[str]:

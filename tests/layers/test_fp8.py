@@ -111,6 +111,17 @@ def test_fp8_linear_keeps_nn_linear_parameters_and_state():
         Fp8Linear.from_linear(nn.ReLU())
 
 
+def test_fp8_linear_keeps_the_hooks_of_the_layer_it_replaces():
+    """parallelize hooks the projections of a context-parallel mixer; convert_to_fp8 after it must keep them."""
+    dense, seen = nn.Linear(48, 32), []
+    dense.register_forward_pre_hook(lambda m, args: (args[0] * 2,))
+    dense.register_forward_hook(lambda m, args, out: seen.append(out.shape) or out + 1, always_call=True)
+    dense.register_forward_pre_hook(lambda m, args, kwargs: (args, kwargs), with_kwargs=True)
+    layer = Fp8Linear.from_linear(dense)
+    x = torch.randn(5, 48)
+    assert torch.equal(layer(x), fp8_linear(x * 2, dense.weight, dense.bias) + 1) and seen == [(5, 32)]
+
+
 class _Model(nn.Module):
     def __init__(self):
         super().__init__()
