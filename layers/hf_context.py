@@ -269,7 +269,9 @@ class HFContextLayout:
             if given is None:
                 glob = zigzag_positions(ids.shape[-1] * c, c, r, device=ids.device).expand_as(ids)
             else:
-                glob = given.expand(ids.shape[0], -1) if given.shape[0] == 1 else given
+                glob = given.expand(ids.shape[-2], -1) if given.shape[0] == 1 else given  # [B, S/c]
+                if ids.dim() > 2:  # Qwen3.5's multimodal rotary takes [3, B, S/c]: for text, equal rows
+                    glob = glob.expand(*ids.shape[:-2], *glob.shape)
             bound.arguments["position_ids"] = glob.to(ids.dtype)
             return bound.args, bound.kwargs
 

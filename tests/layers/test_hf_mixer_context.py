@@ -165,6 +165,17 @@ def test_mamba_mixers_never_call_the_fused_training_kernel():
     run_ranks(_training_ranks, 2, timeout=300, env=REFERENCE_KERNELS)
 
 
+@pytest.mark.multiprocess
+@needs_hf
+def test_packed_documents_in_hybrids_under_context_parallelism():
+    """The whole sequence's position ids, restarting at each document: the attention layers' ring attends within
+    the documents as the dense model's mask does, and the recurrences run over the row as Hugging Face's do; Qwen3.5's
+    multimodal rotary embedding takes the documents' positions in its three rows."""
+    from tests.layers.test_hf_context_parallel import _packed_vs_dense
+
+    run_ranks(_packed_vs_dense, 2, 2, ("qwen3_5_text", "bamba"), timeout=300, env=REFERENCE_KERNELS)
+
+
 def _padding_ranks(rank, world_size):
     """Right padding needs nothing (no token reads what comes after it): the tokens' logits are the dense model's
     with its mask. Left padding is refused by name: the recurrence would carry the padding into the tokens."""
