@@ -12,10 +12,11 @@ mixer trades the sequence split for a split of its heads for the length of the r
     convolution, scan   over the whole sequence, on this rank's heads: the mixer's head counts divided by c, its
                         per-head parameters (A_log, dt_bias, D, the convolution's channels, Falcon-H1's
                         ``mup_vector``) read as this rank's slice of the replicated whole
-    way back            :func:`~tessel.parallel.context_heads.heads_to_sequence` of the tensors a Mamba-2 block
-                        hands its gated norm (the scan's output and the gate: the norm, whose groups may span heads,
-                        then runs on this rank's tokens with every head) or lightning attention its norm over every
-                        head (its output gate then reads this rank's tokens), or that the others hand ``out_proj``
+    way back            :func:`~tessel.parallel.context_heads.heads_to_sequence` of the scan's output a Mamba-2
+                        block hands its gated norm (the norm, whose groups may span heads, then runs on this rank's
+                        tokens with every head, and with the gate z, which never left them), or of lightning
+                        attention's output its norm over every head (its output gate reads this rank's tokens), or
+                        of what the others hand ``out_proj``
     output projection   this rank's tokens, as usual
 
 A Mamba-1 block splits by channels; its ``x_proj``, which reads every channel, multiplies this rank's and sums over
@@ -70,7 +71,9 @@ class MixerContext:
     read as each rank's slice (``""``: the mixer's own); ``counts``, the head counts and widths its forward reads;
     ``mamba``: a Mamba block, kept off Hugging Face's fused training kernel; ``local``, projections of the mixer's
     input that stay on this rank's tokens (lightning attention's output gate, applied after the way back); ``sums``,
-    children that read every head's features, whose outputs are summed over the cp ranks (Mamba-1's ``x_proj``)."""
+    children that read every head's features, whose outputs are summed over the cp ranks (Mamba-1's ``x_proj``);
+    ``gate``, the width of the gate the input projection's output begins with (a Mamba-2 block's z, which only its
+    norm reads), kept on this rank's tokens for the norm instead of travelling to the heads and back (0: none)."""
 
     name: str
     entries: dict[str, torch.Tensor]
@@ -80,6 +83,7 @@ class MixerContext:
     mamba: bool = False
     local: tuple[str, ...] = ()
     sums: tuple[str, ...] = ()
+    gate: int = 0
 
 
 def _is_context_mixer(m: nn.Module) -> bool:
@@ -162,7 +166,11 @@ def _mamba_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
         counts["groups_time_state_size"] = g * states
     norm = getattr(m, "norm", None)
     exit = "norm" if norm is not None and any(True for _ in norm.parameters()) else "out_proj"
-    return MixerContext(name, {"in_proj": projected}, exit, params, counts, mamba=True)
+    if exit == "out_proj" or any(p[1] == "mup_vector" for p in params):  # the gate multiplies the heads' outputs, or
+        return MixerContext(name, {"in_proj": projected}, exit, params, counts, mamba=True)  # is scaled with them
+    # z stays on this rank's tokens for the norm, which then runs there: half the traffic of z there and back
+    return MixerContext(name, {"in_proj": _packed(x, bc, bc, dt) + width}, exit, params, counts, mamba=True,
+                        gate=width)  # fmt: skip
 
 
 def _delta_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
@@ -286,9 +294,21 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
     def to_heads(child):
         return lambda module, args, out: sequence_to_heads(out, cp_group, plan.entries[child])
 
+    def gated_to_heads(module, args, out):  # the gate stays here; the mixer splits its own off a hole of zeros
+        held["gate"] = out[..., : plan.gate]
+        heads = sequence_to_heads(out, cp_group, plan.entries[first])
+        return torch.cat([heads.new_zeros(*heads.shape[:-1], plan.gate // c), heads], -1)
+
     def to_sequence(module, args, kwargs):
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
         back = {}
+        if plan.gate:  # the norm's (output, gate): the gate is the one this rank kept
+            if len(tensors) != 2 or tensors[1].shape[-1] != plan.gate // c:
+                raise ValueError(f"parallelize: under context parallelism {plan.name}.{plan.exit} must be called with "
+                                 f"the scan's output and the gate of {plan.gate // c} features a head share, received "
+                                 f"{[tuple(a.shape) for a in tensors]}")  # fmt: skip
+            back[id(tensors[1])] = held["gate"]
+            tensors = tensors[:1]
         for dtype in dict.fromkeys(a.dtype for a in tensors):  # one exchange for the tensors of each dtype
             alike = [a for a in tensors if a.dtype == dtype]
             widths = [a.shape[-1] for a in alike]
@@ -301,8 +321,11 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
     m.register_forward_hook(leave, with_kwargs=True, always_call=True, prepend=True)
     for child in (*plan.entries, *plan.local):
         m.get_submodule(child).register_forward_pre_hook(projection_input)
+    first = next(iter(plan.entries))
     for child in plan.entries:
-        m.get_submodule(child).register_forward_hook(to_heads(child))
+        m.get_submodule(child).register_forward_hook(
+            gated_to_heads if plan.gate and child == first else to_heads(child)
+        )
     for child in plan.sums:  # every rank's channels' share of the output, summed (and so the gradients back)
         m.get_submodule(child).register_forward_hook(lambda module, args, out: sum_over_ranks(out, cp_group))
     m.get_submodule(plan.exit).register_forward_pre_hook(to_sequence, with_kwargs=True)

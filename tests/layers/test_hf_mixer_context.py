@@ -120,6 +120,34 @@ def test_hybrids_over_four_context_parallel_ranks():
               env=REFERENCE_KERNELS)  # fmt: skip
 
 
+def _traffic_ranks(rank, world_size):
+    """What one Mamba-2 block moves on each of c ranks holding L tokens of B rows: (c-1)·B·L features of each kind
+    it exchanges. Bamba's z (I features) stays on the rank for the gated norm, which runs on the rank's tokens:
+    x (I/c), B and C (the one group, N each) and dt (H/c) go to the heads, the scan's output (I/c) comes back. Falcon-H1
+    scales z with the heads' multipliers: z goes to the heads and comes back with the output."""
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.comm import count_bytes
+
+    solo, _, cp_group = _grid(rank, world_size, world_size)
+    c, b, length, width, heads, states = world_size, 2, 4, 128, 8, 8
+    for kind, features in (("bamba", width // c + 2 * states + heads // c + width // c),
+                           ("falcon_h1", 2 * width // c + 2 * states + heads // c + 2 * width // c)):  # fmt: skip
+        par = parallelize(hybrid_model(kind), solo, cp_group=cp_group)
+        mixer = par.model.layers[0].mamba
+        x = torch.randn(b, length, 64, requires_grad=True)
+        with count_bytes() as moved:
+            out = mixer(hidden_states=x)
+        assert out.shape == x.shape
+        assert moved.sent == moved.received == (c - 1) * b * length * features * 4, (kind, moved.sent)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_a_mamba2_block_moves_only_what_its_heads_read():
+    run_ranks(_traffic_ranks, 2, timeout=300, env=REFERENCE_KERNELS)
+
+
 def _training_ranks(rank, world_size):
     """In training Hugging Face calls mamba_ssm's fused kernel where installed, which reads out_proj's weight itself:
     under context parallelism it would scan this rank's heads' share of the sequence as if it were all of it. Made to
