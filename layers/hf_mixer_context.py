@@ -60,6 +60,7 @@ __all__ = ["MixerContext", "context_mixers", "entry_names", "install_mixer_conte
 _DELTA_ENTRIES = {"in_proj_qkv": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a"),
                   "in_proj_qkvz": ("in_proj_qkvz", "in_proj_ba"),
                   "q_proj": ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")}  # fmt: skip
+_VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")  # flash-attention collators' document lengths
 _DELTA_EXIT = {"in_proj_qkv": "out_proj", "in_proj_qkvz": "out_proj", "q_proj": "o_proj"}
 
 
@@ -260,6 +261,10 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
     saved: list[list] = []
 
     def enter(module, args, kwargs):
+        varlen = [n for n in _VARLEN if kwargs.get(n) is not None]
+        if varlen:  # the lengths of the local view's documents, which the whole sequence's scan would misread
+            raise ValueError(f"parallelize: under context parallelism {plan.name} runs over the whole sequence: pass "
+                             f"packed documents as the whole sequence's position_ids, not {varlen[0]}")  # fmt: skip
         x = args[0] if args else kwargs.get("hidden_states")
         if not isinstance(x, torch.Tensor) or x.dim() != 3:
             raise ValueError(f"parallelize: {plan.name} needs [batch, tokens, hidden] hidden states under context "
@@ -279,8 +284,8 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
             return (held["placeholder"], *args[1:]), kwargs
         return args, {**kwargs, "hidden_states": held["placeholder"]}
 
-    def leave(module, args, kwargs, out):
-        for table, attr, whole in saved.pop():
+    def leave(module, args, kwargs, out):  # also after a refusal in enter, which swapped nothing
+        for table, attr, whole in saved.pop() if saved else ():
             table[attr] = whole
         held.clear()
 
