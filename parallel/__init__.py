@@ -2,6 +2,7 @@
 
 from .comm import ByteCounter, EventLog, count_bytes, record_events
 from .context import gather_sequence, ring_attention, split_sequence, zigzag_order, zigzag_positions
+from .context_heads import heads_to_sequence, sequence_to_heads
 from .ddp import DDP
 from .dims import ParallelDims, init_parallel, shutdown
 from .fsdp import FSDP
@@ -31,6 +32,7 @@ __all__ = [
     "all_gather_matmul",
     "count_bytes",
     "gather_sequence",
+    "heads_to_sequence",
     "init_parallel",
     "matmul_all_reduce",
     "matmul_grad_all_reduce",
@@ -41,6 +43,7 @@ __all__ = [
     "record_events",
     "release_transports",
     "ring_attention",
+    "sequence_to_heads",
     "shutdown",
     "split_sequence",
     "zero_memory_bytes",

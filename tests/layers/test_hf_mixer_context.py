@@ -198,10 +198,12 @@ def test_mamba_mixers_never_call_the_fused_training_kernel():
 def test_packed_documents_in_hybrids_under_context_parallelism():
     """The whole sequence's position ids, restarting at each document: the attention layers' ring attends within
     the documents as the dense model's mask does, and the recurrences run over the row as Hugging Face's do; Qwen3.5's
-    multimodal rotary embedding takes the documents' positions in its three rows."""
+    multimodal rotary embedding takes the documents' positions in its three rows. Recomputed in backward too
+    (Hugging Face's gradient checkpointing): each layer's mixer exchanges its heads again."""
     from tests.layers.test_hf_context_parallel import _packed_vs_dense
 
     run_ranks(_packed_vs_dense, 2, 2, ("qwen3_5_text", "bamba"), timeout=300, env=REFERENCE_KERNELS)
+    run_ranks(_packed_vs_dense, 2, 2, ("bamba",), False, True, timeout=300, env=REFERENCE_KERNELS)
 
 
 def _padding_ranks(rank, world_size):
