@@ -22,14 +22,17 @@ mixer trades the sequence split for a split of its heads for the length of the r
 A Mamba-1 block splits by channels; its ``x_proj``, which reads every channel, multiplies this rank's and sums over
 the cp ranks (its time step and B and C, ``R + 2N`` features a token; the gradient summed back). Mamba-2's B and C
 follow their groups: where the groups split over the ranks each holds whole groups; where they do
-not (one group, as Bamba, Granite 4.0 and Falcon-H1 ship) every rank receives the group its heads read. Parameters
+not (one group, as Bamba, Granite 4.0 and Falcon-H1 ship) every rank receives the group its heads read, as a Gated
+DeltaNet's ranks receive the key head their value heads read where there are fewer key heads than ranks. Parameters
 stay replicated over the context-parallel ranks, each rank's gradient holding its heads' share: reduce gradients over
 the cp group as over a data-parallel one (as for the rest of the model). The mixer receives a placeholder of the whole
 sequence's shape (which it reads for its reshapes); its projections are handed this rank's tokens instead, so a mixer
 that transforms its input before projecting it is refused by name. The fused ``mamba_ssm`` training kernel, which
 would read ``out_proj``'s weight itself, is bypassed as under tensor parallelism. A cache is not handed to the mixers
 (under context parallelism decoding is refused); left padding is refused (the recurrence would carry the padding's
-state into the tokens; Hugging Face zeroes it with the mask), right padding needs nothing.
+state into the tokens; Hugging Face zeroes it with the mask), right padding needs nothing. Packed documents (the whole
+sequence's ``position_ids``) reach attention's ring; the recurrences run over the whole row, as Hugging Face's own do
+without a collator's document lengths, which are refused here (``cu_seq_lens_q``...: the local view's).
 """
 
 from __future__ import annotations
