@@ -45,7 +45,8 @@ of its heads (:mod:`~tessel.layers.hf_mixer_context`). Its recurrence runs Huggi
 installed, its torch fallback otherwise). ``--hf bamba``: Bamba's design, three Mamba-2 layers to each attention layer
 (:func:`_state_space_config`), the mixers split by heads (:mod:`~tessel.layers.hf_mixers`), the same layouts
 (:data:`LINEAR_ATTENTION_FAMILIES`); its scan runs ``mamba_ssm``'s kernels where installed, Hugging Face's torch
-fallback otherwise. FLOPs count neither recurrence.
+fallback otherwise. ``--hf jamba`` (with ``--experts N``): Jamba's, Mamba-1 mixers split by channels, one attention
+layer in every 8 and experts in every other layer (:func:`_jamba_config`). FLOPs count no recurrence.
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -86,13 +87,14 @@ __all__ = [
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
-               "qwen3_5": "Qwen3_5", "bamba": "Bamba"}  # fmt: skip
+               "qwen3_5": "Qwen3_5", "bamba": "Bamba", "jamba": "Jamba"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
-                "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size"}  # fmt: skip
+                "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size",
+                "jamba": "intermediate_size"}  # fmt: skip
 # The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
 # by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
 BIASED_FAMILIES = ("deepseek_v3",)
@@ -101,9 +103,9 @@ BIASED_FAMILIES = ("deepseek_v3",)
 WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3": {"use_sliding_window": True, "max_window_layers": 0},
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
-# The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention) or Mamba-2
+# The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention) or Mamba
 # mixers (tessel.layers.hf_mixers), which run under context parallelism by heads (tessel.layers.hf_mixer_context)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "bamba")
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "bamba", "jamba")
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
 ALTERNATING_WINDOWS = {"gpt_oss": 128}
@@ -142,6 +144,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
         kw.update(_linear_attention_config(c))
     if args.hf == "bamba":
         kw.update(_state_space_config(c))
+    if args.hf == "jamba":
+        kw.update(_jamba_config(c))
     if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
         kw["sliding_window"] = c.sliding_window
         if c.sliding_window is not None:
@@ -177,6 +181,16 @@ def _state_space_config(c: GPTConfig) -> dict:
     return {"mamba_n_heads": 2 * c.n_embd // d, "mamba_d_head": d, "mamba_expand": 2, "mamba_n_groups": 1,
             "mamba_d_state": 128, "mamba_chunk_size": 256, "mamba_d_conv": 4,
             "attn_layer_indices": list(range(3, c.n_layer, 4))}  # fmt: skip
+
+
+def _jamba_config(c: GPTConfig) -> dict:
+    """Jamba's layout (Jamba 1.5: one attention layer in every 8, at the 5th; experts in every other layer; Mamba-1
+    mixers of 16 states over twice the width) at the preset's depth: one attention layer in every 8 (in every 4 below
+    8 layers), experts in every other layer. Its attention has no positions (no rotary embedding)."""
+    period = 8 if c.n_layer >= 8 else 4
+    return {"attn_layer_period": period, "attn_layer_offset": period // 2, "expert_layer_period": 2,
+            "expert_layer_offset": 1, "mamba_d_state": 16, "mamba_d_conv": 4, "mamba_expand": 2,
+            "use_mamba_kernels": False}  # fmt: skip
 
 
 def _latent_attention_config(c: GPTConfig) -> dict:

@@ -402,6 +402,21 @@ def test_bamba_trains_its_mamba2_mixers_split_by_heads(tmp_path):
     _check_hybrid_curves(tmp_path, BAMBA, "Bamba")
 
 
+# no balancing loss: each data-parallel rank would balance its own batch (tests/bench/test_train_hf_moe.py)
+JAMBA = ["--hf", "jamba", "--experts", "4", "--aux-loss-coef", "0", "--steps", "3", "--seq-len", "32", "--batch-size",
+         "8", "--microbatches", "2"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_jamba_trains_its_mamba1_mixers_and_experts(tmp_path):
+    """--hf jamba: Mamba-1 mixers (split by channels, x_proj summed over the ranks' channels), attention without
+    positions, experts in every other layer. The single process's curve as Hugging Face computes it, at tp=2 with and
+    without sequence parallelism, in two pipeline stages, over two data-parallel ranks under ZeRO-2, and over two
+    context-parallel ranks (alone, with two stages, and with tp=2 and sequence parallelism)."""
+    _check_hybrid_curves(tmp_path, JAMBA, "Jamba")
+
+
 def test_bamba_takes_its_mixers_from_the_preset():
     """Heads of the preset's head dim over twice its width, one group; an attention layer after each three Mamba-2
     layers, whose attention alone the FLOPs count."""

@@ -31,7 +31,10 @@ FAMILIES = {"olmoe": {"num_experts": 4}, "flex_olmo": {"num_experts": 4}, "phimo
             "granitemoe": {"num_local_experts": 4, "logits_scaling": 2.0, "embedding_multiplier": 12.0},
             "laguna": {"num_experts": 4, "moe_intermediate_size": 24},
             "mellum": {"num_experts": 4, "moe_intermediate_size": 24},
-            "gpt_oss": {"num_local_experts": 4, "sliding_window": 4, "attn_implementation": "eager"}}  # fmt: skip
+            "gpt_oss": {"num_local_experts": 4, "sliding_window": 4, "attn_implementation": "eager"},
+            # Mamba-1 mixers, attention in the 2nd layer and experts in every other one
+            "jamba": {"num_experts": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
+                      "expert_layer_offset": 0, "use_mamba_kernels": False, "mamba_d_state": 4}}  # fmt: skip
 
 
 def family_model(kind: str, layers: int = 3, **extra):
