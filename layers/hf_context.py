@@ -232,14 +232,10 @@ class HFContextLayout:
         """Plan each mixer (raising before anything changes when its heads do not split); ``split``: the names of the
         modules that ``parallelize`` splits over its ``t`` tensor-parallel ranks."""
         c, modules = group_size(cp_group), dict(model.named_modules())
-        self.plans = (
-            []
-            if c == 1
-            else [
-                mixer_context(n, modules[n], t if f"{n}.{entry_names(modules[n])[0]}" in split else 1, c)
-                for n in self.mixers
-            ]
-        )
+        self.plans = []
+        for n in self.mixers if c > 1 else ():
+            split_over = t if f"{n}.{entry_names(modules[n])[0]}" in split else 1  # whole where tp leaves it so
+            self.plans.append(mixer_context(n, modules[n], split_over, c))
 
     def install(self, model: nn.Module, cp_group, split: int = 1) -> None:
         """Mark the attention modules with ``cp_group``, switch the model to tessel's attention, and hook the

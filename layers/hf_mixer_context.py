@@ -260,6 +260,14 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
     for attr, value in plan.counts.items():
         setattr(m, attr, value)
     own = [(child, attr, dim, index[k]) for child, attr, dim, index in plan.params]
+    placed: dict[tuple[int, torch.device], torch.Tensor] = {}
+
+    def on(index: torch.Tensor, device: torch.device) -> torch.Tensor:  # each index copied to a device once
+        key = (id(index), device)
+        if key not in placed:
+            placed[key] = index.to(device)
+        return placed[key]
+
     held: dict = {}
     saved: list[list] = []
 
@@ -280,7 +288,7 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
             table = owner._parameters if attr in owner._parameters else owner._buffers
             whole = table[attr]
             slices.append((table, attr, whole))
-            table[attr] = whole.index_select(dim, index.to(whole.device))
+            table[attr] = whole.index_select(dim, on(index, whole.device))
         saved.append(slices)
         kwargs = {**kwargs, "cache": None} if "cache" in kwargs else kwargs
         if args:
@@ -300,11 +308,11 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
         return (held["x"], *args[1:])
 
     def to_heads(child):
-        return lambda module, args, out: sequence_to_heads(out, cp_group, plan.entries[child])
+        return lambda module, args, out: sequence_to_heads(out, cp_group, on(plan.entries[child], out.device))
 
     def gated_to_heads(module, args, out):  # the gate stays here; the mixer splits its own off a hole of zeros
         held["gate"] = out[..., : plan.gate]
-        heads = sequence_to_heads(out, cp_group, plan.entries[first])
+        heads = sequence_to_heads(out, cp_group, on(plan.entries[first], out.device))
         return torch.cat([heads.new_zeros(*heads.shape[:-1], plan.gate // c), heads], -1)
 
     def to_sequence(module, args, kwargs):

@@ -15,6 +15,8 @@ rank they came from (:func:`~tessel.parallel.collectives.exchange_rows`).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .collectives import exchange_rows
@@ -29,6 +31,14 @@ def _check_share(op: str, x) -> None:
         raise TypeError(f"{op}: x must be a torch.Tensor, received {type(x).__name__}")
     if x.dim() != 3:
         raise ValueError(f"{op}: x must be [batch, sequence, features], received shape {tuple(x.shape)}")
+
+
+@functools.lru_cache(maxsize=64)
+def _orders(length: int, c: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The zigzag order of a sequence of ``length`` over ``c`` ranks and its inverse, on ``device``: made once (each
+    call of a mixer's exchange would otherwise build and sort it again)."""
+    order = zigzag_order(length, c, device=device)
+    return order, torch.argsort(order)
 
 
 def split_features(width: int, c: int, group_width: int = 0) -> torch.Tensor:
@@ -63,8 +73,10 @@ def sequence_to_heads(x: torch.Tensor, group, index: torch.Tensor | None = None)
     sequence, in order, of the features this rank owns.
 
     ``index`` ``[c, F']`` (int64): the features of ``x`` each rank owns (several ranks may own one: its gradient is
-    then the sum of theirs); by default a contiguous ``1/c`` each (:func:`split_features`). Forward: one all-to-all
-    of ``(c-1)/c·B·L·c·F'`` elements; backward: the same reversed. In a world of one, ``x`` indexed."""
+    then the sum of theirs); by default a contiguous ``1/c`` each (:func:`split_features`). Its values are checked
+    when it is on the CPU; an index on ``x``'s accelerator is taken as given (checking would wait for the device), as
+    a caller that calls this every step places it there once. Forward: one all-to-all of ``(c-1)/c·B·L·c·F'``
+    elements; backward: the same reversed. In a world of one, ``x`` indexed."""
     _check_share("sequence_to_heads", x)
     c = group_size(group)
     if index is None:
@@ -73,7 +85,7 @@ def sequence_to_heads(x: torch.Tensor, group, index: torch.Tensor | None = None)
         raise ValueError(f"sequence_to_heads: index must be an int64 tensor [c={c}, features], received "
                          f"{getattr(index, 'dtype', type(index).__name__)} of shape "
                          f"{tuple(getattr(index, 'shape', ()))}")  # fmt: skip
-    if index.numel() and not (int(index.min()) >= 0 and int(index.max()) < x.shape[-1]):
+    if index.device.type == "cpu" and index.numel() and not (int(index.min()) >= 0 and int(index.max()) < x.shape[-1]):
         raise ValueError(f"sequence_to_heads: index must pick features of x's {x.shape[-1]}, received values in "
                          f"[{int(index.min())}, {int(index.max())}]")  # fmt: skip
     b, length, n = x.shape[0], x.shape[1], index.shape[1]
@@ -86,8 +98,7 @@ def sequence_to_heads(x: torch.Tensor, group, index: torch.Tensor | None = None)
     send = send.unflatten(-1, (c, n)).permute(2, 0, 1, 3).contiguous()  # [c, B, L, F']
     received = exchange_rows(send.flatten(0, 1), group, [b] * c, [b] * c)  # rank j's tokens of this rank's features
     by_rank = received.unflatten(0, (c, b)).transpose(0, 1).flatten(1, 2)  # [B, c·L, F'] in zigzag_order
-    back = torch.argsort(zigzag_order(c * length, c, device=x.device))
-    return by_rank.index_select(1, back)
+    return by_rank.index_select(1, _orders(c * length, c, x.device)[1])
 
 
 def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
@@ -101,7 +112,7 @@ def heads_to_sequence(x: torch.Tensor, group) -> torch.Tensor:
     b, length = x.shape[:2]
     if length % (2 * c):
         raise ValueError(f"heads_to_sequence: the sequence of {length} tokens must be divisible by 2·c = {2 * c}")
-    by_rank = x.index_select(1, zigzag_order(length, c, device=x.device))  # rank 0's tokens, rank 1's…
+    by_rank = x.index_select(1, _orders(length, c, x.device)[0])  # rank 0's tokens, rank 1's…
     send = by_rank.unflatten(1, (c, length // c)).transpose(0, 1).contiguous()  # [c, B, L, F']
     received = exchange_rows(send.flatten(0, 1), group, [b] * c, [b] * c)  # rank k's features of this rank's tokens
     return received.unflatten(0, (c, b)).permute(1, 2, 0, 3).flatten(2)  # [B, L, c·F']
