@@ -1,0 +1,165 @@
+"""``python -m tessel.bench.export``: a training checkpoint written as a model Hugging Face loads (or tessel's own).
+
+The exported model is checked by what loads it: ``from_pretrained`` with no missing or unexpected keys, its tensors
+those the checkpoint holds, its logits those of tessel's GPT the checkpoint makes; a checkpoint written under tensor
+parallelism (each rank its shards) exports the model the single process trains.
+"""
+
+import importlib.util
+import json
+from dataclasses import asdict
+
+import pytest
+import torch
+
+from tessel.bench.checkpoint import CheckpointError, save_checkpoint
+from tessel.bench.export import ExportError, export, llama_design, main
+from tessel.layers import GPT, GPTConfig
+from tests.bench.test_train import _ok, _train
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+RUN = ["--steps", "2", "--seq-len", "32", "--batch-size", "4", "--save-every", "2"]
+
+
+def _from_pretrained(path, **kw):
+    import transformers
+
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(
+        path, attn_implementation="eager", output_loading_info=True, **kw
+    )
+    assert not any(info.values()), info  # no missing, unexpected or mismatched keys
+    return model.eval()
+
+
+def _gpt_checkpoint(root, config: GPTConfig, dtype: str = "fp32", seed: int = 0):
+    """A checkpoint as the job writes it (``model.<name>`` fp32 tensors, the config in the manifest) of a GPT drawn
+    from ``seed``, its norms moved off their initial ones; returns the GPT."""
+    torch.manual_seed(seed)
+    gpt = GPT(config).eval()
+    with torch.no_grad():
+        for name, p in gpt.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.rand_like(p))
+    state = {f"model.{n}": p.detach().clone() for n, p in gpt.named_parameters()}
+    save_checkpoint(root, 1, state, {"model": asdict(config), "run": {"dtype": dtype}})
+    return gpt
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        out = model(ids)
+    return out if isinstance(out, torch.Tensor) else out.logits
+
+
+@pytest.mark.parametrize(
+    "config, family",
+    [
+        (GPTConfig(n_layer=2, n_head=4, n_embd=64), "LlamaForCausalLM"),
+        (GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, bias=True, rope_theta=500.0), "LlamaForCausalLM"),
+        (GPTConfig(n_layer=2, n_head=4, n_kv_head=1, n_embd=64, mlp_hidden=96, norm_eps=1e-6), "LlamaForCausalLM"),
+        (GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, sliding_window=7), "MistralForCausalLM"),
+    ],
+    ids=["mha", "gqa-bias-theta", "mqa-width-eps", "window"],
+)
+def test_a_gpt_of_llamas_design_exports_as_llama(tmp_path, config, family):
+    gpt = _gpt_checkpoint(tmp_path / "ck", config)
+    export(tmp_path / "ck", tmp_path / "hf")
+    model = _from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == family
+    ids = torch.randint(0, config.vocab_size, (2, 29), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(model, ids), _logits(gpt, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "config",
+    [GPTConfig(n_layer=2, n_head=4, n_embd=64, mlp="gelu", norm="layernorm", bias=True),
+     GPTConfig(n_layer=2, n_head=4, n_embd=64, n_expert=4, top_k=2)],
+    ids=["gelu-layernorm", "experts"],
+)  # fmt: skip
+def test_other_gpts_export_as_tessels_own(tmp_path, config):
+    assert llama_design(config) is not None
+    gpt = _gpt_checkpoint(tmp_path / "ck", config, dtype="bf16")
+    export(tmp_path / "ck", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["config.json", "model.pt"]
+    loaded = GPT(GPTConfig(**json.loads((tmp_path / "out" / "config.json").read_text())))
+    state = torch.load(tmp_path / "out" / "model.pt", weights_only=True)
+    assert {v.dtype for v in state.values()} == {torch.bfloat16}  # the run's dtype
+    loaded.load_state_dict(state)
+    for (name, got), want in zip(loaded.named_parameters(), gpt.parameters(), strict=True):
+        assert torch.equal(got, want.to(torch.bfloat16).float()), name
+
+
+def test_a_hugging_face_run_exports_its_family(tmp_path):
+    """``--hf qwen3_moe --experts 4``: the job's checkpoint (tessel's attention and experts) exported as the family
+    Hugging Face makes, naming its own implementations, every tensor the checkpoint's; ``--dtype`` casts them."""
+    _ok(_train(tmp_path / "run", "--hf", "qwen3_moe", "--experts", "4", *RUN))
+    assert main([str(tmp_path / "run"), str(tmp_path / "hf")]) == 0  # the run's --out: its latest checkpoint
+    model = _from_pretrained(tmp_path / "hf")
+    assert type(model).__name__ == "Qwen3MoeForCausalLM" and model.config.num_experts == 4
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert "tessel" not in json.dumps(config) and config["dtype"] == "float32"
+    from tessel.bench.export import _read_model
+
+    saved = _read_model(next((tmp_path / "run" / "checkpoints").iterdir()))
+    assert saved.keys() == model.state_dict().keys()
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    assert main([str(tmp_path / "run"), str(tmp_path / "bf16"), "--dtype", "bf16"]) == 0
+    model = _from_pretrained(tmp_path / "bf16", dtype="auto")
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", ["olmo2", "bamba"])
+def test_a_tensor_parallel_checkpoint_exports_the_single_processs_model(tmp_path, family):
+    """Saved at tp=2 with sequence parallelism (each rank its heads' shards, OLMo 2's q/k norms split with the heads,
+    Bamba's Mamba-2 mixers by heads): the exported model is the one the single process trains. (Two Adam steps
+    magnify fp32 rounding where a gradient is near zero: one element in a few thousand moves by up to ~1e-4;
+    heads or features out of place would move a quarter of a tensor or more, by the weights' scale.)"""
+    run = ["--hf", family, *RUN]
+    _ok(_train(tmp_path / "one", *run))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
+    export(tmp_path / "one", tmp_path / "one-hf")
+    export(tmp_path / "tp2", tmp_path / "tp2-hf")
+    one, tp2 = _from_pretrained(tmp_path / "one-hf"), _from_pretrained(tmp_path / "tp2-hf")
+    for (name, a), b in zip(one.state_dict().items(), tp2.state_dict().values(), strict=True):
+        off = ((b - a).abs() > 1e-5 + 1e-4 * a.abs()).float().mean().item()
+        assert a.shape == b.shape and off <= 1e-3, f"{name}: {off:.2%} of its elements differ"
+    ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
+    torch.testing.assert_close(_logits(tp2, ids), _logits(one, ids), rtol=1e-3, atol=1e-3)
+
+
+def test_bad_input_is_refused_before_anything_is_written(tmp_path):
+    config = GPTConfig(n_layer=2, n_head=4, n_embd=64)
+    _gpt_checkpoint(tmp_path / "ck", config)
+    step = next((tmp_path / "ck").iterdir())
+    with pytest.raises(ExportError, match="dtype must be one of fp32, bf16, fp16, received 'fp8'"):
+        export(step, tmp_path / "a", dtype="fp8")
+    with pytest.raises(ExportError, match=r"checkpoint must be a checkpoint directory, their root or a run.s --out"):
+        export(tmp_path, tmp_path / "a")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "x").write_text("")
+    with pytest.raises(ExportError, match="out must be a new or empty directory"):
+        export(step, tmp_path / "full")
+    assert not (tmp_path / "a").exists()
+    # a bias with a window: Mistral has no biases
+    _gpt_checkpoint(tmp_path / "window", GPTConfig(n_layer=2, n_head=4, n_embd=64, bias=True, sliding_window=4))
+    with pytest.raises(ExportError, match="biases and a sliding window"):
+        export(tmp_path / "window", tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    # the manifest records another model than the tensors
+    manifest = json.loads((step / "manifest.json").read_text())
+    manifest["model"]["n_layer"] = 3
+    (step / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(ExportError, match=r"missing \['blocks.2.attn.proj.weight'"):
+        export(step, tmp_path / "a")
+    # the manifest's hash no longer matches: refused as a corrupted checkpoint
+    data = next(step.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match="truncated"):
+        export(step, tmp_path / "a")
+    assert not (tmp_path / "a").exists()
+    assert main([str(step), str(tmp_path / "a")]) == 1
+    assert main([str(tmp_path), str(tmp_path / "a")]) == 2
