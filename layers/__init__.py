@@ -8,6 +8,7 @@ from .gpt import GPT, GPTConfig, TransformerBlock
 from .hf import register_hf_attention
 from .hf_balance import track_expert_loads
 from .hf_grouped_experts import register_hf_experts
+from .hf_load import load_pretrained
 from .hf_loss import fuse_lm_loss
 from .hf_pipeline import HFPipelineStage, hf_pipeline_stage
 from .linear import ColumnParallelLinear, RowParallelLinear
@@ -38,6 +39,7 @@ __all__ = [
     "fuse_lm_loss",
     "hf_pipeline_stage",
     "linear_cross_entropy",
+    "load_pretrained",
     "parallelize",
     "register_hf_attention",
     "register_hf_experts",

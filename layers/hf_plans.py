@@ -44,6 +44,7 @@ from torch.func import functional_call
 from .hf_experts import expert_splits
 from .hf_linear_attention import delta_net_styles, gathered_delta_rules
 from .hf_mixers import is_dynamic_mask, lightning_styles, mamba1_styles, mamba_styles, short_conv_styles
+from .meta import probe_copy
 
 __all__ = [
     "ACTIVATION_NAMES",
@@ -321,14 +322,17 @@ def _permutes_features(mlp: nn.Module, column: str, row: str, halves: bool) -> b
     """Whether ``mlp``'s output is unchanged when the intermediate features between its ``column`` and ``row``
     projections are permuted (in both halves of ``column``'s output alike, with ``halves``): probed on two random rows.
     It holds for an activation that acts feature by feature (``act(gate)·up`` of two halves), and fails for
-    interleaved pairs or features mixed otherwise. False for a module of another shape or on the meta device."""
+    interleaved pairs or features mixed otherwise. False for a module of another shape. On the meta device it is
+    probed on a copy with random values (:func:`~tessel.layers.meta.probe_copy`)."""
     up, down = getattr(mlp, column, None), getattr(mlp, row, None)
     if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear):
         return False
     width = down.in_features
-    w = up.weight
-    if up.out_features != width * (2 if halves else 1) or w.device.type == "meta" or not w.is_floating_point():
+    if up.out_features != width * (2 if halves else 1) or not up.weight.is_floating_point():
         return False
+    mlp = probe_copy(mlp)
+    up, down = getattr(mlp, column), getattr(mlp, row)
+    w = up.weight
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(width, generator=gen).to(w.device)
     rows = torch.cat([perm, perm + width]) if halves else perm

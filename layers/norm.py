@@ -17,6 +17,7 @@ from torch import nn
 from ..kernels.norm import layer_norm, rms_norm, rms_norm_reference
 from ..parallel.collectives import copy_to_tp, sum_over_ranks
 from ..parallel.comm import group_rank, group_size
+from .meta import probe_copy
 
 __all__ = ["LayerNorm", "RMSNorm", "SplitRMSNorm", "sequence_parallel_norm"]
 
@@ -96,13 +97,12 @@ def _foreign_rms_norm(name: str, norm: nn.Module) -> tuple[torch.Tensor, float]:
     if not isinstance(w, torch.Tensor) or w.dim() != 1 or eps is None:
         raise TypeError(f"{name}.from_module: expected torch.nn.RMSNorm or a module with a 1-D .weight and "
                         f".variance_epsilon or .eps, received {type(norm).__name__}")  # fmt: skip
-    _check_computes_rms_norm(name, norm, w, eps)
+    _check_computes_rms_norm(name, probe_copy(norm), eps)  # on the meta device: a copy with random values
     return w, eps
 
 
-def _check_computes_rms_norm(name: str, norm: nn.Module, weight: torch.Tensor, eps: float) -> None:
-    if weight.device.type == "meta":
-        return
+def _check_computes_rms_norm(name: str, norm: nn.Module, eps: float) -> None:
+    weight = norm.weight
     probe = torch.randn(2, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
     with torch.no_grad():
         got = norm(probe).float()
@@ -116,9 +116,8 @@ def _check_computes_rms_norm(name: str, norm: nn.Module, weight: torch.Tensor, e
 
 
 def _check_computes_layer_norm(name: str, norm: nn.LayerNorm) -> None:
+    norm = probe_copy(norm)  # on the meta device: a copy with random values
     w = norm.weight
-    if w.device.type == "meta":
-        return
     probe = torch.randn(2, w.shape[0], generator=torch.Generator().manual_seed(0)).to(w.device, w.dtype)
     with torch.no_grad():
         got = norm(probe).float()

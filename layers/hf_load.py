@@ -1,0 +1,227 @@
+"""``load_pretrained``: a Hugging Face checkpoint read into a model that ``parallelize`` split on the meta device, each
+rank reading its own shards and nothing whole.
+
+A model too large for one device is built without memory, split, then filled::
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(path))
+    parallelize(model, dims.tp_group, sequence_parallel=True)
+    load_pretrained(model, path, dims.tp_group)
+
+Every parameter and persistent buffer is read from the checkpoint's safetensors files under its own name: one that
+``parallelize`` split as this rank's blocks of it (its ``tp_dim`` slice of each fused part, the rows of its experts;
+safetensors reads those slices from the file, never the whole tensor), any other whole. Buffers that checkpoints do
+not hold (rotary frequencies) are computed by the model's own initialisation (transformers' ``_init_weights``), and
+refused by name where that leaves them unset. The tensors are new ones on ``device``, in the model's dtype (or
+``dtype``), with their tensor-parallel tags; parameters tied together stay one. Wrap the model in ``DDP`` or
+``FSDP`` after loading it.
+
+Checked before anything is read, and refused by name: a tensor without a key in the checkpoint, a key of another
+shape than the model's (a config that is not the checkpoint's), keys the model does not use (unless
+``strict=False``), a model not on the meta device. Checkpoints whose tensors transformers renames or fuses as it
+loads them (its weight conversion: Mixtral's and Qwen3-MoE's experts stored one by one, say) are refused as well:
+load such a model whole with ``from_pretrained`` and parallelize that.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from ..parallel.comm import group_rank, group_size
+from ..parallel.sharding import expert_spec, global_shape, is_tp_sharded, tp_spec
+from .meta import is_meta
+
+__all__ = ["load_pretrained"]
+
+
+def _converted(model: nn.Module) -> bool:
+    """Whether transformers converts the checkpoint of ``model``'s family as it loads it (renamed or fused tensors)."""
+    config = getattr(model, "config", None)
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return False
+    names = (type(model).__name__, getattr(config, "model_type", None))
+    return any(name and get_checkpoint_conversion_mapping(name) for name in names)
+
+
+def _checkpoint_files(path: Path) -> dict[str, Path]:
+    """Each key of the checkpoint under ``path`` and the safetensors file that holds it."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        return {key: path / name for key, name in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"load_pretrained: path must be a directory of safetensors files (a Hugging Face "
+                         f"checkpoint), received {path}")  # fmt: skip
+    keys = {}
+    for file in files:
+        with safe_open(file, "pt") as f:
+            keys.update(dict.fromkeys(f.keys(), file))
+    return keys
+
+
+def _blocks(p: torch.Tensor, t: int, r: int) -> tuple[int, list[tuple[slice, ...]]]:
+    """``(dim, index tuples)``: the blocks of ``p``'s global tensor that make this rank's ``p``, concatenated along
+    ``dim`` (its experts' rows, then each fused part's ``r``-th of ``t`` chunks along ``tp_dim``)."""
+    index = [slice(None)] * p.dim()
+    experts = expert_spec(p)
+    if experts is not None:
+        index[0] = slice(experts[0], experts[0] + p.shape[0])
+    if not is_tp_sharded(p):
+        return 0, [tuple(index)]
+    dim, parts = tp_spec(p, t)
+    dim %= p.dim()
+    blocks, offset = [], 0
+    for n in parts:
+        index[dim] = slice(offset + r * n // t, offset + (r + 1) * n // t)
+        blocks.append(tuple(index))
+        offset += n
+    return dim, blocks
+
+
+def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by name, each once (the first name of tied ones)."""
+    seen, out = set(), {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) not in seen:
+            seen.add(id(t))
+            out[name] = t
+    return out
+
+
+def _aliases(model: nn.Module) -> dict[int, list[str]]:
+    names: dict[int, list[str]] = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        names.setdefault(id(t), []).append(name)
+    return names
+
+
+def _plan(model, files, t, r) -> dict[str, tuple[torch.Tensor, str]]:
+    """Each model tensor's checkpoint key, checked: present, of the global shape, every key used."""
+    from safetensors import safe_open
+
+    aliases, tensors = _aliases(model), _model_tensors(model)
+    plan, missing = {}, []
+    for name, p in tensors.items():
+        key = next((n for n in aliases[id(p)] if n in files), None)
+        if key is None:
+            missing.append(name)
+        else:
+            plan[name] = (p, key)
+    if missing:
+        why = ""
+        if _converted(model):
+            why = ("; transformers renames or fuses this family's checkpoint tensors as it loads them (its weight "
+                   "conversion): load this model whole with from_pretrained and parallelize that")  # fmt: skip
+        raise ValueError(f"load_pretrained: the checkpoint has no tensor for {len(missing)} of the model's, e.g. "
+                         f"{missing[:3]}{why}")  # fmt: skip
+    for name, (p, key) in plan.items():
+        with safe_open(files[key], "pt") as f:
+            stored = tuple(f.get_slice(key).get_shape())
+        want = tuple(global_shape(p, t))
+        if stored != want:
+            raise ValueError(f"load_pretrained: {name} is {want} in the model (whole), the checkpoint's {key} is "
+                             f"{stored} (a config that is not the checkpoint's?)")  # fmt: skip
+    return plan
+
+
+def _read(file: Path, key: str, p: torch.Tensor, t: int, r: int) -> torch.Tensor:
+    from safetensors import safe_open
+
+    dim, blocks = _blocks(p, t, r)
+    with safe_open(file, "pt") as f:
+        stored = f.get_slice(key)
+        parts = [stored[index] for index in blocks]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _replace(model: nn.Module, new: dict[int, torch.Tensor]) -> None:
+    """Put each new tensor where the meta tensor of the same id was, in every module (tied ones alike)."""
+    for m in model.modules():
+        for slots in (m._parameters, m._buffers):
+            for leaf, t in slots.items():
+                if t is not None and id(t) in new:
+                    slots[leaf] = new[id(t)]
+
+
+def _init_buffers(model: nn.Module, device: torch.device) -> None:
+    """The buffers left on the meta device (non-persistent: rotary frequencies), computed by the model's own
+    ``_init_weights`` on each module that holds one; refused by name where it leaves them unset."""
+    init = getattr(model, "_init_weights", None)
+    pending = []
+    for mod_name, m in model.named_modules():
+        leaves = [leaf for leaf, b in m._buffers.items() if b is not None and b.is_meta]
+        for leaf in leaves:
+            b = m._buffers[leaf]
+            fill = float("nan") if b.is_floating_point() else 0
+            m._buffers[leaf] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
+            pending.append((f"{mod_name}.{leaf}".lstrip("."), m, leaf))
+        if leaves and init is not None:
+            with torch.no_grad():
+                init(m)
+    unset = [
+        name for name, m, leaf in pending if m._buffers[leaf].is_floating_point() and m._buffers[leaf].isnan().any()
+    ]
+    if unset:
+        raise ValueError(f"load_pretrained: the model's initialisation left the buffers {unset[:3]} unset (they are "
+                         "not in the checkpoint): it cannot be loaded once split on the meta device")  # fmt: skip
+
+
+def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype: torch.dtype | None = None,
+                    strict: bool = True) -> nn.Module:  # fmt: skip
+    """Fill ``model`` (split by :func:`~tessel.layers.parallelize` on the meta device over ``tp_group``) from the
+    Hugging Face checkpoint directory ``path``: see the module. ``device``: where the tensors go (default: the
+    current CUDA device where there is one, else the CPU). ``dtype``: the floating-point tensors' (default: the
+    model's). Returns ``model``."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"load_pretrained: model must be an nn.Module, received {type(model).__name__}")
+    if not is_meta(model):
+        raise ValueError("load_pretrained: model must be on the meta device (built under torch.device('meta') and "
+                         "parallelized), received one whose tensors hold values")  # fmt: skip
+    if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+        raise TypeError(f"load_pretrained: dtype must be a floating-point torch.dtype or None, received {dtype!r}")
+    path = Path(path)
+    if not path.is_dir():
+        raise ValueError(f"load_pretrained: path must be a Hugging Face checkpoint directory, received {path}")
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    device = torch.device(device)
+    t, r = group_size(tp_group), group_rank(tp_group)
+    files = _checkpoint_files(path)
+    plan = _plan(model, files, t, r)
+    used = {key for _, key in plan.values()}
+    if strict and used != files.keys():
+        extra = sorted(files.keys() - used)
+        raise ValueError(f"load_pretrained: the checkpoint holds {len(extra)} tensors the model does not use, e.g. "
+                         f"{extra[:3]} (strict=False ignores them)")  # fmt: skip
+    new = {}
+    for name, (p, key) in plan.items():
+        value = _read(files[key], key, p, t, r)
+        if value.shape != p.shape:  # the blocks of a tag that does not describe the split
+            raise ValueError(f"load_pretrained: {name}'s blocks make {tuple(value.shape)}, the model's is "
+                             f"{tuple(p.shape)}")  # fmt: skip
+        target = dtype if dtype is not None and p.is_floating_point() else p.dtype
+        value = value.to(device=device, dtype=target)
+        if isinstance(p, nn.Parameter):
+            value = nn.Parameter(value, requires_grad=p.requires_grad)
+            value.__dict__.update(p.__dict__)
+        value._is_hf_initialized = True  # loaded: the model's initialisation of the buffers leaves it as it is
+        new[id(p)] = value
+    before = {id(v): p for p, v in ((p, new[id(p)]) for p, _ in plan.values())}
+    buffers = {(m, leaf): b for m in model.modules() for leaf, b in m._buffers.items() if b is not None and b.is_meta}
+    _replace(model, new)
+    try:
+        _init_buffers(model, device)
+    except Exception:  # the model as it was: every tensor on the meta device
+        _replace(model, before)
+        for (m, leaf), b in buffers.items():
+            m._buffers[leaf] = b
+        raise
+    return model

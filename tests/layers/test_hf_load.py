@@ -1,0 +1,172 @@
+"""``load_pretrained``: a model built on the meta device, ``parallelize``d, then filled from a Hugging Face checkpoint,
+each rank reading its own shards: every tensor equal to the one ``parallelize`` makes of the dense model, and the
+logits and every gradient those of the dense model (test_hf.py's check).
+
+Among the families, those ``parallelize`` probes: Phi-3's fused gate/up (whether its activation pairs the halves
+feature by feature) and Nemotron's LayerNorm1P (``weight + 1``, kept as it is); on the meta device the probe runs on a
+copy with random values. Without that, Nemotron's norm would become tessel's plain LayerNorm: wrong logits.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tests.layers.test_hf import REFERENCE_KERNELS, _check_against_dense, needs_hf
+from tests.multiprocess import run_ranks
+
+FAMILIES = ("llama", "qwen3", "olmo2", "phi3", "nemotron", "gemma", "gemma3_text", "gpt_oss", "apertus")
+HYBRIDS = ("bamba", "qwen3_5_text", "mamba", "lfm2")
+
+
+def _dense(kind: str):
+    from tests.layers.test_hf_families import family_model
+    from tests.layers.test_hf_mixer_context import hybrid_model
+
+    return hybrid_model(kind) if kind in HYBRIDS else family_model(kind)
+
+
+def _saved(dense, path, rank):
+    """``dense`` written by rank 0 with ``save_pretrained``, read by every rank once it is there."""
+    if rank == 0:
+        dense.save_pretrained(path)
+    dist.barrier()
+    return path
+
+
+def _on_meta(dense):
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(copy.deepcopy(dense.config))  # parallelize edits it
+
+
+def _assert_same_tensors(got, want, tag):
+    got_state, want_state = got.state_dict(), want.state_dict()
+    assert got_state.keys() == want_state.keys(), tag
+    for name, value in want_state.items():
+        assert torch.equal(got_state[name], value), f"{tag}: {name}"
+    for (name, value), other in zip(want.named_buffers(), got.buffers(), strict=True):  # non-persistent ones too
+        assert torch.equal(other, value), f"{tag}: {name}"
+
+
+def _families_ranks(rank, world_size, kinds, root):
+    from tessel.layers import load_pretrained, parallelize
+
+    for kind in kinds:
+        dense = _dense(kind)
+        path = _saved(dense, f"{root}/{kind}", rank)
+        for sp in (False, True):
+            model = parallelize(_on_meta(dense), None, sequence_parallel=sp)
+            assert all(p.is_meta for p in model.parameters())
+            assert load_pretrained(model, path) is model
+            assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
+            _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp), f"{kind} {sp}")
+            _check_against_dense(copy.deepcopy(dense), model.eval(), f"{kind} sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_split_on_the_meta_device_then_loaded_equals_the_split_dense_model(tmp_path):
+    assert run_ranks(_families_ranks, 2, FAMILIES, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hybrids_split_on_the_meta_device_load_their_mixers(tmp_path):
+    """Bamba's Mamba-2 mixers (B and C gathered over the ranks of their one group), Qwen3.5's Gated DeltaNet, Mamba's
+    Mamba-1 (x_proj a shared row layer), LFM2's short convolutions: their split parameters are read by their tags."""
+    assert run_ranks(_families_ranks, 2, HYBRIDS, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+def _four_ranks(rank, world_size, root):
+    """tp=2 (sequence parallel) × cp=2: Llama's ring attention and Bamba's mixers by heads over the cp ranks (which
+    slice the replicated per-head parameters the loader put in place), after each rank read its tensor-parallel
+    shards."""
+    from tessel.layers import load_pretrained, parallelize
+    from tests.layers.test_context_parallel import _grid
+    from tests.layers.test_hf_context_parallel import _check_against_dense as check_cp
+
+    _, tp_group, cp_group = _grid(rank, world_size, 2)
+    for kind in ("llama", "bamba"):
+        dense = _dense(kind)
+        path = _saved(dense, f"{root}/{kind}", rank)
+        kw = dict(cp_group=cp_group, sequence_parallel=True)
+        model = load_pretrained(parallelize(_on_meta(dense), tp_group, **kw), path, tp_group)
+        _assert_same_tensors(model, parallelize(copy.deepcopy(dense), tp_group, **kw), kind)
+        check_cp(dense, model.eval(), tp_group, cp_group, f"{kind} tp=2 cp=2 sp")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_tensor_and_context_parallel_models_load_on_four_ranks(tmp_path):
+    assert run_ranks(_four_ranks, 4, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 4
+
+
+def _refusals_ranks(rank, world_size, root):
+    import safetensors.torch
+
+    from tessel.layers import load_pretrained, parallelize
+
+    dense = _dense("llama")
+    path = _saved(dense, f"{root}/llama", rank)
+
+    def fresh():
+        return parallelize(_on_meta(dense), None)
+
+    def refused(error, match, *args, **kw):
+        model = fresh()
+        with pytest.raises(error, match=match):
+            load_pretrained(model, *args, **kw)
+        assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])  # nothing changed
+
+    refused(ValueError, "path must be a Hugging Face checkpoint directory", f"{root}/nothing")
+    refused(TypeError, "dtype must be a floating-point torch.dtype or None, received torch.int64", path,
+            dtype=torch.int64)  # fmt: skip
+    with pytest.raises(ValueError, match="model must be on the meta device"):
+        load_pretrained(parallelize(copy.deepcopy(dense), None), path)
+    with pytest.raises(TypeError, match=r"model must be an nn.Module, received dict"):
+        load_pretrained({}, path)
+    state = safetensors.torch.load_file(f"{path}/model.safetensors")
+    edited = f"{root}/edited-{rank}"
+    import os
+
+    os.makedirs(edited)
+    # a tensor missing
+    safetensors.torch.save_file({k: v for k, v in state.items() if k != "model.norm.weight"}, f"{edited}/a.safetensors")
+    refused(ValueError, r"no tensor for 1 of the model's, e.g. \['model.norm.weight'\]", edited)
+    # one of another shape (a config that is not the checkpoint's)
+    wrong = {**state, "model.norm.weight": torch.ones(3)}
+    safetensors.torch.save_file(wrong, f"{edited}/a.safetensors")
+    refused(ValueError, r"model.norm.weight is \(64,\) in the model \(whole\), the checkpoint's model.norm.weight is "
+            r"\(3,\)", edited)  # fmt: skip
+    # a tensor the model does not use: refused, or ignored with strict=False
+    safetensors.torch.save_file({**state, "extra": torch.ones(2)}, f"{edited}/a.safetensors")
+    refused(ValueError, r"holds 1 tensors the model does not use, e.g. \['extra'\]", edited)
+    model = load_pretrained(fresh(), edited, strict=False, dtype=torch.float64)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    # a family whose checkpoint transformers converts as it loads it (its experts stored one by one)
+    from tests.layers.test_hf_families import family_model
+
+    moe = family_model("qwen3_moe")
+    moe_path = _saved(moe, f"{root}/qwen3_moe", rank)
+    with pytest.raises(ValueError, match="transformers renames or fuses this family's checkpoint tensors"):
+        load_pretrained(parallelize(_on_meta(moe), None), moe_path)
+    # Falcon-H1's multipliers (a buffer its own initialisation does not compute): refused after reading, undone
+    from tests.layers.test_hf_mixers import mamba_model
+
+    falcon = mamba_model("falcon_h1")
+    falcon_path, model = _saved(falcon, f"{root}/falcon_h1", rank), parallelize(_on_meta(falcon), None)
+    with pytest.raises(ValueError, match=r"left the buffers \['model.layers.0.mamba.mup_vector'"):
+        load_pretrained(model, falcon_path)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_bad_input_is_refused_before_anything_changes(tmp_path):
+    assert run_ranks(_refusals_ranks, 2, str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
