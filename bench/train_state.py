@@ -29,16 +29,16 @@ from torch import nn
 
 from ..parallel.comm import group_rank, group_size
 from ..parallel.flat import is_expert
-from ..parallel.sharding import global_pieces, global_shape, is_tp_sharded
+from ..parallel.sharding import expert_spec, global_pieces, global_shape, is_tp_sharded
 from .checkpoint import Pieces
 
 __all__ = ["ModelState", "TorchAdamWState", "ZeroAdamState", "load_rng_state", "rng_state"]
 
 
 def _value(p: nn.Parameter, local: torch.Tensor, tp_group, *, write: bool) -> torch.Tensor | Pieces:
-    """``local`` (shaped like ``p``'s TP shard) as a checkpoint value: itself when ``p`` is not TP-split, else
-    its blocks of the global tensor (none when ``write`` is False: another replica writes them)."""
-    if not is_tp_sharded(p):
+    """``local`` (shaped like ``p``'s TP shard) as a checkpoint value: itself when ``p`` is neither TP-split nor some
+    of the experts, else its blocks of the global tensor (none when ``write`` is False: another replica writes them)."""
+    if not is_tp_sharded(p) and expert_spec(p) is None:
         return local
     t, r = group_size(tp_group), group_rank(tp_group)
     blocks = global_pieces(p, local.reshape(-1), 0, t, r, shape=local.shape) if write else []

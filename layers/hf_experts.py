@@ -195,8 +195,9 @@ def shard_experts(module: nn.Module, splits: list[ExpertSplit], group, expert_pa
         if s.dim is None:
             continue
         shard = nn.Parameter(local_shard(p.detach(), s.dim, s.parts, r, t).clone(), requires_grad=p.requires_grad)
-        if expert_parallel:  # experts [first, first + n) of the module's numbering, for checkpoints to check
-            shard.expert_parallel, shard.expert_range = True, (r * shard.shape[0], (r + 1) * shard.shape[0])
+        if expert_parallel:  # experts [first, first + n) of the module's t·n, for checkpoints and loading
+            n = shard.shape[0]
+            shard.expert_parallel, shard.expert_range, shard.expert_count = True, (r * n, (r + 1) * n), t * n
         else:
             shard.tensor_parallel, shard.tp_dim, shard.tp_parts = True, s.dim, s.parts
         local[s.name] = shard

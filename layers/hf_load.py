@@ -18,14 +18,20 @@ refused by name where that leaves them unset. The tensors are new ones on ``devi
 
 Checked before anything is read, and refused by name: a tensor without a key in the checkpoint, a key of another
 shape than the model's (a config that is not the checkpoint's), keys the model does not use (unless
-``strict=False``), a model not on the meta device. Checkpoints whose tensors transformers renames or fuses as it
-loads them (its weight conversion: Mixtral's and Qwen3-MoE's experts stored one by one, say) are refused as well:
-load such a model whole with ``from_pretrained`` and parallelize that.
+``strict=False``), a model not on the meta device.
+
+Checkpoints that transformers converts as it loads them (its weight conversion) are read under the names it gives
+their tensors: renamed keys as they are, and experts stored one by one as the tensor transformers stacks of them
+(``MergeModulelist``), their gate and up side by side (``Concatenate``), read lazily, so each rank reads the slices
+of its own experts or features only. Other conversions (a fused ``in_proj`` transformers splits, say) are refused by
+name: load such a model whole with ``from_pretrained`` and parallelize that.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -36,17 +42,6 @@ from ..parallel.sharding import expert_spec, global_shape, is_tp_sharded, tp_spe
 from .meta import is_meta
 
 __all__ = ["load_pretrained"]
-
-
-def _converted(model: nn.Module) -> bool:
-    """Whether transformers converts the checkpoint of ``model``'s family as it loads it (renamed or fused tensors)."""
-    config = getattr(model, "config", None)
-    try:
-        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
-    except ImportError:
-        return False
-    names = (type(model).__name__, getattr(config, "model_type", None))
-    return any(name and get_checkpoint_conversion_mapping(name) for name in names)
 
 
 def _checkpoint_files(path: Path) -> dict[str, Path]:
@@ -65,6 +60,127 @@ def _checkpoint_files(path: Path) -> dict[str, Path]:
         with safe_open(file, "pt") as f:
             keys.update(dict.fromkeys(f.keys(), file))
     return keys
+
+
+class _Files:
+    """The checkpoint's safetensors files, each opened once while the model loads."""
+
+    def __init__(self, stack: contextlib.ExitStack):
+        self.stack, self.open = stack, {}
+
+    def slice(self, file: Path, key: str):
+        from safetensors import safe_open
+
+        if file not in self.open:
+            self.open[file] = self.stack.enter_context(safe_open(file, "pt"))
+        return self.open[file].get_slice(key)
+
+
+class _Stored:
+    """A tensor of the checkpoint, read by slices."""
+
+    def __init__(self, files: _Files, file: Path, key: str):
+        self.files, self.file, self.keys = files, file, {key}
+        self.shape = tuple(files.slice(file, key).get_shape())
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        return self.files.slice(self.file, next(iter(self.keys)))[index]
+
+
+class _Stacked:
+    """Tensors of one shape stacked along a new first dim (transformers' ``MergeModulelist(dim=0)``: experts)."""
+
+    def __init__(self, parts: list):
+        shapes = {p.shape for p in parts}
+        if len(shapes) != 1:
+            raise ValueError(f"load_pretrained: experts of different shapes {sorted(shapes)} cannot be stacked")
+        self.parts, self.shape = parts, (len(parts), *parts[0].shape)
+        self.keys = set().union(*(p.keys for p in parts))
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        chosen = range(*index[0].indices(len(self.parts)))
+        return torch.stack([self.parts[i].read(index[1:]) for i in chosen])
+
+
+class _Joined:
+    """Tensors concatenated along ``dim`` (transformers' ``Concatenate``: gate beside up)."""
+
+    def __init__(self, parts: list, dim: int):
+        self.parts, self.dim = parts, dim
+        self.shape = (*parts[0].shape[:dim], sum(p.shape[dim] for p in parts), *parts[0].shape[dim + 1 :])
+        self.keys = set().union(*(p.keys for p in parts))
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        start, stop, _ = index[self.dim].indices(self.shape[self.dim])
+        pieces, offset = [], 0
+        for part in self.parts:
+            lo, hi = max(start, offset), min(stop, offset + part.shape[self.dim])
+            if lo < hi:
+                pieces.append(part.read((*index[: self.dim], slice(lo - offset, hi - offset), *index[self.dim + 1 :])))
+            offset += part.shape[self.dim]
+        return torch.cat(pieces, self.dim)
+
+
+def _transforms(model: nn.Module):
+    """transformers' weight conversion for ``model``'s family: ``(renamings, converters, the functions)``, or None
+    where this transformers has none."""
+    try:
+        from transformers import core_model_loading as core
+        from transformers.conversion_mapping import get_model_conversion_mapping
+    except ImportError:
+        return None
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, core.WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, core.WeightConverter)]
+    return renamings, converters, core
+
+
+def _converted(converter, matched: list[tuple[str, str, str]], files: _Files, where: dict[str, Path], core):
+    """The lazy tensor a converter makes of its ``(source pattern, key, renamed key)`` matches: experts stacked (by
+    their index in the key), then the patterns' stacks concatenated, or None where tessel does not read it by
+    slices."""
+    ops = converter.operations
+    merge = len(ops) >= 1 and type(ops[0]) is core.MergeModulelist and ops[0].dim == 0
+    if not merge or len(ops) > 2 or (len(ops) == 2 and type(ops[1]) is not core.Concatenate):
+        return None
+    stacks = []
+    for pattern in converter.source_patterns:
+        expert = re.compile(re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)"))
+        hits = [(expert.search(renamed), key) for p, key, renamed in matched if p == pattern]
+        if not hits or any(hit is None for hit, _ in hits):  # the index of each expert, from the renamed key
+            return None
+        found = sorted((int(hit.group(1)), key) for hit, key in hits)
+        if [i for i, _ in found] != list(range(len(found))):
+            return None
+        stacks.append(_Stacked([_Stored(files, where[key], key) for _, key in found]))
+    return stacks[0] if len(ops) == 1 else _Joined(stacks, ops[1].dim)
+
+
+def _sources(model: nn.Module, where: dict[str, Path], files: _Files) -> tuple[dict, dict[str, str]]:
+    """``({model name: lazy tensor}, {model name: why it cannot be read})``: each checkpoint key under the name
+    transformers gives it as it loads the checkpoint (renamed, or stacked and concatenated with others)."""
+    found = _transforms(model)
+    if found is None or not (found[0] or found[1]):
+        return {key: _Stored(files, file, key) for key, file in where.items()}, {}
+    renamings, converters, core = found
+    names = dict.fromkeys(model.state_dict(keep_vars=True), True)
+    prefix = getattr(model, "base_model_prefix", None)
+    sources, groups, refused = {}, {}, {}
+    for key in where:
+        name, pattern = core.rename_source_key(key, renamings, converters, prefix, names)
+        if pattern is None:
+            sources[name] = _Stored(files, where[key], key)
+        else:
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            renamed = core.apply_renamings(key, renamings)  # the key the converter's pattern matched
+            groups.setdefault((name, id(converter)), (converter, []))[1].append((pattern, key, renamed))
+    for (name, _), (converter, matched) in groups.items():
+        lazy = _converted(converter, matched, files, where, core)
+        if lazy is None:
+            refused[name] = f"transformers converts it by {[type(op).__name__ for op in converter.operations]}"
+        else:
+            sources[name] = lazy
+    return sources, refused
 
 
 def _blocks(p: torch.Tensor, t: int, r: int) -> tuple[int, list[tuple[slice, ...]]]:
@@ -103,42 +219,31 @@ def _aliases(model: nn.Module) -> dict[int, list[str]]:
     return names
 
 
-def _plan(model, files, t, r) -> dict[str, tuple[torch.Tensor, str]]:
-    """Each model tensor's checkpoint key, checked: present, of the global shape, every key used."""
-    from safetensors import safe_open
-
+def _plan(model, sources: dict, refused: dict[str, str], t: int) -> dict[str, tuple[torch.Tensor, object]]:
+    """Each model tensor's lazy source, checked: present and of the global shape."""
     aliases, tensors = _aliases(model), _model_tensors(model)
     plan, missing = {}, []
     for name, p in tensors.items():
-        key = next((n for n in aliases[id(p)] if n in files), None)
+        key = next((n for n in aliases[id(p)] if n in sources), None)
         if key is None:
             missing.append(name)
         else:
-            plan[name] = (p, key)
+            plan[name] = (p, sources[key])
     if missing:
-        why = ""
-        if _converted(model):
-            why = ("; transformers renames or fuses this family's checkpoint tensors as it loads them (its weight "
-                   "conversion): load this model whole with from_pretrained and parallelize that")  # fmt: skip
+        why = next((f" ({n}: {refused[n]}, which tessel does not read by slices)" for n in missing if n in refused), "")
         raise ValueError(f"load_pretrained: the checkpoint has no tensor for {len(missing)} of the model's, e.g. "
                          f"{missing[:3]}{why}")  # fmt: skip
-    for name, (p, key) in plan.items():
-        with safe_open(files[key], "pt") as f:
-            stored = tuple(f.get_slice(key).get_shape())
+    for name, (p, lazy) in plan.items():
         want = tuple(global_shape(p, t))
-        if stored != want:
-            raise ValueError(f"load_pretrained: {name} is {want} in the model (whole), the checkpoint's {key} is "
-                             f"{stored} (a config that is not the checkpoint's?)")  # fmt: skip
+        if lazy.shape != want:
+            raise ValueError(f"load_pretrained: {name} is {want} in the model (whole), the checkpoint's "
+                             f"{sorted(lazy.keys)[0]} makes {lazy.shape} (not the checkpoint's config?)")  # fmt: skip
     return plan
 
 
-def _read(file: Path, key: str, p: torch.Tensor, t: int, r: int) -> torch.Tensor:
-    from safetensors import safe_open
-
+def _read(lazy, p: torch.Tensor, t: int, r: int) -> torch.Tensor:
     dim, blocks = _blocks(p, t, r)
-    with safe_open(file, "pt") as f:
-        stored = f.get_slice(key)
-        parts = [stored[index] for index in blocks]
+    parts = [lazy.read(index) for index in blocks]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
 
 
@@ -194,26 +299,28 @@ def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     device = torch.device(device)
     t, r = group_size(tp_group), group_rank(tp_group)
-    files = _checkpoint_files(path)
-    plan = _plan(model, files, t, r)
-    used = {key for _, key in plan.values()}
-    if strict and used != files.keys():
-        extra = sorted(files.keys() - used)
-        raise ValueError(f"load_pretrained: the checkpoint holds {len(extra)} tensors the model does not use, e.g. "
-                         f"{extra[:3]} (strict=False ignores them)")  # fmt: skip
-    new = {}
-    for name, (p, key) in plan.items():
-        value = _read(files[key], key, p, t, r)
-        if value.shape != p.shape:  # the blocks of a tag that does not describe the split
-            raise ValueError(f"load_pretrained: {name}'s blocks make {tuple(value.shape)}, the model's is "
-                             f"{tuple(p.shape)}")  # fmt: skip
-        target = dtype if dtype is not None and p.is_floating_point() else p.dtype
-        value = value.to(device=device, dtype=target)
-        if isinstance(p, nn.Parameter):
-            value = nn.Parameter(value, requires_grad=p.requires_grad)
-            value.__dict__.update(p.__dict__)
-        value._is_hf_initialized = True  # loaded: the model's initialisation of the buffers leaves it as it is
-        new[id(p)] = value
+    where = _checkpoint_files(path)
+    with contextlib.ExitStack() as stack:
+        sources, refused = _sources(model, where, _Files(stack))
+        plan = _plan(model, sources, refused, t)
+        used = set().union(*(lazy.keys for _, lazy in plan.values()))
+        if strict and used != where.keys():
+            extra = sorted(where.keys() - used)
+            raise ValueError(f"load_pretrained: the checkpoint holds {len(extra)} tensors the model does not use, "
+                             f"e.g. {extra[:3]} (strict=False ignores them)")  # fmt: skip
+        new = {}
+        for name, (p, lazy) in plan.items():
+            value = _read(lazy, p, t, r)
+            if value.shape != p.shape:  # the blocks of a tag that does not describe the split
+                raise ValueError(f"load_pretrained: {name}'s blocks make {tuple(value.shape)}, the model's is "
+                                 f"{tuple(p.shape)}")  # fmt: skip
+            target = dtype if dtype is not None and p.is_floating_point() else p.dtype
+            value = value.to(device=device, dtype=target)
+            if isinstance(p, nn.Parameter):
+                value = nn.Parameter(value, requires_grad=p.requires_grad)
+                value.__dict__.update(p.__dict__)
+            value._is_hf_initialized = True  # loaded: the model's initialisation of the buffers leaves it as it is
+            new[id(p)] = value
     before = {id(v): p for p, v in ((p, new[id(p)]) for p, _ in plan.values())}
     buffers = {(m, leaf): b for m in model.modules() for leaf, b in m._buffers.items() if b is not None and b.is_meta}
     _replace(model, new)

@@ -301,12 +301,13 @@ def mixer_installer(m: nn.Module, tp_group):
     if is_mamba1(m):
         return lambda: run_unfused(m)
     if is_lightning(m):
-        t, r = group_size(tp_group), group_rank(tp_group)
-        rates = m.slope_rate.narrow(0, r * m.slope_rate.shape[0] // t, m.slope_rate.shape[0] // t).clone()
+        t, r, heads = group_size(tp_group), group_rank(tp_group), m.slope_rate.shape[0]
+        rates = m.slope_rate.narrow(0, r * heads // t, heads // t).clone()
 
         def install():
             tables = dict(zip(DECAY_BUFFERS, (rates, *m.decay_factors(rates)), strict=True))
-            for name, table in tables.items():
+            for name, table in tables.items():  # tagged as a split parameter is: its heads' rows of the whole
+                table.tensor_parallel, table.tp_dim, table.tp_parts = True, int(name == "diagonal_decay"), (heads,)
                 m.register_buffer(name, table, persistent=name in m.state_dict())
 
         return install

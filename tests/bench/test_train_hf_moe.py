@@ -104,6 +104,28 @@ def test_data_and_expert_parallel_layouts_train_the_same_model_without_the_balan
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
+@pytest.mark.parametrize("zero", ["0", "2", "3"])
+def test_an_expert_parallel_checkpoint_holds_every_expert_and_resumes_in_one_process(tmp_path, zero):
+    """Saved at dp=2 with --ep 2 (each rank writes its two of the four experts, and their optimizer state: torch's
+    AdamW, ZeRO-2, FSDP): every expert's tensor is whole in the checkpoint, and one process holding them all resumes
+    it on the uninterrupted run's curve. (Each rank once wrote its experts as the whole tensor: two of the four.)"""
+    from tessel.bench.checkpoint import checkpoint_keys
+    from tests.bench.test_train import _checkpoint, _copy_checkpoint
+
+    run = [*RUN[:-6], "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--aux-loss-coef", "0"]
+    run += ["--save-every", "2"]
+    _ok(_train(tmp_path / "one", *run))
+    _ok(_train(tmp_path / "ep2", *run, "--dp", "2", "--ep", "2", "--zero", zero, nproc=2))
+    keys = checkpoint_keys(_checkpoint(tmp_path / "ep2", 2))
+    experts = {k: v[0] for k, v in keys.items() if ".experts." in k}
+    assert experts and all(shape[0] == 4 for shape in experts.values()), experts
+    _copy_checkpoint(_checkpoint(tmp_path / "ep2", 2), tmp_path / "resumed")
+    _ok(_train(tmp_path / "resumed", *run, "--resume"))
+    assert _losses(tmp_path / "resumed")[2:] == pytest.approx(_losses(tmp_path / "one")[2:], rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
 def test_context_parallel_ranks_balance_the_whole_sequence(one_process, tmp_path):
     """Under --cp each rank routes its share of every sequence; the routers' logits are gathered over the group,
     so the balancing loss is the single process's and so is the curve."""

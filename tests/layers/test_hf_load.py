@@ -18,13 +18,19 @@ from tests.multiprocess import run_ranks
 
 FAMILIES = ("llama", "qwen3", "olmo2", "phi3", "nemotron", "gemma", "gemma3_text", "gpt_oss", "apertus")
 HYBRIDS = ("bamba", "qwen3_5_text", "mamba", "lfm2")
+# checkpoints transformers converts as it loads them: experts stored one by one (stacked, gate beside up), renamed
+# modules (Mixtral's block_sparse_moe, Granite-MoE's packed experts, Nemotron-H's backbone)
+CONVERTED = ("qwen3_moe", "mixtral", "granitemoe", "deepseek_v3", "jamba", "minimax", "nemotron_h")
 
 
 def _dense(kind: str):
+    from tests.layers.test_hf_experts import _moe
     from tests.layers.test_hf_families import family_model
     from tests.layers.test_hf_mixer_context import hybrid_model
 
-    return hybrid_model(kind) if kind in HYBRIDS else family_model(kind)
+    if kind == "deepseek_v3":  # multi-head latent attention, a dense first layer, shared and routed experts
+        return _moe(kind)
+    return hybrid_model(kind) if kind in (*HYBRIDS, "jamba", "minimax", "nemotron_h") else family_model(kind)
 
 
 def _saved(dense, path, rank):
@@ -51,19 +57,19 @@ def _assert_same_tensors(got, want, tag):
         assert torch.equal(other, value), f"{tag}: {name}"
 
 
-def _families_ranks(rank, world_size, kinds, root):
+def _families_ranks(rank, world_size, kinds, root, layouts=({}, {"sequence_parallel": True})):
     from tessel.layers import load_pretrained, parallelize
 
     for kind in kinds:
         dense = _dense(kind)
         path = _saved(dense, f"{root}/{kind}", rank)
-        for sp in (False, True):
-            model = parallelize(_on_meta(dense), None, sequence_parallel=sp)
+        for kw in layouts:
+            model = parallelize(_on_meta(dense), None, **kw)
             assert all(p.is_meta for p in model.parameters())
             assert load_pretrained(model, path) is model
             assert not any(t.is_meta for t in [*model.parameters(), *model.buffers()])
-            _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp), f"{kind} {sp}")
-            _check_against_dense(copy.deepcopy(dense), model.eval(), f"{kind} sp={sp}")
+            _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, **kw), f"{kind} {kw}")
+            _check_against_dense(copy.deepcopy(dense), model.eval(), f"{kind} {kw}")
     return "ok"
 
 
@@ -79,6 +85,45 @@ def test_hybrids_split_on_the_meta_device_load_their_mixers(tmp_path):
     """Bamba's Mamba-2 mixers (B and C gathered over the ranks of their one group), Qwen3.5's Gated DeltaNet, Mamba's
     Mamba-1 (x_proj a shared row layer), LFM2's short convolutions: their split parameters are read by their tags."""
     assert run_ranks(_families_ranks, 2, HYBRIDS, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_checkpoints_that_transformers_converts_load_by_slices_of_their_stored_tensors(tmp_path):
+    """Experts stored one by one are read as the stacked tensor transformers makes of them (gate beside up), each
+    rank reading its share of every expert's features, or with ``expert_split="experts"`` its experts' rows alone;
+    renamed modules under the names transformers gives them."""
+    layouts = ({}, {"sequence_parallel": True}, {"expert_split": "experts"})
+    moe = run_ranks(_families_ranks, 2, CONVERTED[:4], str(tmp_path), layouts, timeout=900, env=REFERENCE_KERNELS)
+    assert moe == ["ok"] * 2
+    hybrids = run_ranks(_families_ranks, 2, CONVERTED[4:], str(tmp_path), timeout=900, env=REFERENCE_KERNELS)
+    assert hybrids == ["ok"] * 2
+
+
+def _expert_parallel_ranks(rank, world_size, root):
+    """Experts over an expert-parallel group (``parallelize(ep_group=)``): each rank reads its experts' rows of the
+    stacked tensor, the slices of its experts' stored tensors alone."""
+    from tessel.layers import load_pretrained, parallelize
+    from tests.layers.test_hf_expert_parallel import _check, _groups
+    from tests.layers.test_hf_experts import _moe
+
+    groups = _groups(rank, world_size, 1, 2)
+    tp_group, ep_group = groups[0], groups[2]
+    for family in ("mixtral", "qwen3_moe"):
+        dense = _moe(family)
+        path = _saved(dense, f"{root}/{family}", rank)
+        model = load_pretrained(parallelize(_on_meta(dense), tp_group, ep_group=ep_group), path, tp_group)
+        experts = [p for n, p in model.named_parameters() if ".experts." in n]
+        assert experts and all(p.expert_range == (2 * rank, 2 * rank + 2) for p in experts)
+        _assert_same_tensors(model, parallelize(copy.deepcopy(dense), tp_group, ep_group=ep_group), family)
+        _check(copy.deepcopy(dense), model, groups, f"{family} ep=2")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_expert_parallel_ranks_read_their_experts_alone(tmp_path):
+    assert run_ranks(_expert_parallel_ranks, 2, str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
 
 
 def _four_ranks(rank, world_size, root):
@@ -141,20 +186,21 @@ def _refusals_ranks(rank, world_size, root):
     # one of another shape (a config that is not the checkpoint's)
     wrong = {**state, "model.norm.weight": torch.ones(3)}
     safetensors.torch.save_file(wrong, f"{edited}/a.safetensors")
-    refused(ValueError, r"model.norm.weight is \(64,\) in the model \(whole\), the checkpoint's model.norm.weight is "
-            r"\(3,\)", edited)  # fmt: skip
+    refused(ValueError, r"model.norm.weight is \(64,\) in the model \(whole\), the checkpoint's model.norm.weight "
+            r"makes \(3,\)", edited)  # fmt: skip
     # a tensor the model does not use: refused, or ignored with strict=False
     safetensors.torch.save_file({**state, "extra": torch.ones(2)}, f"{edited}/a.safetensors")
     refused(ValueError, r"holds 1 tensors the model does not use, e.g. \['extra'\]", edited)
     model = load_pretrained(fresh(), edited, strict=False, dtype=torch.float64)
     assert {p.dtype for p in model.parameters()} == {torch.float64}
-    # a family whose checkpoint transformers converts as it loads it (its experts stored one by one)
-    from tests.layers.test_hf_families import family_model
+    # a conversion tessel does not read by slices: LaraMini's fused in_proj, which transformers splits as it loads it
+    from tests.layers.test_hf_families import qwen3_5_model
 
-    moe = family_model("qwen3_moe")
-    moe_path = _saved(moe, f"{root}/qwen3_moe", rank)
-    with pytest.raises(ValueError, match="transformers renames or fuses this family's checkpoint tensors"):
-        load_pretrained(parallelize(_on_meta(moe), None), moe_path)
+    lara = qwen3_5_model("lara_mini")
+    lara_path, model = _saved(lara, f"{root}/lara_mini", rank), parallelize(_on_meta(lara), None)
+    with pytest.raises(ValueError, match=r"in_proj_qkv.weight: transformers converts it by \['Split'\]"):
+        load_pretrained(model, lara_path)
+    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
     # Falcon-H1's multipliers (a buffer its own initialisation does not compute): refused after reading, undone
     from tests.layers.test_hf_mixers import mamba_model
 
