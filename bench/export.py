@@ -12,9 +12,9 @@ records, and writes ``OUT`` in Hugging Face's format (``config.json``, ``model.s
   ``MistralForCausalLM`` where it slides a window. Its fused ``qkv`` splits into ``q_proj``/``k_proj``/``v_proj``
   and its ``fc`` into ``gate_proj``/``up_proj`` (their biases into ``attention_bias``/``mlp_bias`` layers); the
   rotary layout (rotate-half) and base, the norms' epsilon and the scale are Llama's, so the logits are the GPT's;
-- any other GPT (GELU, LayerNorm, experts) as tessel's own: ``config.json`` (:class:`GPTConfig`'s fields) and
-  ``model.pt`` (the state dict, tensors only), which ``GPT(GPTConfig(**json.load(...)))`` loads with
-  ``load_state_dict(torch.load(..., weights_only=True))``.
+- any other GPT (GELU, LayerNorm, experts, biases with a window) as tessel's own: ``config.json``
+  (:class:`GPTConfig`'s fields) and ``model.pt`` (the state dict, tensors only), which
+  ``GPT(GPTConfig(**json.load(...)))`` loads with ``load_state_dict(torch.load(..., weights_only=True))``.
 
 ``CHECKPOINT`` is a checkpoint directory (``<out>/checkpoints/step_N``), or their root or a run's ``--out``, whose
 latest complete checkpoint is taken. Its files are verified against the manifest first. The weights are written in
@@ -34,10 +34,11 @@ import torch
 from torch import nn
 
 from ..layers.gpt import GPT, GPTConfig
+from ..layers.gpt_llama import llama_design, llama_names
 from .checkpoint import CheckpointError, checkpoint_keys, latest_checkpoint, load_checkpoint, verify_checkpoint
 from .train_args import DTYPES
 
-__all__ = ["ExportError", "export", "gpt_to_llama", "llama_design", "main"]
+__all__ = ["ExportError", "export", "gpt_to_llama", "main"]
 
 PROG = "python -m tessel.bench.export"
 MODEL = "model."  # the checkpoint's prefix of the model's tensors (train_state.py)
@@ -63,17 +64,6 @@ def _gpt_config(record: dict) -> GPTConfig:
     return GPTConfig(**{k: v for k, v in record.items() if k in names})
 
 
-def llama_design(config: GPTConfig) -> str | None:
-    """Why tessel's GPT of ``config`` is not a Llama (Mistral with a window), or None when it is one."""
-    if config.mlp != "swiglu":
-        return f"mlp={config.mlp!r} (Llama's is 'swiglu')"
-    if config.norm != "rmsnorm":
-        return f"norm={config.norm!r} (Llama's is 'rmsnorm')"
-    if config.n_expert:
-        return f"n_expert={config.n_expert} (Llama has no experts)"
-    return None
-
-
 def _llama_config(config: GPTConfig, dtype: torch.dtype):
     import transformers
 
@@ -84,8 +74,6 @@ def _llama_config(config: GPTConfig, dtype: torch.dtype):
               initializer_range=config.init_std, tie_word_embeddings=False, hidden_act="silu", dtype=dtype)  # fmt: skip
     if config.sliding_window is None:
         made = transformers.LlamaConfig(**kw, attention_bias=config.bias, mlp_bias=config.bias)
-    elif config.bias:
-        raise ExportError("a GPT with biases and a sliding window has no Hugging Face family (Mistral has no biases)")
     else:
         made = transformers.MistralConfig(**kw, sliding_window=config.sliding_window)
     made.rope_parameters = {"rope_type": "default", "rope_theta": config.rope_theta}
@@ -94,22 +82,16 @@ def _llama_config(config: GPTConfig, dtype: torch.dtype):
 
 def gpt_to_llama(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str, torch.Tensor]:
     """tessel's GPT's (dense) state dict under Llama's names: ``qkv`` cut into q, k, v and ``fc`` into gate, up."""
-    d = config.n_embd // config.n_head
-    qkv = (config.n_head * d, config.n_kv_head * d, config.n_kv_head * d)
-    out = {"model.embed_tokens.weight": state["embed.weight"], "model.norm.weight": state["norm.weight"],
-           "lm_head.weight": state["lm_head.weight"]}  # fmt: skip
-    for i in range(config.n_layer):
-        src, dst = f"blocks.{i}.", f"model.layers.{i}."
-        out[dst + "input_layernorm.weight"] = state[src + "attn_norm.weight"]
-        out[dst + "post_attention_layernorm.weight"] = state[src + "mlp_norm.weight"]
-        for kind in ("weight", "bias") if config.bias else ("weight",):
-            q, k, v = state[f"{src}attn.qkv.{kind}"].split(qkv)
-            gate, up = state[f"{src}mlp.fc.{kind}"].chunk(2)
-            attn, mlp = f"{dst}self_attn.", f"{dst}mlp."
-            out.update({f"{attn}q_proj.{kind}": q, f"{attn}k_proj.{kind}": k, f"{attn}v_proj.{kind}": v,
-                        f"{attn}o_proj.{kind}": state[f"{src}attn.proj.{kind}"], f"{mlp}gate_proj.{kind}": gate,
-                        f"{mlp}up_proj.{kind}": up,
-                        f"{mlp}down_proj.{kind}": state[f"{src}mlp.proj.{kind}"]})  # fmt: skip
+    out = {}
+    for name, keys in llama_names(config).items():
+        d = config.n_embd // config.n_head
+        sizes = {
+            1: None,
+            2: (config.mlp_hidden,) * 2,
+            3: (config.n_head * d, config.n_kv_head * d, config.n_kv_head * d),
+        }
+        parts = state[name].split(sizes[len(keys)]) if len(keys) > 1 else (state[name],)
+        out.update(zip(keys, parts, strict=True))
     return out
 
 

@@ -20,6 +20,11 @@ Checked before anything is read, and refused by name: a tensor without a key in 
 shape than the model's (a config that is not the checkpoint's), keys the model does not use (unless
 ``strict=False``), a model not on the meta device.
 
+tessel's GPT of Llama's design (:mod:`~tessel.layers.gpt_llama`) loads a Llama or Mistral checkpoint the same way,
+``GPT(config, tp_group=..., device="meta")`` filled by ``load_pretrained(gpt, path, tp_group)``: its fused ``qkv``
+and ``fc`` are read as the concatenations they are; the checkpoint's config must compute what the GPT's does (the
+family, SiLU, the rotary base, the norms' epsilon, the window, untied embeddings), else it is refused by name.
+
 Checkpoints that transformers converts as it loads them (its weight conversion) are read under the names it gives
 their tensors: renamed keys as they are, and experts stored one by one as the tensor transformers stacks of them
 (``MergeModulelist``), their gate and up side by side (``Concatenate``), read lazily, so each rank reads the slices
@@ -39,6 +44,8 @@ from torch import nn
 
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import expert_spec, global_shape, is_tp_sharded, tp_spec
+from .gpt import GPT
+from .gpt_llama import check_llama_config, llama_names
 from .meta import is_meta
 
 __all__ = ["load_pretrained"]
@@ -156,9 +163,30 @@ def _converted(converter, matched: list[tuple[str, str, str]], files: _Files, wh
     return stacks[0] if len(ops) == 1 else _Joined(stacks, ops[1].dim)
 
 
-def _sources(model: nn.Module, where: dict[str, Path], files: _Files) -> tuple[dict, dict[str, str]]:
+def _gpt_sources(model: GPT, path: Path, where: dict[str, Path], files: _Files) -> dict:
+    """tessel's GPT read from a Llama (Mistral) checkpoint: ``qkv`` as ``[q; k; v]``, ``fc`` as ``[gate; up]``."""
+    config = path / "config.json"
+    if not config.is_file():
+        raise ValueError(f"load_pretrained: a GPT loads a Llama or Mistral checkpoint with its config.json, which "
+                         f"{path} lacks")  # fmt: skip
+    try:
+        check_llama_config(json.loads(config.read_text()), model.config)
+    except ValueError as exc:
+        raise ValueError(f"load_pretrained: {exc}") from None
+    sources = {}
+    for name, keys in llama_names(model.config).items():
+        if all(k in where for k in keys):
+            stored = [_Stored(files, where[k], k) for k in keys]
+            sources[name] = stored[0] if len(stored) == 1 else _Joined(stored, 0)
+    return sources
+
+
+def _sources(model: nn.Module, path: Path, where: dict[str, Path], files: _Files) -> tuple[dict, dict[str, str]]:
     """``({model name: lazy tensor}, {model name: why it cannot be read})``: each checkpoint key under the name
-    transformers gives it as it loads the checkpoint (renamed, or stacked and concatenated with others)."""
+    transformers gives it as it loads the checkpoint (renamed, or stacked and concatenated with others); for tessel's
+    GPT, the Llama tensors each of its own is (:mod:`~tessel.layers.gpt_llama`)."""
+    if isinstance(model, GPT):
+        return _gpt_sources(model, path, where, files), {}
     found = _transforms(model)
     if found is None or not (found[0] or found[1]):
         return {key: _Stored(files, file, key) for key, file in where.items()}, {}
@@ -301,7 +329,7 @@ def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype
     t, r = group_size(tp_group), group_rank(tp_group)
     where = _checkpoint_files(path)
     with contextlib.ExitStack() as stack:
-        sources, refused = _sources(model, where, _Files(stack))
+        sources, refused = _sources(model, path, where, _Files(stack))
         plan = _plan(model, sources, refused, t)
         used = set().union(*(lazy.keys for _, lazy in plan.values()))
         if strict and used != where.keys():

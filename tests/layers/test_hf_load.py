@@ -151,6 +151,65 @@ def test_tensor_and_context_parallel_models_load_on_four_ranks(tmp_path):
     assert run_ranks(_four_ranks, 4, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 4
 
 
+def _llama(config, sliding_window=None, seed=0):
+    """A Hugging Face Llama (Mistral with a window) of the GPT ``config``'s shape, random, norms off their ones."""
+    import transformers
+
+    from tessel.bench.export import _llama_config
+
+    made = _llama_config(config, torch.float32)
+    made.sliding_window = sliding_window
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(made, attn_implementation="eager").eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name or name.endswith("bias"):
+                p.add_(torch.rand_like(p))
+    return model
+
+
+def _gpt_ranks(rank, world_size, root):
+    """tessel's GPT built on the meta device, split over 2 ranks (with and without sequence parallelism) or whole,
+    filled from a Llama (Mistral) checkpoint: the whole GPT's logits are the Llama's, each split GPT's tensors are the
+    whole one's shards, and its vocabulary-split logits the whole ones' columns."""
+    from tessel.layers import GPT, GPTConfig, load_pretrained
+    from tessel.parallel.sharding import shard_like
+    from tests.layers.test_context_parallel import _grid
+
+    solo = _grid(rank, world_size, 1)[0]
+    configs = [GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, bias=True, rope_theta=500.0, norm_eps=1e-6),
+               GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, sliding_window=5)]  # fmt: skip
+    for i, config in enumerate(configs):
+        llama = _llama(config, config.sliding_window)
+        path = _saved(llama, f"{root}/llama{i}", rank)
+        ids = torch.randint(0, config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(1))
+        whole = load_pretrained(GPT(config, tp_group=solo, device="meta"), path, solo).eval()
+        with torch.no_grad():
+            want = llama(ids).logits
+            torch.testing.assert_close(whole(ids), want, rtol=1e-5, atol=1e-5)
+        for sp in (False, True):
+            split = load_pretrained(GPT(config, sequence_parallel=sp, device="meta"), path).eval()
+            for (name, p), full in zip(split.named_parameters(), whole.parameters(), strict=True):
+                assert torch.equal(p, shard_like(full, p, None)), name
+            if not sp:
+                with torch.no_grad():
+                    v = config.vocab_size // world_size
+                    torch.testing.assert_close(split(ids), want[..., rank * v : (rank + 1) * v], rtol=1e-5, atol=1e-5)
+    # a checkpoint whose config computes otherwise is refused by name
+    with pytest.raises(ValueError, match=r"the checkpoint.s rope_theta is 500.0, the GPT.s config asks for 10000.0"):
+        load_pretrained(GPT(GPTConfig(n_layer=2, n_head=4, n_kv_head=2, n_embd=64, bias=True), device="meta"),
+                        f"{root}/llama0")  # fmt: skip
+    with pytest.raises(ValueError, match=r"the GPT is not of Llama's design: mlp='gelu'"):
+        load_pretrained(GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, mlp="gelu"), device="meta"), f"{root}/llama1")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_tessels_gpt_loads_a_llama_checkpoint_split_or_whole(tmp_path):
+    assert run_ranks(_gpt_ranks, 2, str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
 def _refusals_ranks(rank, world_size, root):
     import safetensors.torch
 
