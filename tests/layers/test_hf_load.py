@@ -8,6 +8,7 @@ copy with random values. Without that, Nemotron's norm would become tessel's pla
 """
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,10 +34,10 @@ def _dense(kind: str):
     return hybrid_model(kind) if kind in (*HYBRIDS, "jamba", "minimax", "nemotron_h") else family_model(kind)
 
 
-def _saved(dense, path, rank):
-    """``dense`` written by rank 0 with ``save_pretrained``, read by every rank once it is there."""
+def _saved(dense, path, rank, **kw):
+    """``dense`` written by rank 0 with ``save_pretrained(**kw)``, read by every rank once it is there."""
     if rank == 0:
-        dense.save_pretrained(path)
+        dense.save_pretrained(path, **kw)
     dist.barrier()
     return path
 
@@ -137,7 +138,8 @@ def _four_ranks(rank, world_size, root):
     _, tp_group, cp_group = _grid(rank, world_size, 2)
     for kind in ("llama", "bamba"):
         dense = _dense(kind)
-        path = _saved(dense, f"{root}/{kind}", rank)
+        path = _saved(dense, f"{root}/{kind}", rank, max_shard_size="100KB")  # several files and their index
+        assert (Path(path) / "model.safetensors.index.json").is_file()
         kw = dict(cp_group=cp_group, sequence_parallel=True)
         model = load_pretrained(parallelize(_on_meta(dense), tp_group, **kw), path, tp_group)
         _assert_same_tensors(model, parallelize(copy.deepcopy(dense), tp_group, **kw), kind)
