@@ -4,7 +4,8 @@ Also ``python -m tessel.bench.train`` (a world of one). Trains the GPT of a size
 text (byte tokens) under any ``--dp × --cp × --pp × --tp`` layout, with ZeRO stages ``--zero`` and pipeline
 schedules ``--schedule``; shows a progress bar on rank 0, prints a summary table, and writes under
 ``--out``: ``run.json`` (arguments, environment, every step's loss and time, the summary),
-``loss.png``, checkpoints (``--save-every``, ``--resume``) and, with ``--profile``, Chrome traces.
+``loss.png``, checkpoints (``--save-every``, ``--resume``) and, with ``--profile``, Chrome traces. ``--init DIR``
+starts from a Hugging Face checkpoint's weights (``python -m tessel.bench.export`` writes the job's as one).
 ``--help`` lists every option; ``bench/train_args.py`` holds the presets.
 
 Without a GPU this runs on gloo with Triton's kernels in the interpreter (the default ``tiny`` preset

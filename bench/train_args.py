@@ -357,6 +357,14 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         default=None,
         help="with --eval-every: the share of --data, at its end, held out from training for evaluation (default: 0.1)",
     )
+    add(
+        "--init",
+        type=Path,
+        default=None,
+        help="start from the weights of this Hugging Face checkpoint directory (an --hf family's, or a Llama's for "
+        "tessel's GPT of Llama's design, as `python -m tessel.bench.export` writes them) instead of random ones: "
+        "the model is built on the meta device, split, and each rank reads its shards (load_pretrained)",
+    )
     add("--save-every", type=int, default=0, help="save a checkpoint every N steps (0: never)")
     add("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk (default: %(default)s)")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint under --out")
@@ -528,6 +536,9 @@ def _check_run(args) -> None:
         raise ArgumentError(f"--save-every must be 0 (never) or positive, received {args.save_every}")
     if not args.data.is_file():
         raise ArgumentError(f"--data {args.data}: no such file")
+    if args.init is not None and not (args.init / "config.json").is_file():
+        raise ArgumentError(f"--init must be a Hugging Face checkpoint directory (config.json and safetensors), "
+                            f"received {args.init}")  # fmt: skip
     _check_tokens(args)
     if args.dtype == "fp16" and args.zero == 0:
         raise ArgumentError("--dtype fp16 needs loss scaling: use --zero 1, 2 or 3 (ZeroAdam's dynamic loss scale)")

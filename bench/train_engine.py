@@ -47,6 +47,7 @@ from .train_hf import (
     document_positions,
     hf_loss,
     hf_stage,
+    init_from,
 )
 from .train_state import ModelState, TorchAdamWState, ZeroAdamState
 
@@ -467,9 +468,11 @@ def build_engine(args, dims: ParallelDims) -> Engine:
             ep_group=dims.ep_group,
             sequence_parallel=args.sequence_parallel,
             overlap=OVERLAPS[args.overlap],
-            device=dims.device,
+            device="meta" if args.init else dims.device,  # --init: each rank reads its shards of the checkpoint
             dtype=DTYPES[args.dtype],
         )
+        if args.init:
+            init_from(gpt, args.init, dims)
         num_params, flops_per_token, unit = gpt.num_params(), gpt.flops_per_token(args.seq_len), TransformerBlock
     if args.fp8:  # every linear layer but the head (tessel's and Hugging Face's: their weights stay as they are)
         convert_to_fp8(gpt)

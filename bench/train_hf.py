@@ -60,12 +60,19 @@ import importlib.util
 import torch
 from torch import nn
 
-from ..layers import fuse_lm_loss, hf_pipeline_stage, parallelize, register_hf_attention, register_hf_experts
+from ..layers import (
+    fuse_lm_loss,
+    hf_pipeline_stage,
+    load_pretrained,
+    parallelize,
+    register_hf_attention,
+    register_hf_experts,
+)
 from ..layers.gpt import GPTConfig
 from ..layers.hf import base_model
 from ..layers.hf_balance import track_expert_loads
 from ..layers.hf_router_loss import router_sums, router_z_loss
-from .train_args import OVERLAPS
+from .train_args import OVERLAPS, ArgumentError
 
 __all__ = [
     "HF_FAMILIES",
@@ -81,6 +88,7 @@ __all__ = [
     "hf_flops_per_token",
     "hf_loss",
     "hf_stage",
+    "init_from",
     "refused_options",
 ]
 
@@ -202,6 +210,15 @@ def _latent_attention_config(c: GPTConfig) -> dict:
             "qk_rope_head_dim": d // 2, "v_head_dim": d, "head_dim": d // 2}  # fmt: skip
 
 
+def init_from(model: nn.Module, path, dims) -> None:
+    """``--init``: ``model`` (split on the meta device) filled from the Hugging Face checkpoint at ``path``, each rank
+    reading its shards; a checkpoint that does not fit the model is a bad argument."""
+    try:
+        load_pretrained(model, path, dims.tp_group, device=dims.device)
+    except ValueError as exc:
+        raise ArgumentError(f"--init {path}: {exc}") from None
+
+
 def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Module, int, float]:
     """``(model, num_params, flops_per_token)``: the dense model drawn from the seed on the run's device (the same
     on every rank), counted, then laid out on ``dims``'s TP group with its fused loss, in ``dtype``. With
@@ -211,7 +228,7 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     torch.manual_seed(args.seed)
     # the baseline's attention: sdpa, but eager for Gemma 2 and GPT-OSS (soft-capped attention, sinks: not sdpa's)
     attention = ("eager" if args.hf in EAGER_FAMILIES else "sdpa") if args.hf_baseline else register_hf_attention()
-    with torch.device(dims.device):
+    with torch.device("meta" if args.init else dims.device):  # --init: each rank reads its shards once split
         model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
     flops = hf_flops_per_token(_active_params(model, args), config, args.seq_len, attention_windows(model.config))
@@ -219,6 +236,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     if args.recompute:  # Hugging Face's activation checkpointing: each decoder layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if args.hf_baseline:
+        if args.init:
+            init_from(model, args.init, dims)
         if args.expert_bias_rate:  # Hugging Face never moves its routing biases: tessel's updates count its routes
             track_expert_loads(model)
         return model, num_params, flops
@@ -226,6 +245,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     ep = {"ep_group": dims.ep_group} if dims.ep > 1 else {}  # each rank of an ep group its share of the experts
     overlap = OVERLAPS[args.overlap]
     parallelize(model, dims.tp_group, sequence_parallel=args.sequence_parallel, overlap=overlap, **cp, **ep)
+    if args.init:
+        init_from(model, args.init, dims)
     return fuse_lm_loss(model, label_smoothing=args.label_smoothing, z_loss=args.logit_z_loss), num_params, flops
 
 

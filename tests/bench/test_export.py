@@ -160,3 +160,48 @@ def test_bad_input_is_refused_before_anything_is_written(tmp_path):
     assert not (tmp_path / "a").exists()
     assert main([str(step), str(tmp_path / "a")]) == 1
     assert main([str(tmp_path), str(tmp_path / "a")]) == 2
+
+
+def _first_batch_loss(hf_dir, argv) -> float:
+    """The exported model's mean cross entropy (Hugging Face's own forward) on the job's first batch of ``argv``."""
+    from tessel.bench.dataset import ByteDataset
+    from tessel.bench.train_args import parse_args
+
+    args = parse_args(argv)
+    data = ByteDataset(args.data, seq_len=args.seq_len, val_fraction=args.val_fraction, tokens=args.tokens)
+    x, y = data.batch(0, seed=args.seed, batch_size=args.batch_size)
+    logits = _logits(_from_pretrained(hf_dir), x)
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1), y.flatten()).item()
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_a_run_starts_from_an_exported_model(tmp_path):
+    """--init: the job builds its model on the meta device, splits it and reads each rank's shards of a Hugging Face
+    checkpoint (here tessel's GPT trained two steps, exported as a Llama): its first loss is the exported model's
+    on the first batch, for tessel's GPT alone and at tp=2 with sequence parallelism, and for --hf llama."""
+    run = ["--steps", "1", "--seq-len", "32", "--batch-size", "4"]
+    _ok(_train(tmp_path / "trained", *RUN))
+    export(tmp_path / "trained", tmp_path / "hf")
+    want = _first_batch_loss(tmp_path / "hf", run)
+    from tests.bench.test_train import _losses
+
+    init = ["--init", str(tmp_path / "hf"), *run]
+    _ok(_train(tmp_path / "gpt", *init))
+    _ok(_train(tmp_path / "gpt-tp2", *init, "--tp", "2", "--sequence-parallel", nproc=2))
+    _ok(_train(tmp_path / "llama-tp2", "--hf", "llama", *init, "--tp", "2", nproc=2))
+    for name in ("gpt", "gpt-tp2", "llama-tp2"):
+        assert _losses(tmp_path / name)[0] == pytest.approx(want, rel=1e-5), name
+    untrained = _train(tmp_path / "fresh", *run)
+    assert _losses(tmp_path / "fresh")[0] != pytest.approx(want, rel=1e-3) and untrained.returncode == 0
+
+
+def test_init_refuses_what_does_not_fit(tmp_path):
+    from tests.bench.test_train import PREFIX
+
+    missing = _train(tmp_path / "a", "--init", str(tmp_path / "nothing"), "--steps", "1")
+    assert missing.returncode == 2 and f"{PREFIX}--init must be a Hugging Face checkpoint directory" in missing.stderr
+    _gpt_checkpoint(tmp_path / "ck", GPTConfig(n_layer=2, n_head=4, n_embd=64))  # not the tiny preset's shape
+    export(tmp_path / "ck", tmp_path / "hf")
+    other = _train(tmp_path / "b", "--init", str(tmp_path / "hf"), "--steps", "1")
+    assert other.returncode == 2 and f"{PREFIX}--init {tmp_path / 'hf'}: load_pretrained: " in other.stderr
