@@ -325,7 +325,14 @@ def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype
         raise ValueError(f"load_pretrained: path must be a Hugging Face checkpoint directory, received {path}")
     if device is None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    device = torch.device(device)
+    try:
+        device = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"load_pretrained: device must be a torch.device or its name, received {device!r}") from None
+    if device.type == "meta":
+        raise ValueError("load_pretrained: device must hold values, received the meta device")
+    if not isinstance(strict, bool):
+        raise TypeError(f"load_pretrained: strict must be a bool, received {strict!r}")
     t, r = group_size(tp_group), group_rank(tp_group)
     where = _checkpoint_files(path)
     with contextlib.ExitStack() as stack:

@@ -232,6 +232,9 @@ def _refusals_ranks(rank, world_size, root):
     refused(ValueError, "path must be a Hugging Face checkpoint directory", f"{root}/nothing")
     refused(TypeError, "dtype must be a floating-point torch.dtype or None, received torch.int64", path,
             dtype=torch.int64)  # fmt: skip
+    refused(ValueError, "device must be a torch.device or its name, received 'nowhere'", path, device="nowhere")
+    refused(ValueError, "device must hold values, received the meta device", path, device="meta")
+    refused(TypeError, "strict must be a bool, received 'yes'", path, strict="yes")
     with pytest.raises(ValueError, match="model must be on the meta device"):
         load_pretrained(parallelize(copy.deepcopy(dense), None), path)
     with pytest.raises(TypeError, match=r"model must be an nn.Module, received dict"):
