@@ -87,11 +87,11 @@ class _Stored:
     """A tensor of the checkpoint, read by slices."""
 
     def __init__(self, files: _Files, file: Path, key: str):
-        self.files, self.file, self.keys = files, file, {key}
+        self.files, self.file, self.key, self.keys = files, file, key, {key}
         self.shape = tuple(files.slice(file, key).get_shape())
 
     def read(self, index: tuple[slice, ...]) -> torch.Tensor:
-        return self.files.slice(self.file, next(iter(self.keys)))[index]
+        return self.files.slice(self.file, self.key)[index]
 
 
 class _Stacked:
@@ -230,33 +230,23 @@ def _blocks(p: torch.Tensor, t: int, r: int) -> tuple[int, list[tuple[slice, ...
     return dim, blocks
 
 
-def _model_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters and persistent buffers by name, each once (the first name of tied ones)."""
-    seen, out = set(), {}
+def _tensors(model: nn.Module) -> list[tuple[torch.Tensor, list[str]]]:
+    """The model's parameters and persistent buffers, each once with all its names (tied ones have several)."""
+    named: dict[int, tuple[torch.Tensor, list[str]]] = {}
     for name, t in model.state_dict(keep_vars=True).items():
-        if id(t) not in seen:
-            seen.add(id(t))
-            out[name] = t
-    return out
-
-
-def _aliases(model: nn.Module) -> dict[int, list[str]]:
-    names: dict[int, list[str]] = {}
-    for name, t in model.state_dict(keep_vars=True).items():
-        names.setdefault(id(t), []).append(name)
-    return names
+        named.setdefault(id(t), (t, []))[1].append(name)
+    return list(named.values())
 
 
 def _plan(model, sources: dict, refused: dict[str, str], t: int) -> dict[str, tuple[torch.Tensor, object]]:
     """Each model tensor's lazy source, checked: present and of the global shape."""
-    aliases, tensors = _aliases(model), _model_tensors(model)
     plan, missing = {}, []
-    for name, p in tensors.items():
-        key = next((n for n in aliases[id(p)] if n in sources), None)
+    for p, names in _tensors(model):
+        key = next((n for n in names if n in sources), None)
         if key is None:
-            missing.append(name)
+            missing.append(names[0])
         else:
-            plan[name] = (p, sources[key])
+            plan[names[0]] = (p, sources[key])
     if missing:
         why = next((f" ({n}: {refused[n]}, which tessel does not read by slices)" for n in missing if n in refused), "")
         raise ValueError(f"load_pretrained: the checkpoint has no tensor for {len(missing)} of the model's, e.g. "
@@ -356,7 +346,7 @@ def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype
                 value.__dict__.update(p.__dict__)
             value._is_hf_initialized = True  # loaded: the model's initialisation of the buffers leaves it as it is
             new[id(p)] = value
-    before = {id(v): p for p, v in ((p, new[id(p)]) for p, _ in plan.values())}
+    before = {id(new[id(p)]): p for p, _ in plan.values()}
     buffers = {(m, leaf): b for m in model.modules() for leaf, b in m._buffers.items() if b is not None and b.is_meta}
     _replace(model, new)
     try:
