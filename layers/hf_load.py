@@ -26,10 +26,12 @@ and ``fc`` are read as the concatenations they are; the checkpoint's config must
 family, SiLU, the rotary base, the norms' epsilon, the window, untied embeddings), else it is refused by name.
 
 Checkpoints that transformers converts as it loads them (its weight conversion) are read under the names it gives
-their tensors: renamed keys as they are, and experts stored one by one as the tensor transformers stacks of them
-(``MergeModulelist``), their gate and up side by side (``Concatenate``), read lazily, so each rank reads the slices
-of its own experts or features only. Other conversions (a fused ``in_proj`` transformers splits, say) are refused by
-name: load such a model whole with ``from_pretrained`` and parallelize that.
+their tensors, its operations applied lazily, so each rank still reads the slices of its own experts or features
+only: renamed keys as they are, experts stored one by one as the tensor transformers stacks of them
+(``MergeModulelist``), their gate and up side by side (``Concatenate``), a fused tensor cut into the model's
+(``Split`` by the model's sizes, as LaraMini's ``in_proj`` and Sarvam-MoE's ``query_key_value``; ``Chunk`` evenly),
+dims swapped (``Transpose``). Other operations (``Interleave``, a rotary permutation) are refused by name: load such
+a model whole with ``from_pretrained`` and parallelize that.
 """
 
 from __future__ import annotations
@@ -142,25 +144,100 @@ def _transforms(model: nn.Module):
     return renamings, converters, core
 
 
-def _converted(converter, matched: list[tuple[str, str, str]], files: _Files, where: dict[str, Path], core):
-    """The lazy tensor a converter makes of its ``(source pattern, key, renamed key)`` matches: experts stacked (by
-    their index in the key), then the patterns' stacks concatenated, or None where tessel does not read it by
-    slices."""
-    ops = converter.operations
-    merge = len(ops) >= 1 and type(ops[0]) is core.MergeModulelist and ops[0].dim == 0
-    if not merge or len(ops) > 2 or (len(ops) == 2 and type(ops[1]) is not core.Concatenate):
-        return None
-    stacks = []
+class _Narrowed:
+    """One piece of a stored tensor along ``dim`` (transformers' ``Split``/``Chunk``: a fused tensor cut into the
+    model's), read as the slices of the piece it is."""
+
+    def __init__(self, whole, dim: int, start: int, size: int):
+        self.whole, self.dim, self.start, self.keys = whole, dim, start, whole.keys
+        self.shape = (*whole.shape[:dim], size, *whole.shape[dim + 1 :])
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        lo, hi, _ = index[self.dim].indices(self.shape[self.dim])
+        shifted = slice(self.start + lo, self.start + hi)
+        return self.whole.read((*index[: self.dim], shifted, *index[self.dim + 1 :]))
+
+
+class _Transposed:
+    """A stored tensor with two dims swapped (transformers' ``Transpose``), read by the swapped slices."""
+
+    def __init__(self, whole, dim0: int, dim1: int):
+        self.whole, self.dims, self.keys = whole, (dim0, dim1), whole.keys
+        shape = list(whole.shape)
+        shape[dim0], shape[dim1] = shape[dim1], shape[dim0]
+        self.shape = tuple(shape)
+
+    def read(self, index: tuple[slice, ...]) -> torch.Tensor:
+        swapped, (a, b) = list(index), self.dims
+        swapped[a], swapped[b] = index[b], index[a]
+        return self.whole.read(tuple(swapped)).transpose(a, b)
+
+
+def _cut(whole, dim: int, sizes: list[int]) -> list[_Narrowed]:
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    return [_Narrowed(whole, dim, start, size) for start, size in zip(starts, sizes)]
+
+
+def _sources_of(converter, matched: list[tuple[str, str, str]], files: _Files, where: dict[str, Path], core):
+    """The lazy tensor of each source pattern: its stored tensor, or with ``MergeModulelist(dim=0)`` first, its
+    experts stacked by their index in the key. None where a pattern has no such reading."""
+    merge = type(converter.operations[0]) is core.MergeModulelist and converter.operations[0].dim == 0
+    lazies = []
     for pattern in converter.source_patterns:
+        keys = [(renamed, key) for p, key, renamed in matched if p == pattern]
+        if not merge:
+            if len(keys) != 1:
+                return None
+            lazies.append(_Stored(files, where[keys[0][1]], keys[0][1]))
+            continue
         expert = re.compile(re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)"))
-        hits = [(expert.search(renamed), key) for p, key, renamed in matched if p == pattern]
+        hits = [(expert.search(renamed), key) for renamed, key in keys]
         if not hits or any(hit is None for hit, _ in hits):  # the index of each expert, from the renamed key
             return None
         found = sorted((int(hit.group(1)), key) for hit, key in hits)
         if [i for i, _ in found] != list(range(len(found))):
             return None
-        stacks.append(_Stacked([_Stored(files, where[key], key) for _, key in found]))
-    return stacks[0] if len(ops) == 1 else _Joined(stacks, ops[1].dim)
+        lazies.append(_Stacked([_Stored(files, where[key], key) for _, key in found]))
+    return lazies, merge
+
+
+def _converted(converter, targets: list[str], matched, files: _Files, where: dict[str, Path], core,
+               shapes: dict[str, tuple[int, ...]]) -> dict | None:  # fmt: skip
+    """``{target name: lazy tensor}`` that a converter makes of its ``(source pattern, key, renamed key)`` matches,
+    its operations applied to the lazy tensors in order: experts stacked (``MergeModulelist``), tensors concatenated
+    (``Concatenate``), a fused tensor cut into the targets (``Split`` by the model's sizes, ``Chunk`` evenly), dims
+    swapped (``Transpose``). None where tessel does not read the conversion by slices."""
+    ops = converter.operations
+    found = _sources_of(converter, matched, files, where, core) if ops and len(set(targets)) == len(targets) else None
+    if found is None:
+        return None
+    current, merged = found
+    for op in ops[1:] if merged else ops:
+        kind, dim = type(op), getattr(op, "dim", 0)
+        if kind is core.Concatenate and getattr(op, "num_shards_attribute", None) is None:
+            current = [current[0] if len(current) == 1 else _Joined(current, dim % len(current[0].shape))]
+        elif kind in (core.Split, core.Chunk) and len(current) == 1 and len(targets) > 1:
+            whole, dim = current[0], dim % len(current[0].shape)
+            if kind is core.Chunk:
+                if op.num_shards_attribute is not None or whole.shape[dim] % len(targets):
+                    return None
+                sizes = [whole.shape[dim] // len(targets)] * len(targets)
+            else:
+                if any(target not in shapes for target in targets):
+                    return None
+                sizes = [shapes[target][dim] for target in targets]
+                if sum(sizes) != whole.shape[dim]:
+                    raise ValueError(f"load_pretrained: the checkpoint's {sorted(whole.keys)[0]} is {whole.shape}, "
+                                     f"the model's {targets} make {sum(sizes)} along dim {dim} (not the checkpoint's "
+                                     "config?)")  # fmt: skip
+            current = _cut(whole, dim, sizes)
+        elif kind is core.Transpose and len(current) == 1 and len(targets) == 1:
+            a, b = (d % len(current[0].shape) for d in (op.dim0, op.dim1))
+            if not (op.check_dims and current[0].shape == shapes.get(targets[0])):  # stored as the model's: as is
+                current = [_Transposed(current[0], a, b)]
+        else:
+            return None
+    return dict(zip(targets, current)) if len(current) == len(targets) else None
 
 
 def _gpt_sources(model: GPT, path: Path, where: dict[str, Path], files: _Files) -> dict:
@@ -181,7 +258,8 @@ def _gpt_sources(model: GPT, path: Path, where: dict[str, Path], files: _Files) 
     return sources
 
 
-def _sources(model: nn.Module, path: Path, where: dict[str, Path], files: _Files) -> tuple[dict, dict[str, str]]:
+def _sources(model: nn.Module, path: Path, where: dict[str, Path], files: _Files,
+             t: int) -> tuple[dict, dict[str, str]]:  # fmt: skip
     """``({model name: lazy tensor}, {model name: why it cannot be read})``: each checkpoint key under the name
     transformers gives it as it loads the checkpoint (renamed, or stacked and concatenated with others); for tessel's
     GPT, the Llama tensors each of its own is (:mod:`~tessel.layers.gpt_llama`)."""
@@ -202,12 +280,16 @@ def _sources(model: nn.Module, path: Path, where: dict[str, Path], files: _Files
             converter = next(c for c in converters if pattern in c.source_patterns)
             renamed = core.apply_renamings(key, renamings)  # the key the converter's pattern matched
             groups.setdefault((name, id(converter)), (converter, []))[1].append((pattern, key, renamed))
+    shapes = {name: tuple(global_shape(p, t)) for p, names in _tensors(model) for name in names}
     for (name, _), (converter, matched) in groups.items():
-        lazy = _converted(converter, matched, files, where, core)
-        if lazy is None:
-            refused[name] = f"transformers converts it by {[type(op).__name__ for op in converter.operations]}"
+        first = converter.target_patterns[0]
+        targets = [name.replace(first, target) for target in converter.target_patterns]
+        lazies = _converted(converter, targets, matched, files, where, core, shapes)
+        if lazies is None:
+            why = f"transformers converts it by {[type(op).__name__ for op in converter.operations]}"
+            refused.update(dict.fromkeys(targets, why))
         else:
-            sources[name] = lazy
+            sources.update(lazies)
     return sources, refused
 
 
@@ -326,7 +408,7 @@ def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype
     t, r = group_size(tp_group), group_rank(tp_group)
     where = _checkpoint_files(path)
     with contextlib.ExitStack() as stack:
-        sources, refused = _sources(model, path, where, _Files(stack))
+        sources, refused = _sources(model, path, where, _Files(stack), t)
         plan = _plan(model, sources, refused, t)
         used = set().union(*(lazy.keys for _, lazy in plan.values()))
         if strict and used != where.keys():

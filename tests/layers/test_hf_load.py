@@ -20,8 +20,10 @@ from tests.multiprocess import run_ranks
 FAMILIES = ("llama", "qwen3", "olmo2", "phi3", "nemotron", "gemma", "gemma3_text", "gpt_oss", "apertus")
 HYBRIDS = ("bamba", "qwen3_5_text", "mamba", "lfm2")
 # checkpoints transformers converts as it loads them: experts stored one by one (stacked, gate beside up), renamed
-# modules (Mixtral's block_sparse_moe, Granite-MoE's packed experts, Nemotron-H's backbone)
-CONVERTED = ("qwen3_moe", "mixtral", "granitemoe", "deepseek_v3", "jamba", "minimax", "nemotron_h")
+# modules (Mixtral's block_sparse_moe, Granite-MoE's packed experts, Nemotron-H's backbone), fused tensors it splits
+# into the model's (Sarvam-MoE's query_key_value, LaraMini's in_proj)
+CONVERTED = ("qwen3_moe", "mixtral", "granitemoe", "deepseek_v3", "sarvam_moe")
+CONVERTED_HYBRIDS = ("jamba", "minimax", "nemotron_h", "lara_mini")
 
 
 def _dense(kind: str):
@@ -31,7 +33,7 @@ def _dense(kind: str):
 
     if kind == "deepseek_v3":  # multi-head latent attention, a dense first layer, shared and routed experts
         return _moe(kind)
-    return hybrid_model(kind) if kind in (*HYBRIDS, "jamba", "minimax", "nemotron_h") else family_model(kind)
+    return hybrid_model(kind) if kind in (*HYBRIDS, *CONVERTED_HYBRIDS) else family_model(kind)
 
 
 def _saved(dense, path, rank, **kw):
@@ -93,12 +95,67 @@ def test_hybrids_split_on_the_meta_device_load_their_mixers(tmp_path):
 def test_checkpoints_that_transformers_converts_load_by_slices_of_their_stored_tensors(tmp_path):
     """Experts stored one by one are read as the stacked tensor transformers makes of them (gate beside up), each
     rank reading its share of every expert's features, or with ``expert_split="experts"`` its experts' rows alone;
-    renamed modules under the names transformers gives them."""
+    renamed modules under the names transformers gives them; a fused tensor as the pieces transformers splits it
+    into (Sarvam-MoE's q, k and v of different sizes; LaraMini's four in_proj parts), each rank reading its slices of
+    each piece."""
     layouts = ({}, {"sequence_parallel": True}, {"expert_split": "experts"})
-    moe = run_ranks(_families_ranks, 2, CONVERTED[:4], str(tmp_path), layouts, timeout=900, env=REFERENCE_KERNELS)
+    moe = run_ranks(_families_ranks, 2, CONVERTED, str(tmp_path), layouts, timeout=900, env=REFERENCE_KERNELS)
     assert moe == ["ok"] * 2
-    hybrids = run_ranks(_families_ranks, 2, CONVERTED[4:], str(tmp_path), timeout=900, env=REFERENCE_KERNELS)
+    hybrids = run_ranks(_families_ranks, 2, CONVERTED_HYBRIDS, str(tmp_path), timeout=900, env=REFERENCE_KERNELS)
     assert hybrids == ["ok"] * 2
+
+
+def _transposed_ranks(rank, world_size, root):
+    """Qwen3-VL-MoE's experts as its published checkpoints store them, ``[experts, hidden, 2 x intermediate]``:
+    transformers transposes them as it loads them (``Transpose(1, 2)``); each rank reads its slices of the swapped
+    dims (or its experts' rows), the vision tower whole."""
+    import safetensors.torch
+    import transformers
+
+    from tessel.layers import load_pretrained, parallelize
+
+    text = dict(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=64, patch_size=4,
+                  temporal_patch_size=2, spatial_merge_size=2, deepstack_visual_indexes=[0])  # fmt: skip
+    config = transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)
+    torch.manual_seed(0)
+    dense = transformers.Qwen3VLMoeForConditionalGeneration(config).eval()
+    path = f"{root}/qwen3_vl_moe"
+    if rank == 0:
+        dense.save_pretrained(path)
+        (file,) = Path(path).glob("*.safetensors")
+        state = safetensors.torch.load_file(file)
+        experts = [k for k in state if ".experts." in k]
+        assert experts and all(state[k].shape[1:] == (48, 64) for k in experts if "gate_up" in k)  # as the model
+        state.update({k: state[k].transpose(1, 2).contiguous() for k in experts})
+        safetensors.torch.save_file(state, file, metadata={"format": "pt"})
+    dist.barrier()
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(1))
+    for kw in ({}, {"expert_split": "experts"}):
+        with torch.device("meta"):
+            meta = transformers.Qwen3VLMoeForConditionalGeneration(copy.deepcopy(config))
+        model = load_pretrained(parallelize(meta, None, **kw), path)
+        _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, **kw), f"qwen3_vl_moe {kw}")
+        torch.testing.assert_close(model.eval()(ids).logits, dense(ids).logits, rtol=1e-4, atol=1e-5)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_experts_stored_transposed_load_by_slices_of_the_swapped_dims(tmp_path):
+    assert run_ranks(_transposed_ranks, 2, str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
 
 
 def _expert_parallel_ranks(rank, world_size, root):
@@ -257,14 +314,29 @@ def _refusals_ranks(rank, world_size, root):
     refused(ValueError, r"holds 1 tensors the model does not use, e.g. \['extra'\]", edited)
     model = load_pretrained(fresh(), edited, strict=False, dtype=torch.float64)
     assert {p.dtype for p in model.parameters()} == {torch.float64}
-    # a conversion tessel does not read by slices: LaraMini's fused in_proj, which transformers splits as it loads it
-    from tests.layers.test_hf_families import qwen3_5_model
+    # a conversion tessel does not read by slices (rows interleaved), and a split whose pieces are not the model's
+    from transformers import conversion_mapping, core_model_loading
 
-    lara = qwen3_5_model("lara_mini")
-    lara_path, model = _saved(lara, f"{root}/lara_mini", rank), parallelize(_on_meta(lara), None)
-    with pytest.raises(ValueError, match=r"in_proj_qkv.weight: transformers converts it by \['Split'\]"):
-        load_pretrained(model, lara_path)
-    assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
+    def convert(*operations):
+        source, targets = "self_attn.qkv_proj", ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]
+        return lambda model, *a, **kw: [core_model_loading.WeightConverter(source, targets, operations=operations)]
+
+    attn = "model.layers.0.self_attn"
+    parts = [state.pop(f"{attn}.{n}_proj.weight") for n in "qkv"]
+    assert [len(part) for part in parts] == [64, 32, 32]
+    safetensors.torch.save_file({**state, f"{attn}.qkv_proj.weight": torch.cat(parts)}, f"{edited}/a.safetensors")
+    mapping = conversion_mapping.get_model_conversion_mapping
+    try:
+        conversion_mapping.get_model_conversion_mapping = convert(core_model_loading.Interleave(dim=0))
+        refused(ValueError, r"q_proj.weight: transformers converts it by \['Interleave'\]", edited)
+        conversion_mapping.get_model_conversion_mapping = convert(core_model_loading.Chunk(dim=0))  # not 64, 32, 32
+        refused(ValueError, r"no tensor for 3 of the model's.*q_proj.weight: transformers converts it by \['Chunk'\]",
+                edited)  # fmt: skip
+        conversion_mapping.get_model_conversion_mapping = convert(core_model_loading.Split(dim=0))
+        model = load_pretrained(fresh(), edited, dtype=torch.float64)  # read as the model's pieces
+        assert torch.equal(model.model.layers[0].self_attn.k_proj.weight, parts[1].chunk(2)[rank].double())
+    finally:
+        conversion_mapping.get_model_conversion_mapping = mapping
     # Falcon-H1's multipliers (a buffer its own initialisation does not compute): refused after reading, undone
     from tests.layers.test_hf_mixers import mamba_model
 
