@@ -11,8 +11,9 @@ A model too large for one device is built without memory, split, then filled::
 Every parameter and persistent buffer is read from the checkpoint's safetensors files under its own name: one that
 ``parallelize`` split as this rank's blocks of it (its ``tp_dim`` slice of each fused part, the rows of its experts;
 safetensors reads those slices from the file, never the whole tensor), any other whole. Buffers that checkpoints do
-not hold (rotary frequencies) are computed by the model's own initialisation (transformers' ``_init_weights``), and
-refused by name where that leaves them unset. The tensors are new ones on ``device``, in the model's dtype (or
+not hold (rotary frequencies) are computed by the model's own initialisation (transformers' ``_init_weights``), whole
+where ``parallelize`` keeps this rank's share of them (Falcon-H1's multipliers), and refused by name where that leaves
+them unset. The tensors are new ones on ``device``, in the model's dtype (or
 ``dtype``), with their tensor-parallel tags; parameters tied together stay one. Wrap the model in ``DDP`` or
 ``FSDP`` after loading it.
 
@@ -37,6 +38,7 @@ a model whole with ``from_pretrained`` and parallelize that.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import re
 from pathlib import Path
@@ -48,7 +50,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import expert_spec, global_shape, is_tp_sharded, tp_spec
 from .gpt import GPT
 from .gpt_llama import check_llama_config, llama_names
-from .meta import is_meta
+from .meta import derived_buffers, is_meta
 
 __all__ = ["load_pretrained"]
 
@@ -357,26 +359,49 @@ def _replace(model: nn.Module, new: dict[int, torch.Tensor]) -> None:
 
 
 def _init_buffers(model: nn.Module, device: torch.device) -> None:
-    """The buffers left on the meta device (non-persistent: rotary frequencies), computed by the model's own
-    ``_init_weights`` on each module that holds one; refused by name where it leaves them unset."""
+    """The buffers left on the meta device (non-persistent: rotary frequencies, Falcon-H1's multipliers), computed by
+    the model's own ``_init_weights``: on each module that holds one, then on its nearest ancestors while some are
+    unset (Falcon-H1's model sets its layers'). A buffer ``parallelize`` derived from a whole one
+    (:func:`~tessel.layers.meta.derived_buffer`) is computed whole, then cut to this rank's share. Refused by name
+    where the initialisation leaves one unset."""
     init = getattr(model, "_init_weights", None)
-    pending = []
+    pending = []  # (holder's name, holder, buffer's name)
     for mod_name, m in model.named_modules():
-        leaves = [leaf for leaf, b in m._buffers.items() if b is not None and b.is_meta]
-        for leaf in leaves:
-            b = m._buffers[leaf]
-            fill = float("nan") if b.is_floating_point() else 0
-            m._buffers[leaf] = torch.full(b.shape, fill, dtype=b.dtype, device=device)
-            pending.append((f"{mod_name}.{leaf}".lstrip("."), m, leaf))
-        if leaves and init is not None:
-            with torch.no_grad():
-                init(m)
-    unset = [
-        name for name, m, leaf in pending if m._buffers[leaf].is_floating_point() and m._buffers[leaf].isnan().any()
-    ]
+        for leaf, b in list(m._buffers.items()):
+            if b is not None and b.is_meta:
+                shape, dtype, _ = derived_buffers(m).get(leaf, (b.shape, b.dtype, None))
+                fill = float("nan") if dtype.is_floating_point else 0
+                m._buffers[leaf] = torch.full(shape, fill, dtype=dtype, device=device)
+                pending.append((mod_name, m, leaf))
+    modules = dict(model.named_modules()) if init is not None else {}
+    with torch.no_grad():
+        for name in dict.fromkeys(n for n, _, _ in pending if init is not None):
+            init(modules[name])
+        for level in itertools.count():  # the nearest ancestors of the holders of buffers still unset, then theirs
+            unset = {n for n, m, leaf in pending if _is_unset(m._buffers[leaf])}
+            above = {chain[level] for chain in map(_ancestors, unset) if len(chain) > level} if modules else set()
+            if not above:
+                break
+            for name in sorted(above):
+                init(modules[name])
+    unset = [f"{n}.{leaf}".lstrip(".") for n, m, leaf in pending if _is_unset(m._buffers[leaf])]
     if unset:
         raise ValueError(f"load_pretrained: the model's initialisation left the buffers {unset[:3]} unset (they are "
                          "not in the checkpoint): it cannot be loaded once split on the meta device")  # fmt: skip
+    for _, m, leaf in pending:
+        local_of = derived_buffers(m).get(leaf, (None, None, None))[2]
+        if local_of is not None:  # computed whole: this rank's share of it
+            m._buffers[leaf] = local_of(m._buffers[leaf]).clone()
+
+
+def _ancestors(name: str) -> list[str]:
+    """The names of the modules above the module ``name``, the nearest first, the model (``""``) last."""
+    parts = name.split(".") if name else []
+    return [".".join(parts[:i]) for i in range(len(parts) - 1, -1, -1)]
+
+
+def _is_unset(b: torch.Tensor) -> bool:
+    return b.is_floating_point() and bool(b.isnan().any())
 
 
 def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype: torch.dtype | None = None,

@@ -72,6 +72,7 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 from .hf_linear_attention import delta_parts, is_delta_net
 from .linear import RowParallelLinear
+from .meta import derived_buffer
 
 __all__ = [
     "DECAY_BUFFERS",
@@ -460,15 +461,19 @@ def install_mamba_hooks(mixer: nn.Module, full_groups: int, mup: torch.Tensor | 
     if mup is not None:
         width, heads = mixer.intermediate_size, mixer.num_heads  # local
         states, share = mixer.ssm_state_size, full_groups * mixer.ssm_state_size // t
-        z, x, b, c, dt = mup.split([width * t, width * t, full_groups * states, full_groups * states, heads * t], -1)
         r, g = group_rank(tp_group), group_rank(tp_group) * full_groups // t
-        own = [z.narrow(-1, r * width, width), x.narrow(-1, r * width, width)]
-        if shared is None:
-            own += [b.narrow(-1, r * share, share), c.narrow(-1, r * share, share)]
-        else:
-            own += [b.narrow(-1, g * states, states), c.narrow(-1, g * states, states)]
-        own.append(dt.narrow(-1, r * heads, heads))
-        mixer.register_buffer("mup_vector", torch.cat(own, -1).clone(), persistent=False)
+
+        def own(whole: torch.Tensor) -> torch.Tensor:
+            sizes = [width * t, width * t, full_groups * states, full_groups * states, heads * t]
+            z, x, b, c, dt = whole.split(sizes, -1)
+            parts = [z.narrow(-1, r * width, width), x.narrow(-1, r * width, width)]
+            if shared is None:
+                parts += [b.narrow(-1, r * share, share), c.narrow(-1, r * share, share)]
+            else:
+                parts += [b.narrow(-1, g * states, states), c.narrow(-1, g * states, states)]
+            return torch.cat([*parts, dt.narrow(-1, r * heads, heads)], -1)
+
+        derived_buffer(mixer, "mup_vector", mup, own)
 
 
 class _Unit:

@@ -18,7 +18,7 @@ from tests.layers.test_hf import REFERENCE_KERNELS, _check_against_dense, needs_
 from tests.multiprocess import run_ranks
 
 FAMILIES = ("llama", "qwen3", "olmo2", "phi3", "nemotron", "gemma", "gemma3_text", "gpt_oss", "apertus")
-HYBRIDS = ("bamba", "qwen3_5_text", "mamba", "lfm2")
+HYBRIDS = ("bamba", "qwen3_5_text", "mamba", "lfm2", "falcon_h1", "falcon_h1:2")
 # checkpoints transformers converts as it loads them: experts stored one by one (stacked, gate beside up), renamed
 # modules (Mixtral's block_sparse_moe, Granite-MoE's packed experts, Nemotron-H's backbone), fused tensors it splits
 # into the model's (Sarvam-MoE's query_key_value, LaraMini's in_proj)
@@ -86,7 +86,10 @@ def test_split_on_the_meta_device_then_loaded_equals_the_split_dense_model(tmp_p
 @needs_hf
 def test_hybrids_split_on_the_meta_device_load_their_mixers(tmp_path):
     """Bamba's Mamba-2 mixers (B and C gathered over the ranks of their one group), Qwen3.5's Gated DeltaNet, Mamba's
-    Mamba-1 (x_proj a shared row layer), LFM2's short convolutions: their split parameters are read by their tags."""
+    Mamba-1 (x_proj a shared row layer), LFM2's short convolutions: their split parameters are read by their tags.
+    Falcon-H1's per-feature multipliers, a buffer its model computes from the config: computed whole by the model's
+    own initialisation, then cut to this rank's features (its B and C those of the one group it shares, or its
+    own of two)."""
     assert run_ranks(_families_ranks, 2, HYBRIDS, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
 
 
@@ -185,15 +188,15 @@ def test_expert_parallel_ranks_read_their_experts_alone(tmp_path):
 
 
 def _four_ranks(rank, world_size, root):
-    """tp=2 (sequence parallel) × cp=2: Llama's ring attention and Bamba's mixers by heads over the cp ranks (which
-    slice the replicated per-head parameters the loader put in place), after each rank read its tensor-parallel
-    shards."""
+    """tp=2 (sequence parallel) × cp=2: Llama's ring attention and Bamba's and Falcon-H1's mixers by heads over the cp
+    ranks (which slice the replicated per-head parameters the loader put in place, and Falcon-H1's multipliers the
+    loader computed), after each rank read its tensor-parallel shards."""
     from tessel.layers import load_pretrained, parallelize
     from tests.layers.test_context_parallel import _grid
     from tests.layers.test_hf_context_parallel import _check_against_dense as check_cp
 
     _, tp_group, cp_group = _grid(rank, world_size, 2)
-    for kind in ("llama", "bamba"):
+    for kind in ("llama", "bamba", "falcon_h1"):
         dense = _dense(kind)
         path = _saved(dense, f"{root}/{kind}", rank, max_shard_size="100KB")  # several files and their index
         assert (Path(path) / "model.safetensors.index.json").is_file()
@@ -337,13 +340,11 @@ def _refusals_ranks(rank, world_size, root):
         assert torch.equal(model.model.layers[0].self_attn.k_proj.weight, parts[1].chunk(2)[rank].double())
     finally:
         conversion_mapping.get_model_conversion_mapping = mapping
-    # Falcon-H1's multipliers (a buffer its own initialisation does not compute): refused after reading, undone
-    from tests.layers.test_hf_mixers import mamba_model
-
-    falcon = mamba_model("falcon_h1")
-    falcon_path, model = _saved(falcon, f"{root}/falcon_h1", rank), parallelize(_on_meta(falcon), None)
-    with pytest.raises(ValueError, match=r"left the buffers \['model.layers.0.mamba.mup_vector'"):
-        load_pretrained(model, falcon_path)
+    # a buffer neither the checkpoint nor the model's initialisation sets: refused after reading, undone
+    model = fresh()
+    model.model.norm.register_buffer("scale", torch.empty(3, device="meta"), persistent=False)
+    with pytest.raises(ValueError, match=r"left the buffers \['model.norm.scale'\] unset"):
+        load_pretrained(model, path)
     assert all(t.is_meta for t in [*model.parameters(), *model.buffers()])
     return "ok"
 
