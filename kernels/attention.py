@@ -105,7 +105,7 @@ from .attention_kernels import (
     sk_bucket,
     split_kv_kernel_tuned,
 )
-from .attention_reference import _backward_reference, _reference, flash_attention_reference
+from .attention_reference import _backward_reference_rows, _reference_rows, flash_attention_reference
 
 __all__ = ["HEAD_DIMS", "flash_attention", "flash_attention_backward", "flash_attention_reference"]
 
@@ -421,8 +421,8 @@ def _block_forward(q, k, v, causal: bool, scale: float, segments, window=None, o
     and ``offset`` as for :func:`_forward` (segments e.g. from :func:`_cross_segment_bounds`; the offset
     of a block whose first query lies ``o`` places after its first key is ``o``)."""
     backend = backend_for(q)
-    if backend == Backend.REFERENCE:
-        return _reference(q, k, v, causal, scale, segments, window, offset, softcap)
+    if backend == Backend.REFERENCE or q.shape[-1] not in HEAD_DIMS:  # heads wider than the kernels': by row tiles
+        return _reference_rows(q, k, v, causal, scale, segments, window, offset, softcap)
     q, k, v = _unit_last_stride(q), _unit_last_stride(k), _unit_last_stride(v)
     _check_int32_rows(q, k, v)
     return _forward(q, k, v, causal, scale, backend, None, segments, window, offset, softcap)
@@ -432,8 +432,8 @@ def _block_backward(q, k, v, out, lse, dout, causal: bool, scale: float, determi
                     offset=None, softcap=None):  # fmt: skip
     """:func:`flash_attention_backward` of validated arguments; the rest as for :func:`_block_forward`."""
     backend = backend_for(q)
-    if backend == Backend.REFERENCE:
-        return _backward_reference(q, k, v, out, lse, dout, causal, scale, segments, window, offset, softcap)
+    if backend == Backend.REFERENCE or q.shape[-1] not in HEAD_DIMS:
+        return _backward_reference_rows(q, k, v, out, lse, dout, causal, scale, segments, window, offset, softcap)
     q, k, v, out = (_unit_last_stride(t) for t in (q, k, v, out))
     _check_int32_rows(q, k, v, out)
     deterministic = deterministic or torch.are_deterministic_algorithms_enabled()

@@ -56,8 +56,9 @@ def _check_softcap(name: str, softcap) -> None:
         raise ValueError(f"{name}: softcap must be None or a finite number above 0, received {softcap}")
 
 
-def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
-    """Raise ValueError/TypeError naming what is wrong; shared by the kernel and the reference."""
+def _validate(name: str, q, k, v, causal, scale, dtypes, wide: bool = False) -> None:
+    """Raise ValueError/TypeError naming what is wrong; shared by the kernel and the reference. ``wide``: head dims
+    above the kernels' largest are taken too (computed in PyTorch, :func:`.attention_reference.wide_attention`)."""
     for arg, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name}: {arg} must be a torch.Tensor, received {type(t).__name__}")
@@ -83,8 +84,9 @@ def _validate(name: str, q, k, v, causal, scale, dtypes) -> None:
             )
     if hkv == 0 or hq % hkv:
         raise ValueError(f"{name}: q's head count {hq} must be a positive multiple of k's and v's head count {hkv}")
-    if d not in HEAD_DIMS:
-        raise ValueError(f"{name}: head_dim must be one of {HEAD_DIMS}, received {d}")
+    if d not in HEAD_DIMS and not (wide and d > max(HEAD_DIMS)):
+        above = f" or above {max(HEAD_DIMS)}" if wide else ""
+        raise ValueError(f"{name}: head_dim must be one of {HEAD_DIMS}{above}, received {d}")
     if q.dtype not in dtypes:
         names = ", ".join(str(t).removeprefix("torch.") for t in dtypes)
         raise TypeError(f"{name}: q must be {names}, received {q.dtype}")

@@ -14,7 +14,7 @@ import torch
 
 from .attention_inputs import _DTYPES, _check_softcap, _check_window, _segment_bounds, _segment_mask, _validate
 
-__all__ = ["flash_attention_reference"]
+__all__ = ["flash_attention_reference", "wide_attention"]
 
 
 def _above_diagonal(sq: int, sk: int, device, offset: int | None = None) -> torch.Tensor:
@@ -76,8 +76,10 @@ def _reference(q, k, v, causal: bool, scale: float, segments, window=None, offse
 
 
 def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None, offset=None,
-                        softcap=None):  # fmt: skip
-    """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs)."""
+                        softcap=None, rounded: bool = True, dlse=None):  # fmt: skip
+    """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs), rounded to
+    the inputs' dtypes (or with ``rounded=False`` left in the compute dtype); ``dlse``: a gradient of the returned
+    log-sum-exp too (each score's share of it is its probability)."""
     compute = torch.float64 if q.dtype == torch.float64 else torch.float32
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
@@ -100,8 +102,94 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, seg
         p = p.masked_fill(_segment_mask(segments, q.device), 0.0)
     p = p.masked_fill(torch.isneginf(lse), 0.0)  # rows that see no key
     delta = (doc * out.to(compute)).sum(-1, keepdim=True)
+    if dlse is not None:
+        delta = delta - dlse.to(compute).unsqueeze(-1)
     ds = p * (doc @ vc.transpose(-1, -2) - delta) * through_cap
     dq = (ds @ kc) * scale
     dk = ((ds.transpose(-1, -2) @ qc) * scale).view(b, hkv, group, sk, d).sum(2)
     dv = (p.transpose(-1, -2) @ doc).view(b, hkv, group, sk, d).sum(2)
+    if not rounded:
+        return dq, dk, dv
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+# ------------------------------------------------------------------------------------- by tiles of query rows
+
+TILE_SCORES = 1 << 26  # the scores one tile of rows holds at most (256 MiB in fp32), as far as one row allows
+
+
+def _row_tiles(q: torch.Tensor, k: torch.Tensor) -> list[tuple[int, int]]:
+    """``(first, end)`` query rows of each tile: ``[B, Hq, rows, Sk]`` scores of at most :data:`TILE_SCORES`."""
+    b, hq, sq, _ = q.shape
+    rows = max(1, TILE_SCORES // max(1, b * hq * k.shape[2]))
+    return [(a, min(a + rows, sq)) for a in range(0, sq, rows)] or [(0, 0)]
+
+
+def _tile(segments, offset, q, k, a: int, z: int):
+    """The segment tables and the causal offset of query rows ``[a, z)``."""
+    rows = None if segments is None else (segments[0][..., a:z], *segments[1:])
+    return rows, (k.shape[2] - q.shape[2] if offset is None else offset) + a
+
+
+def _reference_rows(q, k, v, causal: bool, scale: float, segments, window=None, offset=None, softcap=None):
+    """:func:`_reference` computed by tiles of query rows (:func:`_row_tiles`): the same ``(out, lse)`` with a bounded
+    ``[B, Hq, rows, Sk]`` of scores at a time. What runs heads wider than the kernels take."""
+    parts = []
+    for a, z in _row_tiles(q, k):
+        rows, at = _tile(segments, offset, q, k, a, z)
+        parts.append(_reference(q[:, :, a:z], k, v, causal, scale, rows, window, at, softcap))
+    out, lse = zip(*parts)
+    return torch.cat(out, 2), torch.cat(lse, 2)
+
+
+def _backward_reference_rows(q, k, v, out, lse, dout, causal: bool, scale: float, segments=None, window=None,
+                             offset=None, softcap=None, dlse=None):  # fmt: skip
+    """:func:`_backward_reference` by tiles of query rows: ``dq`` row by row, ``dk`` and ``dv`` summed over the
+    tiles in the compute dtype, rounded once."""
+    dqs, dk, dv = [], 0, 0
+    for a, z in _row_tiles(q, k):
+        rows, at = _tile(segments, offset, q, k, a, z)
+        tile_dlse = None if dlse is None else dlse[:, :, a:z]
+        dq_t, dk_t, dv_t = _backward_reference(q[:, :, a:z], k, v, out[:, :, a:z], lse[:, :, a:z], dout[:, :, a:z],
+                                               causal, scale, rows, window, at, softcap, False, tile_dlse)  # fmt: skip
+        dqs.append(dq_t)
+        dk, dv = dk + dk_t, dv + dv_t
+    return torch.cat(dqs, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+class _WideAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, segments, window, softcap):
+        out, lse = _reference_rows(q, k, v, causal, scale, segments, window, softcap=softcap)
+        ctx.save_for_backward(q, k, v, out, lse, *(segments or ()))
+        ctx.args = causal, scale, window, softcap
+        ctx.set_materialize_grads(False)
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse, *segments = ctx.saved_tensors
+        causal, scale, window, softcap = ctx.args
+        dout = torch.zeros_like(out) if dout is None else dout  # only lse was used
+        dq, dk, dv = _backward_reference_rows(q, k, v, out, lse, dout, causal, scale, tuple(segments) or None, window,
+                                              softcap=softcap, dlse=dlse)  # fmt: skip
+        return dq, dk, dv, None, None, None, None, None
+
+
+def wide_attention(q, k, v, causal=False, scale=None, *, return_lse=False, segment_ids=None, window=None,
+                   softcap=None, deterministic=True):  # fmt: skip
+    """:func:`flash_attention` for head dims above the kernels' largest (Gemma 4's 512): the same arguments and
+    result, computed in PyTorch by tiles of query rows (a bounded block of scores at a time; the backward recomputes
+    them from the saved log-sum-exp, as the kernel's does). Differentiable, in the log-sum-exp too; ``deterministic`` is
+    accepted for the kernel's signature (this is always deterministic)."""
+    _validate("wide_attention", q, k, v, causal, scale, (*_DTYPES, torch.float64), wide=True)
+    _check_window("wide_attention", window, causal)
+    _check_softcap("wide_attention", softcap)
+    segments = _segment_bounds("wide_attention", segment_ids, q, k)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out, lse = _WideAttention.apply(q, k, v, causal, scale, segments, window, softcap)
+    else:
+        out, lse = _reference_rows(q, k, v, causal, scale, segments, window, softcap=softcap)
+    return (out, lse) if return_lse else out

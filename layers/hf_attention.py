@@ -44,7 +44,7 @@ attention.
 
 Modules that ``parallelize(cp_group=)`` marked with a context-parallel group run
 :func:`~tessel.parallel.context.ring_attention` over it instead (see :mod:`tessel.layers.hf`), GPT-OSS's sinks
-included (``ring_attention(sinks=)``).
+included (``ring_attention(sinks=)``), and heads above 256 (Gemma 4's 512), whose ring blocks run in PyTorch.
 Nothing here imports ``transformers`` until :func:`register_hf_attention` or the ``sdpa`` fallback runs.
 """
 
@@ -231,10 +231,8 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
         got = f"{sinks.dtype} {tuple(sinks.shape)}" if isinstance(sinks, torch.Tensor) else type(sinks).__name__
         refuse(f"attention sinks must be one float logit per query head on the queries' device, received {got}")
     segment_ids = kwargs.get(SEGMENT_IDS_KWARG)
-    width = _kernel_head_dim(query, value)
-    if width is None:
-        refuse(f"head dims of {query.shape[-1]} (queries, keys) and {value.shape[-1]} (values) are not supported: "
-               f"at most {max(HEAD_DIMS)}")  # fmt: skip
+    # heads wider than the kernels' run the ring's blocks in PyTorch (ring_attention's notes)
+    width = _kernel_head_dim(query, value) or max(query.shape[-1], value.shape[-1])
     q, k, v = (_widened(t, width) for t in (query, key, value))
     out_BHSD = ring_attention(q, k, v, cp_group, causal=causal, scale=_scale(scaling, query), segment_ids=segment_ids,
                               window=window, softcap=None if softcap is None else float(softcap),

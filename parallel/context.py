@@ -75,8 +75,9 @@ import torch.distributed as dist
 
 from ..kernels._memo import kept_on
 from ..kernels.attention import _block_backward, _block_forward, check_grid, flash_attention
-from ..kernels.attention_inputs import _check_softcap, _check_window, _cross_segment_bounds, run_starts
+from ..kernels.attention_inputs import HEAD_DIMS, _check_softcap, _check_window, _cross_segment_bounds, run_starts
 from ..kernels.attention_inputs import _validate as _validate_attention
+from ..kernels.attention_reference import wide_attention
 from .collectives import gather_from_sequence
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
@@ -481,10 +482,12 @@ def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministi
 
 
 def _attendapply_sinks(q, k, v, sinks=None, **kwargs) -> torch.Tensor:
-    """Flash attention, with ``sinks`` (None: none) joined to its softmax through its log-sum-exp."""
+    """Flash attention (heads wider than its kernels': :func:`wide_attention`), with ``sinks`` (None: none) joined to
+    its softmax through its log-sum-exp."""
+    attend = flash_attention if q.shape[-1] in HEAD_DIMS else wide_attention
     if sinks is None:
-        return flash_attention(q, k, v, **kwargs)
-    out, lse = flash_attention(q, k, v, return_lse=True, **kwargs)
+        return attend(q, k, v, **kwargs)
+    out, lse = attend(q, k, v, return_lse=True, **kwargs)
     return _apply_sinks(out, lse, sinks)
 
 
@@ -522,7 +525,9 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
 
     Args:
         q: ``[B, Hq, L, D]``, this rank's queries; k, v: ``[B, Hkv, L, D]``, its keys and values (GQA as
-            in :func:`~tessel.kernels.attention.flash_attention`). Every rank passes the same shapes.
+            in :func:`~tessel.kernels.attention.flash_attention`). Every rank passes the same shapes. ``D``
+            one of the kernels' head dims, or any above the largest (Gemma 4's 512), whose blocks run in
+            PyTorch by tiles of query rows (``wide_attention``), merged and sent round the ring as the rest.
             Under ``causal`` the tokens must be laid out as :func:`split_sequence` lays them out
             (``L`` even), so that rank ``r`` holds chunks ``r`` and ``2c-1-r``; without it any split
             works, since every query sees every key.
@@ -555,7 +560,7 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
         this rank's queries over the whole sequence. The partial results of the ring are merged in fp32
         and rounded once.
     """
-    _validate_attention("ring_attention", q, k, v, causal, scale, (torch.float32, torch.float16, torch.bfloat16))
+    _validate_attention("ring_attention", q, k, v, causal, scale, (torch.float32, torch.float16, torch.bfloat16), True)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"ring_attention: q and k must hold the same tokens (one query, key and value per local "
                          f"token), received q {tuple(q.shape)} and k {tuple(k.shape)}")  # fmt: skip

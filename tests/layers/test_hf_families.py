@@ -252,10 +252,15 @@ def _gemma4_ranks(rank, world_size):
     return "ok"
 
 
-def _check_against_float64(dense, par, tag):
-    """par (parallelized, fp32) against the dense model in float64: logits and every gradient shard within 1e-4 of
-    their largest entry, or 4× the dense fp32 model's own error where that is larger. For models whose fp32 rounding
-    alone exceeds test_hf's elementwise tolerance (Gemma 4's gradients of its two scaled embeddings)."""
+def _check_against_float64(dense, par, tag, tp_group=None, cp_group=None):
+    """par (parallelized over ``tp_group``, and ``cp_group`` if given; fp32) against the dense model in float64:
+    logits and every gradient shard within 1e-4 of their largest entry, or 4× the dense fp32 model's own error where
+    that is larger. For models whose fp32 rounding alone exceeds test_hf's elementwise tolerance (Gemma 4's gradients
+    of its two scaled embeddings). Under context parallelism each rank feeds its share of the sequence, the logits
+    are gathered and the gradients summed over the cp ranks."""
+    import torch.distributed as dist
+
+    from tessel.parallel.context import gather_sequence, split_sequence
     from tessel.parallel.sharding import shard_like
     from tests.layers.test_hf import _batch, _forward_backward
 
@@ -263,7 +268,14 @@ def _check_against_float64(dense, par, tag):
     exact = copy.deepcopy(dense).double()
     exact.set_experts_implementation("eager")  # torch's grouped GEMM takes no float64
     want = _forward_backward(exact, ids, weights.double())
-    rounded, got = _forward_backward(dense, ids, weights), _forward_backward(par, ids, weights)
+    rounded = _forward_backward(dense, ids, weights)
+    if cp_group is None:
+        got = _forward_backward(par, ids, weights)
+    else:
+        got = _forward_backward(par, split_sequence(ids, cp_group), split_sequence(weights, cp_group))
+        got = gather_sequence(got, cp_group)
+        for p in par.parameters():
+            dist.all_reduce(p.grad, group=cp_group)
 
     def error(x, ref):
         return ((x.double() - ref).abs().max() / ref.abs().max().clamp(min=1e-30)).item()
@@ -271,8 +283,8 @@ def _check_against_float64(dense, par, tag):
     pairs = [("logits", got, rounded, want)]
     exact_params, dense_params = dict(exact.named_parameters()), dict(dense.named_parameters())
     for name, p in par.named_parameters():
-        ref = shard_like(exact_params[name].grad, p, None)
-        pairs.append((name, p.grad, shard_like(dense_params[name].grad, p, None), ref))
+        ref = shard_like(exact_params[name].grad, p, tp_group)
+        pairs.append((name, p.grad, shard_like(dense_params[name].grad, p, tp_group), ref))
     for name, g, d, ref in pairs:
         assert g.shape == ref.shape, f"{tag} {name}: {tuple(g.shape)} vs {tuple(ref.shape)}"
         bound = max(4 * error(d, ref), 1e-4)
@@ -289,6 +301,36 @@ def test_gemma4_with_its_per_layer_inputs_and_experts_in_the_layer():
     layer's own per-layer gate and projection multiply this rank's tokens (their gradients summed over the group),
     and experts that sit in the layer itself, beside its dense MLP, route this rank's tokens with the layer's router."""
     assert run_ranks(_gemma4_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def _gemma4_context_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.comm import record_events
+    from tests.layers.test_context_parallel import _grid
+
+    _, tp_group, cp_group = _grid(rank, world_size, 2)
+    for variant, kw in GEMMA4_VARIANTS.items():
+        for sp in (False,) if world_size == 2 else (False, True):
+            dense = gemma4_model(**kw)
+            global_layer = dense.model.layers[1].self_attn
+            assert global_layer.head_dim == 512 and global_layer.sliding_window is None  # wider than the kernels
+            par = parallelize(copy.deepcopy(dense), tp_group, cp_group=cp_group, sequence_parallel=sp)
+            with record_events() as log:
+                _check_against_float64(dense, par, f"gemma4 {variant} cp=2 sp={sp}", tp_group, cp_group)
+            # the ring ran in both layers (its window of 512 holds the sequence), forward and backward
+            assert len([e for e in log.events if e[:2] == ("send", "ring_attention")]) == 2 * 2, log.events
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_gemma4_under_context_parallelism_with_its_global_heads_of_512():
+    """Gemma 4's full-attention layers have heads of 512 features, wider than the kernels take: under context
+    parallelism their ring runs its blocks in PyTorch by tiles of query rows (``wide_attention``), merged through
+    their log-sum-exps as the kernel's are; its sliding layers run the kernel. cp=2, and tp=2 × cp=2 with and
+    without sequence parallelism (each layer's per-layer input split with the residual stream)."""
+    assert run_ranks(_gemma4_context_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
+    assert run_ranks(_gemma4_context_ranks, 4, timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 4
 
 
 def qwen3_5_model(kind: str = "qwen3_5_text", seed: int = 0, **overrides):
