@@ -145,8 +145,8 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
             continue
         if t < 2 or not name:
             continue
-        detectors = (_differential_attention, _plain_attention, _latent_attention, _plain_mlp, delta_net_styles,
-                     mamba_styles, mamba1_styles, short_conv_styles, lightning_styles)  # fmt: skip
+        detectors = (_differential_attention, _plain_attention, _latent_attention, _plain_mlp, _adapted_mlp,
+                     delta_net_styles, mamba_styles, mamba1_styles, short_conv_styles, lightning_styles)  # fmt: skip
         styles = next((found for detect in detectors if (found := detect(m, t))), None)
         names = {child: f"{name}.{child}" if child else name for child in styles or ()}  # "": the module itself
         if styles and not any(r.fullmatch(n) for r in covered for n in (name, *names.values())):
@@ -204,6 +204,43 @@ def _plain_mlp(m: nn.Module, t: int) -> dict[str, str] | None:
             return None
         return dict(styles)
     return None
+
+
+def _adapted_mlp(m: nn.Module, t: int) -> dict[str, str] | None:
+    """Zamba 2's MLP, shared by several hybrid layers, each adding its own low-rank adapter to the packed
+    ``gate_up_proj`` (``gate_up_proj_adapter_list[layer_dic[layer_idx]]``: ``H → r → 2I``): split by intermediate
+    features over ``t`` ranks, ``gate_up_proj`` and each adapter's second projection ``packed_colwise`` (this rank's
+    share of each half), ``down_proj`` ``rowwise``; the adapters' first projections, to their rank ``r``, stay
+    replicated (the column layer after each sums its input's gradient over the group). The pairing of the halves is
+    probed with the adapters permuted alike (:func:`_permutes_features`). None for another module."""
+    children, adapters = dict(m.named_children()), getattr(m, "gate_up_proj_adapter_list", None)
+    up, down, table = children.get("gate_up_proj"), children.get("down_proj"), getattr(m, "layer_dic", None)
+    if not isinstance(adapters, nn.ModuleList) or not isinstance(table, dict) or not table:
+        return None
+    if not all(isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in (up, down)):
+        return None
+    width = down.in_features
+    if up.out_features != 2 * width or width % t:
+        return None
+    learning = {n for n, c in children.items() if any(True for _ in c.parameters())}
+    if learning - {"gate_up_proj", "down_proj", "gate_up_proj_adapter_list"}:
+        return None
+    styles = {"gate_up_proj": "packed_colwise", "down_proj": "rowwise"}
+    for i, adapter in enumerate(adapters):
+        if isinstance(adapter, nn.Identity):
+            continue
+        parts = list(adapter) if isinstance(adapter, nn.Sequential) else []
+        plain = len(parts) == 2 and all(
+            isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in parts
+        )
+        if not plain or parts[1].out_features != 2 * width or parts[0].out_features != parts[1].in_features:
+            return None
+        styles[f"gate_up_proj_adapter_list.{i}.1"] = "packed_colwise"
+    more = tuple(n for n in styles if n.startswith("gate_up_proj_adapter_list"))
+    layer = next((k for k, i in table.items() if f"gate_up_proj_adapter_list.{i}.1" in more), next(iter(table)))
+    if not _permutes_features(m, "gate_up_proj", "down_proj", True, more, (layer,)):
+        return None
+    return styles
 
 
 def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
@@ -318,12 +355,14 @@ def pairs_halves(mlp: nn.Module) -> bool:
     return _permutes_features(mlp, "gate_up_proj", "down_proj", halves=True)
 
 
-def _permutes_features(mlp: nn.Module, column: str, row: str, halves: bool) -> bool:
+def _permutes_features(mlp: nn.Module, column: str, row: str, halves: bool, more: tuple[str, ...] = (),
+                       args: tuple = ()) -> bool:  # fmt: skip
     """Whether ``mlp``'s output is unchanged when the intermediate features between its ``column`` and ``row``
-    projections are permuted (in both halves of ``column``'s output alike, with ``halves``): probed on two random rows.
-    It holds for an activation that acts feature by feature (``act(gate)·up`` of two halves), and fails for
-    interleaved pairs or features mixed otherwise. False for a module of another shape. On the meta device it is
-    probed on a copy with random values (:func:`~tessel.layers.meta.probe_copy`)."""
+    projections are permuted (in both halves of ``column``'s output alike, with ``halves``, and in the output of the
+    ``more`` column projections added to it): probed on two random rows, ``mlp(x, *args)``. It holds for an activation
+    that acts feature by feature (``act(gate)·up`` of two halves), and fails for interleaved pairs or features mixed
+    otherwise. False for a module of another shape. On the meta device it is probed on a copy with random values
+    (:func:`~tessel.layers.meta.probe_copy`)."""
     up, down = getattr(mlp, column, None), getattr(mlp, row, None)
     if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear):
         return False
@@ -338,11 +377,11 @@ def _permutes_features(mlp: nn.Module, column: str, row: str, halves: bool) -> b
     rows = torch.cat([perm, perm + width]) if halves else perm
     x = torch.randn(2, up.in_features, generator=gen).to(w.device, w.dtype)
     names = {p: n for n, p in mlp.named_parameters()}
-    swapped = {names[w]: w[rows], names[down.weight]: down.weight[:, perm]}
-    if up.bias is not None:
-        swapped[names[up.bias]] = up.bias[rows]
+    swapped = {names[down.weight]: down.weight[:, perm]}
+    for layer in (up, *(mlp.get_submodule(n) for n in more)):
+        swapped.update({names[t]: t[rows] for t in (layer.weight, layer.bias) if t is not None})
     with torch.no_grad():
-        want, got = mlp(x).float(), functional_call(mlp, swapped, (x,)).float()
+        want, got = mlp(x, *args).float(), functional_call(mlp, swapped, (x, *args)).float()
     tol = 1e-4 if w.dtype == torch.float32 else 3e-2
     return got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item())
 

@@ -146,13 +146,14 @@ PLANLESS = {"mamba2": dict(num_heads=8, head_dim=16, n_groups=2, state_size=8, e
                            mamba_expand=2, chunk_size=4, layers_block_type=["mamba", "hybrid"])}  # fmt: skip
 
 
-def planless_model(kind: str, seed: int = 0):
+def planless_model(kind: str, seed: int = 0, **overrides):
     """A tiny Mamba-2 (two mixers), Mamba or Falcon-Mamba (two Mamba-1 mixers) or Zamba 2 (a Mamba-2 layer, then a
     hybrid layer whose shared attention block reads the hidden states beside the embeddings), which have no
-    tensor-parallel plan of their own."""
+    tensor-parallel plan of their own; ``overrides`` of the config."""
     import transformers
 
     config = dict(vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, tie_word_embeddings=False, **PLANLESS[kind])
+    config.update(overrides)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **config))
     return _perturbed(model, ("norm", "dt_bias", "A_log", "conv1d.bias", ".D"), seed)
@@ -175,7 +176,14 @@ def _planless_ranks(rank, world_size):
             if kind == "zamba2":  # the shared attention, which reads [hidden | embeddings], by heads
                 attention = par.model.layers[1].shared_transformer.self_attn
                 assert attention.q_proj.weight.shape == (128 // world_size, 128)
+                _check_adapted_mlp(par.model.layers[1].shared_transformer.feed_forward, world_size, 1)
             _check_against_dense(dense, par, f"{kind} sp={sp}")
+        if kind == "zamba2":  # two hybrid layers, the block of each holding both layers' adapters
+            dense = planless_model(kind, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2)
+            par = parallelize(copy.deepcopy(dense), None)
+            for layer in par.model.layers[1::2]:
+                _check_adapted_mlp(layer.shared_transformer.feed_forward, world_size, 2)
+            _check_against_dense(dense, par, f"{kind} with two hybrid layers")
         if kind == "mamba":  # in training, off Hugging Face's fused kernel (which would skip x_proj's reduction)
             dense, par = planless_model(kind), parallelize(planless_model(kind), None)
             restore = _never_fused(par.backbone.layers[0].mixer, kind, "mamba_inner_fn")
@@ -186,12 +194,26 @@ def _planless_ranks(rank, world_size):
     return "ok"
 
 
+def _check_adapted_mlp(mlp, t: int, adapters: int) -> None:
+    """Zamba 2's MLP split by its intermediate features: gate_up_proj and each adapter's second projection this rank's
+    share of each half, down_proj its input columns, the adapters' first projections (to their rank) whole."""
+    from tessel.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    assert isinstance(mlp.gate_up_proj, ColumnParallelLinear) and mlp.gate_up_proj.weight.shape == (512 // t, 64)
+    assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.weight.shape == (64, 256 // t)
+    assert len(mlp.gate_up_proj_adapter_list) == adapters
+    for adapter in mlp.gate_up_proj_adapter_list:
+        assert type(adapter[0]) is torch.nn.Linear and adapter[0].weight.shape == (128, 64)
+        assert isinstance(adapter[1], ColumnParallelLinear) and adapter[1].weight.shape == (512 // t, 128)
+
+
 @pytest.mark.multiprocess
 @needs_hf
 def test_models_without_a_plan_split_what_tessel_finds():
     """Mamba-2, Mamba, Falcon-Mamba and Zamba 2 have no tensor-parallel plan: parallelize splits the mixers and
     attention it recognises (:func:`~tessel.layers.hf_plans.whole_attention_plan`), with and without sequence
-    parallelism for Mamba-2 and Mamba, and Mamba in training off the fused kernel."""
+    parallelism for Mamba-2 and Mamba, and Mamba in training off the fused kernel; Zamba 2's shared MLP with the
+    adapters its hybrid layers add (each adapter split with it)."""
     assert run_ranks(_planless_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
