@@ -131,6 +131,7 @@ class HFSequenceLayout:
     blocks: list[str]
     local_blocks: list[str]
     token_blocks: list[str] = field(default_factory=list)
+    sublayers: list[str] = field(default_factory=list)
 
     @classmethod
     def find(cls, model: nn.Module, column_names: list[str], expert_names: list[str] = ()) -> HFSequenceLayout:
@@ -141,18 +142,29 @@ class HFSequenceLayout:
         norms = [f"{name}.{child}" for name, layer in zip(layer_names, layers)
                  for child, m in layer.named_children() if _is_norm(m)]  # fmt: skip
         norms.append(prefix + norm_name)
-        blocks = sorted({name.rsplit(".", 1)[0] for name in column_names if _inside(name, layer_names)})
+        blocks = {name.rsplit(".", 1)[0] for name in column_names if _inside(name, layer_names)}
+        blocks = sorted(b for b in blocks if not _inside(b, blocks - {b}))  # a Sequential inside a block is its block's
         local = expert_blocks(layer_names, blocks, expert_names)
-        tokens = []
+        tokens, sublayers = [], []
+        for name, layer in zip(layer_names, layers):  # decoder layers inside a layer (Zamba 2's hybrid layers')
+            for child, m in layer.named_children():
+                full = f"{name}.{child}"
+                inner = [(f"{full}.{n}", c) for n, c in m.named_children() if any(True for _ in c.parameters())]
+                if full in (*blocks, *local) or _is_norm(m) or not any(_is_norm(c) for _, c in inner):
+                    continue
+                if all(_is_norm(c) or n in blocks or _plain_linear(c) for n, c in inner):
+                    sublayers.append(full)
+                    norms += [n for n, c in inner if _is_norm(c)]
+                    tokens += [n for n, c in inner if _plain_linear(c) and n not in blocks]
         for name, layer in zip(layer_names, layers):
             holds_experts = any(block.rpartition(".")[0] == name for block in local if block in expert_names)
             for child, m in layer.named_children():
-                full, plain = f"{name}.{child}", isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+                full, plain = f"{name}.{child}", _plain_linear(m)
                 # beside experts that sit in the layer itself, its other modules (their router) see the shard too
                 beside = holds_experts and full not in (*norms, *blocks, *local) and any(True for _ in m.parameters())
                 if plain or beside:
                     tokens.append(full)
-        return cls(layer_names, prefix + norm_name, norms, blocks, local, tokens)
+        return cls(layer_names, prefix + norm_name, norms, blocks, local, tokens, sublayers)
 
     def in_region(self, name: str) -> bool:
         """Whether module ``name`` sees the sequence shard (inside a layer, or a residual-stream norm)."""
@@ -161,10 +173,10 @@ class HFSequenceLayout:
     def check(self, model: nn.Module, split_names: set[str]) -> None:
         """Every block of every layer must be split by the plan: its input is a sequence shard."""
         modules = dict(model.named_modules())
-        for name in self.layers:
+        for name in (*self.layers, *self.sublayers):
             for child, m in modules[name].named_children():
                 full = f"{name}.{child}"
-                if full in self.norms or not any(True for _ in m.parameters()):
+                if full in (*self.norms, *self.sublayers) or not any(True for _ in m.parameters()):
                     continue
                 if full in split_names:
                     raise ValueError(
@@ -240,27 +252,34 @@ class HFSequenceLayout:
         modules[self.final_norm].register_forward_hook(gather_output)
 
 
+def _plain_linear(m: nn.Module) -> bool:
+    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
+
+
 def _contiguous(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous()
 
 
+# a layer's inputs of the whole sequence beside its hidden states: Gemma 4's per-layer inputs ([B, S, P]), Zamba 2's
+# embeddings, which its hybrid layers' shared attention reads beside the hidden states
+_SEQUENCE_INPUTS = ("per_layer_input", "original_hidden_states")
+
+
 def _scatter_per_layer_input(layer: nn.Module, tp_group) -> None:
-    """A layer whose forward takes ``per_layer_input`` (``[B, S, P]``, the whole sequence, as Gemma 4's base model
-    computes it) receives this rank's share of its sequence, as its hidden states are; the gradient is gathered
-    back."""
+    """A layer whose forward takes one of :data:`_SEQUENCE_INPUTS` (the whole sequence, as the base model computes
+    it) receives this rank's share of its sequence, as its hidden states are; the gradient is gathered back."""
     names = list(inspect.signature(type(layer).forward).parameters)[1:]
-    if "per_layer_input" not in names:
-        return
-    index = names.index("per_layer_input")
+    for arg in (n for n in _SEQUENCE_INPUTS if n in names):
+        index = names.index(arg)
 
-    def split(module, args, kwargs):
-        if index < len(args) and isinstance(args[index], torch.Tensor):
-            args = (*args[:index], scatter_to_sequence(args[index], tp_group, dim=1), *args[index + 1 :])
-        elif isinstance(kwargs.get("per_layer_input"), torch.Tensor):
-            kwargs = {**kwargs, "per_layer_input": scatter_to_sequence(kwargs["per_layer_input"], tp_group, dim=1)}
-        return args, kwargs
+        def split(module, args, kwargs, arg=arg, index=index):
+            if index < len(args) and isinstance(args[index], torch.Tensor):
+                args = (*args[:index], scatter_to_sequence(args[index], tp_group, dim=1), *args[index + 1 :])
+            elif isinstance(kwargs.get(arg), torch.Tensor):
+                kwargs = {**kwargs, arg: scatter_to_sequence(kwargs[arg], tp_group, dim=1)}
+            return args, kwargs
 
-    layer.register_forward_pre_hook(split, with_kwargs=True)
+        layer.register_forward_pre_hook(split, with_kwargs=True)
 
 
 class RingColumnLinear(ColumnParallelLinear):

@@ -111,8 +111,6 @@ from .hf import (
     is_hf_model,
 )
 from .hf_attention import (
-    MLA_INPUT_PROJECTIONS,
-    MLA_LATENT_PROJECTIONS,
     mla_rope_dim,
     mla_shared_key,
     per_head_parameters,
@@ -157,7 +155,6 @@ from .plan import (
     EXPERTS,
     GATED_NORM,
     GRAD_ALL_REDUCE,
-    LATENT,
     MLA_KV_A,
     MOE,
     NORM,
@@ -171,6 +168,7 @@ from .plan import (
     SPLIT_LINEAR,
     STYLES,
     Entry,
+    latent_projections,
     match_plan,
     own_plan,
     tied_parameters,
@@ -279,7 +277,7 @@ def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout
     modules beside split experts, the layers' own linear layers (Gemma 4's per-layer input gate) and the layers' own
     parameters (Doge's residual scales), which see this rank's tokens (style ``replicated_with_grad_allreduce``)."""
     modules = dict(model.named_modules())
-    _latent_attention(entries, modules)
+    latent_projections(entries, modules)
     for e in entries:  # a mixer's projections of its own tensors read the whole sequence, as latent-fed columns do
         parent, _, leaf = e.name.rpartition(".")
         e.latent_fed = e.latent_fed or leaf in inner_projections(modules[parent])
@@ -298,28 +296,6 @@ def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout
     local += [n for n in layout.layers if n not in named and modules[n]._parameters]  # Doge's residual scales
     entries.extend(Entry(n, modules[n], GRAD_ALL_REDUCE, GRAD_ALL_REDUCE) for n in local)
     return layout
-
-
-def _latent_attention(entries: list[Entry], modules: dict[str, nn.Module]) -> None:
-    """Multi-head latent attention under sequence parallelism (DeepSeek-V2/V3): the block's input feeds narrow
-    replicated projections (``kv_a_proj_with_mqa``, ``q_a_proj``), which multiply the shard and gather their
-    latents (``latent``: :class:`~tessel.layers.hf.RingLatentLinear`), and ``q_proj`` where there is one (a ring
-    column); the columns the latents feed (``q_b_proj``, ``kv_b_proj``) read the whole sequence
-    (``latent_fed``). Entries are added for the replicated projections the plan leaves out."""
-    blocks = {e.name.rpartition(".")[0] for e in entries if e.kind == MLA_KV_A}
-    named = {e.name for e in entries}
-    for e in entries:
-        block, _, leaf = e.name.rpartition(".")
-        if block in blocks:
-            if e.kind == MLA_KV_A:
-                e.latent = True
-            elif e.kind in RING_COLUMNS and leaf not in MLA_INPUT_PROJECTIONS:
-                e.latent_fed = True
-    for block in sorted(blocks):
-        for child, m in modules[block].named_children():
-            name = f"{block}.{child}"
-            if isinstance(m, nn.Linear) and name not in named and child in MLA_LATENT_PROJECTIONS:
-                entries.append(Entry(name, m, LATENT, LATENT, latent=True))
 
 
 def _context_layout(model: nn.Module, tp_group, cp_group) -> HFContextLayout | list[nn.Module] | None:
@@ -541,9 +517,10 @@ def _rings(layout: HFSequenceLayout, entries: list[Entry], tp_group) -> dict[str
     """One ring per Hugging Face block under sequence parallelism, over the block's column projections."""
     columns: dict[str, list[RingColumnLinear]] = {}
     latents: dict[str, list[RingLatentLinear]] = {}
-    for e in entries:
+    for e in entries:  # each in the block it lies in (Zamba 2's adapters: in a Sequential of their MLP's)
         if e.gathered or e.latent:
-            (latents if e.latent else columns).setdefault(e.name.rsplit(".", 1)[0], []).append(e.new)
+            block = max((b for b in layout.blocks if e.name.startswith(b + ".")), key=len)
+            (latents if e.latent else columns).setdefault(block, []).append(e.new)
     return {block: SequenceRing(block, columns.get(block, []), tp_group, latents.get(block, []))
             for block in layout.blocks}  # fmt: skip
 

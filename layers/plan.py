@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
+from .hf_attention import MLA_INPUT_PROJECTIONS, MLA_LATENT_PROJECTIONS
 from .hf_experts import ExpertSplit
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
@@ -212,3 +213,36 @@ def tied_parameters(model: nn.Module, entries: list[Entry]) -> list[tuple[tuple[
                                  f"({tuple(want.shape)} vs {tuple(got.shape)})")  # fmt: skip
             ties.append(((target, target_p), (source, source_p)))
     return ties
+
+
+ADAPTERS = "gate_up_proj_adapter_list"  # Zamba 2's MLP: one low-rank adapter (H → r → 2I) per hybrid layer
+
+
+def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> None:
+    """Narrow replicated projections of a block's input under sequence parallelism, which multiply the shard and
+    gather their latents (``latent``: :class:`~tessel.layers.hf.RingLatentLinear`), and the columns they feed, which
+    read the whole sequence (``latent_fed``). Multi-head latent attention (DeepSeek-V2/V3): ``kv_a_proj_with_mqa``
+    and ``q_a_proj`` feed ``kv_b_proj`` and ``q_b_proj`` (``q_proj``, where there is one, is a ring column). Zamba 2's
+    MLP adapters: each one's first projection (to its rank) feeds its second. Entries are added for the replicated
+    projections the plan leaves out."""
+    blocks = {e.name.rpartition(".")[0] for e in entries if e.kind == MLA_KV_A}
+    named, added = {e.name for e in entries}, []
+    for e in entries:
+        block, _, leaf = e.name.rpartition(".")
+        if block in blocks:
+            if e.kind == MLA_KV_A:
+                e.latent = True
+            elif e.kind in RING_COLUMNS and leaf not in MLA_INPUT_PROJECTIONS:
+                e.latent_fed = True
+        adapter, _, index = block.rpartition(".")
+        if e.kind in RING_COLUMNS and adapter.endswith(f".{ADAPTERS}") and index.isdigit() and leaf == "1":
+            e.latent_fed = True
+            first = modules[block][0]
+            if isinstance(first, nn.Linear) and f"{block}.0" not in named:
+                added.append(Entry(f"{block}.0", first, LATENT, LATENT, latent=True))
+    entries.extend(added)
+    for block in sorted(blocks):
+        for child, m in modules[block].named_children():
+            name = f"{block}.{child}"
+            if isinstance(m, nn.Linear) and name not in named and child in MLA_LATENT_PROJECTIONS:
+                entries.append(Entry(name, m, LATENT, LATENT, latent=True))

@@ -104,11 +104,10 @@ def test_hybrids_under_context_parallelism_match_dense_on_two_ranks():
 @needs_hf
 def test_hybrids_under_context_and_tensor_parallelism_on_four_ranks():
     """tp=2 × cp=2, with and without sequence parallelism: each rank's tensor-parallel heads split again over the
-    cp ranks (the Gated DeltaNets' one key head on each tensor-parallel rank read whole by both cp ranks); Zamba 2,
-    which has no plan of its own, without."""
-    kinds = ("bamba", "falcon_h1", "qwen3_next", "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba")
+    cp ranks (the Gated DeltaNets' one key head on each tensor-parallel rank read whole by both cp ranks), Zamba 2's
+    hybrid layers (its shared attention block's embeddings split with the hidden states) among them."""
+    kinds = ("bamba", "falcon_h1", "qwen3_next", "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "zamba2")
     run_ranks(_grid_ranks, 4, 2, kinds, (False, True), timeout=600, env=REFERENCE_KERNELS)
-    run_ranks(_grid_ranks, 4, 2, ("zamba2",), (False,), timeout=600, env=REFERENCE_KERNELS)
 
 
 @pytest.mark.multiprocess

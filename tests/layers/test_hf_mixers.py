@@ -164,7 +164,7 @@ def _planless_ranks(rank, world_size):
     from tessel.layers.parallelize import parallelize
 
     for kind, layouts in (("mamba2", (False, True)), ("mamba", (False, True)), ("falcon_mamba", (False,)),
-                          ("zamba2", (False,))):  # fmt: skip
+                          ("zamba2", (False, True))):  # fmt: skip
         for sp in layouts:
             dense = planless_model(kind)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
@@ -176,14 +176,15 @@ def _planless_ranks(rank, world_size):
             if kind == "zamba2":  # the shared attention, which reads [hidden | embeddings], by heads
                 attention = par.model.layers[1].shared_transformer.self_attn
                 assert attention.q_proj.weight.shape == (128 // world_size, 128)
-                _check_adapted_mlp(par.model.layers[1].shared_transformer.feed_forward, world_size, 1)
+                _check_adapted_mlp(par.model.layers[1].shared_transformer.feed_forward, world_size, 1, sp)
             _check_against_dense(dense, par, f"{kind} sp={sp}")
         if kind == "zamba2":  # two hybrid layers, the block of each holding both layers' adapters
             dense = planless_model(kind, num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2)
-            par = parallelize(copy.deepcopy(dense), None)
-            for layer in par.model.layers[1::2]:
-                _check_adapted_mlp(layer.shared_transformer.feed_forward, world_size, 2)
-            _check_against_dense(dense, par, f"{kind} with two hybrid layers")
+            for sp in (False, True):
+                par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+                for layer in par.model.layers[1::2]:
+                    _check_adapted_mlp(layer.shared_transformer.feed_forward, world_size, 2, sp)
+                _check_against_dense(copy.deepcopy(dense), par, f"{kind} with two hybrid layers sp={sp}")
         if kind == "mamba":  # in training, off Hugging Face's fused kernel (which would skip x_proj's reduction)
             dense, par = planless_model(kind), parallelize(planless_model(kind), None)
             restore = _never_fused(par.backbone.layers[0].mixer, kind, "mamba_inner_fn")
@@ -194,17 +195,24 @@ def _planless_ranks(rank, world_size):
     return "ok"
 
 
-def _check_adapted_mlp(mlp, t: int, adapters: int) -> None:
+def _check_adapted_mlp(mlp, t: int, adapters: int, sequence_parallel: bool = False) -> None:
     """Zamba 2's MLP split by its intermediate features: gate_up_proj and each adapter's second projection this rank's
-    share of each half, down_proj its input columns, the adapters' first projections (to their rank) whole."""
+    share of each half, down_proj its input columns, the adapters' first projections (to their rank) whole. Under
+    sequence parallelism gate_up_proj is fed by its block's ring and each adapter's first projection multiplies the
+    shard and gathers its latent, which the second reads whole."""
+    from tessel.layers.hf import RingColumnLinear, RingLatentLinear
     from tessel.layers.linear import ColumnParallelLinear, RowParallelLinear
 
     assert isinstance(mlp.gate_up_proj, ColumnParallelLinear) and mlp.gate_up_proj.weight.shape == (512 // t, 64)
+    assert isinstance(mlp.gate_up_proj, RingColumnLinear) == sequence_parallel
     assert isinstance(mlp.down_proj, RowParallelLinear) and mlp.down_proj.weight.shape == (64, 256 // t)
+    assert mlp.down_proj.sequence_parallel == sequence_parallel
     assert len(mlp.gate_up_proj_adapter_list) == adapters
-    for adapter in mlp.gate_up_proj_adapter_list:
-        assert type(adapter[0]) is torch.nn.Linear and adapter[0].weight.shape == (128, 64)
-        assert isinstance(adapter[1], ColumnParallelLinear) and adapter[1].weight.shape == (512 // t, 128)
+    for first, second in mlp.gate_up_proj_adapter_list:
+        assert isinstance(first, torch.nn.Linear) and first.weight.shape == (128, 64)
+        assert isinstance(first, RingLatentLinear) == sequence_parallel
+        assert type(second) is ColumnParallelLinear and second.weight.shape == (512 // t, 128)
+        assert not second.sequence_parallel  # it reads the gathered latent
 
 
 @pytest.mark.multiprocess
@@ -212,8 +220,10 @@ def _check_adapted_mlp(mlp, t: int, adapters: int) -> None:
 def test_models_without_a_plan_split_what_tessel_finds():
     """Mamba-2, Mamba, Falcon-Mamba and Zamba 2 have no tensor-parallel plan: parallelize splits the mixers and
     attention it recognises (:func:`~tessel.layers.hf_plans.whole_attention_plan`), with and without sequence
-    parallelism for Mamba-2 and Mamba, and Mamba in training off the fused kernel; Zamba 2's shared MLP with the
-    adapters its hybrid layers add (each adapter split with it)."""
+    parallelism for Mamba-2, Mamba and Zamba 2, and Mamba in training off the fused kernel; Zamba 2's shared MLP with
+    the adapters its hybrid layers add (each adapter split with it). Under sequence parallelism Zamba 2's hybrid layer
+    holds two decoder layers (its shared attention block, its Mamba layer) whose norms and blocks see the shard, and
+    its embeddings, which the attention block reads beside the hidden states, are split with them."""
     assert run_ranks(_planless_ranks, 2, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
