@@ -18,7 +18,7 @@ from tests.layers.test_hf import REFERENCE_KERNELS, _check_against_dense, needs_
 from tests.multiprocess import run_ranks
 
 FAMILIES = ("llama", "qwen3", "olmo2", "phi3", "nemotron", "gemma", "gemma3_text", "gpt_oss", "apertus")
-HYBRIDS = ("bamba", "qwen3_5_text", "mamba", "lfm2", "falcon_h1", "falcon_h1:2")
+HYBRIDS = ("bamba", "qwen3_5_text", "mamba", "lfm2", "falcon_h1", "falcon_h1:2", "zamba2")
 # checkpoints transformers converts as it loads them: experts stored one by one (stacked, gate beside up), renamed
 # modules (Mixtral's block_sparse_moe, Granite-MoE's packed experts, Nemotron-H's backbone), fused tensors it splits
 # into the model's (Sarvam-MoE's query_key_value, LaraMini's in_proj)
@@ -89,7 +89,7 @@ def test_hybrids_split_on_the_meta_device_load_their_mixers(tmp_path):
     Mamba-1 (x_proj a shared row layer), LFM2's short convolutions: their split parameters are read by their tags.
     Falcon-H1's per-feature multipliers, a buffer its model computes from the config: computed whole by the model's
     own initialisation, then cut to this rank's features (its B and C those of the one group it shares, or its
-    own of two)."""
+    own of two). Zamba 2's hybrid layers, whose MLP's split is probed on a copy with random values."""
     assert run_ranks(_families_ranks, 2, HYBRIDS, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
 
 
