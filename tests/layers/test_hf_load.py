@@ -161,6 +161,28 @@ def test_experts_stored_transposed_load_by_slices_of_the_swapped_dims(tmp_path):
     assert run_ranks(_transposed_ranks, 2, str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
 
 
+def _gemma4_ranks(rank, world_size, root):
+    from tessel.layers import load_pretrained, parallelize
+    from tests.layers.test_hf_families import GEMMA4_VARIANTS, _check_against_float64, gemma4_model
+
+    for i, (variant, kw) in enumerate(GEMMA4_VARIANTS.items()):
+        dense = gemma4_model(**kw)
+        path = _saved(dense, f"{root}/gemma4-{i}", rank)
+        for sp in (False, True):
+            model = load_pretrained(parallelize(_on_meta(dense), None, sequence_parallel=sp), path)
+            _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp), variant)
+            _check_against_float64(copy.deepcopy(dense), model.eval(), f"gemma4 {variant} sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_gemma4_loads_its_per_layer_inputs_and_experts_beside_the_mlp(tmp_path):
+    """Gemma 4 (its per-layer input embedding and projection, experts in the layer beside the MLP, keys as values):
+    split on the meta device with and without sequence parallelism, then loaded, against float64."""
+    assert run_ranks(_gemma4_ranks, 2, str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
 def _expert_parallel_ranks(rank, world_size, root):
     """Experts over an expert-parallel group (``parallelize(ep_group=)``): each rank reads its experts' rows of the
     stacked tensor, the slices of its experts' stored tensors alone."""
