@@ -48,6 +48,13 @@ installed, its torch fallback otherwise). ``--hf bamba``: Bamba's design, three 
 fallback otherwise. ``--hf jamba`` (with ``--experts N``): Jamba's, Mamba-1 mixers split by channels, one attention
 layer in every 8 and experts in every other layer (:func:`_jamba_config`). FLOPs count no recurrence.
 
+``--hf gemma4``: Gemma 4's design at the preset's shape (:func:`_gemma4_config`): five layers sliding over 512 keys
+(``--sliding-window W`` replaces the window) to each full-attention layer, whose heads are twice as wide (Gemma 4's
+512 beside 256; under cp wider than the kernels take, they ring in PyTorch), and a per-layer input embedding gated
+into every layer's residual stream. FLOPs count each layer's keys and head width (:func:`attention_widths`). It
+trains without ``--pp``: its base model computes every layer's per-layer input from the token ids before the first
+layer, which later stages do not hold.
+
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
 it their window is set off explicitly (Mistral's config would otherwise default to 4096).
@@ -80,6 +87,7 @@ __all__ = [
     "MOE_FAMILIES",
     "WINDOW_FAMILIES",
     "attention_kwargs",
+    "attention_widths",
     "attention_windows",
     "build_hf",
     "decoder_layer_class",
@@ -95,10 +103,10 @@ __all__ = [
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
-               "qwen3_5": "Qwen3_5", "bamba": "Bamba", "jamba": "Jamba"}  # fmt: skip
+               "qwen3_5": "Qwen3_5", "bamba": "Bamba", "jamba": "Jamba", "gemma4": "Gemma4"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
-TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text"}
+TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "gemma4": "Gemma4Text"}
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
                 "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size",
@@ -116,7 +124,7 @@ WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window":
 LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "bamba", "jamba")
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
-ALTERNATING_WINDOWS = {"gpt_oss": 128}
+ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
 # The families Hugging Face runs without sdpa (soft-capped attention, attention sinks): the baseline's attention is
 # their eager one
 EAGER_FAMILIES = ("gemma2", "gpt_oss")
@@ -154,6 +162,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
         kw.update(_state_space_config(c))
     if args.hf == "jamba":
         kw.update(_jamba_config(c))
+    if args.hf == "gemma4":
+        kw.update(_gemma4_config(c))
     if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
         kw["sliding_window"] = c.sliding_window
         if c.sliding_window is not None:
@@ -201,6 +211,15 @@ def _jamba_config(c: GPTConfig) -> dict:
             "use_mamba_kernels": False}  # fmt: skip
 
 
+def _gemma4_config(c: GPTConfig) -> dict:
+    """Gemma 4's proportions at the preset's shape (Gemma 4: heads of 256 in its sliding layers and of 512 in its
+    full-attention ones, one in every 6 and the last; per-layer inputs of 256 features beside a width of 2560): full
+    layers' heads twice the preset's head dim, per-layer inputs of an eighth of its width over its vocabulary."""
+    d = c.n_embd // c.n_head
+    return {"global_head_dim": 2 * d, "hidden_size_per_layer_input": max(1, c.n_embd // 8),
+            "vocab_size_per_layer_input": c.vocab_size}  # fmt: skip
+
+
 def _latent_attention_config(c: GPTConfig) -> dict:
     """Multi-head latent attention of DeepSeek-V3's proportions to the preset's head dim ``d`` (V3: 128): latents of
     ``4·d`` (keys and values) and ``12·d`` (queries), rotary keys of ``d/2`` beside ``d`` dims without rotation, values
@@ -231,7 +250,13 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     with torch.device("meta" if args.init else dims.device):  # --init: each rank reads its shards once split
         model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
-    flops = hf_flops_per_token(_active_params(model, args), config, args.seq_len, attention_windows(model.config))
+    flops = hf_flops_per_token(
+        _active_params(model, args),
+        config,
+        args.seq_len,
+        attention_windows(model.config),
+        attention_widths(model.config),
+    )
     model = model.to(dtype=dtype)
     if args.recompute:  # Hugging Face's activation checkpointing: each decoder layer recomputed in backward
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
@@ -259,13 +284,16 @@ def _active_params(model: nn.Module, args) -> int:
     return total - experts * (args.experts - args.top_k) // args.experts
 
 
-def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int, windows: list[int | None] | None = None) -> float:
+def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int, windows: list[int | None] | None = None,
+                       widths: list[int] | None = None) -> float:  # fmt: skip
     """``6·N + 12·L·E·S`` as :meth:`~tessel.layers.GPT.flops_per_token` counts it, N without the input embedding
     (``min(S, W)`` keys under a sliding window ``W``): ``windows`` gives each layer's (None: every earlier key;
-    default: ``c.sliding_window`` in every layer)."""
+    default: ``c.sliding_window`` in every layer), ``widths`` each layer's query heads times their head dim (default:
+    ``E``)."""
     windows = [c.sliding_window] * c.n_layer if windows is None else windows
-    keys = sum(seq_len if w is None else min(seq_len, w) for w in windows)
-    return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * c.n_embd * keys
+    widths = [c.n_embd] * len(windows) if widths is None else widths
+    keys = sum(e * (seq_len if w is None else min(seq_len, w)) for w, e in zip(windows, widths, strict=True))
+    return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * keys
 
 
 def attention_windows(config) -> list[int | None]:
@@ -278,6 +306,17 @@ def attention_windows(config) -> list[int | None]:
     if types is None:
         return [window] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else 0 if kind == "linear_attention" else None for kind in types]
+
+
+def attention_widths(config) -> list[int] | None:
+    """Each layer's query heads times their head dim where they differ from layer to layer (a config of per-layer
+    values: Gemma 4's full-attention layers' heads twice the others' width), else None: every layer the model's
+    width, as :func:`hf_flops_per_token` counts it by default."""
+    layers = getattr(config, "per_layer_config", None)
+    if layers is None:
+        return None
+    widths = [layers[i].num_attention_heads * layers[i].head_dim for i in range(config.num_hidden_layers)]
+    return widths if len(set(widths)) > 1 else None  # uniform: the model's width (DeepSeek-V3's head_dim is rotary)
 
 
 def hf_stage(model: nn.Module, stage: int, num_stages: int, args) -> nn.Module:
@@ -371,5 +410,8 @@ def refused_options(args) -> str | None:
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline
         and args.attention_backward == "atomic",
     }  # fmt: skip
+    if args.hf == "gemma4" and args.pp > 1:
+        return (f"--hf gemma4 trains without --pp {args.pp}: its base model computes every layer's per-layer input "
+                "from the token ids before the first layer, which later pipeline stages do not hold")  # fmt: skip
     given = [flag for flag, on in unsupported.items() if on]
     return f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options" if given else None

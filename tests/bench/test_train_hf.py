@@ -366,12 +366,12 @@ HYBRID_LAYOUTS = {
 }
 
 
-def _check_hybrid_curves(tmp_path, run: list[str], name: str) -> None:
-    """``run``'s single-process curve in every layout of HYBRID_LAYOUTS."""
+def _check_hybrid_curves(tmp_path, run: list[str], name: str, layouts: dict = HYBRID_LAYOUTS) -> None:
+    """``run``'s single-process curve in every layout of ``layouts``."""
     proc = _ok(_train(tmp_path / "one", *run))
     assert f"Hugging Face {name} tiny" in proc.stdout
     one = _losses(tmp_path / "one")
-    for layout_name, (layout, nproc) in HYBRID_LAYOUTS.items():
+    for layout_name, (layout, nproc) in layouts.items():
         _ok(_train(tmp_path / layout_name, *run, *layout, nproc=nproc))
         assert _losses(tmp_path / layout_name) == pytest.approx(one, rel=1e-5), layout_name
 
@@ -415,6 +415,44 @@ def test_jamba_trains_its_mamba1_mixers_and_experts(tmp_path):
     without sequence parallelism, in two pipeline stages, over two data-parallel ranks under ZeRO-2, and over two
     context-parallel ranks (alone, with two stages, and with tp=2 and sequence parallelism)."""
     _check_hybrid_curves(tmp_path, JAMBA, "Jamba")
+
+
+GEMMA4 = ["--hf", "gemma4", "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--sliding-window", "4"]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_gemma4_trains_its_per_layer_inputs_and_wider_global_heads(tmp_path):
+    """--hf gemma4: five layers sliding over 4 keys to each full-attention layer of heads twice as wide, per-layer
+    inputs gated into every layer. The single process's curve as Hugging Face computes it, at tp=2 with and without
+    sequence parallelism (each layer's per-layer input split with the residual stream), over two data-parallel ranks
+    under ZeRO-2, and over two context-parallel ranks (alone and with tp=2 and sequence parallelism)."""
+    layouts = {name: layout for name, layout in HYBRID_LAYOUTS.items() if "pp" not in name}
+    _check_hybrid_curves(tmp_path, GEMMA4, "Gemma4", layouts)
+    refused = _train(tmp_path / "pp2", *GEMMA4, "--pp", "2", nproc=2)
+    assert refused.returncode == 2 and "--hf gemma4 trains without --pp 2: its base model computes" in refused.stderr
+
+
+def test_gemma4_takes_its_heads_from_the_preset():
+    """Full-attention layers' heads twice the preset's head dim, one in every six and the last; per-layer inputs of an
+    eighth of the width; the FLOPs count each layer's keys (its window) and its heads' width."""
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import _hf_config, attention_widths, attention_windows, hf_flops_per_token
+    from tessel.layers.gpt import GPTConfig
+
+    c = GPTConfig(vocab_size=256, n_layer=8, n_head=4, n_embd=64, block_size=64, mlp_hidden=96, sliding_window=4)
+    config = _hf_config(parse_args(GEMMA4), c, "sdpa")
+    assert config.model_type == "gemma4_text" and config.sliding_window == 4
+    assert [i for i, kind in enumerate(config.layer_types) if kind == "full_attention"] == [5, 7]
+    assert config.hidden_size_per_layer_input == 8 and config.per_layer_config[5].head_dim == 32
+    widths = attention_widths(config)
+    assert widths == [64] * 5 + [128, 64, 128]
+    keys = 6 * 64 * 4 + 2 * 128 * 64  # six sliding layers over 4 keys, two full ones over 64, each by its width
+    assert attention_windows(config) == [4] * 5 + [None, 4, None]
+    assert hf_flops_per_token(10**6, c, 64, attention_windows(config), widths) == 6 * (10**6 - 256 * 64) + 12 * keys
+    dense = GPTConfig(vocab_size=256, n_layer=8, n_head=4, n_embd=64, block_size=64, mlp_hidden=96)
+    for family in (["--hf", "llama"], ["--hf", "deepseek_v3", "--experts", "4", "--aux-loss-coef", "0"]):
+        assert attention_widths(_hf_config(parse_args(family), dense, "sdpa")) is None  # uniform: the model's width
 
 
 def test_bamba_takes_its_mixers_from_the_preset():
