@@ -51,9 +51,8 @@ layer in every 8 and experts in every other layer (:func:`_jamba_config`). FLOPs
 ``--hf gemma4``: Gemma 4's design at the preset's shape (:func:`_gemma4_config`): five layers sliding over 512 keys
 (``--sliding-window W`` replaces the window) to each full-attention layer, whose heads are twice as wide (Gemma 4's
 512 beside 256; under cp wider than the kernels take, they ring in PyTorch), and a per-layer input embedding gated
-into every layer's residual stream. FLOPs count each layer's keys and head width (:func:`attention_widths`). It
-trains without ``--pp``: its base model computes every layer's per-layer input from the token ids before the first
-layer, which later stages do not hold.
+into every layer's residual stream (under ``--pp`` the first stage computes every layer's and passes the later
+layers' on with the activation). FLOPs count each layer's keys and head width (:func:`attention_widths`).
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -410,8 +409,5 @@ def refused_options(args) -> str | None:
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline
         and args.attention_backward == "atomic",
     }  # fmt: skip
-    if args.hf == "gemma4" and args.pp > 1:
-        return (f"--hf gemma4 trains without --pp {args.pp}: its base model computes every layer's per-layer input "
-                "from the token ids before the first layer, which later pipeline stages do not hold")  # fmt: skip
     given = [flag for flag, on in unsupported.items() if on]
     return f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options" if given else None

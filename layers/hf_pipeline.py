@@ -20,6 +20,11 @@ without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_ent
 wrapper gathers the head's parameters only inside its forward, the schedule's ``loss_fn`` calls the wrapped
 stage: ``lambda output, target: wrapped(output, targets=target)``.
 
+Gemma 4's per-layer inputs (an embedding of the token ids for every layer, projected with the embeddings) are
+computed for every layer by the first stage, which keeps its layers' and passes the rest on beside the activation;
+each later stage keeps its own. A model whose last layers reuse earlier layers' keys and values
+(``num_kv_shared_layers``) is refused.
+
 A stage shares the model's parameters; the parameters of other stages may be released. Mixtures of experts
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax and MiniMax-M2, Granite-MoE,
 Laguna, Mellum) split like the dense families. Their load-balancing loss (``output_router_logits``)
@@ -69,7 +74,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          "smollm3", "helium", "exaone4", "arcee", "seed_oss", "ernie4_5", "hunyuan_v1_dense",
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe",
                          "minimax", "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe",
-                         "gemma", "gemma2", "gemma3_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
+                         "gemma", "gemma2", "gemma3_text", "gemma4_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
                          # hybrids: linear attention, state spaces or short convolutions between attention layers
                          "qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "falcon_h1",
                          "nemotron_h", "jamba", "lfm2")  # fmt: skip
@@ -114,6 +119,9 @@ class HFPipelineStage(nn.Module):
         self.tp_group, self.sequence_parallel = _tensor_layout(base)
         self.cp_size = _size(_context_group(base))
         self.forward_kwargs = dict(forward_kwargs or {})  # passed to every call of the base model
+        self.per_layer = bool(getattr(base, "hidden_size_per_layer_input", 0))  # Gemma 4's per-layer inputs
+        if self.per_layer:
+            _split_per_layer_inputs(self, stage, base)
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor, targets: torch.Tensor | None = None):
         """The stage on ``x``; with ``targets`` (the last stage only), :meth:`loss` of ``x``, its own output: the
@@ -127,12 +135,20 @@ class HFPipelineStage(nn.Module):
         - a mixture's router sums (a float tensor, :func:`~.hf_router_loss.router_sums` of the earlier stages'
           layers), when the model trains its balancing loss: this stage adds its own layers' and passes them on,
           the last stage beside its output, so that :meth:`loss` adds the balancing loss of every layer.
+        - Gemma 4's per-layer inputs of this stage's layers and the later ones (``[B, S, L', P]``, projected): the
+          first stage computes every layer's from the token ids; each keeps its layers' and passes the rest on.
 
         Returns the hidden states (the last stage: the logits, or with ``fused_loss`` the final norm's output), as a
         tuple with what it passes on when it passes anything."""
         if targets is not None:
             return self.loss(x, targets)
-        position_ids, sums = _carried(carried)
+        position_ids, sums, later = _carried(carried)
+        extra = {}
+        if self.per_layer and not self.first:  # this stage's layers' per-layer inputs, projected already
+            extra["per_layer_inputs"], later = (
+                later[:, :, : self.stop - self.start],
+                later[:, :, self.stop - self.start :],
+            )
         positions = position_ids
         if positions is None:  # under context parallelism the whole sequence's (the model's hook takes its share)
             length = x.shape[1] * (_size(self.tp_group) if self.sequence_parallel and not self.first else 1)
@@ -143,13 +159,15 @@ class HFPipelineStage(nn.Module):
             self.gather["gather"] = self.balance is not None
         if self.balance is not None:
             routers = {"output_router_logits": True}
-        out = self.base(**inputs, position_ids=positions, use_cache=False, **routers, **self.forward_kwargs)
+        out = self.base(**inputs, position_ids=positions, use_cache=False, **routers, **extra, **self.forward_kwargs)
         hidden = out.last_hidden_state
+        if self.per_layer and self.first:
+            later = self.later.pop()
         if self.balance is not None:
             local = router_sums(out.router_logits, *self.balance[:2])
             sums = local if sums is None else sums + local
         if not self.last:
-            passed = tuple(t for t in (position_ids, sums) if t is not None)
+            passed = tuple(t for t in (position_ids, sums, later if self.per_layer else None) if t is not None)
             return (hidden, *passed) if passed else hidden
         if not self.fused_loss:
             if isinstance(self.head, ColumnParallelLinear):  # this rank's share of the vocabulary, never gathered
@@ -198,21 +216,46 @@ class HFPipelineStage(nn.Module):
         return coef * balancing_loss(output[1], experts)
 
 
-def _carried(carried) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(position_ids, router sums)`` among what travels with the activation: integers, and floats."""
-    position_ids = sums = None
+def _carried(carried) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(position_ids, router sums, per-layer inputs)`` among what travels with the activation: integers, floats,
+    and 4-d floats."""
+    position_ids = sums = later = None
     for t in carried:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"HFPipelineStage: what travels with the activation must be tensors, received "
                             f"{type(t).__name__}")  # fmt: skip
-        if t.is_floating_point() and sums is None:
+        if t.is_floating_point() and t.dim() == 4 and later is None:
+            later = t
+        elif t.is_floating_point() and sums is None:
             sums = t
         elif not t.is_floating_point() and position_ids is None:
             position_ids = t
         else:
             raise ValueError(f"HFPipelineStage: expected position ids (integers) and router sums (floats) beside the "
                              f"activation, received {[str(c.dtype) for c in carried]}")  # fmt: skip
-    return position_ids, sums
+    return position_ids, sums, later
+
+
+def _split_per_layer_inputs(owner: HFPipelineStage, stage: nn.Module, base: nn.Module) -> None:
+    """Gemma 4's per-layer inputs across stages: the first stage computes every layer's (from the token ids and
+    their embeddings, by the whole model's base, whose config counts every layer), keeps its layers' and leaves the
+    rest in ``owner.later`` for its forward to pass on; a later stage receives its own projected already."""
+    owner.later = []
+    start, stop = owner.start, owner.stop
+    if owner.first:
+
+        def project(inputs_embeds, per_layer_inputs=None):
+            every = base.project_per_layer_inputs(inputs_embeds, per_layer_inputs)
+            owner.later.append(every[:, :, stop:])
+            return every[:, :, start:stop]
+
+        stage.get_per_layer_inputs = base.get_per_layer_inputs
+    else:
+
+        def project(inputs_embeds, per_layer_inputs=None):
+            return per_layer_inputs
+
+    stage.project_per_layer_inputs = project
 
 
 def _names(model: nn.Module, base: nn.Module) -> tuple[str, str, str]:
@@ -280,6 +323,9 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     if getattr(model.config, "output_router_logits", False) and model_type not in BALANCED_TYPES:
         raise ValueError(f"{_NAME}: {type(model).__name__} asks for its router logits (output_router_logits=True), "
                          f"whose balancing loss the stages compute for {', '.join(BALANCED_TYPES)} only")  # fmt: skip
+    if getattr(model.config, "num_kv_shared_layers", 0):
+        raise ValueError(f"{_NAME}: {type(model).__name__}'s last {model.config.num_kv_shared_layers} layers reuse "
+                         "the keys and values of earlier ones: stages do not pass them on")  # fmt: skip
     if not isinstance(fused_loss, bool):
         raise TypeError(f"{_NAME}: fused_loss must be a bool, received {type(fused_loss).__name__}")
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):

@@ -53,7 +53,7 @@ def _chained(model, ids, n: int, fused: bool):
     stages = [hf_pipeline_stage(model, s, n, fused_loss=fused) for s in range(n)]
     h = ids
     for stage in stages:
-        h = stage(h)
+        h = stage(*h) if isinstance(h, tuple) else stage(h)  # with what it passes on (Gemma 4's per-layer inputs)
     return stages, h, stages[-1].loss(h, _targets(ids))
 
 
@@ -474,3 +474,50 @@ def test_hybrids_chain_to_their_logits_and_gradients(kind):
             assert got.keys() == want_grads.keys(), kind
             for name, g in got.items():
                 torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{kind} {n} {name}")
+
+
+@pytest.mark.parametrize("variant", ["per-layer inputs", "experts beside the MLP"])
+def test_gemma4_stages_pass_the_later_layers_per_layer_inputs_on(variant):
+    """Gemma 4: the first stage computes every layer's per-layer input (from the token ids and their embeddings),
+    keeps its layers' and passes the rest on beside the activation; each later stage keeps its own. Chained in 2 and
+    3 stages: the model's logits, loss and every gradient (the per-layer embedding's and projection's through the
+    inputs the later stages received). A model whose last layers reuse earlier ones' keys and values is refused."""
+    import transformers
+
+    from tessel.layers import hf_pipeline_stage
+    from tests.layers.test_hf_families import GEMMA4_VARIANTS
+
+    kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=8, global_head_dim=16, tie_word_embeddings=False, pad_token_id=0,
+              vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=5,
+              attn_implementation="eager", **GEMMA4_VARIANTS[variant])  # fmt: skip
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model("gemma4_text", **kw)
+    model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
+    want = model(ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    want_grads = _grads(model)
+    assert any("per_layer" in name for name in want_grads)
+    for n in (2, 3):
+        for fused in (False, True):
+            model.zero_grad(set_to_none=True)
+            stages, h, loss = _chained(model, ids, n, fused)
+            if not fused:
+                torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=1e-5, msg=f"{variant} in {n} stages")
+                hidden, later = stages[0](ids)  # the later layers' per-layer inputs, beside the activation
+                assert later.shape == (2, 12, 4 - stages[0].stop, 8) and hidden.shape == (2, 12, 32)
+            torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{variant} {n} {fused} loss")
+            loss.backward()
+            got = _grads(model)
+            assert got.keys() == want_grads.keys(), variant
+            for name, g in got.items():
+                torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{variant} {n} {name}")
+    shared = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model(
+            "gemma4_text",
+            **{**kw, "num_kv_shared_layers": 2, "layer_types": ["sliding_attention", "full_attention"] * 2},
+        )
+    )
+    with pytest.raises(ValueError, match=r"last 2 layers reuse the keys and values of earlier ones"):
+        hf_pipeline_stage(shared, 0, 2)
