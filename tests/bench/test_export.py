@@ -114,10 +114,11 @@ def test_a_hugging_face_run_exports_its_family(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("family", ["olmo2", "bamba"])
+@pytest.mark.parametrize("family", ["olmo2", "bamba", "gemma4"])
 def test_a_tensor_parallel_checkpoint_exports_the_single_processs_model(tmp_path, family):
     """Saved at tp=2 with sequence parallelism (each rank its heads' shards, OLMo 2's q/k norms split with the heads,
-    Bamba's Mamba-2 mixers by heads): the exported model is the one the single process trains. (Two Adam steps
+    Bamba's Mamba-2 mixers by heads, Gemma 4's wider full-attention heads and per-layer input gates): the exported
+    model is the one the single process trains. (Two Adam steps
     magnify fp32 rounding where a gradient is near zero: one element in a few thousand moves by up to ~1e-4;
     heads or features out of place would move a quarter of a tensor or more, by the weights' scale.)"""
     run = ["--hf", family, *RUN]
