@@ -102,8 +102,25 @@ def head_loss(hidden: torch.Tensor, head: nn.Module, target: torch.Tensor, scale
     bias = head.bias
     if scale != 1.0:
         hidden, bias = hidden * scale, None if bias is None else bias * scale
-    group = head.tp_group if isinstance(head, ColumnParallelLinear) else None
-    return linear_cross_entropy(hidden, head.weight, target, group, bias=bias, softcap=softcap, **kwargs)
+    if not isinstance(head, ColumnParallelLinear):  # a head the model does not split: every rank holds all logits
+        return whole_logits_loss(F.linear(hidden, head.weight, bias), target, softcap, **kwargs)
+    return linear_cross_entropy(hidden, head.weight, target, head.tp_group, bias=bias, softcap=softcap, **kwargs)
+
+
+def whole_logits_loss(logits: torch.Tensor, target: torch.Tensor, softcap: float | None = None, *,
+                      label_smoothing: float = 0.0, z_loss: float = 0.0, ignore_index: int = -100):  # fmt: skip
+    """The mean next-token loss of logits this rank holds whole (a head no tensor-parallel group splits): what
+    :func:`~.cross_entropy.vocab_parallel_cross_entropy` computes of a split head's, in this rank alone (whose
+    default group may be a data-parallel or pipeline world, over which nothing is gathered): soft-capped with
+    ``softcap``, smoothed by ``label_smoothing``, plus ``z_loss`` times each token's squared log-sum-exp, in fp32."""
+    x = logits.float().flatten(0, -2)
+    if softcap is not None:
+        x = softcap * torch.tanh(x / softcap)
+    t = target.flatten()
+    loss = F.cross_entropy(x, t, ignore_index=ignore_index, label_smoothing=label_smoothing, reduction="none")
+    if z_loss:
+        loss = loss + z_loss * torch.logsumexp(x, -1).square() * (t != ignore_index)
+    return loss.sum() / (t != ignore_index).sum()
 
 
 def _shifted(labels: torch.Tensor, ignore_index: int) -> torch.Tensor:

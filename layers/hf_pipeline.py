@@ -23,7 +23,10 @@ stage: ``lambda output, target: wrapped(output, targets=target)``.
 Gemma 4's per-layer inputs (an embedding of the token ids for every layer, projected with the embeddings) are
 computed for every layer by the first stage, which keeps its layers' and passes the rest on beside the activation;
 each later stage keeps its own. A model whose last layers reuse earlier layers' keys and values
-(``num_kv_shared_layers``) is refused.
+(``num_kv_shared_layers``) is refused. Zamba 2's hybrid layers read the embeddings beside the hidden states, and
+their own index (their adapter): the first stage passes its embeddings on, and each stage calls its layers with
+their index in the whole model. A head the model does not split (Zamba 2's, which no plan names) is scored on each
+rank alone (:func:`~.hf_loss.whole_logits_loss`).
 
 A stage shares the model's parameters; the parameters of other stages may be released. Mixtures of experts
 (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, FlexOlmo, Phi-3.5-MoE, ERNIE-4.5-MoE, MiniMax and MiniMax-M2, Granite-MoE,
@@ -45,6 +48,7 @@ repeat), and tied input and output embeddings (the first and last stages would e
 from __future__ import annotations
 
 import copy
+import inspect
 
 import torch
 from torch import nn
@@ -54,7 +58,7 @@ from .cross_entropy import vocab_parallel_cross_entropy
 from .hf import _decoder_names, base_model, is_hf_model
 from .hf_attention import CP_GROUP_ATTR
 from .hf_experts import ROUTER_GATHER
-from .hf_loss import BALANCED_TYPES, OPTIONS, head_loss, logit_multiplier, logit_softcap
+from .hf_loss import BALANCED_TYPES, OPTIONS, head_loss, logit_multiplier, logit_softcap, whole_logits_loss
 from .hf_router_loss import balancing_config, balancing_loss, router_sums
 from .linear import ColumnParallelLinear, RowParallelLinear
 
@@ -77,7 +81,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          "gemma", "gemma2", "gemma3_text", "gemma4_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
                          # hybrids: linear attention, state spaces or short convolutions between attention layers
                          "qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "falcon_h1",
-                         "nemotron_h", "jamba", "lfm2")  # fmt: skip
+                         "nemotron_h", "jamba", "lfm2", "zamba2")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):
@@ -98,7 +102,14 @@ class HFPipelineStage(nn.Module):
         stage = copy.copy(base)  # shares every submodule, parameter and hook with the model
         # ... in dictionaries of its own: what is registered on the stage later stays off the model
         stage.__dict__.update({k: type(v)(v) for k, v in vars(base).items() if isinstance(v, dict)})
-        stage._modules[layers] = nn.ModuleList(getattr(base, layers)[start:stop])
+        own = getattr(base, layers)[start:stop]
+        # Zamba 2's layers read the embeddings beside the hidden states, and their index: the first stage's embeddings
+        # travel with the activation, and each layer is called with its index in the whole model
+        self.embeddings = any("original_hidden_states" in inspect.signature(type(m).forward).parameters for m in own)
+        self.held = {}
+        if self.embeddings:
+            own = [_Indexed(m, start, self.held) for m in own]
+        stage._modules[layers] = nn.ModuleList(own)
         if not first:
             stage._modules[embedding] = None  # a later stage is fed inputs_embeds
             if "embedding_multiplier" in vars(stage):  # Granite's: the first stage's base model multiplied them
@@ -137,12 +148,17 @@ class HFPipelineStage(nn.Module):
           the last stage beside its output, so that :meth:`loss` adds the balancing loss of every layer.
         - Gemma 4's per-layer inputs of this stage's layers and the later ones (``[B, S, L', P]``, projected): the
           first stage computes every layer's from the token ids; each keeps its layers' and passes the rest on.
+        - Zamba 2's embeddings (``[B, S, H]``), which its hybrid layers read beside the hidden states: the first
+          stage's, passed on by every stage but the last.
 
         Returns the hidden states (the last stage: the logits, or with ``fused_loss`` the final norm's output), as a
         tuple with what it passes on when it passes anything."""
         if targets is not None:
             return self.loss(x, targets)
-        position_ids, sums, later = _carried(carried)
+        position_ids, sums, later, embeddings = _carried(carried)
+        self.held.clear()
+        if self.embeddings and not self.first:
+            self.held["embeddings"] = embeddings
         extra = {}
         if self.per_layer and not self.first:  # this stage's layers' per-layer inputs, projected already
             extra["per_layer_inputs"], later = (
@@ -163,11 +179,14 @@ class HFPipelineStage(nn.Module):
         hidden = out.last_hidden_state
         if self.per_layer and self.first:
             later = self.later.pop()
+        if self.embeddings and self.first:
+            embeddings = self.held.get("seen")
         if self.balance is not None:
             local = router_sums(out.router_logits, *self.balance[:2])
             sums = local if sums is None else sums + local
         if not self.last:
-            passed = tuple(t for t in (position_ids, sums, later if self.per_layer else None) if t is not None)
+            carry = (position_ids, sums, later if self.per_layer else None, embeddings if self.embeddings else None)
+            passed = tuple(t for t in carry if t is not None)
             return (hidden, *passed) if passed else hidden
         if not self.fused_loss:
             if isinstance(self.head, ColumnParallelLinear):  # this rank's share of the vocabulary, never gathered
@@ -199,8 +218,9 @@ class HFPipelineStage(nn.Module):
             output = output[0]
         if self.fused_loss:  # the head's logits, scaled and soft-capped as the model's
             return head_loss(output, self.head, target, self.logit_scale, self.softcap, **self.options)
-        group = self.head.tp_group if isinstance(self.head, ColumnParallelLinear) else None
-        return vocab_parallel_cross_entropy(output, target, group, **self.options)
+        if not isinstance(self.head, ColumnParallelLinear):  # a head the model does not split (Zamba 2's)
+            return whole_logits_loss(output, target, **self.options)  # soft-capped already, as the model's logits
+        return vocab_parallel_cross_entropy(output, target, self.head.tp_group, **self.options)
 
     def router_loss(self, output) -> torch.Tensor | None:
         """``router_aux_loss_coef`` times the balancing loss of every layer's routers, from the router sums beside
@@ -216,16 +236,18 @@ class HFPipelineStage(nn.Module):
         return coef * balancing_loss(output[1], experts)
 
 
-def _carried(carried) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """``(position_ids, router sums, per-layer inputs)`` among what travels with the activation: integers, floats,
-    and 4-d floats."""
-    position_ids = sums = later = None
+def _carried(carried) -> tuple[torch.Tensor | None, ...]:
+    """``(position_ids, router sums, per-layer inputs, embeddings)`` among what travels with the activation:
+    integers, and floats of 1, 4 and 3 dims."""
+    position_ids = sums = later = embeddings = None
     for t in carried:
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"HFPipelineStage: what travels with the activation must be tensors, received "
                             f"{type(t).__name__}")  # fmt: skip
         if t.is_floating_point() and t.dim() == 4 and later is None:
             later = t
+        elif t.is_floating_point() and t.dim() == 3 and embeddings is None:
+            embeddings = t
         elif t.is_floating_point() and sums is None:
             sums = t
         elif not t.is_floating_point() and position_ids is None:
@@ -233,7 +255,24 @@ def _carried(carried) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.T
         else:
             raise ValueError(f"HFPipelineStage: expected position ids (integers) and router sums (floats) beside the "
                              f"activation, received {[str(c.dtype) for c in carried]}")  # fmt: skip
-    return position_ids, sums, later
+    return position_ids, sums, later, embeddings
+
+
+class _Indexed(nn.Module):
+    """A Zamba 2 layer in a stage: called with its index in the whole model (its hybrid layers' adapters and
+    attention read it), and on a later stage with the first stage's embeddings (``held["embeddings"]``) for the
+    embeddings its base model passes, which there are the hidden states it received; on the first stage it records
+    them (``held["seen"]``) for the stage to pass on."""
+
+    def __init__(self, layer: nn.Module, offset: int, held: dict):
+        super().__init__()
+        self.layer, self.offset = layer, offset
+        self.__dict__["held"] = held  # not a submodule, not state
+
+    def forward(self, hidden_states, original_hidden_states=None, layer_idx=None, *args, **kwargs):
+        original_hidden_states = self.held.get("embeddings", original_hidden_states)
+        self.held.setdefault("seen", original_hidden_states)
+        return self.layer(hidden_states, original_hidden_states, layer_idx + self.offset, *args, **kwargs)
 
 
 def _split_per_layer_inputs(owner: HFPipelineStage, stage: nn.Module, base: nn.Module) -> None:

@@ -165,3 +165,53 @@ def test_label_smoothing_and_z_loss_are_added_as_for_tessels_gpt():
     fuse_lm_loss(model, z_loss=1e-4)
     with pytest.raises(ValueError, match=r"fuse_lm_loss: label_smoothing and z_loss .* router logits"):
         model(ids, labels=labels, output_router_logits=True)
+
+
+def _replicated_head_worker(rank, t):
+    """Zamba 2 split over the two ranks (its mixers, attention and MLP), its head left whole (no plan names it): a
+    one-stage pipeline's loss, fused or from the logits, scores the whole vocabulary on each rank alone, not as a
+    shard of a vocabulary split over the default group."""
+    import torch.nn.functional as F
+
+    from tessel.layers import hf_pipeline_stage, parallelize
+    from tessel.layers.linear import ColumnParallelLinear
+    from tests.layers.test_hf_mixers import planless_model
+
+    model = parallelize(planless_model("zamba2"), None)
+    assert type(model.lm_head) is torch.nn.Linear
+    assert isinstance(model.model.layers[0].mamba.in_proj, ColumnParallelLinear)
+    ids = torch.randint(128, (2, 8), generator=torch.Generator().manual_seed(5))
+    labels = ids.clone()
+    labels[1, :4] = -100
+    logits = model(ids).logits.double()[:, :-1].reshape(-1, 128)
+    want = F.cross_entropy(logits, labels[:, 1:].reshape(-1))
+    shifted = torch.cat([labels[:, 1:], torch.full((2, 1), -100)], dim=1)
+    for fused in (True, False):
+        stage = hf_pipeline_stage(model, 0, 1, fused_loss=fused)
+        torch.testing.assert_close(stage.loss(stage(ids), shifted).double(), want, rtol=1e-5, atol=1e-6)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+def test_a_head_the_model_leaves_whole_is_scored_on_each_rank_alone():
+    assert run_ranks(_replicated_head_worker, 2, timeout=240, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+def test_whole_logits_are_scored_as_a_split_heads_are():
+    """``whole_logits_loss``: soft-capped, smoothed, with the z-loss, ignored targets left out: the loss
+    ``vocab_parallel_cross_entropy`` computes in a world of one, and its gradient."""
+    from tessel.layers.cross_entropy import vocab_parallel_cross_entropy
+    from tessel.layers.hf_loss import whole_logits_loss
+
+    gen = torch.Generator().manual_seed(6)
+    logits = torch.randn(3, 5, 40, generator=gen, dtype=torch.float64)
+    target = torch.randint(40, (3, 5), generator=gen)
+    target[0, :2] = -100
+    kw = dict(label_smoothing=0.2, z_loss=1e-2, softcap=3.0)
+    a, b = (logits.clone().requires_grad_() for _ in range(2))
+    got = whole_logits_loss(a, target, kw["softcap"], label_smoothing=0.2, z_loss=1e-2)
+    want = vocab_parallel_cross_entropy(b, target, None, **kw)
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=1e-6, atol=1e-7)
+    got.backward()
+    want.backward()
+    torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-7)
