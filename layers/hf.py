@@ -150,7 +150,8 @@ class HFSequenceLayout:
             for child, m in layer.named_children():
                 full = f"{name}.{child}"
                 inner = [(f"{full}.{n}", c) for n, c in m.named_children() if any(True for _ in c.parameters())]
-                if full in (*blocks, *local) or _is_norm(m) or not any(_is_norm(c) for _, c in inner):
+                holds = any(_is_norm(c) for _, c in inner) and any(n in blocks for n, _ in inner)
+                if full in (*blocks, *local) or _is_norm(m) or m._parameters or not holds:  # norms and blocks alone
                     continue
                 if all(_is_norm(c) or n in blocks or _plain_linear(c) for n, c in inner):
                     sublayers.append(full)
