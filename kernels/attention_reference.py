@@ -51,13 +51,23 @@ def flash_attention_reference(q, k, v, causal=False, scale=None, *, return_lse=F
     return (out, lse) if return_lse else out
 
 
+def _compute_dtype(q: torch.Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _query_heads(t: torch.Tensor, q: torch.Tensor, compute: torch.dtype) -> torch.Tensor:
+    """Keys or values ``t`` in ``compute``, each head repeated for the query heads it serves (GQA); as they are where
+    they already are (a caller that expanded them once for several tiles)."""
+    group = q.shape[1] // t.shape[1]
+    t = t.to(compute)
+    return t if group == 1 else t.repeat_interleave(group, dim=1)
+
+
 def _reference(q, k, v, causal: bool, scale: float, segments, window=None, offset=None, softcap=None):
     """``(out, lse)`` of :func:`flash_attention_reference` for validated arguments; ``segments``,
     ``window`` and ``offset`` as for :func:`_forward`."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-    group = q.shape[1] // k.shape[1]
-    k = k.to(compute).repeat_interleave(group, dim=1)
-    v = v.to(compute).repeat_interleave(group, dim=1)
+    compute = _compute_dtype(q)
+    k, v = (_query_heads(t, q, compute) for t in (k, v))
     scores = (q.to(compute) @ k.transpose(-1, -2)) * scale
     if softcap is not None:
         scores = softcap * torch.tanh(scores / softcap)
@@ -80,13 +90,12 @@ def _backward_reference(q, k, v, out, lse, dout, causal: bool, scale: float, seg
     """dq, dk, dv of :func:`flash_attention_backward` in plain PyTorch (fp32, float64 for float64 inputs), rounded to
     the inputs' dtypes (or with ``rounded=False`` left in the compute dtype); ``dlse``: a gradient of the returned
     log-sum-exp too (each score's share of it is its probability)."""
-    compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+    compute = _compute_dtype(q)
     b, hq, sq, d = q.shape
     hkv, sk = k.shape[1], k.shape[2]
     group = hq // hkv
     qc, doc = q.to(compute), dout.to(compute)
-    kc = k.to(compute).repeat_interleave(group, dim=1)
-    vc = v.to(compute).repeat_interleave(group, dim=1)
+    kc, vc = (_query_heads(t, q, compute) for t in (k, v))
     scores = (qc @ kc.transpose(-1, -2)) * scale
     through_cap = 1.0
     if softcap is not None:
@@ -134,8 +143,10 @@ def _tile(segments, offset, q, k, a: int, z: int):
 def _reference_rows(q, k, v, causal: bool, scale: float, segments, window=None, offset=None, softcap=None):
     """:func:`_reference` computed by tiles of query rows (:func:`_row_tiles`): the same ``(out, lse)`` with a bounded
     ``[B, Hq, rows, Sk]`` of scores at a time. What runs heads wider than the kernels take."""
-    parts = []
-    for a, z in _row_tiles(q, k):
+    parts, tiles = [], _row_tiles(q, k)
+    if len(tiles) > 1:  # the keys and values in the compute dtype, one per query head, once for every tile
+        k, v = (_query_heads(t, q, _compute_dtype(q)) for t in (k, v))
+    for a, z in tiles:
         rows, at = _tile(segments, offset, q, k, a, z)
         parts.append(_reference(q[:, :, a:z], k, v, causal, scale, rows, window, at, softcap))
     out, lse = zip(*parts)
@@ -146,14 +157,19 @@ def _backward_reference_rows(q, k, v, out, lse, dout, causal: bool, scale: float
                              offset=None, softcap=None, dlse=None):  # fmt: skip
     """:func:`_backward_reference` by tiles of query rows: ``dq`` row by row, ``dk`` and ``dv`` summed over the
     tiles in the compute dtype, rounded once."""
-    dqs, dk, dv = [], 0, 0
-    for a, z in _row_tiles(q, k):
+    dqs, dk, dv, tiles = [], 0, 0, _row_tiles(q, k)
+    kx, vx = (_query_heads(t, q, _compute_dtype(q)) for t in (k, v)) if len(tiles) > 1 else (k, v)  # once for all
+    for a, z in tiles:
         rows, at = _tile(segments, offset, q, k, a, z)
         tile_dlse = None if dlse is None else dlse[:, :, a:z]
-        dq_t, dk_t, dv_t = _backward_reference(q[:, :, a:z], k, v, out[:, :, a:z], lse[:, :, a:z], dout[:, :, a:z],
-                                               causal, scale, rows, window, at, softcap, False, tile_dlse)  # fmt: skip
+        dq_t, dk_t, dv_t = _backward_reference(q[:, :, a:z], kx, vx, out[:, :, a:z], lse[:, :, a:z],
+                                               dout[:, :, a:z], causal, scale, rows, window, at, softcap, False,
+                                               tile_dlse)  # fmt: skip
         dqs.append(dq_t)
         dk, dv = dk + dk_t, dv + dv_t
+    if kx is not k:  # each key head's gradient: the sum over the query heads it serves
+        b, hkv, sk, d = k.shape
+        dk, dv = (t.view(b, hkv, -1, sk, d).sum(2) for t in (dk, dv))
     return torch.cat(dqs, 2).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
