@@ -560,7 +560,8 @@ def ring_attention(q, k, v, group=None, *, causal=False, scale=None, determinist
         this rank's queries over the whole sequence. The partial results of the ring are merged in fp32
         and rounded once.
     """
-    _validate_attention("ring_attention", q, k, v, causal, scale, (torch.float32, torch.float16, torch.bfloat16), True)
+    dtypes = (torch.float32, torch.float16, torch.bfloat16)
+    _validate_attention("ring_attention", q, k, v, causal, scale, dtypes, wide=True)
     if q.shape[2] != k.shape[2]:
         raise ValueError(f"ring_attention: q and k must hold the same tokens (one query, key and value per local "
                          f"token), received q {tuple(q.shape)} and k {tuple(k.shape)}")  # fmt: skip

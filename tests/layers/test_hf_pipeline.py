@@ -57,28 +57,36 @@ def _chained(model, ids, n: int, fused: bool):
     return stages, h, stages[-1].loss(h, _targets(ids))
 
 
+def check_stages(model, ids, tag: str, logits_atol: float = 1e-6) -> tuple[dict, list]:
+    """``model``'s stages, chained in 2 and 3, give its logits, its loss (from the logits and fused) and every
+    gradient; returns the model's own gradients and each split's ``(n, fused, [(start, stop) of each stage])``."""
+    want = model(ids, labels=ids, use_cache=False)
+    want.loss.backward()
+    want_grads, splits = _grads(model), []
+    for n in (2, 3):
+        for fused in (False, True):
+            model.zero_grad(set_to_none=True)
+            stages, h, loss = _chained(model, ids, n, fused)
+            splits.append((n, fused, [(stage.start, stage.stop) for stage in stages]))
+            if not fused:
+                torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=logits_atol, msg=f"{tag} {n} logits")
+            torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{tag} {n} {fused} loss")
+            loss.backward()
+            got = _grads(model)
+            assert got.keys() == want_grads.keys(), f"{tag} {n}"
+            for name, g in got.items():
+                torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{tag} {n} {name}")
+    return want_grads, splits
+
+
 def _chain(rank, world_size):
 
     results = []
     for kind in MODELS:
         model = _model(kind)
         ids = torch.randint(VOCAB, (2, 19), generator=torch.Generator().manual_seed(1))
-        want = model(ids, labels=ids)
-        want.loss.backward()
-        want_grads = _grads(model)
-        for n in (2, 3):
-            for fused in (False, True):
-                model.zero_grad(set_to_none=True)
-                stages, h, loss = _chained(model, ids, n, fused)
-                if not fused:
-                    torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} logits")
-                torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
-                loss.backward()
-                got = _grads(model)
-                assert got.keys() == want_grads.keys(), f"{kind} {n}"
-                for name, g in got.items():
-                    torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{kind} {n} {name}")
-                results.append((kind, n, fused, [(s.start, s.stop) for s in stages]))
+        _, splits = check_stages(model, ids, kind)
+        results += [(kind, n, fused, bounds) for n, fused, bounds in splits]
     return results
 
 
@@ -467,21 +475,7 @@ def test_hybrids_chain_to_their_logits_and_gradients(kind):
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **kw)).eval()
     assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
     ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    want = model(ids, labels=ids, use_cache=False)
-    want.loss.backward()
-    want_grads = _grads(model)
-    for n in (2, 3):
-        for fused in (False, True):
-            model.zero_grad(set_to_none=True)
-            _, h, loss = _chained(model, ids, n, fused)
-            if not fused:
-                torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=1e-5, msg=f"{kind} in {n} stages")
-            torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{kind} {n} {fused} loss")
-            loss.backward()
-            got = _grads(model)
-            assert got.keys() == want_grads.keys(), kind
-            for name, g in got.items():
-                torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{kind} {n} {name}")
+    check_stages(model, ids, kind, logits_atol=1e-5)
 
 
 @pytest.mark.parametrize("variant", ["per-layer inputs", "experts beside the MLP"])
@@ -503,24 +497,12 @@ def test_gemma4_stages_pass_the_later_layers_per_layer_inputs_on(variant):
     config = transformers.AutoConfig.for_model("gemma4_text", **kw)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    want = model(ids, labels=ids, use_cache=False)
-    want.loss.backward()
-    want_grads = _grads(model)
+    want_grads, _ = check_stages(model, ids, variant, logits_atol=1e-5)
     assert any("per_layer" in name for name in want_grads)
     for n in (2, 3):
-        for fused in (False, True):
-            model.zero_grad(set_to_none=True)
-            stages, h, loss = _chained(model, ids, n, fused)
-            if not fused:
-                torch.testing.assert_close(h, want.logits, rtol=1e-5, atol=1e-5, msg=f"{variant} in {n} stages")
-                hidden, later = stages[0](ids)  # the later layers' per-layer inputs, beside the activation
-                assert later.shape == (2, 12, 4 - stages[0].stop, 8) and hidden.shape == (2, 12, 32)
-            torch.testing.assert_close(loss, want.loss, rtol=1e-5, atol=1e-6, msg=f"{variant} {n} {fused} loss")
-            loss.backward()
-            got = _grads(model)
-            assert got.keys() == want_grads.keys(), variant
-            for name, g in got.items():
-                torch.testing.assert_close(g, want_grads[name], rtol=1e-4, atol=1e-6, msg=f"{variant} {n} {name}")
+        first = hf_pipeline_stage(model, 0, n)
+        hidden, later = first(ids)  # the later layers' per-layer inputs, beside the activation
+        assert later.shape == (2, 12, 4 - first.stop, 8) and hidden.shape == (2, 12, 32)
     shared = transformers.AutoModelForCausalLM.from_config(
         transformers.AutoConfig.for_model(
             "gemma4_text",
