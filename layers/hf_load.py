@@ -373,17 +373,18 @@ def _init_buffers(model: nn.Module, device: torch.device) -> None:
                 fill = float("nan") if dtype.is_floating_point else 0
                 m._buffers[leaf] = torch.full(shape, fill, dtype=dtype, device=device)
                 pending.append((mod_name, m, leaf))
-    modules = dict(model.named_modules()) if init is not None else {}
-    with torch.no_grad():
-        for name in dict.fromkeys(n for n, _, _ in pending if init is not None):
-            init(modules[name])
-        for level in itertools.count():  # the nearest ancestors of the holders of buffers still unset, then theirs
-            unset = {n for n, m, leaf in pending if _is_unset(m._buffers[leaf])}
-            above = {chain[level] for chain in map(_ancestors, unset) if len(chain) > level} if modules else set()
-            if not above:
-                break
-            for name in sorted(above):
+    if init is not None:
+        modules = dict(model.named_modules())
+        with torch.no_grad():
+            for name in dict.fromkeys(n for n, _, _ in pending):
                 init(modules[name])
+            for level in itertools.count():  # the nearest ancestors of the holders of buffers still unset, then theirs
+                unset = {n for n, m, leaf in pending if _is_unset(m._buffers[leaf])}
+                above = {chain[level] for chain in map(_ancestors, unset) if len(chain) > level}
+                if not above:
+                    break
+                for name in sorted(above):
+                    init(modules[name])
     unset = [f"{n}.{leaf}".lstrip(".") for n, m, leaf in pending if _is_unset(m._buffers[leaf])]
     if unset:
         raise ValueError(f"load_pretrained: the model's initialisation left the buffers {unset[:3]} unset (they are "
