@@ -46,6 +46,7 @@ from ..parallel.comm import group_size
 from ..parallel.overlap import all_gather_matmul
 from .hf_attention import register_hf_attention, tessel_attention_forward
 from .hf_experts import _inside, check_expert_blocks, expert_blocks, gather_router_logits
+from .hf_mixers import _plain_linear
 from .linear import ColumnParallelLinear, _check_input, _sequence_from_token_major, _sequence_token_major, _use_overlap
 
 __all__ = [
@@ -251,10 +252,6 @@ class HFSequenceLayout:
             )
             modules[name].register_forward_hook(lambda m, args, out, ring=ring: ring.end(), always_call=True)
         modules[self.final_norm].register_forward_hook(gather_output)
-
-
-def _plain_linear(m: nn.Module) -> bool:
-    return isinstance(m, nn.Linear) and type(m).forward is nn.Linear.forward
 
 
 def _contiguous(x: torch.Tensor) -> torch.Tensor:

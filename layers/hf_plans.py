@@ -43,7 +43,7 @@ from torch.func import functional_call
 
 from .hf_experts import expert_splits
 from .hf_linear_attention import delta_net_styles, gathered_delta_rules
-from .hf_mixers import is_dynamic_mask, lightning_styles, mamba1_styles, mamba_styles, short_conv_styles
+from .hf_mixers import _plain_linear, is_dynamic_mask, lightning_styles, mamba1_styles, mamba_styles, short_conv_styles
 from .meta import probe_copy
 
 __all__ = [
@@ -217,7 +217,7 @@ def _adapted_mlp(m: nn.Module, t: int) -> dict[str, str] | None:
     up, down, table = children.get("gate_up_proj"), children.get("down_proj"), getattr(m, "layer_dic", None)
     if not isinstance(adapters, nn.ModuleList) or not isinstance(table, dict) or not table:
         return None
-    if not all(isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in (up, down)):
+    if not (_plain_linear(up) and _plain_linear(down)):
         return None
     width = down.in_features
     if up.out_features != 2 * width or width % t:
@@ -230,9 +230,7 @@ def _adapted_mlp(m: nn.Module, t: int) -> dict[str, str] | None:
         if isinstance(adapter, nn.Identity):
             continue
         parts = list(adapter) if isinstance(adapter, nn.Sequential) else []
-        plain = len(parts) == 2 and all(
-            isinstance(p, nn.Linear) and type(p).forward is nn.Linear.forward for p in parts
-        )
+        plain = len(parts) == 2 and all(map(_plain_linear, parts))
         if not plain or parts[1].out_features != 2 * width or parts[0].out_features != parts[1].in_features:
             return None
         styles[f"gate_up_proj_adapter_list.{i}.1"] = "packed_colwise"
