@@ -262,6 +262,13 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "sliding_window; default: off, every earlier token)",
     )
     add(
+        "--kv-shared-layers",
+        type=int,
+        default=0,
+        help="with --hf gemma4: the last N layers reuse the keys and values of the last earlier layer of their kind "
+        "(Gemma 4's E-models' num_kv_shared_layers; default: %(default)s)",
+    )
+    add(
         "--dtype",
         choices=DTYPES,
         default="bf16" if cuda else "fp32",

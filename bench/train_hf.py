@@ -54,6 +54,10 @@ layer in every 8 and experts in every other layer (:func:`_jamba_config`). FLOPs
 into every layer's residual stream (under ``--pp`` the first stage computes every layer's and passes the later
 layers' on with the activation). FLOPs count each layer's keys and head width (:func:`attention_widths`).
 
+``--kv-shared-layers N`` (``--hf gemma4``): the last ``N`` layers reuse the keys and values of the last earlier layer
+of their kind, as Gemma 4's E-models do (the layer before them attends to every key, as theirs does); under ``--pp`` a
+stage passes on those a later stage reuses.
+
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
 it their window is set off explicitly (Mistral's config would otherwise default to 4096).
@@ -162,7 +166,7 @@ def _hf_config(args, c: GPTConfig, attention: str):
     if args.hf == "jamba":
         kw.update(_jamba_config(c))
     if args.hf == "gemma4":
-        kw.update(_gemma4_config(c))
+        kw.update(_gemma4_config(c, args.kv_shared_layers))
     if args.hf in WINDOW_FAMILIES:  # explicit: Mistral's config would otherwise slide over 4096 keys
         kw["sliding_window"] = c.sliding_window
         if c.sliding_window is not None:
@@ -172,6 +176,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
     if args.hf in MOE_FAMILIES and not args.hf_baseline:
         kw["experts_implementation"] = register_hf_experts()
     config = getattr(transformers, f"{TEXT_CONFIGS.get(args.hf, HF_FAMILIES[args.hf])}Config")(**kw)
+    if args.kv_shared_layers:
+        _check_kv_sharing(config)
     if args.hf in TEXT_CONFIGS:  # Gemma 3 keeps its own rotary bases, Qwen3.5 its partial rotary
         return config
     if hasattr(config, "rope_parameters"):  # transformers 5: the rotary base lives in rope_parameters
@@ -210,13 +216,30 @@ def _jamba_config(c: GPTConfig) -> dict:
             "use_mamba_kernels": False}  # fmt: skip
 
 
-def _gemma4_config(c: GPTConfig) -> dict:
+def _gemma4_config(c: GPTConfig, shared: int = 0) -> dict:
     """Gemma 4's proportions at the preset's shape (Gemma 4: heads of 256 in its sliding layers and of 512 in its
     full-attention ones, one in every 6 and the last; per-layer inputs of 256 features beside a width of 2560): full
-    layers' heads twice the preset's head dim, per-layer inputs of an eighth of its width over its vocabulary."""
+    layers' heads twice the preset's head dim, per-layer inputs of an eighth of its width over its vocabulary. With
+    ``shared`` layers reusing keys and values, the last layer before them attends to every key as well, as in Gemma
+    4's E-models (E2B: layer 14 of 35, before 20 sharing ones)."""
     d = c.n_embd // c.n_head
-    return {"global_head_dim": 2 * d, "hidden_size_per_layer_input": max(1, c.n_embd // 8),
-            "vocab_size_per_layer_input": c.vocab_size}  # fmt: skip
+    kw = {"global_head_dim": 2 * d, "hidden_size_per_layer_input": max(1, c.n_embd // 8),
+          "vocab_size_per_layer_input": c.vocab_size}  # fmt: skip
+    if shared:
+        full = {c.n_layer - 1, c.n_layer - shared - 1}
+        kw["layer_types"] = ["full_attention" if (i + 1) % 6 == 0 or i in full else "sliding_attention"
+                             for i in range(c.n_layer)]  # fmt: skip
+        kw["num_kv_shared_layers"] = shared
+    return kw
+
+
+def _check_kv_sharing(config) -> None:
+    """``--kv-shared-layers``: the layers before the sharing ones must hold a layer of each kind to store them."""
+    shared, layers = config.num_kv_shared_layers, config.num_hidden_layers
+    kinds = set(config.layer_types[: max(0, layers - shared)])
+    if not 0 < shared < layers or kinds != set(config.layer_types):
+        raise ArgumentError(f"--kv-shared-layers must leave before the sharing layers one of each kind of "
+                            f"{layers} ({config.layer_types}), received {shared}")  # fmt: skip
 
 
 def _latent_attention_config(c: GPTConfig) -> dict:
@@ -408,6 +431,7 @@ def refused_options(args) -> str | None:
         and args.hf not in WINDOW_FAMILIES and args.hf not in ALTERNATING_WINDOWS,
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline
         and args.attention_backward == "atomic",
+        "--kv-shared-layers (Gemma 4's)": args.kv_shared_layers != 0 and args.hf != "gemma4",
     }  # fmt: skip
     given = [flag for flag, on in unsupported.items() if on]
     return f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options" if given else None

@@ -11,8 +11,9 @@ implementation are its own; a later stage feeds the hidden states it receives as
 
 Between stages travels the residual stream ``[B, S, H]`` (``[B, S/t, H]`` under sequence parallelism: the
 model's own split, from its first decoder layer to its final norm, so each later stage passes the positions
-of the whole sequence). The last stage returns the logits (this rank's share of the vocabulary when the head
-is split, never gathered) or, with ``fused_loss=True``, the final norm's output, and
+of the whole sequence, and its base model a placeholder of the whole sequence's shape, from which it builds its
+masks, while its first layer runs on the share). The last stage returns the logits (this rank's share of the
+vocabulary when the head is split, never gathered) or, with ``fused_loss=True``, the final norm's output, and
 :meth:`HFPipelineStage.loss` gives the mean next-token cross entropy over the targets (the labels already
 shifted, ``-100`` ignored: what :class:`~tessel.parallel.pipeline.PipelineSchedule` passes as ``target``; with
 the label smoothing and z-loss :func:`~.hf_loss.fuse_lm_loss` gave the model),
@@ -22,8 +23,10 @@ stage: ``lambda output, target: wrapped(output, targets=target)``.
 
 Gemma 4's per-layer inputs (an embedding of the token ids for every layer, projected with the embeddings) are
 computed for every layer by the first stage, which keeps its layers' and passes the rest on beside the activation;
-each later stage keeps its own. A model whose last layers reuse earlier layers' keys and values
-(``num_kv_shared_layers``) is refused. Zamba 2's hybrid layers read the embeddings beside the hidden states, and
+each later stage keeps its own (the per-layer embedding and projection are the first stage's alone). Where its last
+layers reuse the keys and values of the last earlier layer of their type (``num_kv_shared_layers``, Gemma 4's
+E-models), a stage passes on those of each type that a later stage reuses, and their gradients come back through the
+stages to the layer that computed them. Zamba 2's hybrid layers read the embeddings beside the hidden states, and
 their own index (their adapter): the first stage passes its embeddings on, and each stage calls its layers with
 their index in the whole model. A head the model does not split (Zamba 2's, which no plan names) is scored on each
 rank alone (:func:`~.hf_loss.whole_logits_loss`).
@@ -109,6 +112,12 @@ class HFPipelineStage(nn.Module):
         self.held = {}
         if self.embeddings:
             own = [_Indexed(m, start, self.held) for m in own]
+        self.tp_group, self.sequence_parallel = _tensor_layout(base)
+        # a later stage under sequence parallelism receives its share of the sequence: its base model is given a
+        # placeholder of the whole sequence's shape (whose length its masks take) and its first layer the share
+        self.fed = self.sequence_parallel and not first
+        if self.fed:
+            own = [_Fed(own[0], self.held), *own[1:]]
         stage._modules[layers] = nn.ModuleList(own)
         if not first:
             stage._modules[embedding] = None  # a later stage is fed inputs_embeds
@@ -127,12 +136,14 @@ class HFPipelineStage(nn.Module):
         # a mixture's (experts, top_k, coefficient) when it trains its balancing loss (output_router_logits)
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
-        self.tp_group, self.sequence_parallel = _tensor_layout(base)
         self.cp_size = _size(_context_group(base))
         self.forward_kwargs = dict(forward_kwargs or {})  # passed to every call of the base model
         self.per_layer = bool(getattr(base, "hidden_size_per_layer_input", 0))  # Gemma 4's per-layer inputs
         if self.per_layer:
             _split_per_layer_inputs(self, stage, base)
+        # Gemma 4's shared keys and values: the layer types whose keys and values this stage receives, and passes on
+        self.kv_sharing = _kv_sharing(model.config) is not None
+        self.kv_in, self.kv_out = _shared_kv_types(model.config, start, stop)
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor, targets: torch.Tensor | None = None):
         """The stage on ``x``; with ``targets`` (the last stage only), :meth:`loss` of ``x``, its own output: the
@@ -150,12 +161,17 @@ class HFPipelineStage(nn.Module):
           first stage computes every layer's from the token ids; each keeps its layers' and passes the rest on.
         - Zamba 2's embeddings (``[B, S, H]``), which its hybrid layers read beside the hidden states: the first
           stage's, passed on by every stage but the last.
+        - last, Gemma 4's shared keys and values (each ``[B, Hkv, S, D]`` as the storing layer's attention computed
+          them), key then value of each layer type a later layer reuses, in the order of the storing layers: those
+          stored before this stage and reused here or later (``kv_in``); a stage passes on those reused after it
+          (``kv_out``).
 
         Returns the hidden states (the last stage: the logits, or with ``fused_loss`` the final norm's output), as a
         tuple with what it passes on when it passes anything."""
         if targets is not None:
             return self.loss(x, targets)
-        position_ids, sums, later, embeddings = _carried(carried)
+        kv = carried[len(carried) - 2 * len(self.kv_in) :]
+        position_ids, sums, later, embeddings = _carried(carried[: len(carried) - len(kv)])
         self.held.clear()
         if self.embeddings and not self.first:
             self.held["embeddings"] = embeddings
@@ -165,16 +181,24 @@ class HFPipelineStage(nn.Module):
                 later[:, :, : self.stop - self.start],
                 later[:, :, self.stop - self.start :],
             )
+        if self.fed:  # the share for the first layer, the whole sequence's shape for the base model
+            self.held["hidden"] = x
+            x = x.new_zeros(()).expand(x.shape[0], x.shape[1] * _size(self.tp_group), *x.shape[2:])
         positions = position_ids
         if positions is None:  # under context parallelism the whole sequence's (the model's hook takes its share)
-            length = x.shape[1] * (_size(self.tp_group) if self.sequence_parallel and not self.first else 1)
-            positions = torch.arange(length * self.cp_size, device=x.device)[None]
+            positions = torch.arange(x.shape[1] * self.cp_size, device=x.device)[None]
         inputs = {"input_ids": x} if self.first else {"inputs_embeds": x}
         routers = {}
         if self.gather is not None:  # the split routers' logits gathered over the ranks while the loss asks for them
             self.gather["gather"] = self.balance is not None
         if self.balance is not None:
             routers = {"output_router_logits": True}
+        shared = {}
+        if self.kv_sharing:  # the model's own dict, which its storing layers fill and its reusing layers read
+            from transformers.cache_utils import KVSharingDict
+
+            shared = extra["shared_kv_states"] = KVSharingDict({t: kv[2 * i : 2 * i + 2] for i, t in
+                                                               enumerate(self.kv_in)})  # fmt: skip
         out = self.base(**inputs, position_ids=positions, use_cache=False, **routers, **extra, **self.forward_kwargs)
         hidden = out.last_hidden_state
         if self.per_layer and self.first:
@@ -186,7 +210,7 @@ class HFPipelineStage(nn.Module):
             sums = local if sums is None else sums + local
         if not self.last:
             carry = (position_ids, sums, later if self.per_layer else None, embeddings if self.embeddings else None)
-            passed = tuple(t for t in carry if t is not None)
+            passed = tuple(t for t in carry if t is not None) + tuple(x for t in self.kv_out for x in shared[t])
             return (hidden, *passed) if passed else hidden
         if not self.fused_loss:
             if isinstance(self.head, ColumnParallelLinear):  # this rank's share of the vocabulary, never gathered
@@ -275,6 +299,28 @@ class _Indexed(nn.Module):
         return self.layer(hidden_states, original_hidden_states, layer_idx + self.offset, *args, **kwargs)
 
 
+class _Fed(nn.Module):
+    """The first layer of a later stage under sequence parallelism: called by its base model with the whole
+    sequence's placeholder (see :class:`HFPipelineStage`), it runs on the share the stage received
+    (``held["hidden"]``)."""
+
+    def __init__(self, layer: nn.Module, held: dict):
+        super().__init__()
+        self.layer = layer
+        self.__dict__["held"] = held  # not a submodule, not state
+
+    def forward(self, *args, **kwargs):
+        if "hidden_states" in kwargs:
+            kwargs["hidden_states"] = self.held["hidden"]
+        else:
+            args = (self.held["hidden"], *args[1:])
+        return self.layer(*args, **kwargs)
+
+
+# what computes Gemma 4's per-layer inputs from the token ids and their embeddings, on the first stage
+_PER_LAYER_MODULES = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
+
+
 def _split_per_layer_inputs(owner: HFPipelineStage, stage: nn.Module, base: nn.Module) -> None:
     """Gemma 4's per-layer inputs across stages: the first stage computes every layer's (from the token ids and
     their embeddings, by the whole model's base, whose config counts every layer), keeps its layers' and leaves the
@@ -294,7 +340,35 @@ def _split_per_layer_inputs(owner: HFPipelineStage, stage: nn.Module, base: nn.M
         def project(inputs_embeds, per_layer_inputs=None):
             return per_layer_inputs
 
+        for name in _PER_LAYER_MODULES:  # the first stage's alone (the embedding is the vocabulary by every layer)
+            if name in stage._modules:
+                stage._modules[name] = None
+
     stage.project_per_layer_inputs = project
+
+
+def _kv_sharing(config) -> tuple[list[str], list[str | None]] | None:
+    """``(layer_types, kv_sharing_modes)`` of a model whose later layers reuse earlier ones' keys and values (each
+    layer's mode: ``"store"``, ``"reuse"`` or None); None for a model that shares none."""
+    if not getattr(config, "num_kv_shared_layers", 0):
+        return None
+    return list(config.layer_types), list(config.kv_sharing_modes)
+
+
+def _shared_kv_types(config, start: int, stop: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """The layer types whose shared keys and values a stage of layers ``start … stop-1`` receives (stored before it,
+    reused in it or after) and passes on (stored before its end, reused after it), in the storing layers' order."""
+    sharing = _kv_sharing(config)
+    if sharing is None:
+        return (), ()
+    types, modes = sharing
+    stores = [(i, t) for i, (t, m) in enumerate(zip(types, modes, strict=True)) if m == "store"]
+
+    def reused_from(t, first):
+        return any(m == "reuse" and types[i] == t for i, m in enumerate(modes) if i >= first)
+
+    return (tuple(t for i, t in stores if i < start and reused_from(t, start)),
+            tuple(t for i, t in stores if i < stop and reused_from(t, stop)))  # fmt: skip
 
 
 def _names(model: nn.Module, base: nn.Module) -> tuple[str, str, str]:
@@ -362,9 +436,11 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     if getattr(model.config, "output_router_logits", False) and model_type not in BALANCED_TYPES:
         raise ValueError(f"{_NAME}: {type(model).__name__} asks for its router logits (output_router_logits=True), "
                          f"whose balancing loss the stages compute for {', '.join(BALANCED_TYPES)} only")  # fmt: skip
-    if getattr(model.config, "num_kv_shared_layers", 0):
-        raise ValueError(f"{_NAME}: {type(model).__name__}'s last {model.config.num_kv_shared_layers} layers reuse "
-                         "the keys and values of earlier ones: stages do not pass them on")  # fmt: skip
+    sharing = _kv_sharing(model.config)
+    if sharing is not None and "store" not in sharing[1]:
+        raise ValueError(f"{_NAME}: every one of {type(model).__name__}'s layers reuses keys and values "
+                         f"(num_kv_shared_layers={model.config.num_kv_shared_layers} of "
+                         f"{model.config.num_hidden_layers}): none of its layers computes them")  # fmt: skip
     if not isinstance(fused_loss, bool):
         raise TypeError(f"{_NAME}: fused_loss must be a bool, received {type(fused_loss).__name__}")
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):

@@ -114,12 +114,15 @@ def _pipelined(rank, world_size, sp, fused, kind):
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp, pp = tp_groups[pp_rank], pp_groups[tp_rank]
     ids = torch.randint(VOCAB, (4, 8), generator=torch.Generator().manual_seed(2))
+    from tests.layers.test_hf_families import GEMMA4_VARIANTS, gemma4_model
     from tests.layers.test_hf_mixers import planless_model
 
     build = {
         "llama": lambda: _model("llama", layers=3),
+        "mistral": lambda: _model("mistral", layers=3, sliding_window=3),
         "mixtral": lambda: _mixture("Mixtral", output_router_logits=True, router_aux_loss_coef=0.5),
         "zamba2": lambda: planless_model("zamba2", num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2),
+        "gemma4": lambda: gemma4_model(**GEMMA4_VARIANTS["keys and values shared"]),
     }[kind]
     whole = parallelize(build(), tp, sequence_parallel=sp)
     want = torch.stack([whole(half, labels=half).loss for half in ids.chunk(2)]).mean()
@@ -144,14 +147,18 @@ def _pipelined(rank, world_size, sp, fused, kind):
 @pytest.mark.parametrize(
     ("sp", "fused", "kind"),
     [(False, False, "llama"), (True, True, "llama"), (True, False, "llama"), (True, True, "mixtral"),
-     (True, True, "zamba2"), (False, False, "zamba2")],
+     (True, True, "zamba2"), (False, False, "zamba2"), (True, False, "gemma4"), (False, True, "gemma4"),
+     (True, False, "mistral")],
 )  # fmt: skip
 def test_tensor_and_pipeline_parallel_stages_train_as_the_whole_model(sp, fused, kind):
     """Four gloo ranks, tp=2 × pp=2 (with sequence parallelism the stages pass [B, S/2, H] shards): every
     gradient shard a stage holds, and the loss, are those of the tensor-parallel model run whole; for Mixtral
     with its balancing loss, the stages' router sums over every token (the split routers' logits gathered); for
     Zamba 2, whose second hybrid layer lies on the second stage, the embeddings the first stage passes on (its
-    gradient coming back to the embedding) and the layer's own index (its adapter)."""
+    gradient coming back to the embedding) and the layer's own index (its adapter); for Gemma 4 with its last two
+    layers on the second stage reusing the keys and values of two on the first, those keys and values (over the
+    whole sequence under sequence parallelism, this rank's heads) and their gradients; for Mistral sliding over 3 keys
+    under sequence parallelism, the second stage's masks of the whole sequence."""
     results = run_ranks(_pipelined, 4, sp, fused, kind, timeout=300, env=REFERENCE_KERNELS)
     norm = "final_layernorm" if kind == "zamba2" else "norm"
     assert "embed_tokens" in results[0] and "lm_head" not in results[0]
@@ -478,12 +485,14 @@ def test_hybrids_chain_to_their_logits_and_gradients(kind):
     check_stages(model, ids, kind, logits_atol=1e-5)
 
 
-@pytest.mark.parametrize("variant", ["per-layer inputs", "experts beside the MLP"])
+@pytest.mark.parametrize("variant", ["per-layer inputs", "experts beside the MLP", "keys and values shared"])
 def test_gemma4_stages_pass_the_later_layers_per_layer_inputs_on(variant):
     """Gemma 4: the first stage computes every layer's per-layer input (from the token ids and their embeddings),
     keeps its layers' and passes the rest on beside the activation; each later stage keeps its own. Chained in 2 and
     3 stages: the model's logits, loss and every gradient (the per-layer embedding's and projection's through the
-    inputs the later stages received). A model whose last layers reuse earlier ones' keys and values is refused."""
+    inputs the later stages received). Where the last layers reuse the keys and values of earlier ones, a stage
+    passes on those a later stage reuses: stored by the first stage or by a middle one, passed through a stage that
+    does not reuse them, the storing layers' key and value projections trained by every layer that reads them."""
     import transformers
 
     from tessel.layers import hf_pipeline_stage
@@ -492,22 +501,42 @@ def test_gemma4_stages_pass_the_later_layers_per_layer_inputs_on(variant):
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, global_head_dim=16, tie_word_embeddings=False, pad_token_id=0,
               vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=8, sliding_window=5,
-              attn_implementation="eager", **GEMMA4_VARIANTS[variant])  # fmt: skip
+              attn_implementation="eager")  # fmt: skip
+    kw.update(GEMMA4_VARIANTS[variant])
     torch.manual_seed(0)
     config = transformers.AutoConfig.for_model("gemma4_text", **kw)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
+    layers = config.num_hidden_layers
     ids = torch.randint(VOCAB, (2, 12), generator=torch.Generator().manual_seed(3))
-    want_grads, _ = check_stages(model, ids, variant, logits_atol=1e-5)
+    want_grads, splits = check_stages(model, ids, variant, logits_atol=1e-5)
     assert any("per_layer" in name for name in want_grads)
     for n in (2, 3):
         first = hf_pipeline_stage(model, 0, n)
-        hidden, later = first(ids)  # the later layers' per-layer inputs, beside the activation
-        assert later.shape == (2, 12, 4 - first.stop, 8) and hidden.shape == (2, 12, 32)
-    shared = transformers.AutoModelForCausalLM.from_config(
-        transformers.AutoConfig.for_model(
-            "gemma4_text",
-            **{**kw, "num_kv_shared_layers": 2, "layer_types": ["sliding_attention", "full_attention"] * 2},
-        )
+        hidden, later, *kv = first(ids)  # the later layers' per-layer inputs, beside the activation
+        assert later.shape == (2, 12, layers - first.stop, 8) and hidden.shape == (2, 12, 32)
+        assert len(kv) == 2 * len(first.kv_out)
+        later_names = [name for name, _ in hf_pipeline_stage(model, n - 1, n).named_parameters()]
+        assert not any("per_layer_model" in name or "embed_tokens" in name for name in later_names)  # the first's
+    if variant != "keys and values shared":
+        return
+    assert [s for n, fused, s in splits if not fused] == [[(0, 3), (3, 5)], [(0, 2), (2, 4), (4, 5)]]
+    # layer 1 stores the full-attention layers' keys and values, layer 2 the sliding ones': what each stage receives
+    # and passes on (the middle of three passes the full ones through)
+    stages = {n: [hf_pipeline_stage(model, i, n) for i in range(n)] for n in (2, 3)}
+    assert [(s.kv_in, s.kv_out) for s in stages[2]] == [((), ("full_attention", "sliding_attention")),
+                                                        (("full_attention", "sliding_attention"), ())]  # fmt: skip
+    assert [(s.kv_in, s.kv_out) for s in stages[3]] == [
+        ((), ("full_attention",)),
+        (("full_attention",), ("full_attention",)),
+        (("full_attention",), ()),
+    ]
+    hidden, later, k, v = stages[3][1](*stages[3][0](ids))
+    assert k.shape == v.shape == (2, 2, 12, 16)  # the full-attention layers' heads (their width)
+    for name in ("k_proj", "v_proj"):  # the reusing layers' share of the storing layers' gradients reached them
+        assert want_grads[f"model.layers.1.self_attn.{name}.weight"].abs().sum() > 0
+        assert f"model.layers.4.self_attn.{name}.weight" not in want_grads
+    every = transformers.AutoModelForCausalLM.from_config(
+        transformers.AutoConfig.for_model("gemma4_text", **{**kw, "num_kv_shared_layers": layers})
     )
-    with pytest.raises(ValueError, match=r"last 2 layers reuse the keys and values of earlier ones"):
-        hf_pipeline_stage(shared, 0, 2)
+    with pytest.raises(ValueError, match=r"every one of Gemma4ForCausalLM's layers reuses keys and values"):
+        hf_pipeline_stage(every, 0, 2)
