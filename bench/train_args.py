@@ -1,4 +1,5 @@
-"""Command line of ``python -m tessel.bench.train``: options, model-size presets, and their validation.
+"""Command line of ``python -m tessel.bench.train``: options, model-size presets, and their validation (the layout's
+and the model's here, the run's in :mod:`.train_checks`).
 
 Everything here is checked before any process group exists, from torchrun's ``WORLD_SIZE``, so a bad
 argument ends every rank at once with one line on stderr and a non-zero status, and never a traceback.
@@ -12,11 +13,11 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from ..layers.moe import ROUTER_SCORES
-from .dataset import DEFAULT_DATASET, TOKEN_FORMATS, ByteDataset
+from .dataset import DEFAULT_DATASET, TOKEN_FORMATS
+from .train_checks import ArgumentError, check_eval, check_experts, check_kill, check_run, positive
 
 __all__ = [
     "COMPILE_BACKENDS",
@@ -65,10 +66,6 @@ PRESETS: dict[str, Preset] = {
     "350m": Preset(dict(n_layer=24, n_head=16, n_embd=1024, block_size=2048), seq_len=1024, batch_size=16, lr=3e-4),
     "1b": Preset(dict(n_layer=24, n_head=16, n_embd=2048, block_size=2048), seq_len=2048, batch_size=8, lr=2e-4),
 }
-
-
-class ArgumentError(ValueError):
-    """An argument that cannot work; its message is the one line the command prints."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -376,7 +373,7 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
     add("--keep-checkpoints", type=int, default=2, help="complete checkpoints kept on disk (default: %(default)s)")
     add("--resume", action="store_true", help="continue from the latest complete checkpoint under --out")
     add("--profile", action="store_true", help="write a Chrome trace of a few steps under --out")
-    add("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)  # test switch: see _check_kill
+    add("--kill-rank", type=int, default=None, help=argparse.SUPPRESS)  # test switch: see train_checks.check_kill
     add("--kill-at-step", type=int, default=None, help=argparse.SUPPRESS)
     return p
 
@@ -407,10 +404,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.world_size = int(os.environ.get("WORLD_SIZE", "1"))
     _check_layout(args)
     _check_model(args, preset)
-    _check_run(args)
-    _check_eval(args)
+    check_run(args)
+    check_eval(args)
     _check_hf(args)
-    _check_kill(args)
+    check_kill(args)
     return args
 
 
@@ -427,16 +424,8 @@ def learning_rate(args, step: int) -> float:
     return args.min_lr + 0.5 * (args.lr - args.min_lr) * (1 + math.cos(math.pi * progress))
 
 
-def _positive(args, *names: str) -> None:
-    for name in names:
-        if getattr(args, name) < 1:
-            raise ArgumentError(
-                f"--{name.replace('_', '-')} must be a positive integer, received {getattr(args, name)}"
-            )
-
-
 def _check_layout(args) -> None:
-    _positive(args, "tp", "pp", "cp", "ep")
+    positive(args, "tp", "pp", "cp", "ep")
     sizes = f"--tp {args.tp} × --pp {args.pp}" + (f" × --cp {args.cp}" if args.cp > 1 else "")
     model_ranks = args.tp * args.pp * args.cp  # the ranks that share one data-parallel replica's batch
     if args.dp == -1:
@@ -445,7 +434,7 @@ def _check_layout(args) -> None:
                 f"{sizes} = {model_ranks} does not divide the world size {args.world_size} (torchrun --nproc_per_node)"
             )
         args.dp = args.world_size // model_ranks
-    _positive(args, "dp")
+    positive(args, "dp")
     if model_ranks * args.dp != args.world_size:
         raise ArgumentError(
             f"{sizes} × --dp {args.dp} = {model_ranks * args.dp} does not match the "
@@ -455,14 +444,14 @@ def _check_layout(args) -> None:
         raise ArgumentError(f"--ep {args.ep} does not divide the data-parallel size {args.dp}")
     if args.microbatches is None:
         args.microbatches = 2 * args.pp if args.pp > 1 else 1
-    _positive(args, "microbatches")
+    positive(args, "microbatches")
     args.stages_per_rank = INTERLEAVED_CHUNKS if args.pp > 1 and args.schedule == "interleaved" else 1
 
 
 def _check_model(args, preset: Preset) -> None:
     model = preset.model
     block, layers, heads = model["block_size"], model["n_layer"], model.get("n_kv_head") or model["n_head"]
-    _positive(args, "seq_len")
+    positive(args, "seq_len")
     if args.seq_len > block:
         raise ArgumentError(f"--seq-len {args.seq_len} exceeds the block size {block} of preset {args.preset!r}")
     if heads % args.tp:
@@ -474,12 +463,12 @@ def _check_model(args, preset: Preset) -> None:
             f"preset {args.preset!r}"
         )
     if args.sliding_window is not None:
-        _positive(args, "sliding_window")
+        positive(args, "sliding_window")
     if not 0 <= args.logit_z_loss < math.inf:
         raise ArgumentError(f"--logit-z-loss must be a finite non-negative number, received {args.logit_z_loss}")
     if not 0 <= args.label_smoothing <= 1:
         raise ArgumentError(f"--label-smoothing must lie in [0, 1], received {args.label_smoothing}")
-    _check_experts(args)
+    check_experts(args)
     if args.cp > 1 and args.seq_len % (2 * args.cp):
         raise ArgumentError(
             f"--cp {args.cp} needs --seq-len {args.seq_len} divisible by 2·cp = {2 * args.cp} (two chunks per rank)"
@@ -487,94 +476,6 @@ def _check_model(args, preset: Preset) -> None:
     if args.sequence_parallel and (args.seq_len // args.cp) % args.tp:
         what = f"--seq-len {args.seq_len}" if args.cp == 1 else f"the {args.seq_len // args.cp} tokens per cp rank"
         raise ArgumentError(f"--sequence-parallel needs {what} divisible by --tp {args.tp}")
-
-
-def _check_experts(args) -> None:
-    if args.experts < 0:
-        raise ArgumentError(f"--experts must be 0 (dense) or positive, received {args.experts}")
-    if not args.experts:
-        if args.ep > 1:
-            raise ArgumentError(f"--ep {args.ep} splits experts over ranks: it needs --experts")
-        if args.expert_bias_rate:
-            raise ArgumentError(f"--expert-bias-rate {args.expert_bias_rate} balances experts: it needs --experts")
-        if (args.expert_groups, args.top_groups) != (1, 1):
-            raise ArgumentError("--expert-groups and --top-groups group the experts: they need --experts")
-        return
-    if not 1 <= args.top_k <= args.experts:
-        raise ArgumentError(f"--top-k must be in [1, --experts {args.experts}], received {args.top_k}")
-    if args.experts % args.ep:
-        raise ArgumentError(f"--ep {args.ep} does not divide --experts {args.experts}")
-    if args.expert_groups < 1 or args.experts % args.expert_groups:
-        raise ArgumentError(f"--expert-groups must be a positive divisor of --experts {args.experts}, received "
-                            f"{args.expert_groups}")  # fmt: skip
-    if not 1 <= args.top_groups <= args.expert_groups:
-        raise ArgumentError(f"--top-groups must be in [1, --expert-groups {args.expert_groups}], received "
-                            f"{args.top_groups}")  # fmt: skip
-    if args.top_k > args.top_groups * (args.experts // args.expert_groups):
-        raise ArgumentError(f"--top-k {args.top_k} exceeds the {args.top_groups * (args.experts // args.expert_groups)}"
-                            f" experts of --top-groups {args.top_groups} groups")  # fmt: skip
-    for flag in ("aux_loss_coef", "z_loss_coef", "expert_bias_rate"):
-        value = getattr(args, flag)
-        if not 0 <= value < math.inf:
-            raise ArgumentError(f"--{flag.replace('_', '-')} must be a finite non-negative number, received {value}")
-
-
-def _check_run(args) -> None:
-    _positive(args, "steps", "batch_size", "keep_checkpoints")
-    if args.batch_size % args.dp:
-        raise ArgumentError(f"--batch-size {args.batch_size} is not divisible by the data-parallel size {args.dp}")
-    local = args.batch_size // args.dp
-    if local % args.microbatches:
-        raise ArgumentError(
-            f"the {local} sequences per data-parallel rank do not split into --microbatches {args.microbatches}"
-        )
-    if args.lr <= 0:
-        raise ArgumentError(f"--lr must be positive, received {args.lr}")
-    if not 0 <= args.min_lr <= args.lr:
-        raise ArgumentError(f"--min-lr must be in [0, --lr {args.lr:g}], received {args.min_lr:g}")
-    if not 0 <= args.warmup_steps < args.steps:
-        raise ArgumentError(f"--warmup-steps must be in [0, --steps {args.steps}), received {args.warmup_steps}")
-    for name in ("weight_decay", "grad_clip"):
-        if getattr(args, name) < 0:
-            raise ArgumentError(f"--{name.replace('_', '-')} must be non-negative, received {getattr(args, name)}")
-    if not 0 <= args.seed < 2**31:
-        raise ArgumentError(f"--seed must be in [0, 2**31), received {args.seed}")
-    if args.save_every < 0:
-        raise ArgumentError(f"--save-every must be 0 (never) or positive, received {args.save_every}")
-    if not args.data.is_file():
-        raise ArgumentError(f"--data {args.data}: no such file")
-    if args.init is not None and not (args.init / "config.json").is_file():
-        raise ArgumentError(f"--init must be a Hugging Face checkpoint directory (config.json and safetensors), "
-                            f"received {args.init}")  # fmt: skip
-    _check_tokens(args)
-    if args.dtype == "fp16" and args.zero == 0:
-        raise ArgumentError("--dtype fp16 needs loss scaling: use --zero 1, 2 or 3 (ZeroAdam's dynamic loss scale)")
-
-
-def _check_tokens(args) -> None:
-    """The vocabulary the data need, and the document separator their format takes."""
-    tp_note = f" and divisible by --tp {args.tp}" if args.tp > 1 else ""
-    if args.tokens == "bytes":
-        if args.doc_token is not None:
-            raise ArgumentError("--doc-token separates documents of token ids (--tokens uint16/uint32); a text "
-                                "takes --doc-sep")  # fmt: skip
-        needed, default, what = 256, 256, "every byte"
-    else:
-        if args.doc_sep is not None:
-            raise ArgumentError(f"--doc-sep separates documents of a text; --tokens {args.tokens} takes --doc-token")
-        try:  # the file read as the training run reads it: a whole number of tokens, enough of them
-            data = ByteDataset(args.data, seq_len=args.seq_len, tokens=args.tokens)
-        except ValueError as exc:
-            raise ArgumentError(f"--data {args.data}: {exc}") from None
-        width = np.dtype(TOKEN_FORMATS[args.tokens]).itemsize
-        if args.doc_token is not None and not 0 <= args.doc_token < 2 ** (8 * width):
-            raise ArgumentError(f"--doc-token must be a {args.tokens} token id, received {args.doc_token}")
-        needed, what = data.max_token() + 1, "the data's largest token id plus one"
-        default = -(-needed // 128) * 128
-    if args.vocab_size is None:
-        args.vocab_size = default if args.tp == 1 or default % args.tp == 0 else -(-default // args.tp) * args.tp
-    if args.vocab_size < needed or args.vocab_size % args.tp:
-        raise ArgumentError(f"--vocab-size must be at least {needed} ({what}){tp_note}, received {args.vocab_size}")
 
 
 def _check_hf(args) -> None:
@@ -586,34 +487,3 @@ def _check_hf(args) -> None:
         raise ArgumentError(problem)
     if args.fp8 and args.hf_baseline:
         raise ArgumentError("--hf-baseline trains the model as Hugging Face makes it: without --fp8")
-
-
-def _check_eval(args) -> None:
-    if args.eval_every < 0:
-        raise ArgumentError(f"--eval-every must be 0 (never) or positive, received {args.eval_every}")
-    _positive(args, "eval_batches")
-    if not args.eval_every:
-        if args.val_fraction is not None:
-            raise ArgumentError(f"--val-fraction {args.val_fraction} holds text out for evaluation: it needs "
-                                "--eval-every")  # fmt: skip
-        args.val_fraction = 0.0
-        return
-    if args.val_fraction is None:
-        args.val_fraction = 0.1
-    if not 0 < args.val_fraction < 1:
-        raise ArgumentError(f"--val-fraction must lie in (0, 1), received {args.val_fraction}")
-    size = args.data.stat().st_size // np.dtype(TOKEN_FORMATS[args.tokens]).itemsize  # in tokens
-    held_out = round(size * args.val_fraction)  # as ByteDataset cuts the file
-    for split, length in (("held-out", held_out), ("training", size - held_out)):
-        if length < args.seq_len + 1:
-            raise ArgumentError(f"--val-fraction {args.val_fraction} leaves {length} {split} tokens of --data "
-                                f"{args.data}, fewer than --seq-len + 1 = {args.seq_len + 1}")  # fmt: skip
-
-
-def _check_kill(args) -> None:
-    """``--kill-rank R --kill-at-step K``: rank R kills itself with SIGKILL when step K begins, on the
-    first attempt only (torchrun's ``TORCHELASTIC_RESTART_COUNT`` is 0), to test restarts."""
-    if (args.kill_rank is None) != (args.kill_at_step is None):
-        raise ArgumentError("--kill-rank and --kill-at-step go together")
-    if args.kill_rank is not None and not 0 <= args.kill_rank < args.world_size:
-        raise ArgumentError(f"--kill-rank {args.kill_rank} is not a rank of the world of {args.world_size}")
