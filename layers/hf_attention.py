@@ -37,7 +37,9 @@ eager attention does (``sdpa`` has no sinks).
 Head dims the kernel lacks run at the next one it takes, widened with zeros (queries and keys of 80 dims at
 128, DeepSeek-V3's 192 at 256: zeros add nothing to q·k), and so do values narrower than the queries
 (multi-head latent attention, DeepSeek-V2/V3: the values' zero columns give output columns that are cut off).
-Everything else goes to ``sdpa`` with the mask Hugging Face built: masks of other patterns (a padding hole in
+A sparse attention's selected keys (DeepSeek-V3.2's and GLM-5's indexers: ``indices``, each query's top-k keys) are
+kept by the mask, as the model's eager attention keeps them, and run there. Everything else goes to ``sdpa`` with the
+mask Hugging Face built: masks of other patterns (a padding hole in
 the middle of a row, say), attention dropout in training, position biases, and head dims above 256 or dtypes
 the kernel does not take; with sinks or soft-capping, which ``sdpa`` does not take, the model's own eager
 attention.
@@ -65,6 +67,8 @@ from ..parallel.sharding import local_shard
 
 __all__ = [
     "CP_GROUP_ATTR",
+    "MLA_INDEXER_INPUTS",
+    "MLA_INDEXER_QUERIES",
     "MLA_INPUT_PROJECTIONS",
     "MLA_LATENT_PROJECTIONS",
     "PER_HEAD_PARAMETERS",
@@ -88,6 +92,9 @@ SEGMENT_IDS_KWARG = "tessel_segment_ids"
 # The keyword argument through which GPT-OSS hands the attention its sinks: a learned logit per query head
 # that joins each row's softmax and attends to nothing
 SINKS_KWARG = "s_aux"
+# The keyword argument through which a sparse attention (DeepSeek-V3.2's, GLM-5's) hands the attention the keys its
+# indexer selected for each query, ``[B, Sq, k]``
+INDICES_KWARG = "indices"
 
 
 def mask_segments(mask, causal: bool, window: int | None = None):
@@ -205,6 +212,9 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     def refuse(what: str):
         raise ValueError(f"{type(module).__name__} under context parallelism over {c} ranks: {what}")
 
+    if kwargs.get(INDICES_KWARG) is not None:
+        refuse("the keys a sparse attention's indexer selected (DeepSeek Sparse Attention's indices) are not "
+               "supported")  # fmt: skip
     if key.shape[2] != length:
         refuse(f"the keys must be this rank's {length} tokens, received {key.shape[2]} (decoding with a key-value "
                "cache is not supported)")  # fmt: skip
@@ -292,6 +302,9 @@ def tessel_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.
     if cp_group is not None and group_size(cp_group) > 1:
         return _ring_attention_forward(module, query, key, value, attention_mask, dropout, scaling, causal, cp_group,
                                        kwargs)  # fmt: skip
+    indices = kwargs.pop(INDICES_KWARG, None)
+    if indices is not None:  # a sparse attention's selected keys: the mask keeps those alone (sdpa runs it)
+        attention_mask = _selected_keys(attention_mask, indices, query, key, causal)
     kernel_ok = (
         # several queries over a cache need the mask (Hugging Face's is top-left aligned without one)
         (query.shape[2] == key.shape[2] or query.shape[2] == 1 or attention_mask is not None)
@@ -382,13 +395,37 @@ def _fallback(module: nn.Module, query, key, value, attention_mask, dropout, sca
     causal = getattr(module, "is_causal", True) if is_causal is None else bool(is_causal)
     if attention_mask is None and causal and query.shape[2] > 1:
         # the mask builder passes None for plain causal attention (sdpa's is_causal); eager needs it spelled out
-        sq, sk = query.shape[2], key.shape[2]
-        pos = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
-        attention_mask = (torch.arange(sk, device=query.device)[None, :] <= pos)[None, None]
+        attention_mask = _causal_mask(query, key)
     if isinstance(attention_mask, torch.Tensor) and attention_mask.dtype == torch.bool:
         hidden = torch.finfo(query.dtype).min
         attention_mask = torch.zeros((), dtype=query.dtype, device=query.device).masked_fill(~attention_mask, hidden)
     return eager(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+
+
+def _causal_mask(query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
+    """``[1, 1, Sq, Sk]``: the queries, the last ``Sq`` of the ``Sk`` positions, each see the keys up to itself."""
+    sq, sk = query.shape[2], key.shape[2]
+    pos = torch.arange(sq, device=query.device)[:, None] + (sk - sq)
+    return (torch.arange(sk, device=query.device)[None, :] <= pos)[None, None]
+
+
+def _selected_keys(attention_mask, indices, query: torch.Tensor, key: torch.Tensor, causal: bool) -> torch.Tensor:
+    """The mask of a sparse attention (DeepSeek-V3.2's, GLM-5's: its indexer's top-k keys ``indices [B, Sq, k]`` of
+    each query) within ``attention_mask`` (a boolean or additive ``[B or 1, 1, Sq, Sk]``; None: causal or full), as
+    the model's eager attention applies it."""
+    b, sq, sk = query.shape[0], query.shape[2], key.shape[2]
+    if not (isinstance(indices, torch.Tensor) and indices.dim() == 3 and tuple(indices.shape[:2]) == (b, sq)
+            and not indices.is_floating_point()):  # fmt: skip
+        got = f"{indices.dtype} {tuple(indices.shape)}" if isinstance(indices, torch.Tensor) else type(indices).__name__
+        raise ValueError(f"tessel attention: indices (a sparse attention's selected keys) must be integers "
+                         f"[batch={b}, queries={sq}, k], received {got}")  # fmt: skip
+    selected = torch.zeros(b, sq, sk, dtype=torch.bool, device=query.device)
+    selected = selected.scatter(-1, indices.long(), True)[:, None]
+    if attention_mask is None:
+        return selected & _causal_mask(query, key) if causal and sq > 1 else selected
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & selected
+    return attention_mask.masked_fill(~selected, torch.finfo(attention_mask.dtype).min)
 
 
 def register_hf_attention() -> str:
@@ -418,6 +455,9 @@ def register_hf_attention() -> str:
 # latents, and the one split by heads (without a query latent)
 MLA_LATENT_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa")
 MLA_INPUT_PROJECTIONS = ("q_proj",)
+# a sparse attention's indexer (DeepSeek-V3.2's, GLM-5's): its projections of the block's input (its key, its heads'
+# weights), and of the query latent (its queries)
+MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES = ("wk", "weights_proj"), ("wq_b",)
 
 
 def mla_rope_dim(model: nn.Module, name: str, projection: nn.Module) -> int:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
-from .hf_attention import MLA_INPUT_PROJECTIONS, MLA_LATENT_PROJECTIONS
+from .hf_attention import MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES, MLA_INPUT_PROJECTIONS, MLA_LATENT_PROJECTIONS
 from .hf_experts import ExpertSplit
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
@@ -224,7 +224,8 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
     read the whole sequence (``latent_fed``). Multi-head latent attention (DeepSeek-V2/V3): ``kv_a_proj_with_mqa``
     and ``q_a_proj`` feed ``kv_b_proj`` and ``q_b_proj`` (``q_proj``, where there is one, is a ring column). Zamba 2's
     MLP adapters: each one's first projection (to its rank) feeds its second. Entries are added for the replicated
-    projections the plan leaves out."""
+    projections the plan leaves out. A sparse attention's indexer inside such a block: ``wk`` and ``weights_proj``
+    are latents; ``wq_b``, which reads the query latent, stays replicated (``latent_fed``)."""
     blocks = {e.name.rpartition(".")[0] for e in entries if e.kind == MLA_KV_A}
     named, added = {e.name for e in entries}, []
     for e in entries:
@@ -246,3 +247,12 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
             name = f"{block}.{child}"
             if isinstance(m, nn.Linear) and name not in named and child in MLA_LATENT_PROJECTIONS:
                 entries.append(Entry(name, m, LATENT, LATENT, latent=True))
+        # a sparse attention's indexer (DeepSeek-V3.2's, GLM-5's), replicated: its projections of the block's input
+        # to its key and head weights are latents too, its query's reads the query latent (the whole sequence)
+        indexer = modules.get(f"{block}.indexer")
+        for child, m in indexer.named_children() if indexer is not None else ():
+            name = f"{block}.indexer.{child}"
+            if isinstance(m, nn.Linear) and name not in named and child in MLA_INDEXER_INPUTS:
+                entries.append(Entry(name, m, LATENT, LATENT, latent=True))
+            elif isinstance(m, nn.Linear) and name not in named and child in MLA_INDEXER_QUERIES:
+                entries.append(Entry(name, m, REPLICATE, REPLICATE, latent_fed=True))

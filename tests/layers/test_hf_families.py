@@ -31,7 +31,12 @@ FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", 
             "ernie4_5", "arcee", "phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe",
             "granitemoe_swa", "sarvam_moe", "apertus1p5_text", "aria_text", "beam", "cohere2_moe", "cwm", "exaone",
             "exaone_moe", "granite_swa", "granitemoeshared", "hy_v3", "hyperclovax", "iquestcoder", "kolibri1",
-            "llama4_text", "mimo_v2_flash", "ministral3", "solar_open")  # fmt: skip
+            "llama4_text", "mimo_v2_flash", "ministral3", "solar_open", "glm4_moe_lite", "minicpm3",
+            "qwen3_5_moe_text", "stablelm", "minimax_m3_vl_text")  # fmt: skip
+# what a family's tiny config needs beside family_model's: multi-head latent attention expands the latent to every
+# head (kv heads as many as the heads); Qwen3.5-MoE's first three of each four layers are linear attention
+FAMILY_CONFIGS = {"glm4_moe_lite": dict(num_key_value_heads=4), "minicpm3": dict(num_key_value_heads=4),
+                  "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"])}  # fmt: skip
 # the families whose own plans leave their attention whole: tessel splits it by heads
 WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
 
@@ -58,7 +63,7 @@ def _families_ranks(rank, world_size, families):
 
     for kind in families:
         for sp in (False, True):
-            dense = family_model(kind)
+            dense = family_model(kind, **FAMILY_CONFIGS.get(kind, {}))
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
             if kind in WHOLE_ATTENTION:
                 attention = par.model.layers[1].self_attn
@@ -421,3 +426,87 @@ def test_the_linear_attention_helpers_refuse_what_they_do_not_split():
         split_depthwise_conv(torch.nn.Conv1d(6, 6, 3, groups=6), (2, 2), None)
     with pytest.raises(ValueError, match=r"delta_net_updates: expected a Gated DeltaNet block .* received Linear"):
         delta_net_updates(torch.nn.Linear(2, 2), 2)
+
+
+# ------------------------------------------------------------------------------------------------ sparse attention
+# DeepSeek Sparse Attention (DeepSeek-V3.2, GLM-5): an indexer picks each query's top-k keys, which the attention
+# keeps; multi-head latent attention around it (kv heads as many as the heads)
+SPARSE_FAMILIES = ("deepseek_v32", "glm_moe_dsa")
+SPARSE = dict(num_key_value_heads=4, index_topk=3, index_n_heads=2, index_head_dim=16, qk_rope_head_dim=8)
+
+
+@needs_hf
+@pytest.mark.parametrize("family", SPARSE_FAMILIES)
+@pytest.mark.parametrize("padding", [None, "left"])
+def test_a_sparse_attentions_selected_keys_are_kept(family, padding):
+    """tessel's attention keeps only the keys the indexer selected (``indices``), within the model's mask, as the
+    model's eager attention does: logits and gradients, with and without left padding (3 keys of up to 8: the
+    attention over every key differs)."""
+    from tessel.layers.hf import register_hf_attention
+    from tests.layers.test_hf import _close, _eager_and_tessel
+
+    register_hf_attention()
+    model = family_model(family, **SPARSE)
+    results = _eager_and_tessel(model, padding)
+    _close(results["tessel"][0], results["eager"][0])
+    for name, grad in results["tessel"][1].items():
+        _close(grad, results["eager"][1][name], msg=lambda m, n=name: f"{n}: {m}")
+    dense = family_model(family, **{**SPARSE, "index_topk": 64})
+    assert (dense(torch.arange(12)[None]).logits - model(torch.arange(12)[None]).logits).abs().max() > 1e-3
+
+
+def test_selected_keys_refuse_what_is_not_an_index_per_query():
+    from tessel.layers.hf_attention import _selected_keys
+
+    q, k = torch.zeros(2, 4, 5, 8), torch.zeros(2, 4, 7, 8)
+    keep = _selected_keys(None, torch.tensor([[[0, 4]] * 5] * 2), q, k, causal=True)
+    assert keep.shape == (2, 1, 5, 7) and keep[0, 0].nonzero().tolist() == [[0, 0], [1, 0], [2, 0], [2, 4], [3, 0],
+                                                                              [3, 4], [4, 0], [4, 4]]  # fmt: skip
+    additive = _selected_keys(torch.zeros(1, 1, 5, 7), torch.tensor([[[6]] * 5] * 2), q, k, causal=True)
+    assert (additive[:, :, :, 6] == 0).all() and (additive[:, :, :, :6] == torch.finfo(torch.float32).min).all()
+    for bad, words in ((torch.zeros(2, 5, 1), r"received torch.float32 \(2, 5, 1\)"),
+                       (torch.zeros(2, 4, 1, dtype=torch.long), r"received torch.int64 \(2, 4, 1\)"),
+                       ([[0]], "received list")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"indices \(a sparse attention's selected keys\) must be integers "
+                                             rf"\[batch=2, queries=5, k\], {words}"):  # fmt: skip
+            _selected_keys(None, bad, q, k, causal=True)
+
+
+def _sparse_ranks(rank, world_size):
+    from tessel.layers.hf import RingLatentLinear, register_hf_attention
+    from tessel.layers.hf_attention import CP_GROUP_ATTR, tessel_attention_forward
+    from tessel.layers.parallelize import parallelize
+    from tests.layers.test_context_parallel import _grid
+
+    register_hf_attention()
+    _, tp_group, cp_group = _grid(rank, world_size, 2)  # cp over both ranks
+    for family in SPARSE_FAMILIES:
+        for sp in (False, True):
+            dense = family_model(family, **SPARSE)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            par.set_attn_implementation("tessel")
+            indexer = par.model.layers[0].self_attn.indexer
+            # under sequence parallelism its projections of the input gather their outputs, its queries' reads the
+            # gathered query latent; otherwise it stays as it is, replicated
+            assert isinstance(indexer.wk, RingLatentLinear) == sp and type(indexer.wq_b) is torch.nn.Linear
+            assert isinstance(indexer.weights_proj, RingLatentLinear) == sp
+            _check_against_dense(dense, par, f"{family} sp={sp}")
+        with pytest.raises(ValueError, match="layers of type 'indexed_attention', which would see this rank's share"):
+            parallelize(family_model(family, **SPARSE), tp_group, cp_group=cp_group)
+    # the attention itself refuses the selected keys of a module marked for context parallelism
+    module = torch.nn.Module()
+    setattr(module, CP_GROUP_ATTR, cp_group)
+    q = torch.zeros(1, 2, 4, 16)
+    with pytest.raises(ValueError, match="the keys a sparse attention's indexer selected"):
+        tessel_attention_forward(module, q, q, q, None, indices=torch.zeros(1, 4, 2, dtype=torch.long))
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_sparse_attention_splits_by_heads_and_its_indexer_reads_the_whole_sequence():
+    """DeepSeek-V3.2 and GLM-5 (multi-head latent attention with an indexer that picks each query's keys) under
+    tessel's attention, split over 2 ranks, against the dense model's eager attention, with and without sequence
+    parallelism: the indexer, replicated, gathers the sequence as the latents do. Context parallelism is refused
+    (the indexer would score this rank's keys alone), and so are selected keys in the ring, by name."""
+    assert run_ranks(_sparse_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
