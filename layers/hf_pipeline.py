@@ -82,9 +82,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe",
                          "minimax", "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe",
                          "gemma", "gemma2", "gemma3_text", "gemma4_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
+                         "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "minicpm3",
                          # hybrids: linear attention, state spaces or short convolutions between attention layers
-                         "qwen3_5_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid", "falcon_h1",
-                         "nemotron_h", "jamba", "lfm2", "zamba2")  # fmt: skip
+                         "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid",
+                         "falcon_h1", "nemotron_h", "jamba", "lfm2", "zamba2")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):

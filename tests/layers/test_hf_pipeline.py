@@ -221,16 +221,22 @@ def test_a_stage_shares_the_models_parameters_not_its_registrations():
 MLA = dict(head_dim=8, qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, kv_lora_rank=16, q_lora_rank=24,
            n_routed_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1,
            first_k_dense_replace=1, topk_group=1, num_key_value_heads=4)  # fmt: skip
+# sparse attention (DeepSeek-V3.2, GLM-5): the indexer keeps 3 keys of each query's
+SPARSE_MLA = {**MLA, "n_group": 1, "index_topk": 3, "index_n_heads": 2, "index_head_dim": 16}
 FAMILIES = {"ministral": "Ministral", "olmo": "Olmo", "olmo2": "Olmo2", "olmo3": "Olmo3", "phi3": "Phi3", "glm": "Glm",
             "smollm3": "SmolLM3", "helium": "Helium", "exaone4": "Exaone4", "arcee": "Arcee", "seed_oss": "SeedOss",
             "ernie4_5": "Ernie4_5", "hunyuan_v1_dense": "HunYuanDenseV1", "apertus": "Apertus", "cohere": "Cohere",
             "cohere2": "Cohere2", "granite": "Granite", "gemma": "Gemma", "gemma2": "Gemma2",
-            "gemma3_text": "Gemma3Text", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3"}  # fmt: skip
+            "gemma3_text": "Gemma3Text", "deepseek_v2": "DeepseekV2", "deepseek_v3": "DeepseekV3",
+            "deepseek_v32": "DeepseekV32", "glm_moe_dsa": "GlmMoeDsa", "glm4_moe_lite": "Glm4MoeLite",
+            "minicpm3": "MiniCPM3"}  # fmt: skip
 # What a family's config takes beyond the common shape: Granite's embedding multiplier and logit scaling, Gemma 2's
 # soft-capped logits (a cap the tiny model's logits reach) and eager attention
 FAMILY_EXTRAS = {"granite": {"embedding_multiplier": 12.0, "logits_scaling": 4.0},
                  "gemma2": {"final_logit_softcapping": 0.5, "attn_implementation": "eager"},
-                 "deepseek_v2": {**MLA, "n_group": None}, "deepseek_v3": {**MLA, "n_group": 1}}  # fmt: skip
+                 "deepseek_v2": {**MLA, "n_group": None}, "deepseek_v3": {**MLA, "n_group": 1},
+                 "glm4_moe_lite": {**MLA, "n_group": 1}, "minicpm3": MLA,
+                 "deepseek_v32": SPARSE_MLA, "glm_moe_dsa": SPARSE_MLA}  # fmt: skip
 
 
 @pytest.mark.parametrize("kind", list(FAMILIES))
@@ -451,6 +457,8 @@ _MAMBA2 = dict(mamba_n_heads=4, mamba_d_head=16, mamba_n_groups=1, mamba_d_state
 # period and an offset)
 HYBRIDS = {"qwen3_5_text": _LINEAR, "qwen3_next": {**_LINEAR, "num_experts": 4, "num_experts_per_tok": 2,
                                                    "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16},
+           "qwen3_5_moe_text": {**_LINEAR, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 16,
+                                "shared_expert_intermediate_size": 16},
            "olmo_hybrid": _LINEAR, "bamba": {**_MAMBA2, "attn_layer_indices": [1, 3]},
            "granitemoehybrid": {**_MAMBA2, "layer_types": ["mamba", "attention"] * 2, "num_local_experts": 4,
                                 "num_experts_per_tok": 2, "shared_intermediate_size": 16},
