@@ -44,7 +44,8 @@ OPTIONS = "_tessel_lm_loss_options"  # fuse_lm_loss's label_smoothing and z_loss
 # num_experts and num_experts_per_tok when asked for router logits (checked family by family against their own forward
 # in tests/layers/test_hf_router_loss.py)
 BALANCED_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe", "minimax",
-                  "minimax_m2", "granitemoe", "laguna", "mellum", "gpt_oss", "jamba")  # fmt: skip
+                  "minimax_m2", "granitemoe", "laguna", "mellum", "gpt_oss", "jamba", "qwen3_next",
+                  "qwen3_5_moe_text")  # fmt: skip
 
 
 def _check(model) -> ColumnParallelLinear:

@@ -354,6 +354,8 @@ PIPELINED_MIXTURES = [
     "mellum",
     "granitemoe",
     "gpt_oss",
+    "qwen3_next",
+    "qwen3_5_moe_text",
 ]
 
 

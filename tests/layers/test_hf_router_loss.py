@@ -23,6 +23,9 @@ MIXTURES = {"mixtral": ("Mixtral", {"num_local_experts": 4}),
             "qwen3_moe": ("Qwen3Moe", _MOE)}  # fmt: skip
 
 
+_HYBRID_MOE = {"num_experts": 4, "moe_intermediate_size": 24, "shared_expert_intermediate_size": 24,
+               "full_attention_interval": 2, "linear_key_head_dim": 8,
+               "linear_value_head_dim": 8, "linear_num_key_heads": 2, "linear_num_value_heads": 4}  # fmt: skip
 # The further families whose loss adds Hugging Face's load_balancing_loss_func, their experts as their configs name
 # them (Granite-MoE's logits scaled as well)
 FAMILIES = {"olmoe": {"num_experts": 4}, "flex_olmo": {"num_experts": 4}, "phimoe": {"num_local_experts": 4},
@@ -34,7 +37,9 @@ FAMILIES = {"olmoe": {"num_experts": 4}, "flex_olmo": {"num_experts": 4}, "phimo
             "gpt_oss": {"num_local_experts": 4, "sliding_window": 4, "attn_implementation": "eager"},
             # Mamba-1 mixers, attention in the 2nd layer and experts in every other one
             "jamba": {"num_experts": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
-                      "expert_layer_offset": 0, "use_mamba_kernels": False, "mamba_d_state": 4}}  # fmt: skip
+                      "expert_layer_offset": 0, "use_mamba_kernels": False, "mamba_d_state": 4},
+            # Gated DeltaNet layers around full attention, experts beside a shared expert in every layer
+            "qwen3_next": _HYBRID_MOE, "qwen3_5_moe_text": _HYBRID_MOE}  # fmt: skip
 
 
 def family_model(kind: str, layers: int = 3, **extra):
