@@ -45,7 +45,9 @@ of its heads (:mod:`~tessel.layers.hf_mixer_context`). Its recurrence runs Huggi
 installed, its torch fallback otherwise). ``--hf bamba``: Bamba's design, three Mamba-2 layers to each attention layer
 (:func:`_state_space_config`), the mixers split by heads (:mod:`~tessel.layers.hf_mixers`), the same layouts
 (:data:`LINEAR_ATTENTION_FAMILIES`); its scan runs ``mamba_ssm``'s kernels where installed, Hugging Face's torch
-fallback otherwise. ``--hf jamba`` (with ``--experts N``): Jamba's, Mamba-1 mixers split by channels, one attention
+fallback otherwise. ``--hf qwen3_5_moe`` (with ``--experts N``): Qwen3.5-MoE's, Qwen3.5's layers with experts
+beside a shared expert of the preset's MLP width in every layer, its balancing loss. ``--hf jamba`` (with
+``--experts N``): Jamba's, Mamba-1 mixers split by channels, one attention
 layer in every 8 and experts in every other layer (:func:`_jamba_config`). FLOPs count no recurrence.
 
 ``--hf gemma4``: Gemma 4's design at the preset's shape (:func:`_gemma4_config`): five layers sliding over 512 keys
@@ -106,14 +108,16 @@ __all__ = [
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
-               "qwen3_5": "Qwen3_5", "bamba": "Bamba", "jamba": "Jamba", "gemma4": "Gemma4"}  # fmt: skip
+               "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba", "jamba": "Jamba",
+               "gemma4": "Gemma4"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
-TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "gemma4": "Gemma4Text"}
+TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "qwen3_5_moe": "Qwen3_5MoeText",
+                "gemma4": "Gemma4Text"}  # fmt: skip
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
                 "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size",
-                "jamba": "intermediate_size"}  # fmt: skip
+                "jamba": "intermediate_size", "qwen3_5_moe": "moe_intermediate_size"}  # fmt: skip
 # The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
 # by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
 BIASED_FAMILIES = ("deepseek_v3",)
@@ -124,7 +128,7 @@ WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window":
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
 # The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention) or Mamba
 # mixers (tessel.layers.hf_mixers), which run under context parallelism by heads (tessel.layers.hf_mixer_context)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "bamba", "jamba")
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "bamba", "jamba")
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
 ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
@@ -142,7 +146,8 @@ def _experts_config(args, c: GPTConfig) -> dict:
                 "moe_intermediate_size": c.mlp_hidden, "first_k_dense_replace": 1, "n_group": args.expert_groups,
                 "topk_group": args.top_groups}  # fmt: skip
     count = "num_local_experts" if args.hf in ("mixtral", "gpt_oss") else "num_experts"
-    return {count: args.experts, "num_experts_per_tok": args.top_k, MOE_FAMILIES[args.hf]: c.mlp_hidden,
+    shared = {"shared_expert_intermediate_size": c.mlp_hidden} if args.hf == "qwen3_5_moe" else {}
+    return {**shared, count: args.experts, "num_experts_per_tok": args.top_k, MOE_FAMILIES[args.hf]: c.mlp_hidden,
             "router_aux_loss_coef": args.aux_loss_coef,
             "output_router_logits": args.aux_loss_coef > 0 or args.z_loss_coef > 0}  # fmt: skip
 
@@ -159,7 +164,7 @@ def _hf_config(args, c: GPTConfig, attention: str):
     kw.update(_experts_config(args, c))
     if args.hf == "deepseek_v3":
         kw.update(_latent_attention_config(c))
-    if args.hf == "qwen3_5":
+    if args.hf in ("qwen3_5", "qwen3_5_moe"):
         kw.update(_linear_attention_config(c))
     if args.hf == "bamba":
         kw.update(_state_space_config(c))

@@ -392,6 +392,25 @@ def test_qwen3_5_trains_its_linear_attention_split_by_heads(tmp_path):
     _check_hybrid_curves(tmp_path, QWEN3_5, "Qwen3_5")
 
 
+# no balancing loss in the layouts: each data-parallel rank would balance its own batch (its own test below)
+QWEN3_5_MOE = ["--hf", "qwen3_5_moe", "--experts", "4", "--aux-loss-coef", "0", "--steps", "3", "--seq-len", "32",
+               "--batch-size", "8", "--microbatches", "2"]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_qwen3_5_moe_trains_its_linear_attention_and_experts(tmp_path):
+    """--hf qwen3_5_moe: Qwen3.5's layers with four experts beside a shared expert in each. The single process's
+    curve as Hugging Face computes it, at tp=2 with and without sequence parallelism (the linear attention split by
+    heads, the experts by features), in two pipeline stages, over two data-parallel ranks under ZeRO-2, and over two
+    context-parallel ranks; with its balancing loss, Hugging Face's curve and two pipeline stages' (the router sums
+    passed on)."""
+    _check_hybrid_curves(tmp_path, QWEN3_5_MOE, "Qwen3_5Moe")
+    balanced = [*QWEN3_5_MOE[:5], "0.01", *QWEN3_5_MOE[6:]]
+    layouts = {name: HYBRID_LAYOUTS[name] for name in ("baseline", "pp2", "tp2-sp")}
+    _check_hybrid_curves(tmp_path / "balanced", balanced, "Qwen3_5Moe", layouts)
+
+
 BAMBA = ["--hf", "bamba", "--steps", "3", "--seq-len", "32", "--batch-size", "8", "--microbatches", "2"]
 
 
