@@ -501,11 +501,14 @@ def per_head_parameters(
             p = parent._parameters.get(name)
             if p is None or t == 1:
                 continue
-            if p.dim() == 0 or p.shape[0] % t:
+            # the heads' dim: the first of more than one entry (Kimi's A_log [1, 1, H, 1])
+            dim = next((i for i, n in enumerate(p.shape) if n > 1), 0)
+            if p.dim() == 0 or p.shape[dim] % t:
                 raise ValueError(f"parallelize: {parent_name}.{name} of shape {list(p.shape)} holds one value (or "
                                  f"row) per query head or channel, which must split over {t} tensor-parallel "
                                  f"ranks")  # fmt: skip
-            local = nn.Parameter(local_shard(p.detach(), 0, (p.shape[0],), r, t).clone(), requires_grad=p.requires_grad)
-            local.tensor_parallel, local.tp_dim, local.tp_parts = True, 0, (p.shape[0],)
+            local = nn.Parameter(local_shard(p.detach(), dim, (p.shape[dim],), r, t).clone(),
+                                 requires_grad=p.requires_grad)  # fmt: skip
+            local.tensor_parallel, local.tp_dim, local.tp_parts = True, dim, (p.shape[dim],)
             shards.append((parent, name, local))
     return shards

@@ -26,10 +26,21 @@ and for all three:
                 over the group
     out_proj    rowwise (OLMo-hybrid's o_proj)
 
-The module's head counts and widths (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``),
-which its forward reads to split the mixed channels, take their local values. Under sequence parallelism the block
-gathers the sequence once for its input projections (one ring), and the causal convolution and the
-recurrence run over the whole sequence of this rank's heads.
+Kimi Delta Attention (Kimi Linear's ``self_attn`` in its linear layers) is a Gated DeltaNet whose decay is per
+channel, from a low-rank forget gate, and whose output gate is low-rank too; ``num_heads`` heads of ``head_dim``
+for q, k and v alike:
+
+    q_proj, k_proj, v_proj [H·D, H], b_proj [H, H]: colwise; conv1d over [q | k | v]: colwise_conv
+    forget_gate.f_a_proj [D, H], g_a_proj [D, H]: replicated (a latent every head reads), their gradients whole since
+                the columns after them sum theirs over the group
+    forget_gate.f_b_proj, g_b_proj [H·D, D]: colwise; forget_gate.dt_bias [H·D], forget_gate.A_log [1, 1, H, 1]:
+                this rank's heads' values
+    o_norm      whole, its gradient summed; o_proj: rowwise
+
+The module's head counts and widths (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``; Kimi's
+``num_heads`` and ``qkv_dim``), which its forward reads to split the mixed channels, take their local values. Under
+sequence parallelism the block gathers the sequence once for its input projections (one ring), and the causal
+convolution and the recurrence run over the whole sequence of this rank's heads.
 """
 
 from __future__ import annotations
@@ -41,12 +52,17 @@ from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
 
 __all__ = [
+    "KIMI_LATENTS",
+    "KIMI_LATENT_FED",
     "delta_layout",
     "delta_net_styles",
     "delta_net_updates",
     "delta_parts",
     "gathered_delta_rules",
     "is_delta_net",
+    "is_kimi_delta",
+    "kimi_delta_styles",
+    "kimi_delta_updates",
     "split_depthwise_conv",
 ]
 
@@ -145,6 +161,59 @@ def delta_net_updates(m: nn.Module, t: int) -> dict[str, int]:
     if hasattr(m, "conv_dim"):
         updates["conv_dim"] = 2 * key + value
     return updates
+
+
+# Kimi Delta Attention's low-rank gates: the projections of the block's input to one head's width, and those after
+KIMI_LATENTS, KIMI_LATENT_FED = ("forget_gate.f_a_proj", "g_a_proj"), ("forget_gate.f_b_proj", "g_b_proj")
+
+
+def is_kimi_delta(m: nn.Module, t: int = 1) -> bool:
+    """Whether ``m`` is Kimi Delta Attention of plain projections (see the module's notes) whose heads split over
+    ``t``."""
+    h, d, gate = getattr(m, "num_heads", None), getattr(m, "head_dim", None), getattr(m, "forget_gate", None)
+    if not (isinstance(h, int) and isinstance(d, int) and h > 0 and d > 0 and isinstance(gate, nn.Module)):
+        return False
+    hidden, width = getattr(getattr(m, "o_proj", None), "out_features", None), h * d
+    shapes = {"q_proj": (width, hidden), "k_proj": (width, hidden), "v_proj": (width, hidden), "b_proj": (h, hidden),
+              "g_a_proj": (d, hidden), "g_b_proj": (width, d), "o_proj": (hidden, width),
+              "forget_gate.f_a_proj": (d, hidden), "forget_gate.f_b_proj": (width, d)}  # fmt: skip
+    for name, shape in shapes.items():
+        p = m.get_submodule(name) if _has(m, name) else None
+        if not isinstance(p, nn.Linear) or type(p).forward is not nn.Linear.forward or p.weight.shape != shape:
+            return False
+    conv = getattr(m, "conv1d", None)
+    if not isinstance(conv, nn.Conv1d) or not conv.groups == conv.in_channels == conv.out_channels == 3 * width:
+        return False
+    dt_bias, a_log = getattr(gate, "dt_bias", None), getattr(gate, "A_log", None)
+    if not (isinstance(dt_bias, nn.Parameter) and dt_bias.shape == (width,)):
+        return False
+    return isinstance(a_log, nn.Parameter) and a_log.shape == (1, 1, h, 1) and h % t == 0
+
+
+def _has(m: nn.Module, name: str) -> bool:
+    try:
+        m.get_submodule(name)
+    except AttributeError:
+        return False
+    return True
+
+
+def kimi_delta_styles(m: nn.Module, t: int) -> dict[str, str] | None:
+    """The styles that split Kimi Delta Attention ``m`` by heads over ``t`` ranks; None for another module or heads
+    that do not split."""
+    if t < 2 or not is_kimi_delta(m, t):
+        return None
+    return {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "forget_gate.f_b_proj",
+                             "forget_gate.dt_bias", "forget_gate.A_log"), "colwise"),
+            "conv1d": "colwise_conv", "o_norm": "replicated_with_grad_allreduce", "o_proj": "rowwise"}  # fmt: skip
+
+
+def kimi_delta_updates(m: nn.Module, t: int) -> dict[str, int]:
+    """Kimi Delta Attention's head count and channel widths on each of ``t`` ranks."""
+    if not is_kimi_delta(m, t):
+        raise ValueError(f"its {getattr(m, 'num_heads', None)} heads do not split over {t} tensor-parallel ranks")
+    heads = m.num_heads // t
+    return {"num_heads": heads, "qkv_dim": heads * m.head_dim, "conv_dim": 3 * heads * m.head_dim}
 
 
 def split_depthwise_conv(conv: nn.Conv1d, parts: tuple[int, ...], tp_group) -> nn.Conv1d:

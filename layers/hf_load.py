@@ -192,7 +192,9 @@ def _sources_of(converter, matched: list[tuple[str, str, str]], files: _Files, w
                 return None
             lazies.append(_Stored(files, where[keys[0][1]], keys[0][1]))
             continue
-        expert = re.compile(re.escape(pattern.lstrip("^")).replace(r"\*", r"(\d+)"))
+        # the pattern as transformers reads it (a regex, ``*`` any run), the expert's index where its last ``*`` is
+        head, star, tail = pattern.lstrip("^").rpartition("*")
+        expert = re.compile(head.replace("*", r"\d+") + r"(\d+)" + tail if star else "(?!)")
         hits = [(expert.search(renamed), key) for renamed, key in keys]
         if not hits or any(hit is None for hit, _ in hits):  # the index of each expert, from the renamed key
             return None

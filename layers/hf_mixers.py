@@ -70,7 +70,7 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp, gather_from_sequence, sum_over_ranks
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
-from .hf_linear_attention import delta_parts, is_delta_net
+from .hf_linear_attention import delta_parts, is_delta_net, is_kimi_delta, kimi_delta_updates
 from .linear import RowParallelLinear
 from .meta import derived_buffer
 
@@ -321,6 +321,8 @@ def mixer_updates(m: nn.Module, t: int) -> dict[str, int] | None:
     for a mixer that does not split over ``t``."""
     if is_mamba2(m):
         return mamba_updates(m, t)
+    if is_kimi_delta(m):
+        return kimi_delta_updates(m, t)
     if is_mamba1(m):
         if not is_mamba1(m, t):
             raise ValueError(f"its {m.intermediate_size} channels do not split over {t} tensor-parallel ranks")
@@ -334,6 +336,8 @@ def packed_parts(parent: nn.Module, child: str) -> tuple[int, ...] | None:
     short convolution's ``in_proj`` (B, C, x) and ``conv``; None for another module."""
     if is_delta_net(parent) and child in ("in_proj_qkv", "conv1d"):
         return delta_parts(parent)
+    if is_kimi_delta(parent) and child == "conv1d":
+        return (parent.num_heads * parent.head_dim,) * 3
     if is_mamba2(parent) and child in ("in_proj", "conv1d"):
         return mamba_parts(parent, child)
     if is_mamba1(parent) and child == "conv1d":

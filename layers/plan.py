@@ -13,6 +13,7 @@ from torch import nn
 from .hf import hf_tp_plan, is_hf_model
 from .hf_attention import MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES, MLA_INPUT_PROJECTIONS, MLA_LATENT_PROJECTIONS
 from .hf_experts import ExpertSplit
+from .hf_linear_attention import KIMI_LATENT_FED, KIMI_LATENTS, is_kimi_delta
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
 __all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan", "tied_parameters"]
@@ -224,7 +225,8 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
     read the whole sequence (``latent_fed``). Multi-head latent attention (DeepSeek-V2/V3): ``kv_a_proj_with_mqa``
     and ``q_a_proj`` feed ``kv_b_proj`` and ``q_b_proj`` (``q_proj``, where there is one, is a ring column). Zamba 2's
     MLP adapters: each one's first projection (to its rank) feeds its second. Entries are added for the replicated
-    projections the plan leaves out. A sparse attention's indexer inside such a block: ``wk`` and ``weights_proj``
+    projections the plan leaves out. Kimi Delta Attention: its forget and output gates' first projections feed their
+    second ones. A sparse attention's indexer inside such a block: ``wk`` and ``weights_proj``
     are latents; ``wq_b``, which reads the query latent, stays replicated (``latent_fed``)."""
     blocks = {e.name.rpartition(".")[0] for e in entries if e.kind == MLA_KV_A}
     named, added = {e.name for e in entries}, []
@@ -241,6 +243,15 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
             first = modules[block][0]
             if isinstance(first, nn.Linear) and f"{block}.0" not in named:
                 added.append(Entry(f"{block}.0", first, LATENT, LATENT, latent=True))
+    # Kimi Delta Attention's low-rank gates: their first projections (to one head's width) are latents of the block
+    for block in (n for n, m in modules.items() if n and is_kimi_delta(m)):
+        for e in entries:
+            if e.name in (f"{block}.{c}" for c in KIMI_LATENT_FED) and e.kind in RING_COLUMNS:
+                e.latent_fed = True
+        for child in KIMI_LATENTS:
+            name = f"{block}.{child}"
+            if name not in named and isinstance(modules.get(name), nn.Linear):
+                added.append(Entry(name, modules[name], LATENT, LATENT, latent=True))
     entries.extend(added)
     for block in sorted(blocks):
         for child, m in modules[block].named_children():

@@ -510,3 +510,41 @@ def test_sparse_attention_splits_by_heads_and_its_indexer_reads_the_whole_sequen
     parallelism: the indexer, replicated, gathers the sequence as the latents do. Context parallelism is refused
     (the indexer would score this rank's keys alone), and so are selected keys in the ring, by name."""
     assert run_ranks(_sparse_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+# Kimi Linear: Kimi Delta Attention in its first layer, multi-head latent attention in its second
+KIMI = dict(num_key_value_heads=4, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
+                                                       "num_heads": 4, "short_conv_kernel_size": 4})  # fmt: skip
+
+
+def _kimi_ranks(rank, world_size):
+    from tessel.layers.hf import RingLatentLinear
+    from tessel.layers.parallelize import parallelize
+    from tests.layers.test_context_parallel import _grid
+
+    for sp in (False, True):
+        dense = family_model("kimi_linear", **KIMI)
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+        kda = par.model.layers[0].self_attn
+        assert (kda.num_heads, kda.qkv_dim) == (2, 32) and kda.q_proj.weight.shape == (32, 64)
+        assert kda.conv1d.weight.shape[0] == 96 and kda.b_proj.weight.shape == (2, 64)
+        assert kda.forget_gate.A_log.shape == (1, 1, 2, 1) and kda.forget_gate.dt_bias.shape == (32,)
+        assert kda.o_proj.weight.shape == (64, 32) and kda.g_b_proj.weight.shape == (32, 16)
+        # the gates' projections to one head's width stay whole; under sequence parallelism they gather their latents
+        assert isinstance(kda.g_a_proj, RingLatentLinear) == sp and kda.g_a_proj.weight.shape == (16, 64)
+        assert isinstance(kda.forget_gate.f_a_proj, RingLatentLinear) == sp
+        _check_against_dense(dense, par, f"kimi_linear sp={sp}")
+    _, tp_group, cp_group = _grid(rank, world_size, 2)
+    with pytest.raises(ValueError, match="cp_group splits the sequence for attention and for the Mamba"):
+        parallelize(family_model("kimi_linear", **KIMI), tp_group, cp_group=cp_group)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_kimi_linear_splits_its_delta_attention_by_heads():
+    """Kimi Delta Attention (a Gated DeltaNet decaying per channel, with low-rank forget and output gates) split by
+    heads over 2 ranks: q, k, v, β, the convolution's channels, the gates' second projections and the per-channel
+    decay parameters; the gates' first projections whole (under sequence parallelism gathering their latents); with
+    and without sequence parallelism, against the dense model. Context parallelism is refused by name."""
+    assert run_ranks(_kimi_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]

@@ -471,6 +471,10 @@ HYBRIDS = {"qwen3_5_text": _LINEAR, "qwen3_next": {**_LINEAR, "num_experts": 4, 
            "jamba": {"attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2, "expert_layer_offset": 1,
                      "num_experts": 4, "num_experts_per_tok": 2, "mamba_d_state": 8, "mamba_dt_rank": 4},
            "lfm2": {"layer_types": ["conv", "full_attention"] * 2, "block_auto_adjust_ff_dim": False},
+           # Kimi Delta Attention, then multi-head latent attention (kv heads as many as the heads), twice
+           "kimi_linear": {"num_key_value_heads": 4, "linear_attn_config": {
+               "kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 8, "num_heads": 4,
+               "short_conv_kernel_size": 4}},
            "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "mamba_ngroups": 2, "mamba_d_state": 8,
                       "chunk_size": 4, "layers_block_type": ["mamba", "hybrid"] * 2, "adapter_rank": 8}}  # fmt: skip
 
@@ -487,7 +491,8 @@ def test_hybrids_chain_to_their_logits_and_gradients(kind):
 
     kw = dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
               num_key_value_heads=2, head_dim=8, tie_word_embeddings=False, pad_token_id=0,
-              attn_implementation="eager", **HYBRIDS[kind])  # fmt: skip
+              attn_implementation="eager")  # fmt: skip
+    kw.update(HYBRIDS[kind])
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(kind, **kw)).eval()
     assert model.config.model_type == kind and kind in SUPPORTED_MODEL_TYPES
