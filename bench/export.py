@@ -95,7 +95,7 @@ def gpt_to_llama(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str,
     return out
 
 
-def _hf_model(family: str, config: GPTConfig) -> nn.Module:
+def _hf_model(family: str, config: GPTConfig, kv_shared_layers: int = 0) -> nn.Module:
     """The ``--hf`` family's causal LM as the run built it (its config from the same builder), on the meta device:
     the checkpoint's tensors replace its parameters."""
     import transformers
@@ -107,7 +107,8 @@ def _hf_model(family: str, config: GPTConfig) -> nn.Module:
                           f"{', '.join(HF_FAMILIES)})")  # fmt: skip
     args = SimpleNamespace(hf=family, experts=config.n_expert, top_k=config.top_k, expert_groups=config.expert_groups,
                            top_groups=config.top_groups, aux_loss_coef=config.aux_loss_coef,
-                           z_loss_coef=config.z_loss_coef, hf_baseline=True)  # fmt: skip
+                           z_loss_coef=config.z_loss_coef, hf_baseline=True,
+                           kv_shared_layers=kv_shared_layers)  # fmt: skip
     made = _hf_config(args, config, "eager" if family in EAGER_FAMILIES else "sdpa")
     with torch.device("meta"):
         return getattr(transformers, f"{HF_FAMILIES[family]}ForCausalLM")(made)
@@ -155,11 +156,11 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None)
         raise ExportError(f"out must be a new or empty directory, received {out} (it holds files)")
     manifest = verify_checkpoint(path)
     record = dict(manifest.get("model") or {})
-    family, config = record.pop("hf", None), _gpt_config(record)
+    family, shared, config = record.pop("hf", None), record.pop("kv_shared_layers", 0), _gpt_config(record)
     torch_dtype = DTYPES[dtype or (manifest.get("run") or {}).get("dtype", "fp32")]
     state = _read_model(path)
     if family is not None:
-        model = _hf_model(family, config)
+        model = _hf_model(family, config, shared)
         _check_names(state, model, path)
     elif llama_design(config) is None:
         _check_names(state, GPT(config, device="meta"), path)

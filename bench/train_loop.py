@@ -125,6 +125,8 @@ def _resume(args, engine: Engine) -> tuple[int, list[StepRecord], Path | None]:
                               f"{_model_name(args.hf)})")  # fmt: skip
     built.pop("hf", None)
     defaults = {f.name: f.default for f in fields(GPTConfig)}  # of settings newer than the checkpoint
+    defaults[KV_SHARED] = 0
+    built.setdefault(KV_SHARED, 0)
     differ = [
         f"{k}={saved.get(k, defaults[k])!r} (this run: {v!r})"
         for k, v in built.items()
@@ -245,6 +247,9 @@ def _finish(args, engine: Engine, history: list[StepRecord], timed: list[StepRec
     print(f"wrote {args.out / 'run.json'} and {args.out / 'loss.png'}")
 
 
+KV_SHARED = "kv_shared_layers"  # the model record's --kv-shared-layers, where it is not 0
+
+
 def _model_name(hf: str | None) -> str:
     return "tessel GPT" if hf is None else f"Hugging Face {HF_FAMILIES[hf]}"
 
@@ -252,7 +257,10 @@ def _model_name(hf: str | None) -> str:
 def _model_record(args, engine: Engine) -> dict:
     """The model's settings as checkpoints and run.json record them: its shape (GPTConfig), and ``hf``, the Hugging
     Face family trained instead of tessel's GPT, when there is one."""
-    return {**asdict(engine.config), **({"hf": args.hf} if args.hf else {})}  # the baseline's is the same model
+    record = {**asdict(engine.config), **({"hf": args.hf} if args.hf else {})}  # the baseline's is the same model
+    if getattr(args, "kv_shared_layers", 0):  # Gemma 4's layers that reuse keys and values (their k/v absent)
+        record[KV_SHARED] = args.kv_shared_layers
+    return record
 
 
 def _banner(args, engine: Engine) -> str:
