@@ -33,6 +33,9 @@ by ``--expert-groups`` and ``--top-groups``, and balanced without a loss: ``--ex
 routing biases after every step (:func:`~tessel.layers.moe.update_expert_biases`; under ``--hf-baseline`` too, which
 Hugging Face itself never does). ``--aux-loss-coef`` must be 0: the family has no balancing loss of Hugging Face's.
 
+``--hf deepseek_v32``: DeepSeek-V3.2's, DeepSeek-V3's with its sparse attention (:func:`_indexer_config`): an
+indexer keeps each query's top keys (FLOPs count those); not under ``--cp``.
+
 ``--hf gpt_oss``: GPT-OSS's design at the preset's shape: attention sinks, every other layer sliding over 128 keys
 (``--sliding-window W`` replaces the window, :data:`ALTERNATING_WINDOWS`), biased attention and experts with its clamped
 SwiGLU, its balancing loss. Hugging Face runs its sinks in its eager attention only: the baseline's attention is
@@ -90,6 +93,7 @@ __all__ = [
     "HF_FAMILIES",
     "LINEAR_ATTENTION_FAMILIES",
     "MOE_FAMILIES",
+    "SPARSE_FAMILIES",
     "WINDOW_FAMILIES",
     "attention_kwargs",
     "attention_widths",
@@ -107,20 +111,24 @@ __all__ = [
 
 HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral",
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
-               "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "gpt_oss": "GptOss",
-               "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba", "jamba": "Jamba",
-               "gemma4": "Gemma4"}  # fmt: skip
+               "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32",
+               "gpt_oss": "GptOss", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba",
+               "jamba": "Jamba", "gemma4": "Gemma4"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "qwen3_5_moe": "Qwen3_5MoeText",
                 "gemma4": "Gemma4Text"}  # fmt: skip
 # The families whose blocks hold experts (--experts), and the name of their experts' width in the config.
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
-                "deepseek_v3": "moe_intermediate_size", "gpt_oss": "intermediate_size",
+                "deepseek_v3": "moe_intermediate_size", "deepseek_v32": "moe_intermediate_size",
+                "gpt_oss": "intermediate_size",
                 "jamba": "intermediate_size", "qwen3_5_moe": "moe_intermediate_size"}  # fmt: skip
 # The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
 # by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
-BIASED_FAMILIES = ("deepseek_v3",)
+BIASED_FAMILIES = ("deepseek_v3", "deepseek_v32")
+# The families whose attention keeps each query's top keys by an indexer (DeepSeek Sparse Attention): not under --cp,
+# where the indexer would score a rank's keys alone
+SPARSE_FAMILIES = ("deepseek_v32",)
 # The families whose attention takes a sliding window (--sliding-window), and how their config asks for one in
 # every layer (Qwen's layers below max_window_layers attend to everything).
 WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window": True, "max_window_layers": 0},
@@ -162,8 +170,10 @@ def _hf_config(args, c: GPTConfig, attention: str):
               initializer_range=c.init_std, tie_word_embeddings=False, attn_implementation=attention,
               pad_token_id=None)  # fmt: skip
     kw.update(_experts_config(args, c))
-    if args.hf == "deepseek_v3":
+    if args.hf in ("deepseek_v3", "deepseek_v32"):
         kw.update(_latent_attention_config(c))
+    if args.hf in SPARSE_FAMILIES:
+        kw.update(_indexer_config(c))
     if args.hf in ("qwen3_5", "qwen3_5_moe"):
         kw.update(_linear_attention_config(c))
     if args.hf == "bamba":
@@ -256,6 +266,13 @@ def _latent_attention_config(c: GPTConfig) -> dict:
             "qk_rope_head_dim": d // 2, "v_head_dim": d, "head_dim": d // 2}  # fmt: skip
 
 
+def _indexer_config(c: GPTConfig) -> dict:
+    """DeepSeek-V3.2's indexer at the preset's shape (V3.2: 64 heads of 128 features keeping 2048 keys of up to 128k):
+    as many heads as the model's, of its head dim, keeping a sixteenth of the block's keys (at least 4)."""
+    return {"index_n_heads": c.n_head, "index_head_dim": c.n_embd // c.n_head,
+            "index_topk": max(4, c.block_size // 16)}  # fmt: skip
+
+
 def init_from(model: nn.Module, path, dims) -> None:
     """``--init``: ``model`` (split on the meta device) filled from the Hugging Face checkpoint at ``path``, each rank
     reading its shards; a checkpoint that does not fit the model is a bad argument."""
@@ -330,6 +347,8 @@ def attention_windows(config) -> list[int | None]:
     go uncounted)."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
+    if getattr(config, "index_topk", None) is not None:  # a sparse attention: each query's top keys
+        return [config.index_topk] * config.num_hidden_layers
     if types is None:
         return [window] * config.num_hidden_layers
     return [window if kind == "sliding_attention" else 0 if kind == "linear_attention" else None for kind in types]
@@ -422,6 +441,9 @@ def refused_options(args) -> str | None:
     if smoothed and args.hf_baseline:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
+    if args.hf in SPARSE_FAMILIES and args.cp > 1:
+        return (f"--hf {args.hf} keeps each query's top keys by an indexer, which under --cp {args.cp} would score a "
+                "rank's keys alone: train it without --cp")  # fmt: skip
     biased = args.hf in BIASED_FAMILIES
     if biased and (args.aux_loss_coef > 0 or args.z_loss_coef > 0):
         return (f"--hf {args.hf} balances its experts by their routing biases (--expert-bias-rate, DeepSeek-V3 uses "

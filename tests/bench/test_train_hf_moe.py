@@ -259,6 +259,39 @@ def test_deepseek_v3_trains_its_curve_balanced_by_its_routing_biases(tmp_path):
     assert _losses(tmp_path / "unbiased")[1:] != pytest.approx(one[1:], rel=1e-5)
 
 
+DEEPSEEK_V32 = ["--hf", "deepseek_v32", *DEEPSEEK[2:]]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_deepseek_v3_2_trains_its_sparse_attention(tmp_path):
+    """--hf deepseek_v32: DeepSeek-V3's design with an indexer keeping each query's 16 top keys of 32. The single
+    process's curve at tp=2 with sequence parallelism (the indexer's projections gathering their outputs as the
+    latents do), through a pipeline, over two data-parallel ranks with the experts split over them, and as Hugging Face
+    computes it (its eager attention keeping the same keys); --cp is refused by name."""
+    _ok(_train(tmp_path / "one", *DEEPSEEK_V32))
+    one = _losses(tmp_path / "one")
+    layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "pp2": (["--pp", "2"], 2),
+               "dp2-ep2": (["--dp", "2", "--ep", "2"], 2), "baseline": (["--hf-baseline"], 1)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *DEEPSEEK_V32, *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    proc = _train(tmp_path / "cp2", *DEEPSEEK_V32, "--cp", "2", nproc=2)
+    assert proc.returncode == 2 and "which under --cp 2 would score a rank's keys alone" in proc.stderr, proc.stderr
+
+
+def test_deepseek_v3_2_takes_its_indexer_from_the_preset():
+    """The indexer: the model's head count and head dim, a sixteenth of the block's keys; the FLOPs count those."""
+    from tessel.bench.train_args import parse_args
+    from tessel.bench.train_hf import _hf_config, attention_windows
+    from tessel.layers.gpt import GPTConfig
+
+    c = GPTConfig(vocab_size=256, n_layer=2, n_head=4, n_embd=64, block_size=256, mlp_hidden=96)
+    config = _hf_config(parse_args(DEEPSEEK_V32), c, "sdpa")
+    assert (config.index_n_heads, config.index_head_dim, config.index_topk) == (4, 16, 16)
+    assert config.kv_lora_rank == 64 and attention_windows(config) == [16, 16]
+
+
 def test_deepseek_v3_takes_its_shape_and_routing_from_the_options():
     from tessel.bench.train_args import parse_args
     from tessel.bench.train_hf import _hf_config
