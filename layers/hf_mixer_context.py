@@ -1,6 +1,7 @@
 """Context parallelism in a Hugging Face hybrid's token mixers other than attention: Mamba-2 blocks (Bamba, Falcon-H1,
 Granite 4.0 hybrid, Nemotron-H, Zamba 2, Mamba-2), Mamba-1 blocks (Jamba, Mamba, Falcon-Mamba), Gated DeltaNet linear
-attention (Qwen3.5, Qwen3-Next, OLMo-hybrid), MiniMax's lightning attention and LFM2's short convolutions.
+attention (Qwen3.5, Qwen3-Next, OLMo-hybrid) and Kimi Linear's Kimi Delta Attention, MiniMax's lightning attention and
+LFM2's short convolutions.
 
 Under context parallelism each rank holds its zigzag share of the tokens (two chunks of ``S/2c``). Attention runs as
 the ring; a recurrence or a causal convolution cannot run on such a share. As Megatron-LM does for Mamba, each such
@@ -12,6 +13,8 @@ mixer trades the sequence split for a split of its heads for the length of the r
     convolution, scan   over the whole sequence, on this rank's heads: the mixer's head counts divided by c, its
                         per-head parameters (A_log, dt_bias, D, the convolution's channels, Falcon-H1's
                         ``mup_vector``) read as this rank's slice of the replicated whole
+    (Kimi's gates)      their first projections, to one head's width, on this rank's tokens, their second ones'
+                        outputs sent to the heads as the input projections' are
     way back            :func:`~tessel.parallel.context_heads.heads_to_sequence` of the scan's output a Mamba-2
                         block hands its gated norm (the norm, whose groups may span heads, then runs on this rank's
                         tokens with every head, and with the gate z, which never left them), or of lightning
@@ -45,7 +48,15 @@ from torch import nn
 from ..parallel.collectives import sum_over_ranks
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context_heads import heads_to_sequence, sequence_to_heads, split_features
-from .hf_linear_attention import delta_layout, delta_net_updates, is_delta_net
+from .hf_linear_attention import (
+    KIMI_LATENT_FED,
+    KIMI_LATENTS,
+    delta_layout,
+    delta_net_updates,
+    is_delta_net,
+    is_kimi_delta,
+    kimi_delta_updates,
+)
 from .hf_mixers import (
     DECAY_BUFFERS,
     is_lightning,
@@ -65,6 +76,8 @@ _DELTA_ENTRIES = {"in_proj_qkv": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_p
                   "q_proj": ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")}  # fmt: skip
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")  # flash-attention collators' document lengths
 _DELTA_EXIT = {"in_proj_qkv": "out_proj", "in_proj_qkvz": "out_proj", "q_proj": "o_proj"}
+# Kimi Delta Attention's projections to the heads: q, k, v, β, and its gates' second projections
+_KIMI_ENTRIES = ("q_proj", "k_proj", "v_proj", "b_proj", *KIMI_LATENT_FED)
 
 
 @dataclass
@@ -77,7 +90,9 @@ class MixerContext:
     input that stay on this rank's tokens (lightning attention's output gate, applied after the way back); ``sums``,
     children that read every head's features, whose outputs are summed over the cp ranks (Mamba-1's ``x_proj``);
     ``gate``, the width of the gate the input projection's output begins with (a Mamba-2 block's z, which only its
-    norm reads), kept on this rank's tokens for the norm instead of travelling to the heads and back (0: none)."""
+    norm reads), kept on this rank's tokens for the norm instead of travelling to the heads and back (0: none);
+    ``fed``, the entries that project the output of a ``local`` one rather than the mixer's input (Kimi Delta
+    Attention's gates' second projections)."""
 
     name: str
     entries: dict[str, torch.Tensor]
@@ -88,10 +103,11 @@ class MixerContext:
     local: tuple[str, ...] = ()
     sums: tuple[str, ...] = ()
     gate: int = 0
+    fed: tuple[str, ...] = ()
 
 
 def _is_context_mixer(m: nn.Module) -> bool:
-    return is_mamba2(m) or is_delta_net(m) or is_short_conv(m) or is_mamba1(m) or is_lightning(m)
+    return is_mamba2(m) or is_delta_net(m) or is_short_conv(m) or is_mamba1(m) or is_lightning(m) or is_kimi_delta(m)
 
 
 def context_mixers(model: nn.Module) -> list[str]:
@@ -105,6 +121,8 @@ def entry_names(m: nn.Module) -> tuple[str, ...]:
         return ("qkv_proj", "output_gate")
     if is_delta_net(m):
         return _DELTA_ENTRIES[delta_layout(m)]
+    if is_kimi_delta(m):
+        return _KIMI_ENTRIES
     return ("in_proj",)
 
 
@@ -207,6 +225,23 @@ def _delta_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
     return MixerContext(name, entries, _DELTA_EXIT[first], params, counts)
 
 
+def _kimi_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
+    """Kimi Delta Attention: q, k, v, β and both gates (their first projections on this rank's tokens, their second
+    ones' outputs to the heads) over the whole sequence of this rank's heads, the output gated there too; its
+    per-channel decay bias and per-head decay rate read as this rank's heads'."""
+    heads = (kimi_delta_updates(m, t) if t > 1 else {}).get("num_heads", m.num_heads)
+    if heads % c:
+        _refuse(name, f"{heads} heads", t, c)
+    width = heads * m.head_dim
+    own, per_head = split_features(width, c), split_features(heads, c)
+    entries = {child: per_head if child == "b_proj" else own for child in _KIMI_ENTRIES}
+    conv = _packed((own, width), (own, width), (own, width))
+    params = [("conv1d", p, 0, conv) for p in ("weight", "bias") if getattr(m.conv1d, p) is not None]
+    params += [("forget_gate", "dt_bias", 0, own), ("forget_gate", "A_log", 2, per_head)]
+    counts = {"num_heads": heads // c, "qkv_dim": width // c, "conv_dim": 3 * width // c}
+    return MixerContext(name, entries, "o_proj", params, counts, local=KIMI_LATENTS, fed=KIMI_LATENT_FED)
+
+
 def _mamba1_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
     width = m.intermediate_size // t
     if width % c:
@@ -232,6 +267,8 @@ def mixer_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
         return _delta_context(name, m, t, c)
     if is_mamba1(m):
         return _mamba1_context(name, m, t, c)
+    if is_kimi_delta(m):
+        return _kimi_context(name, m, t, c)
     if is_lightning(m):
         heads = m.num_attention_heads // t
         if heads % c:
@@ -335,7 +372,7 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
 
     m.register_forward_pre_hook(enter, with_kwargs=True)
     m.register_forward_hook(leave, with_kwargs=True, always_call=True, prepend=True)
-    for child in (*plan.entries, *plan.local):
+    for child in (*(e for e in plan.entries if e not in plan.fed), *plan.local):
         m.get_submodule(child).register_forward_pre_hook(projection_input)
     first = next(iter(plan.entries))
     for child in plan.entries:

@@ -520,7 +520,6 @@ KIMI = dict(num_key_value_heads=4, linear_attn_config={"kda_layers": [1], "full_
 def _kimi_ranks(rank, world_size):
     from tessel.layers.hf import RingLatentLinear
     from tessel.layers.parallelize import parallelize
-    from tests.layers.test_context_parallel import _grid
 
     for sp in (False, True):
         dense = family_model("kimi_linear", **KIMI)
@@ -534,9 +533,6 @@ def _kimi_ranks(rank, world_size):
         assert isinstance(kda.g_a_proj, RingLatentLinear) == sp and kda.g_a_proj.weight.shape == (16, 64)
         assert isinstance(kda.forget_gate.f_a_proj, RingLatentLinear) == sp
         _check_against_dense(dense, par, f"kimi_linear sp={sp}")
-    _, tp_group, cp_group = _grid(rank, world_size, 2)
-    with pytest.raises(ValueError, match="cp_group splits the sequence for attention and for the Mamba"):
-        parallelize(family_model("kimi_linear", **KIMI), tp_group, cp_group=cp_group)
     return "ok"
 
 
@@ -546,5 +542,6 @@ def test_kimi_linear_splits_its_delta_attention_by_heads():
     """Kimi Delta Attention (a Gated DeltaNet decaying per channel, with low-rank forget and output gates) split by
     heads over 2 ranks: q, k, v, β, the convolution's channels, the gates' second projections and the per-channel
     decay parameters; the gates' first projections whole (under sequence parallelism gathering their latents); with
-    and without sequence parallelism, against the dense model. Context parallelism is refused by name."""
+    and without sequence parallelism, against the dense model (under context parallelism:
+    tests/layers/test_hf_mixer_context.py)."""
     assert run_ranks(_kimi_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]

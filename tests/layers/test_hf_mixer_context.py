@@ -28,6 +28,10 @@ def hybrid_model(kind: str):
     from tests.layers.test_hf_mixers import jamba_model, lfm_model, mamba_model, minimax_model, planless_model
 
     name, _, groups = kind.partition(":")
+    if name == "kimi_linear":  # Kimi Delta Attention, then multi-head latent attention
+        from tests.layers.test_hf_families import KIMI, family_model
+
+        return family_model(name, **KIMI)
     if name in ("bamba", "falcon_h1", "nemotron_h", "granitemoehybrid"):
         return mamba_model(name, int(groups or 1))
     if name.startswith("lfm"):
@@ -48,7 +52,7 @@ def _mixers(model, names=None):
 
 def _counts(mixer) -> dict:
     names = ("num_heads", "intermediate_size", "n_groups", "conv_dim", "num_k_heads", "num_v_heads", "key_dim",
-             "value_dim", "num_attention_heads")  # fmt: skip
+             "value_dim", "num_attention_heads", "qkv_dim")  # fmt: skip
     return {n: getattr(mixer, n) for n in names if hasattr(mixer, n)}
 
 
@@ -74,7 +78,9 @@ def _grid_ranks(rank, world_size, cp, kinds, sp_options):
                         want[n] = max(local[n] // cp, 1)
                 if "key_dim" in local:
                     want["key_dim"] = want["num_k_heads"] * before.head_k_dim
-                if "conv_dim" in local:
+                if "conv_dim" in local and "qkv_dim" in local:  # Kimi Delta Attention's q, k and v alike
+                    want["conv_dim"] = 3 * want["qkv_dim"]
+                elif "conv_dim" in local:
                     states = getattr(before, "ssm_state_size", 0)
                     want["conv_dim"] = (want["intermediate_size"] + 2 * want["n_groups"] * states if states
                                         else 2 * want["key_dim"] + want["value_dim"])  # fmt: skip
@@ -93,9 +99,12 @@ def test_hybrids_under_context_parallelism_match_dense_on_two_ranks():
     and Nemotron-H (attention without positions); Qwen3.5, Qwen3-Next (q, k, v, z packed key head by key head) and
     OLMo-hybrid's Gated DeltaNet; LFM2's short convolution; Jamba's Mamba-1 (x_proj summed over the ranks' channels);
     MiniMax's lightning attention (its norm over every head on this rank's tokens, its output gate too); the
-    state-space models without attention, Mamba, Falcon-Mamba and Mamba-2, and Zamba 2 (which have no plan)."""
+    state-space models without attention, Mamba, Falcon-Mamba and Mamba-2, and Zamba 2 (which have no plan); Kimi
+    Linear's Kimi Delta Attention (both gates' first projections on this rank's tokens, their second ones' outputs
+    sent to the heads, the per-channel decay bias and per-head rate sliced with the heads)."""
     kinds = ("bamba", "bamba:2", "falcon_h1", "granitemoehybrid", "nemotron_h", "qwen3_5_text", "qwen3_next",
-             "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "falcon_mamba", "mamba2", "zamba2")  # fmt: skip
+             "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "falcon_mamba", "mamba2", "zamba2",
+             "kimi_linear")  # fmt: skip
     run_ranks(_grid_ranks, 2, 2, kinds, (False,), timeout=600, env=REFERENCE_KERNELS)
 
 
@@ -106,7 +115,8 @@ def test_hybrids_under_context_and_tensor_parallelism_on_four_ranks():
     """tp=2 × cp=2, with and without sequence parallelism: each rank's tensor-parallel heads split again over the
     cp ranks (the Gated DeltaNets' one key head on each tensor-parallel rank read whole by both cp ranks), Zamba 2's
     hybrid layers (its shared attention block's embeddings split with the hidden states) among them."""
-    kinds = ("bamba", "falcon_h1", "qwen3_next", "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "zamba2")
+    kinds = ("bamba", "falcon_h1", "qwen3_next", "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "zamba2",
+             "kimi_linear")  # fmt: skip
     run_ranks(_grid_ranks, 4, 2, kinds, (False, True), timeout=600, env=REFERENCE_KERNELS)
 
 
@@ -114,8 +124,9 @@ def test_hybrids_under_context_and_tensor_parallelism_on_four_ranks():
 @pytest.mark.slow
 @needs_hf
 def test_hybrids_over_four_context_parallel_ranks():
-    """cp=4: two groups of B and C, each read by two ranks; Qwen3.5's two key heads, each read by two ranks."""
-    run_ranks(_grid_ranks, 4, 4, ("bamba:2", "qwen3_5_text", "qwen3_next"), (False,), timeout=600,
+    """cp=4: two groups of B and C, each read by two ranks; Qwen3.5's two key heads, each read by two ranks; Kimi
+    Delta Attention's four heads, one a rank."""
+    run_ranks(_grid_ranks, 4, 4, ("bamba:2", "qwen3_5_text", "qwen3_next", "kimi_linear"), (False,), timeout=600,
               env=REFERENCE_KERNELS)  # fmt: skip
 
 
