@@ -36,6 +36,10 @@ Hugging Face itself never does). ``--aux-loss-coef`` must be 0: the family has n
 ``--hf deepseek_v32``: DeepSeek-V3.2's, DeepSeek-V3's with its sparse attention (:func:`_indexer_config`): an
 indexer keeps each query's top keys (FLOPs count those); not under ``--cp``.
 
+``--hf kimi_linear``: Kimi Linear's (:func:`_kimi_config`): Kimi Delta Attention
+(:mod:`~tessel.layers.hf_linear_attention`) in three layers of four, multi-head latent attention in the fourth, experts
+routed and balanced as DeepSeek-V3's; every layout, ``--cp`` included (the delta attention by heads).
+
 ``--hf gpt_oss``: GPT-OSS's design at the preset's shape: attention sinks, every other layer sliding over 128 keys
 (``--sliding-window W`` replaces the window, :data:`ALTERNATING_WINDOWS`), biased attention and experts with its clamped
 SwiGLU, its balancing loss. Hugging Face runs its sinks in its eager attention only: the baseline's attention is
@@ -113,7 +117,7 @@ HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3"
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32",
                "gpt_oss": "GptOss", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba",
-               "jamba": "Jamba", "gemma4": "Gemma4"}  # fmt: skip
+               "jamba": "Jamba", "gemma4": "Gemma4", "kimi_linear": "KimiLinear"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "qwen3_5_moe": "Qwen3_5MoeText",
@@ -122,10 +126,11 @@ TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "qwen3_5_moe":
 MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_size", "olmoe": "intermediate_size",
                 "deepseek_v3": "moe_intermediate_size", "deepseek_v32": "moe_intermediate_size",
                 "gpt_oss": "intermediate_size",
-                "jamba": "intermediate_size", "qwen3_5_moe": "moe_intermediate_size"}  # fmt: skip
+                "jamba": "intermediate_size", "qwen3_5_moe": "moe_intermediate_size",
+                "kimi_linear": "moe_intermediate_size"}  # fmt: skip
 # The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
 # by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
-BIASED_FAMILIES = ("deepseek_v3", "deepseek_v32")
+BIASED_FAMILIES = ("deepseek_v3", "deepseek_v32", "kimi_linear")
 # The families whose attention keeps each query's top keys by an indexer (DeepSeek Sparse Attention): not under --cp,
 # where the indexer would score a rank's keys alone
 SPARSE_FAMILIES = ("deepseek_v32",)
@@ -136,7 +141,7 @@ WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window":
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
 # The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention) or Mamba
 # mixers (tessel.layers.hf_mixers), which run under context parallelism by heads (tessel.layers.hf_mixer_context)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "bamba", "jamba")
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "bamba", "jamba", "kimi_linear")
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
 ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
@@ -150,7 +155,8 @@ def _experts_config(args, c: GPTConfig) -> dict:
     if args.hf not in MOE_FAMILIES:
         return {}
     if args.hf in BIASED_FAMILIES:  # one shared expert beside the routed ones, a dense first layer, as DeepSeek-V3
-        return {"n_routed_experts": args.experts, "num_experts_per_tok": args.top_k, "n_shared_experts": 1,
+        count = "num_local_experts" if args.hf == "kimi_linear" else "n_routed_experts"
+        return {count: args.experts, "num_experts_per_tok": args.top_k, "n_shared_experts": 1,
                 "moe_intermediate_size": c.mlp_hidden, "first_k_dense_replace": 1, "n_group": args.expert_groups,
                 "topk_group": args.top_groups}  # fmt: skip
     count = "num_local_experts" if args.hf in ("mixtral", "gpt_oss") else "num_experts"
@@ -174,6 +180,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
         kw.update(_latent_attention_config(c))
     if args.hf in SPARSE_FAMILIES:
         kw.update(_indexer_config(c))
+    if args.hf == "kimi_linear":
+        kw.update(_kimi_config(c))
     if args.hf in ("qwen3_5", "qwen3_5_moe"):
         kw.update(_linear_attention_config(c))
     if args.hf == "bamba":
@@ -264,6 +272,17 @@ def _latent_attention_config(c: GPTConfig) -> dict:
     d = c.n_embd // c.n_head
     return {"num_key_value_heads": c.n_head, "kv_lora_rank": 4 * d, "q_lora_rank": 12 * d, "qk_nope_head_dim": d,
             "qk_rope_head_dim": d // 2, "v_head_dim": d, "head_dim": d // 2}  # fmt: skip
+
+
+def _kimi_config(c: GPTConfig) -> dict:
+    """Kimi Linear's design at the preset's shape (48B-A3B: three Kimi Delta Attention layers of 32 heads of 128 to each
+    multi-head latent attention layer, whose queries have no latent): delta heads as many as the preset's, of its head
+    dim, every fourth layer (and the last) latent attention of DeepSeek-V3's proportions."""
+    kinds = ["full_attention" if (i + 1) % 4 == 0 or i == c.n_layer - 1 else "linear_attention"
+             for i in range(c.n_layer)]  # fmt: skip
+    return {**_latent_attention_config(c), "q_lora_rank": None, "linear_num_heads": c.n_head,
+            "linear_head_dim": c.n_embd // c.n_head, "linear_conv_kernel_dim": 4, "layer_types": kinds,
+            "bos_token_id": None, "eos_token_id": None}  # fmt: skip
 
 
 def _indexer_config(c: GPTConfig) -> dict:

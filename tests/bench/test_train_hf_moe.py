@@ -280,6 +280,27 @@ def test_deepseek_v3_2_trains_its_sparse_attention(tmp_path):
     assert proc.returncode == 2 and "which under --cp 2 would score a rank's keys alone" in proc.stderr, proc.stderr
 
 
+KIMI = ["--hf", "kimi_linear", *DEEPSEEK[2:]]
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_kimi_linear_trains_its_delta_attention_in_every_layout(tmp_path):
+    """--hf kimi_linear: three Kimi Delta Attention layers, then multi-head latent attention, experts balanced by their
+    routing biases. The single process's curve at tp=2 with sequence parallelism, through a pipeline, over two
+    data-parallel ranks with the experts split over them, over two context-parallel ranks (the delta attention by
+    heads, the latent attention as the ring) and with tp=2 beside them, and as Hugging Face computes it."""
+    _ok(_train(tmp_path / "one", *KIMI))
+    one = _losses(tmp_path / "one")
+    layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "pp2": (["--pp", "2"], 2),
+               "dp2-ep2": (["--dp", "2", "--ep", "2"], 2), "cp2": (["--cp", "2"], 2),
+               "tp2-cp2-sp": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4),
+               "baseline": (["--hf-baseline"], 1)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *KIMI, *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+
+
 def test_deepseek_v3_2_takes_its_indexer_from_the_preset():
     """The indexer: the model's head count and head dim, a sixteenth of the block's keys; the FLOPs count those."""
     from tessel.bench.train_args import parse_args
