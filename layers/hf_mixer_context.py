@@ -9,7 +9,9 @@ mixer trades the sequence split for a split of its heads for the length of the r
 
     input projections   this rank's tokens, every head (tensor-parallel shards as usual), then
                         :func:`~tessel.parallel.context_heads.sequence_to_heads`: the whole sequence of 1/c of
-                        the heads (of each part the projection packs: z, x, B, C, dt; q, k, v...)
+                        the heads (of each part the projection packs: z, x, B, C, dt; q, k, v...); a mixer's
+                        several projections of its input (a Gated DeltaNet's q/k/v, z, b and a) are computed
+                        together when the first is called and travel in one exchange
     convolution, scan   over the whole sequence, on this rank's heads: the mixer's head counts divided by c, its
                         per-head parameters (A_log, dt_bias, D, the convolution's channels, Falcon-H1's
                         ``mup_vector``) read as this rank's slice of the replicated whole
@@ -370,12 +372,38 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
         args = tuple(back[id(a)] if isinstance(a, torch.Tensor) else a for a in args)
         return args, {n: back[id(a)] if isinstance(a, torch.Tensor) else a for n, a in kwargs.items()}
 
+    # the input projections of the mixer's input, when there are several: computed together when the first is called,
+    # their outputs sent to the heads in one exchange (one all-to-all forward and one backward, not one each)
+    joined = [e for e in plan.entries if e not in plan.fed] if not plan.gate else []
+    joined = joined if len(joined) > 1 else []
+
+    def exchange_joined():
+        outs = [type(p).forward(p, held["x"]) for p in map(m.get_submodule, joined)]
+        widths = [o.shape[-1] for o in outs]
+        key = ("joined", outs[0].device)
+        if key not in placed:  # each entry's features, offset by the widths before it
+            placed[key] = _packed(*((on(plan.entries[e], outs[0].device), w) for e, w in zip(joined, widths)))
+        heads = sequence_to_heads(torch.cat(outs, -1), cp_group, placed[key])
+        parts = heads.split([plan.entries[e].shape[1] for e in joined], -1)
+        held["joined"] = dict(zip(joined, parts, strict=True))
+
+    def joined_forward(child):
+        def forward(x, *args, **kwargs):
+            projection_input(None, (x,))  # the mixer's input, or refused
+            if child not in held.get("joined", {}):
+                exchange_joined()
+            return held["joined"].pop(child)
+
+        return forward
+
     m.register_forward_pre_hook(enter, with_kwargs=True)
     m.register_forward_hook(leave, with_kwargs=True, always_call=True, prepend=True)
-    for child in (*(e for e in plan.entries if e not in plan.fed), *plan.local):
+    for child in joined:
+        m.get_submodule(child).forward = joined_forward(child)
+    for child in (*(e for e in plan.entries if e not in (*plan.fed, *joined)), *plan.local):
         m.get_submodule(child).register_forward_pre_hook(projection_input)
     first = next(iter(plan.entries))
-    for child in plan.entries:
+    for child in (e for e in plan.entries if e not in joined):
         m.get_submodule(child).register_forward_hook(
             gated_to_heads if plan.gate and child == first else to_heads(child)
         )

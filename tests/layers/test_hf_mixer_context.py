@@ -158,6 +158,41 @@ def test_a_mamba2_block_moves_only_what_its_heads_read():
     run_ranks(_traffic_ranks, 2, timeout=300, env=REFERENCE_KERNELS)
 
 
+def _joined_ranks(rank, world_size):
+    """The exchanges of one forward of a mixer with several input projections: one all-to-all takes them all to the
+    heads (Qwen3.5's q/k/v, z, b and a; OLMo-hybrid's six; Kimi Delta Attention's q, k, v and β, its gates' second
+    projections apart, each after its first), one brings the output back (the backward reverses each). The same bytes
+    as one exchange each, in fewer messages; the logits and gradients are _grid_ranks'."""
+    import tessel.parallel.context_heads as context_heads
+    from tessel.layers.parallelize import parallelize
+    from tessel.parallel.comm import count_bytes
+
+    solo, _, cp_group = _grid(rank, world_size, world_size)
+    calls = []
+    exchange = context_heads.exchange_rows
+    context_heads.exchange_rows = lambda *a, **k: calls.append(a[0].shape) or exchange(*a, **k)
+    try:
+        for kind, name, want in (("qwen3_5_text", "linear_attn", 2), ("olmo_hybrid", "linear_attn", 2),
+                                 ("kimi_linear", "self_attn", 4)):  # fmt: skip
+            mixer = parallelize(hybrid_model(kind), solo, cp_group=cp_group).model.layers[0].get_submodule(name)
+            x = torch.randn(2, 4, 64, requires_grad=True)
+            calls.clear()
+            with count_bytes() as moved:
+                out = mixer(hidden_states=x)
+            assert len(calls) == want, (kind, calls)
+            (out[0] if isinstance(out, tuple) else out).sum().backward()
+            assert moved.sent > 0 and x.grad is not None
+    finally:
+        context_heads.exchange_rows = exchange
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_a_mixers_input_projections_travel_to_the_heads_in_one_exchange():
+    assert run_ranks(_joined_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
 def _training_ranks(rank, world_size):
     """In training Hugging Face calls mamba_ssm's fused kernel where installed, which reads out_proj's weight itself:
     under context parallelism it would scan this rank's heads' share of the sequence as if it were all of it. Made to
