@@ -452,9 +452,9 @@ def register_hf_attention() -> str:
 
 
 # Multi-head latent attention's projections of its input (Hugging Face's names): the replicated ones to narrow
-# latents, and the one split by heads (without a query latent)
+# latents, and those split by heads (the queries without a query latent; Bailing's per-head output gate)
 MLA_LATENT_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa")
-MLA_INPUT_PROJECTIONS = ("q_proj",)
+MLA_INPUT_PROJECTIONS = ("q_proj", "g_proj")
 # a sparse attention's indexer (DeepSeek-V3.2's, GLM-5's): its projections of the block's input (its key, its heads'
 # weights), and of the query latent (its queries)
 MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES = ("wk", "weights_proj"), ("wq_b",)

@@ -37,6 +37,9 @@ for q, k and v alike:
                 this rank's heads' values
     o_norm      whole, its gradient summed; o_proj: rowwise
 
+Bailing's (Ling/Ring hybrids') projects both gates at full rank, ``forget_gate.f_proj`` and ``g_proj`` ``[H·D, H]``:
+colwise, its ``A_log`` ``[H]``.
+
 The module's head counts and widths (``num_k_heads``, ``num_v_heads``, ``key_dim``, ``value_dim``, ``conv_dim``; Kimi's
 ``num_heads`` and ``qkv_dim``), which its forward reads to split the mixed channels, take their local values. Under
 sequence parallelism the block gathers the sequence once for its input projections (one ring), and the causal
@@ -61,8 +64,10 @@ __all__ = [
     "gathered_delta_rules",
     "is_delta_net",
     "is_kimi_delta",
+    "kimi_delta_inputs",
     "kimi_delta_styles",
     "kimi_delta_updates",
+    "kimi_gates",
     "split_depthwise_conv",
 ]
 
@@ -167,27 +172,37 @@ def delta_net_updates(m: nn.Module, t: int) -> dict[str, int]:
 KIMI_LATENTS, KIMI_LATENT_FED = ("forget_gate.f_a_proj", "g_a_proj"), ("forget_gate.f_b_proj", "g_b_proj")
 
 
-def is_kimi_delta(m: nn.Module, t: int = 1) -> bool:
-    """Whether ``m`` is Kimi Delta Attention of plain projections (see the module's notes) whose heads split over
-    ``t``."""
+def kimi_gates(m: nn.Module) -> str | None:
+    """How Kimi Delta Attention ``m`` (see the module's notes) projects its gates: ``"low_rank"`` (Kimi Linear's,
+    through one head's width), ``"full"`` (Bailing's ``forget_gate.f_proj`` and ``g_proj``); None for another module
+    (or one of other shapes)."""
     h, d, gate = getattr(m, "num_heads", None), getattr(m, "head_dim", None), getattr(m, "forget_gate", None)
     if not (isinstance(h, int) and isinstance(d, int) and h > 0 and d > 0 and isinstance(gate, nn.Module)):
-        return False
+        return None
     hidden, width = getattr(getattr(m, "o_proj", None), "out_features", None), h * d
     shapes = {"q_proj": (width, hidden), "k_proj": (width, hidden), "v_proj": (width, hidden), "b_proj": (h, hidden),
-              "g_a_proj": (d, hidden), "g_b_proj": (width, d), "o_proj": (hidden, width),
-              "forget_gate.f_a_proj": (d, hidden), "forget_gate.f_b_proj": (width, d)}  # fmt: skip
-    for name, shape in shapes.items():
+              "o_proj": (hidden, width)}  # fmt: skip
+    low_rank = {"g_a_proj": (d, hidden), "g_b_proj": (width, d), "forget_gate.f_a_proj": (d, hidden),
+                "forget_gate.f_b_proj": (width, d)}  # fmt: skip
+    full = {"g_proj": (width, hidden), "forget_gate.f_proj": (width, hidden)}
+    kind = "low_rank" if _has(m, "g_a_proj") else "full"
+    for name, shape in {**shapes, **(low_rank if kind == "low_rank" else full)}.items():
         p = m.get_submodule(name) if _has(m, name) else None
         if not isinstance(p, nn.Linear) or type(p).forward is not nn.Linear.forward or p.weight.shape != shape:
-            return False
+            return None
     conv = getattr(m, "conv1d", None)
     if not isinstance(conv, nn.Conv1d) or not conv.groups == conv.in_channels == conv.out_channels == 3 * width:
-        return False
+        return None
     dt_bias, a_log = getattr(gate, "dt_bias", None), getattr(gate, "A_log", None)
-    if not (isinstance(dt_bias, nn.Parameter) and dt_bias.shape == (width,)):
-        return False
-    return isinstance(a_log, nn.Parameter) and a_log.shape == (1, 1, h, 1) and h % t == 0
+    if not (isinstance(dt_bias, nn.Parameter) and dt_bias.shape == (width,) and isinstance(a_log, nn.Parameter)):
+        return None
+    return kind if a_log.shape in ((1, 1, h, 1), (h,)) else None
+
+
+def is_kimi_delta(m: nn.Module, t: int = 1) -> bool:
+    """Whether ``m`` is Kimi Delta Attention of plain projections (Kimi Linear's, Bailing's: :func:`kimi_gates`) whose
+    heads split over ``t``."""
+    return kimi_gates(m) is not None and m.num_heads % t == 0
 
 
 def _has(m: nn.Module, name: str) -> bool:
@@ -198,18 +213,25 @@ def _has(m: nn.Module, name: str) -> bool:
     return True
 
 
+def kimi_delta_inputs(m: nn.Module) -> tuple[str, ...]:
+    """Kimi Delta Attention's projections to its heads: q, k, v, β, and its gates' (their second ones where they are
+    low-rank, :data:`KIMI_LATENT_FED`)."""
+    gates = KIMI_LATENT_FED if kimi_gates(m) == "low_rank" else ("forget_gate.f_proj", "g_proj")
+    return ("q_proj", "k_proj", "v_proj", "b_proj", *gates)
+
+
 def kimi_delta_styles(m: nn.Module, t: int) -> dict[str, str] | None:
     """The styles that split Kimi Delta Attention ``m`` by heads over ``t`` ranks; None for another module or heads
     that do not split."""
     if t < 2 or not is_kimi_delta(m, t):
         return None
-    return {**dict.fromkeys(("q_proj", "k_proj", "v_proj", "b_proj", "g_b_proj", "forget_gate.f_b_proj",
-                             "forget_gate.dt_bias", "forget_gate.A_log"), "colwise"),
+    return {**dict.fromkeys((*kimi_delta_inputs(m), "forget_gate.dt_bias", "forget_gate.A_log"), "colwise"),
             "conv1d": "colwise_conv", "o_norm": "replicated_with_grad_allreduce", "o_proj": "rowwise"}  # fmt: skip
 
 
 def kimi_delta_updates(m: nn.Module, t: int) -> dict[str, int]:
-    """Kimi Delta Attention's head count and channel widths on each of ``t`` ranks."""
+    """Kimi Delta Attention's head count and channel widths on each of ``t`` ranks (its forget gate's are set with the
+    gate's projection)."""
     if not is_kimi_delta(m, t):
         raise ValueError(f"its {getattr(m, 'num_heads', None)} heads do not split over {t} tensor-parallel ranks")
     heads = m.num_heads // t

@@ -57,7 +57,9 @@ from .hf_linear_attention import (
     delta_net_updates,
     is_delta_net,
     is_kimi_delta,
+    kimi_delta_inputs,
     kimi_delta_updates,
+    kimi_gates,
 )
 from .hf_mixers import (
     DECAY_BUFFERS,
@@ -78,8 +80,6 @@ _DELTA_ENTRIES = {"in_proj_qkv": ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_p
                   "q_proj": ("q_proj", "k_proj", "v_proj", "g_proj", "a_proj", "b_proj")}  # fmt: skip
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "cu_seqlens", "seq_idx")  # flash-attention collators' document lengths
 _DELTA_EXIT = {"in_proj_qkv": "out_proj", "in_proj_qkvz": "out_proj", "q_proj": "o_proj"}
-# Kimi Delta Attention's projections to the heads: q, k, v, β, and its gates' second projections
-_KIMI_ENTRIES = ("q_proj", "k_proj", "v_proj", "b_proj", *KIMI_LATENT_FED)
 
 
 @dataclass
@@ -124,7 +124,7 @@ def entry_names(m: nn.Module) -> tuple[str, ...]:
     if is_delta_net(m):
         return _DELTA_ENTRIES[delta_layout(m)]
     if is_kimi_delta(m):
-        return _KIMI_ENTRIES
+        return kimi_delta_inputs(m)
     return ("in_proj",)
 
 
@@ -236,11 +236,15 @@ def _kimi_context(name: str, m: nn.Module, t: int, c: int) -> MixerContext:
         _refuse(name, f"{heads} heads", t, c)
     width = heads * m.head_dim
     own, per_head = split_features(width, c), split_features(heads, c)
-    entries = {child: per_head if child == "b_proj" else own for child in _KIMI_ENTRIES}
+    entries = {child: per_head if child == "b_proj" else own for child in kimi_delta_inputs(m)}
     conv = _packed((own, width), (own, width), (own, width))
     params = [("conv1d", p, 0, conv) for p in ("weight", "bias") if getattr(m.conv1d, p) is not None]
-    params += [("forget_gate", "dt_bias", 0, own), ("forget_gate", "A_log", 2, per_head)]
-    counts = {"num_heads": heads // c, "qkv_dim": width // c, "conv_dim": 3 * width // c}
+    decay_dim = 2 if m.forget_gate.A_log.dim() == 4 else 0  # Kimi's [1, 1, H, 1], Bailing's [H]
+    params += [("forget_gate", "dt_bias", 0, own), ("forget_gate", "A_log", decay_dim, per_head)]
+    counts = {"num_heads": heads // c, "qkv_dim": width // c, "conv_dim": 3 * width // c,
+              "forget_gate.num_heads": heads // c, "forget_gate.qkv_dim": width // c}  # fmt: skip
+    if kimi_gates(m) == "full":  # both gates from the mixer's input, sent with q, k, v
+        return MixerContext(name, entries, "o_proj", params, counts)
     return MixerContext(name, entries, "o_proj", params, counts, local=KIMI_LATENTS, fed=KIMI_LATENT_FED)
 
 
@@ -296,8 +300,9 @@ def install_mixer_context(m: nn.Module, plan: MixerContext, cp_group) -> None:
         if type(m.in_proj) is nn.Linear:  # not split over tensor-parallel ranks, whose install bypasses it already
             run_unfused(m)
         move_input_scale(m)
-    for attr, value in plan.counts.items():
-        setattr(m, attr, value)
+    for key, value in plan.counts.items():  # the mixer's, or a child's (``child.attr``)
+        child, _, attr = key.rpartition(".")
+        setattr(m.get_submodule(child) if child else m, attr, value)
     own = [(child, attr, dim, index[k]) for child, attr, dim, index in plan.params]
     placed: dict[tuple[int, torch.device], torch.Tensor] = {}
 

@@ -85,7 +85,8 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "minicpm3",
                          # hybrids: linear attention, state spaces or short convolutions between attention layers
                          "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid",
-                         "falcon_h1", "nemotron_h", "jamba", "lfm2", "kimi_linear", "zamba2")  # fmt: skip
+                         "falcon_h1", "nemotron_h", "jamba", "lfm2", "kimi_linear", "bailing_hybrid",
+                         "zamba2")  # fmt: skip
 
 
 class HFPipelineStage(nn.Module):

@@ -244,8 +244,8 @@ def _adapted_mlp(m: nn.Module, t: int) -> dict[str, str] | None:
 
 def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     """The styles that split multi-head latent attention (DeepSeek-V2/V3's ``kv_a_proj_with_mqa`` → ``kv_b_proj``,
-    ``q_proj`` or ``q_a_proj`` → ``q_b_proj``) by heads over ``t`` ranks, as DeepSeek-V2's plan does; None when
-    ``m`` is not such a module or its ``num_heads`` do not split."""
+    ``q_proj`` or ``q_a_proj`` → ``q_b_proj``; a per-head output gate ``g_proj`` with them) by heads over ``t`` ranks,
+    as DeepSeek-V2's plan does; None when ``m`` is not such a module or its ``num_heads`` do not split."""
     children = dict(m.named_children())
     heads = getattr(m, "num_heads", None)
     query = "q_b_proj" if isinstance(children.get("q_b_proj"), nn.Linear) else "q_proj"
@@ -255,9 +255,14 @@ def _latent_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     if any(children[n].out_features % heads for n in (query, "kv_b_proj")) or children["o_proj"].in_features % heads:
         return None
     allowed = {*names, "q_a_proj", "q_a_layernorm", "kv_a_layernorm"}
-    if any(n not in allowed and any(True for _ in c.parameters()) for n, c in children.items()):
+    # a gate of one value per head on the heads' outputs (Bailing's): split with them
+    gate = children.get("g_proj")
+    gated = isinstance(gate, nn.Linear) and type(gate).forward is nn.Linear.forward and gate.out_features == heads
+    if any(n not in allowed and not (n == "g_proj" and gated) and any(True for _ in c.parameters())
+           for n, c in children.items()):  # fmt: skip
         return None
-    return {query: "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+    styles = {query: "colwise", "kv_a_proj_with_mqa": "mla_kv_a_proj", "kv_b_proj": "colwise", "o_proj": "rowwise"}
+    return {**styles, "g_proj": "colwise"} if gated else styles
 
 
 _LAMBDAS = ("lambda_q1", "lambda_k1", "lambda_q2", "lambda_k2")

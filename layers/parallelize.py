@@ -229,7 +229,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     layout = _sequence_layout(model, entries) if sequence_parallel and is_hf_model(model) else None
     for e in entries:
         e.sequence_parallel = sequence_parallel and not e.latent_fed and (layout is None or layout.in_region(e.name))
-        in_block = layout is not None and e.name.rsplit(".", 1)[0] in layout.blocks
+        # inside a block, a child of it or deeper (Bailing's forget_gate.f_proj): fed by the block's ring
+        in_block = layout is not None and any(e.name.startswith(b + ".") for b in layout.blocks)
         e.gathered = in_block and e.kind in RING_COLUMNS and not e.latent_fed
     heads = _local_heads(model, entries, t)
     if isinstance(context, HFContextLayout):

@@ -515,12 +515,23 @@ def test_sparse_attention_splits_by_heads_and_its_indexer_reads_the_whole_sequen
 # Kimi Linear: Kimi Delta Attention in its first layer, multi-head latent attention in its second
 KIMI = dict(num_key_value_heads=4, linear_attn_config={"kda_layers": [1], "full_attn_layers": [2], "head_dim": 16,
                                                        "num_heads": 4, "short_conv_kernel_size": 4})  # fmt: skip
+# Bailing's hybrid (Ling/Ring): the same delta attention with full-rank gates, then latent attention with a gate per
+# head on its output
+BAILING = dict(num_key_value_heads=4, layer_group_size=2)
 
 
 def _kimi_ranks(rank, world_size):
     from tessel.layers.hf import RingLatentLinear
     from tessel.layers.parallelize import parallelize
 
+    for sp in (False, True):
+        dense = family_model("bailing_hybrid", **BAILING)
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+        kda, mla = par.model.layers[0].self_attn, par.model.layers[1].self_attn
+        assert (kda.num_heads, kda.forget_gate.num_heads, kda.forget_gate.A_log.shape) == (2, 2, (2,))
+        assert kda.g_proj.weight.shape == kda.forget_gate.f_proj.weight.shape == (32, 64)
+        assert mla.g_proj.weight.shape == (2, 64) and mla.num_heads == 2  # its gate split with its heads
+        _check_against_dense(dense, par, f"bailing_hybrid sp={sp}")
     for sp in (False, True):
         dense = family_model("kimi_linear", **KIMI)
         par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
@@ -541,7 +552,8 @@ def _kimi_ranks(rank, world_size):
 def test_kimi_linear_splits_its_delta_attention_by_heads():
     """Kimi Delta Attention (a Gated DeltaNet decaying per channel, with low-rank forget and output gates) split by
     heads over 2 ranks: q, k, v, β, the convolution's channels, the gates' second projections and the per-channel
-    decay parameters; the gates' first projections whole (under sequence parallelism gathering their latents); with
-    and without sequence parallelism, against the dense model (under context parallelism:
-    tests/layers/test_hf_mixer_context.py)."""
+    decay parameters; the gates' first projections whole (under sequence parallelism gathering their latents). Bailing's
+    (full-rank gates, the forget gate's projection inside it fed by the block's ring under sequence parallelism) and
+    its latent attention's gate per head. With and without sequence parallelism, against the dense model (under
+    context parallelism: tests/layers/test_hf_mixer_context.py)."""
     assert run_ranks(_kimi_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]

@@ -26,20 +26,21 @@ CONVERTED = ("qwen3_moe", "mixtral", "granitemoe", "deepseek_v3", "sarvam_moe")
 CONVERTED_HYBRIDS = ("jamba", "minimax", "nemotron_h", "lara_mini")
 # multi-head latent attention (GLM-4.7-Flash, MiniCPM3), with a sparse attention's indexer (DeepSeek-V3.2, GLM-5), and
 # linear attention beside experts (Qwen3.5-MoE's, Kimi Linear's)
-LATENT = ("glm4_moe_lite", "minicpm3", "deepseek_v32", "glm_moe_dsa", "qwen3_5_moe_text", "kimi_linear")
+LATENT = ("glm4_moe_lite", "minicpm3", "deepseek_v32", "glm_moe_dsa", "qwen3_5_moe_text", "kimi_linear",
+          "bailing_hybrid")  # fmt: skip
 
 
 def _dense(kind: str):
     from tests.layers.test_hf_experts import _moe
-    from tests.layers.test_hf_families import FAMILY_CONFIGS, KIMI, SPARSE, SPARSE_FAMILIES, family_model
+    from tests.layers.test_hf_families import BAILING, FAMILY_CONFIGS, KIMI, SPARSE, SPARSE_FAMILIES, family_model
     from tests.layers.test_hf_mixer_context import hybrid_model
 
     if kind == "deepseek_v3":  # multi-head latent attention, a dense first layer, shared and routed experts
         return _moe(kind)
     if kind in SPARSE_FAMILIES:
         return family_model(kind, **SPARSE)
-    if kind == "kimi_linear":
-        return family_model(kind, **KIMI)
+    if kind in ("kimi_linear", "bailing_hybrid"):
+        return family_model(kind, **(KIMI if kind == "kimi_linear" else BAILING))
     if kind in (*HYBRIDS, *CONVERTED_HYBRIDS):
         return hybrid_model(kind)
     return family_model(kind, **FAMILY_CONFIGS.get(kind, {}))
@@ -122,8 +123,8 @@ def test_checkpoints_that_transformers_converts_load_by_slices_of_their_stored_t
 def test_latent_attention_and_hybrid_mixtures_load_by_slices(tmp_path):
     """GLM-4.7-Flash, MiniCPM3, DeepSeek-V3.2 and GLM-5 (their latents and the indexer replicated, the heads split,
     the experts by features or by experts), Qwen3.5-MoE (Gated DeltaNet split by heads beside experts) and Kimi Linear
-    (Kimi Delta Attention's per-head decay parameters, A_log split along its third dim): split on the meta device with
-    and without sequence parallelism, then loaded, equal to the split dense model."""
+    (Kimi Delta Attention's per-head decay parameters, A_log split along its third dim) and Bailing's hybrid: split on
+    the meta device with and without sequence parallelism, then loaded, equal to the split dense model."""
     layouts = ({}, {"sequence_parallel": True}, {"expert_split": "experts"})
     assert (
         run_ranks(_families_ranks, 2, LATENT, str(tmp_path), layouts, timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2

@@ -28,10 +28,10 @@ def hybrid_model(kind: str):
     from tests.layers.test_hf_mixers import jamba_model, lfm_model, mamba_model, minimax_model, planless_model
 
     name, _, groups = kind.partition(":")
-    if name == "kimi_linear":  # Kimi Delta Attention, then multi-head latent attention
-        from tests.layers.test_hf_families import KIMI, family_model
+    if name in ("kimi_linear", "bailing_hybrid"):  # Kimi Delta Attention, then multi-head latent attention
+        from tests.layers.test_hf_families import BAILING, KIMI, family_model
 
-        return family_model(name, **KIMI)
+        return family_model(name, **(KIMI if name == "kimi_linear" else BAILING))
     if name in ("bamba", "falcon_h1", "nemotron_h", "granitemoehybrid"):
         return mamba_model(name, int(groups or 1))
     if name.startswith("lfm"):
@@ -101,10 +101,11 @@ def test_hybrids_under_context_parallelism_match_dense_on_two_ranks():
     MiniMax's lightning attention (its norm over every head on this rank's tokens, its output gate too); the
     state-space models without attention, Mamba, Falcon-Mamba and Mamba-2, and Zamba 2 (which have no plan); Kimi
     Linear's Kimi Delta Attention (both gates' first projections on this rank's tokens, their second ones' outputs
-    sent to the heads, the per-channel decay bias and per-head rate sliced with the heads)."""
+    sent to the heads, the per-channel decay bias and per-head rate sliced with the heads), and Bailing's (its gates
+    at full rank sent with q, k and v, its forget gate's head count set too)."""
     kinds = ("bamba", "bamba:2", "falcon_h1", "granitemoehybrid", "nemotron_h", "qwen3_5_text", "qwen3_next",
              "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "falcon_mamba", "mamba2", "zamba2",
-             "kimi_linear")  # fmt: skip
+             "kimi_linear", "bailing_hybrid")  # fmt: skip
     run_ranks(_grid_ranks, 2, 2, kinds, (False,), timeout=600, env=REFERENCE_KERNELS)
 
 
@@ -116,7 +117,7 @@ def test_hybrids_under_context_and_tensor_parallelism_on_four_ranks():
     cp ranks (the Gated DeltaNets' one key head on each tensor-parallel rank read whole by both cp ranks), Zamba 2's
     hybrid layers (its shared attention block's embeddings split with the hidden states) among them."""
     kinds = ("bamba", "falcon_h1", "qwen3_next", "olmo_hybrid", "lfm2", "jamba", "minimax", "mamba", "zamba2",
-             "kimi_linear")  # fmt: skip
+             "kimi_linear", "bailing_hybrid")  # fmt: skip
     run_ranks(_grid_ranks, 4, 2, kinds, (False, True), timeout=600, env=REFERENCE_KERNELS)
 
 
@@ -161,8 +162,9 @@ def test_a_mamba2_block_moves_only_what_its_heads_read():
 def _joined_ranks(rank, world_size):
     """The exchanges of one forward of a mixer with several input projections: one all-to-all takes them all to the
     heads (Qwen3.5's q/k/v, z, b and a; OLMo-hybrid's six; Kimi Delta Attention's q, k, v and β, its gates' second
-    projections apart, each after its first), one brings the output back (the backward reverses each). The same bytes
-    as one exchange each, in fewer messages; the logits and gradients are _grid_ranks'."""
+    projections apart, each after its first; Bailing's six, its gates at full rank), one brings the output back (the
+    backward reverses each). The same bytes as one exchange each, in fewer messages; the logits and gradients are
+    _grid_ranks'."""
     import tessel.parallel.context_heads as context_heads
     from tessel.layers.parallelize import parallelize
     from tessel.parallel.comm import count_bytes
@@ -173,7 +175,7 @@ def _joined_ranks(rank, world_size):
     context_heads.exchange_rows = lambda *a, **k: calls.append(a[0].shape) or exchange(*a, **k)
     try:
         for kind, name, want in (("qwen3_5_text", "linear_attn", 2), ("olmo_hybrid", "linear_attn", 2),
-                                 ("kimi_linear", "self_attn", 4)):  # fmt: skip
+                                 ("kimi_linear", "self_attn", 4), ("bailing_hybrid", "self_attn", 2)):  # fmt: skip
             mixer = parallelize(hybrid_model(kind), solo, cp_group=cp_group).model.layers[0].get_submodule(name)
             x = torch.randn(2, 4, 64, requires_grad=True)
             calls.clear()

@@ -475,6 +475,8 @@ HYBRIDS = {"qwen3_5_text": _LINEAR, "qwen3_next": {**_LINEAR, "num_experts": 4, 
            "kimi_linear": {"num_key_value_heads": 4, "linear_attn_config": {
                "kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 8, "num_heads": 4,
                "short_conv_kernel_size": 4}},
+           # Bailing's: the delta attention with full-rank gates, then latent attention with a gate per head, twice
+           "bailing_hybrid": {"num_key_value_heads": 4, "layer_group_size": 2},
            "zamba2": {"n_mamba_heads": 4, "mamba_headdim": 16, "mamba_ngroups": 2, "mamba_d_state": 8,
                       "chunk_size": 4, "layers_block_type": ["mamba", "hybrid"] * 2, "adapter_rank": 8}}  # fmt: skip
 
