@@ -102,13 +102,16 @@ class TorchAdamWState:
         self._buffers: dict[tuple[str, str], torch.Tensor] = {}
 
     def state(self) -> dict:
-        out = {}
+        """The moments of every parameter (zeros for one that has had no gradient yet, as AdamW would start it: a
+        sparse attention's indexer, which its model runs without gradients) and the step."""
+        out, steps = {}, [0]
         for name, p in self.named.items():
             st = self.optimizer.state[p]
             for moment in self.MOMENTS:
-                out[f"optim.{name}.{moment}"] = _value(p, st[moment].float(), self.tp_group,
-                                                       write=self.writers[is_expert(p)])  # fmt: skip
-            out["optim.step"] = torch.tensor(int(st["step"]), dtype=torch.int64)
+                value = st[moment].float() if moment in st else torch.zeros(p.shape, device=p.device)
+                out[f"optim.{name}.{moment}"] = _value(p, value, self.tp_group, write=self.writers[is_expert(p)])
+            steps.append(int(st.get("step", 0)))
+        out["optim.step"] = torch.tensor(max(steps), dtype=torch.int64)
         return out
 
     def template(self) -> dict:

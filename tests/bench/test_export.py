@@ -116,26 +116,29 @@ def test_a_hugging_face_run_exports_its_family(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("family", "extra"),
-    [("olmo2", []), ("bamba", []), ("gemma4", []), ("gemma4", ["--kv-shared-layers", "2"])],
-    ids=["olmo2", "bamba", "gemma4", "gemma4-kv-shared"],
-)
+    [("olmo2", []), ("bamba", []), ("gemma4", []), ("gemma4", ["--kv-shared-layers", "2"]),
+     ("kimi_linear", ["--experts", "4", "--aux-loss-coef", "0"]),
+     ("deepseek_v32", ["--experts", "4", "--aux-loss-coef", "0"])],
+    ids=["olmo2", "bamba", "gemma4", "gemma4-kv-shared", "kimi_linear", "deepseek_v32"],
+)  # fmt: skip
 def test_a_tensor_parallel_checkpoint_exports_the_single_processs_model(tmp_path, family, extra):
     """Saved at tp=2 with sequence parallelism (each rank its heads' shards, OLMo 2's q/k norms split with the heads,
     Bamba's Mamba-2 mixers by heads, Gemma 4's wider full-attention heads and per-layer input gates, and its last
-    layers reusing earlier ones' keys and values, which the checkpoint records): the exported model is the one the
+    layers reusing earlier ones' keys and values, which the checkpoint records; Kimi Linear's delta attention and
+    DeepSeek-V3.2's indexer beside latent attention and experts): the exported model is the one the
     single process trains. (Two Adam steps
     magnify fp32 rounding where a gradient is near zero: one element in a few thousand moves by up to ~1e-4;
     heads or features out of place would move a quarter of a tensor or more, by the weights' scale.)"""
     run = ["--hf", family, *RUN, *extra]
     _ok(_train(tmp_path / "one", *run))
-    if extra:  # a checkpoint of another model: refused on resume
+    if "--kv-shared-layers" in extra:  # a checkpoint of another model: refused on resume
         proc = _train(tmp_path / "one", "--hf", family, *RUN, "--steps", "3", "--resume")
         assert proc.returncode != 0 and "kv_shared_layers=2 (this run: 0)" in proc.stderr, proc.stderr
     _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
     export(tmp_path / "one", tmp_path / "one-hf")
     export(tmp_path / "tp2", tmp_path / "tp2-hf")
     one, tp2 = _from_pretrained(tmp_path / "one-hf"), _from_pretrained(tmp_path / "tp2-hf")
-    assert getattr(tp2.config, "num_kv_shared_layers", 0) == (2 if extra else 0)
+    assert getattr(tp2.config, "num_kv_shared_layers", 0) == (2 if "--kv-shared-layers" in extra else 0)
     for (name, a), b in zip(one.state_dict().items(), tp2.state_dict().values(), strict=True):
         off = ((b - a).abs() > 1e-5 + 1e-4 * a.abs()).float().mean().item()
         assert a.shape == b.shape and off <= 1e-3, f"{name}: {off:.2%} of its elements differ"

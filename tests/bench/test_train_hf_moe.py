@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from tests.bench.test_train import PREFIX, _losses, _ok, _train
+from tests.bench.test_train import PREFIX, _checkpoint, _copy_checkpoint, _losses, _ok, _train
 from tests.multiprocess import REFERENCE_KERNELS, run_ranks
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -110,7 +110,6 @@ def test_an_expert_parallel_checkpoint_holds_every_expert_and_resumes_in_one_pro
     AdamW, ZeRO-2, FSDP): every expert's tensor is whole in the checkpoint, and one process holding them all resumes
     it on the uninterrupted run's curve. (Each rank once wrote its experts as the whole tensor: two of the four.)"""
     from tessel.bench.checkpoint import checkpoint_keys
-    from tests.bench.test_train import _checkpoint, _copy_checkpoint
 
     run = [*RUN[:-6], "--steps", "4", "--seq-len", "32", "--batch-size", "8", "--aux-loss-coef", "0"]
     run += ["--save-every", "2"]
@@ -278,6 +277,12 @@ def test_deepseek_v3_2_trains_its_sparse_attention(tmp_path):
         assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
     proc = _train(tmp_path / "cp2", *DEEPSEEK_V32, "--cp", "2", nproc=2)
     assert proc.returncode == 2 and "which under --cp 2 would score a rank's keys alone" in proc.stderr, proc.stderr
+    # the indexer, which its model runs without gradients, has no AdamW state: saved as AdamW would start it, and the
+    # run resumed from step 2 follows the uninterrupted one
+    _ok(_train(tmp_path / "saved", *DEEPSEEK_V32, "--save-every", "2"))
+    _copy_checkpoint(_checkpoint(tmp_path / "saved", 2), tmp_path / "resumed")
+    _ok(_train(tmp_path / "resumed", *DEEPSEEK_V32, "--resume"))
+    assert _losses(tmp_path / "resumed") == pytest.approx(one, rel=1e-6)
 
 
 KIMI = ["--hf", "kimi_linear", *DEEPSEEK[2:]]
