@@ -39,6 +39,8 @@ indexer keeps each query's top keys (FLOPs count those); not under ``--cp``.
 ``--hf kimi_linear``: Kimi Linear's (:func:`_kimi_config`): Kimi Delta Attention
 (:mod:`~tessel.layers.hf_linear_attention`) in three layers of four, multi-head latent attention in the fourth, experts
 routed and balanced as DeepSeek-V3's; every layout, ``--cp`` included (the delta attention by heads).
+``--hf bailing_hybrid``: Bailing's (Ling/Ring 2.5, :func:`_bailing_config`), the same with full-rank gates and a gate
+per head on the latent attention's output.
 
 ``--hf gpt_oss``: GPT-OSS's design at the preset's shape: attention sinks, every other layer sliding over 128 keys
 (``--sliding-window W`` replaces the window, :data:`ALTERNATING_WINDOWS`), biased attention and experts with its clamped
@@ -117,7 +119,8 @@ HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3"
                "qwen3_moe": "Qwen3Moe", "gemma": "Gemma", "gemma2": "Gemma2", "gemma3": "Gemma3", "olmo2": "Olmo2",
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32",
                "gpt_oss": "GptOss", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba",
-               "jamba": "Jamba", "gemma4": "Gemma4", "kimi_linear": "KimiLinear"}  # fmt: skip
+               "jamba": "Jamba", "gemma4": "Gemma4", "kimi_linear": "KimiLinear",
+               "bailing_hybrid": "BailingHybrid"}  # fmt: skip
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "qwen3_5_moe": "Qwen3_5MoeText",
@@ -127,10 +130,10 @@ MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_s
                 "deepseek_v3": "moe_intermediate_size", "deepseek_v32": "moe_intermediate_size",
                 "gpt_oss": "intermediate_size",
                 "jamba": "intermediate_size", "qwen3_5_moe": "moe_intermediate_size",
-                "kimi_linear": "moe_intermediate_size"}  # fmt: skip
+                "kimi_linear": "moe_intermediate_size", "bailing_hybrid": "moe_intermediate_size"}  # fmt: skip
 # The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
 # by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
-BIASED_FAMILIES = ("deepseek_v3", "deepseek_v32", "kimi_linear")
+BIASED_FAMILIES = ("deepseek_v3", "deepseek_v32", "kimi_linear", "bailing_hybrid")
 # The families whose attention keeps each query's top keys by an indexer (DeepSeek Sparse Attention): not under --cp,
 # where the indexer would score a rank's keys alone
 SPARSE_FAMILIES = ("deepseek_v32",)
@@ -141,7 +144,7 @@ WINDOW_FAMILIES = {"mistral": {}, "mixtral": {}, "qwen2": {"use_sliding_window":
                    "qwen3_moe": {"use_sliding_window": True, "max_window_layers": 0}}  # fmt: skip
 # The families whose layers are mostly Gated DeltaNet linear attention (tessel.layers.hf_linear_attention) or Mamba
 # mixers (tessel.layers.hf_mixers), which run under context parallelism by heads (tessel.layers.hf_mixer_context)
-LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "bamba", "jamba", "kimi_linear")
+LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "bamba", "jamba", "kimi_linear", "bailing_hybrid")
 # The families whose layers alternate between a sliding window and full attention, and their own window, which
 # --sliding-window W replaces (GPT-OSS: every other layer slides over 128 keys)
 ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
@@ -155,7 +158,7 @@ def _experts_config(args, c: GPTConfig) -> dict:
     if args.hf not in MOE_FAMILIES:
         return {}
     if args.hf in BIASED_FAMILIES:  # one shared expert beside the routed ones, a dense first layer, as DeepSeek-V3
-        count = "num_local_experts" if args.hf == "kimi_linear" else "n_routed_experts"
+        count = "num_local_experts" if args.hf in ("kimi_linear", "bailing_hybrid") else "n_routed_experts"
         return {count: args.experts, "num_experts_per_tok": args.top_k, "n_shared_experts": 1,
                 "moe_intermediate_size": c.mlp_hidden, "first_k_dense_replace": 1, "n_group": args.expert_groups,
                 "topk_group": args.top_groups}  # fmt: skip
@@ -182,6 +185,8 @@ def _hf_config(args, c: GPTConfig, attention: str):
         kw.update(_indexer_config(c))
     if args.hf == "kimi_linear":
         kw.update(_kimi_config(c))
+    if args.hf == "bailing_hybrid":
+        kw.update(_bailing_config(c))
     if args.hf in ("qwen3_5", "qwen3_5_moe"):
         kw.update(_linear_attention_config(c))
     if args.hf == "bamba":
@@ -283,6 +288,16 @@ def _kimi_config(c: GPTConfig) -> dict:
     return {**_latent_attention_config(c), "q_lora_rank": None, "linear_num_heads": c.n_head,
             "linear_head_dim": c.n_embd // c.n_head, "linear_conv_kernel_dim": 4, "layer_types": kinds,
             "bos_token_id": None, "eos_token_id": None}  # fmt: skip
+
+
+def _bailing_config(c: GPTConfig) -> dict:
+    """Bailing's hybrid (Ling/Ring 2.5) at the preset's shape: five delta-attention layers of the model's heads and head
+    dim (full-rank gates) to each latent-attention layer with a gate per head (every fourth below six layers), its
+    latents of DeepSeek-V3's proportions without a query latent."""
+    d = c.n_embd // c.n_head
+    # head_dim: the delta attention's (the config then points it at the rotary keys, as DeepSeek-V3's does)
+    return {**_latent_attention_config(c), "q_lora_rank": None, "head_dim": d, "layer_group_size": 6 if c.n_layer >= 6
+            else 4, "bos_token_id": None, "eos_token_id": None}  # fmt: skip
 
 
 def _indexer_config(c: GPTConfig) -> dict:

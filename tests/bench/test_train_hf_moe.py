@@ -290,19 +290,22 @@ KIMI = ["--hf", "kimi_linear", *DEEPSEEK[2:]]
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
-def test_kimi_linear_trains_its_delta_attention_in_every_layout(tmp_path):
+@pytest.mark.parametrize("family", ["kimi_linear", "bailing_hybrid"])
+def test_kimi_linear_trains_its_delta_attention_in_every_layout(tmp_path, family):
     """--hf kimi_linear: three Kimi Delta Attention layers, then multi-head latent attention, experts balanced by their
     routing biases. The single process's curve at tp=2 with sequence parallelism, through a pipeline, over two
     data-parallel ranks with the experts split over them, over two context-parallel ranks (the delta attention by
-    heads, the latent attention as the ring) and with tp=2 beside them, and as Hugging Face computes it."""
-    _ok(_train(tmp_path / "one", *KIMI))
+    heads, the latent attention as the ring) and with tp=2 beside them, and as Hugging Face computes it; and Bailing's
+    hybrid (full-rank gates, a gate per head on the latent attention's output) the same way."""
+    run = ["--hf", family, *KIMI[2:]]
+    _ok(_train(tmp_path / "one", *run))
     one = _losses(tmp_path / "one")
     layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "pp2": (["--pp", "2"], 2),
                "dp2-ep2": (["--dp", "2", "--ep", "2"], 2), "cp2": (["--cp", "2"], 2),
                "tp2-cp2-sp": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4),
                "baseline": (["--hf-baseline"], 1)}  # fmt: skip
     for name, (layout, nproc) in layouts.items():
-        _ok(_train(tmp_path / name, *KIMI, *layout, nproc=nproc))
+        _ok(_train(tmp_path / name, *run, *layout, nproc=nproc))
         assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
 
 
