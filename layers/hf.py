@@ -161,11 +161,13 @@ class HFSequenceLayout:
         for name, layer in zip(layer_names, layers):
             holds_experts = any(block.rpartition(".")[0] == name for block in local if block in expert_names)
             for child, m in layer.named_children():
-                full, plain = f"{name}.{child}", _plain_linear(m)
+                full, plain = f"{name}.{child}", _plain_linear(m) or _hyper_connection(m)
                 # beside experts that sit in the layer itself, its other modules (their router) see the shard too
                 beside = holds_experts and full not in (*norms, *blocks, *local) and any(True for _ in m.parameters())
                 if plain or beside:
                     tokens.append(full)
+        # the final collapse of hyper-connections' streams, before the final norm: token by token too
+        tokens += [prefix + n for n, m in base.named_children() if _hyper_connection(m)]
         return cls(layer_names, prefix + norm_name, norms, blocks, local, tokens, sublayers)
 
     def in_region(self, name: str) -> bool:
@@ -209,7 +211,7 @@ class HFSequenceLayout:
 
         def scatter(module, args, kwargs):
             def split(x):
-                if x.dim() != 3 or x.shape[1] % t:
+                if x.dim() < 3 or x.shape[1] % t:  # [batch, seq, streams, hidden] with hyper-connections
                     raise ValueError(
                         "parallelize: sequence_parallel=True needs [batch, seq, hidden] hidden states with seq "
                         f"divisible by the tensor-parallel size {t}, received {tuple(x.shape)}"
@@ -252,6 +254,13 @@ class HFSequenceLayout:
             )
             modules[name].register_forward_hook(lambda m, args, out, ring=ring: ring.end(), always_call=True)
         modules[self.final_norm].register_forward_hook(gather_output)
+
+
+def _hyper_connection(m: nn.Module) -> bool:
+    """Hyper-connections (DeepSeek-V4's, HY-V4's): per token, the mix of a layer's residual streams into its input and
+    its output back into them (``*HyperConnection``), and the collapse of the streams before the final norm
+    (``*HyperHead``); they run on a sequence shard as they are, their parameters' gradients summed over the group."""
+    return type(m).__name__.endswith(("HyperConnection", "HyperHead")) and any(True for _ in m.parameters())
 
 
 def _contiguous(x: torch.Tensor) -> torch.Tensor:

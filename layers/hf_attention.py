@@ -69,8 +69,8 @@ __all__ = [
     "CP_GROUP_ATTR",
     "MLA_INDEXER_INPUTS",
     "MLA_INDEXER_QUERIES",
-    "MLA_INPUT_PROJECTIONS",
     "MLA_LATENT_PROJECTIONS",
+    "MLA_LATENT_READERS",
     "PER_HEAD_PARAMETERS",
     "SEGMENT_IDS_KWARG",
     "SINKS_KWARG",
@@ -451,10 +451,11 @@ def register_hf_attention() -> str:
 # ---------------------------------------------------------------------------------------------------- latent attention
 
 
-# Multi-head latent attention's projections of its input (Hugging Face's names): the replicated ones to narrow
-# latents, and those split by heads (the queries without a query latent; Bailing's per-head output gate)
+# Multi-head latent attention's projections (Hugging Face's names): the replicated ones of its input to narrow latents,
+# and the split ones that read those latents (its other split columns read its input: the queries without a query
+# latent, Bailing's and HY-V4's output gates)
 MLA_LATENT_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa")
-MLA_INPUT_PROJECTIONS = ("q_proj", "g_proj")
+MLA_LATENT_READERS = ("q_b_proj", "kv_b_proj")
 # a sparse attention's indexer (DeepSeek-V3.2's, GLM-5's): its projections of the block's input (its key, its heads'
 # weights), and of the query latent (its queries)
 MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES = ("wk", "weights_proj"), ("wq_b",)

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
-from .hf_attention import MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES, MLA_INPUT_PROJECTIONS, MLA_LATENT_PROJECTIONS
+from .hf_attention import MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES, MLA_LATENT_PROJECTIONS, MLA_LATENT_READERS
 from .hf_experts import ExpertSplit
 from .hf_linear_attention import KIMI_LATENT_FED, KIMI_LATENTS, is_kimi_delta
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
@@ -223,7 +223,8 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
     """Narrow replicated projections of a block's input under sequence parallelism, which multiply the shard and
     gather their latents (``latent``: :class:`~tessel.layers.hf.RingLatentLinear`), and the columns they feed, which
     read the whole sequence (``latent_fed``). Multi-head latent attention (DeepSeek-V2/V3): ``kv_a_proj_with_mqa``
-    and ``q_a_proj`` feed ``kv_b_proj`` and ``q_b_proj`` (``q_proj``, where there is one, is a ring column). Zamba 2's
+    and ``q_a_proj`` feed ``kv_b_proj`` and ``q_b_proj`` (the block's other columns read its input and are ring
+    columns: ``q_proj`` where there is one, an output gate). Zamba 2's
     MLP adapters: each one's first projection (to its rank) feeds its second. Entries are added for the replicated
     projections the plan leaves out. Kimi Delta Attention: its forget and output gates' first projections feed their
     second ones. A sparse attention's indexer inside such a block: ``wk`` and ``weights_proj``
@@ -235,7 +236,7 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
         if block in blocks:
             if e.kind == MLA_KV_A:
                 e.latent = True
-            elif e.kind in RING_COLUMNS and leaf not in MLA_INPUT_PROJECTIONS:
+            elif e.kind in RING_COLUMNS and leaf in MLA_LATENT_READERS:
                 e.latent_fed = True
         adapter, _, index = block.rpartition(".")
         if e.kind in RING_COLUMNS and adapter.endswith(f".{ADAPTERS}") and index.isdigit() and leaf == "1":

@@ -16,6 +16,10 @@ Among them, four that once went wrong:
   gradients were each rank's share. They are now summed over the group.
 - Sarvam-MoE's per-head q/k norms, which its plan does not name, act on each rank's heads: their gradients were
   each rank's share too (every rank's logits right). They are summed as well.
+
+HY-V4 carries several residual streams (hyper-connections, ``[B, S, streams, H]``): under sequence parallelism they
+split along the sequence, the modules that mix them run on each rank's tokens (their gradients summed), and its
+latent attention's output gate, which reads the block's input, is fed by the block's ring.
 """
 
 import copy
@@ -32,10 +36,11 @@ FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", 
             "granitemoe_swa", "sarvam_moe", "apertus1p5_text", "aria_text", "beam", "cohere2_moe", "cwm", "exaone",
             "exaone_moe", "granite_swa", "granitemoeshared", "hy_v3", "hyperclovax", "iquestcoder", "kolibri1",
             "llama4_text", "mimo_v2_flash", "ministral3", "solar_open", "glm4_moe_lite", "minicpm3",
-            "qwen3_5_moe_text", "stablelm", "minimax_m3_vl_text")  # fmt: skip
+            "qwen3_5_moe_text", "stablelm", "minimax_m3_vl_text", "hy_v4")  # fmt: skip
 # what a family's tiny config needs beside family_model's: multi-head latent attention expands the latent to every
 # head (kv heads as many as the heads); Qwen3.5-MoE's first three of each four layers are linear attention
 FAMILY_CONFIGS = {"glm4_moe_lite": dict(num_key_value_heads=4), "minicpm3": dict(num_key_value_heads=4),
+                  "hy_v4": dict(num_key_value_heads=4),
                   "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"])}  # fmt: skip
 # the families whose own plans leave their attention whole: tessel splits it by heads
 WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
