@@ -285,9 +285,14 @@ def _kimi_config(c: GPTConfig) -> dict:
     dim, every fourth layer (and the last) latent attention of DeepSeek-V3's proportions."""
     kinds = ["full_attention" if (i + 1) % 4 == 0 or i == c.n_layer - 1 else "linear_attention"
              for i in range(c.n_layer)]  # fmt: skip
-    return {**_latent_attention_config(c), "q_lora_rank": None, "linear_num_heads": c.n_head,
-            "linear_head_dim": c.n_embd // c.n_head, "linear_conv_kernel_dim": 4, "layer_types": kinds,
-            "bos_token_id": None, "eos_token_id": None}  # fmt: skip
+    return {**_latent_without_query_latent(c), "linear_num_heads": c.n_head, "linear_head_dim": c.n_embd // c.n_head,
+            "linear_conv_kernel_dim": 4, "layer_types": kinds}  # fmt: skip
+
+
+def _latent_without_query_latent(c: GPTConfig) -> dict:
+    """The latent attention of the delta-attention hybrids (Kimi Linear's, Bailing's): DeepSeek-V3's proportions, its
+    queries projected without a latent; no special token ids beyond the preset's vocabulary."""
+    return {**_latent_attention_config(c), "q_lora_rank": None, "bos_token_id": None, "eos_token_id": None}
 
 
 def _bailing_config(c: GPTConfig) -> dict:
@@ -296,8 +301,7 @@ def _bailing_config(c: GPTConfig) -> dict:
     latents of DeepSeek-V3's proportions without a query latent."""
     d = c.n_embd // c.n_head
     # head_dim: the delta attention's (the config then points it at the rotary keys, as DeepSeek-V3's does)
-    return {**_latent_attention_config(c), "q_lora_rank": None, "head_dim": d, "layer_group_size": 6 if c.n_layer >= 6
-            else 4, "bos_token_id": None, "eos_token_id": None}  # fmt: skip
+    return {**_latent_without_query_latent(c), "head_dim": d, "layer_group_size": 6 if c.n_layer >= 6 else 4}
 
 
 def _indexer_config(c: GPTConfig) -> dict:

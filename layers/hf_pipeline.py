@@ -144,8 +144,9 @@ class HFPipelineStage(nn.Module):
         if self.per_layer:
             _split_per_layer_inputs(self, stage, base)
         # Gemma 4's shared keys and values: the layer types whose keys and values this stage receives, and passes on
-        self.kv_sharing = _kv_sharing(model.config) is not None
-        self.kv_in, self.kv_out = _shared_kv_types(model.config, start, stop)
+        sharing = _kv_sharing(model.config)
+        self.kv_sharing = sharing is not None
+        self.kv_in, self.kv_out = _shared_kv_types(sharing, start, stop) if sharing else ((), ())
 
     def forward(self, x: torch.Tensor, *carried: torch.Tensor, targets: torch.Tensor | None = None):
         """The stage on ``x``; with ``targets`` (the last stage only), :meth:`loss` of ``x``, its own output: the
@@ -357,12 +358,11 @@ def _kv_sharing(config) -> tuple[list[str], list[str | None]] | None:
     return list(config.layer_types), list(config.kv_sharing_modes)
 
 
-def _shared_kv_types(config, start: int, stop: int) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _shared_kv_types(sharing: tuple[list[str], list[str | None]], start: int,
+                     stop: int) -> tuple[tuple[str, ...], tuple[str, ...]]:  # fmt: skip
     """The layer types whose shared keys and values a stage of layers ``start … stop-1`` receives (stored before it,
-    reused in it or after) and passes on (stored before its end, reused after it), in the storing layers' order."""
-    sharing = _kv_sharing(config)
-    if sharing is None:
-        return (), ()
+    reused in it or after) and passes on (stored before its end, reused after it), in the storing layers' order, from
+    the model's :func:`_kv_sharing`."""
     types, modes = sharing
     stores = [(i, t) for i, (t, m) in enumerate(zip(types, modes, strict=True)) if m == "store"]
 
