@@ -138,13 +138,19 @@ class HFSequenceLayout:
     def find(cls, model: nn.Module, column_names: list[str], expert_names: list[str] = ()) -> HFSequenceLayout:
         prefix, base = base_model(model)
         layers_name, norm_name = _decoder_names(model, base)
-        layers = getattr(base, layers_name)
+        layers = base.get_submodule(layers_name)
         layer_names = [f"{prefix}{layers_name}.{i}" for i in range(len(layers))]
         norms = [f"{name}.{child}" for name, layer in zip(layer_names, layers)
                  for child, m in layer.named_children() if _is_norm(m)]  # fmt: skip
         norms.append(prefix + norm_name)
-        blocks = {name.rsplit(".", 1)[0] for name in column_names if _inside(name, layer_names)}
+        # a layer's own column projections (OPT's fc1, beside its fc2) gather the shard themselves: no block
+        blocks = {name.rsplit(".", 1)[0] for name in column_names if _inside(name, layer_names)} - set(layer_names)
         blocks = sorted(b for b in blocks if not _inside(b, blocks - {b}))  # a Sequential inside a block is its block's
+        for name, layer in zip(layer_names, layers):  # a wrapper of one block (GPT-Neo's attn.attention): the block
+            for child, m in layer.named_children():
+                inner = [f"{name}.{child}.{n}" for n, c in m.named_children() if any(True for _ in c.parameters())]
+                if not m._parameters and len(inner) == 1 and inner[0] in blocks:
+                    blocks[blocks.index(inner[0])] = f"{name}.{child}"
         local = expert_blocks(layer_names, blocks, expert_names)
         tokens, sublayers = [], []
         for name, layer in zip(layer_names, layers):  # decoder layers inside a layer (Zamba 2's hybrid layers')
@@ -182,6 +188,8 @@ class HFSequenceLayout:
                 full = f"{name}.{child}"
                 if full in (*self.norms, *self.sublayers) or not any(True for _ in m.parameters()):
                     continue
+                if full in split_names and _own_linear(m, full, split_names, modules[name]):
+                    continue  # a column → row pair of the layer's own (OPT's fc1, fc2): Megatron's gather and scatter
                 if full in split_names:
                     raise ValueError(
                         f"parallelize: sequence_parallel=True cannot split {full}: a decoder layer's direct "
@@ -416,6 +424,15 @@ def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
     """Names (in the base model) of the decoder layers' ModuleList and of the final norm."""
     pp_plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
     names = pp_plan or [name for name, _ in base.named_children()]
+    inner = [(n, m) for n, m in base.named_children() if isinstance(getattr(m, "layers", None), nn.ModuleList)]
+    if not pp_plan and len(inner) == 1 and not any(isinstance(m, nn.ModuleList) for _, m in base.named_children()):
+        # the layers one module down (OPT's decoder), its final norm defined before them (final_layer_norm)
+        name, decoder = inner[0]
+        final = getattr(decoder, "final_layer_norm", None)
+        after = _decoder_norm(decoder, [n for n, _ in decoder.named_children()], "layers")
+        norm = after or ("final_layer_norm" if _is_norm(final) else None)
+        if norm is not None:
+            return f"{name}.layers", f"{name}.{norm}"
     # a ModuleList that learns nothing (Granite-MoE-SWA's rotary embeddings, one per kind of layer) is not the layers
     layers = [
         n for n in names if isinstance(m := getattr(base, n, None), nn.ModuleList) and any(True for _ in m.parameters())
@@ -427,6 +444,22 @@ def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
             f"norm in {type(base).__name__} (children {names}); pass sequence_parallel=False"
         )
     return layers[0], norms[-1]
+
+
+def _decoder_norm(base: nn.Module, names: list[str], layers: str) -> str | None:
+    """The last norm among ``base``'s children ``names`` after its ``layers``; None where there is none."""
+    norms = [n for n in names[names.index(layers) + 1 :] if _is_norm(getattr(base, n, None))]
+    return norms[-1] if norms else None
+
+
+def _own_linear(m: nn.Module, name: str, split_names: set[str], layer: nn.Module) -> bool:
+    """Whether ``m`` (``name``, split) is a linear layer of a decoder ``layer`` that holds a column → row pair of its
+    own, as OPT's holds its MLP's fc1 and fc2."""
+    from .hf_classic import linear_like
+
+    prefix = name.rpartition(".")[0]
+    own = [c for n, c in layer.named_children() if f"{prefix}.{n}" in split_names and linear_like(c)]
+    return linear_like(m) and len(own) >= 2
 
 
 def _is_norm(module) -> bool:

@@ -215,6 +215,13 @@ class HFContextLayout:
                 f"attention and short convolution mixers, but {type(model).__name__} also mixes tokens in {others[0]}, "
                 "which would see this rank's share of the tokens alone; train it without context parallelism"
             )
+        own = [n for n in attention if _computes_its_own(model.get_submodule(n), mixers, n)]
+        if own:
+            raise ValueError(
+                f"parallelize: cp_group runs attention through Hugging Face's attention functions (as tessel's ring), "
+                f"but {own[0]} ({type(model.get_submodule(own[0])).__name__}) computes its own; train "
+                f"{type(model).__name__} without context parallelism"
+            )
         if not attention and not mixers:
             raise ValueError(f"parallelize: cp_group needs attention modules (class names ending in Attention) in "
                              f"{type(model).__name__}, found none")  # fmt: skip
@@ -335,3 +342,16 @@ class HFContextLayout:
             model.set_attn_implementation("tessel")
         else:  # transformers < 4.56
             model.config._attn_implementation = "tessel"
+
+
+def _computes_its_own(m: nn.Module, mixers: list[str], name: str) -> bool:
+    """Whether attention module ``m`` (not a mixer, holding no other attention) computes its attention itself rather
+    than through ``ALL_ATTENTION_FUNCTIONS`` (Falcon's): judged by its forward's source, where it can be read."""
+    inner = any(type(c).__name__.endswith("Attention") for c in m.modules() if c is not m)
+    if inner or any(name == n or name.startswith(n + ".") for n in mixers):
+        return False
+    try:
+        source = inspect.getsource(type(m).forward)
+    except (OSError, TypeError):
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" not in source and "attention_interface" not in source

@@ -32,7 +32,8 @@ only: renamed keys as they are, experts stored one by one as the tensor transfor
 (``MergeModulelist``), their gate and up side by side (``Concatenate``), a fused tensor cut into the model's
 (``Split`` by the model's sizes, as LaraMini's ``in_proj`` and Sarvam-MoE's ``query_key_value``; ``Chunk`` evenly),
 dims swapped (``Transpose``). Other operations (``Interleave``, a rotary permutation) are refused by name: load such
-a model whole with ``from_pretrained`` and parallelize that.
+a model whole with ``from_pretrained`` and parallelize that. GPT-2's ``Conv1D`` weights (``[in, out]``), which
+``parallelize`` splits as the ``nn.Linear`` weights (``[out, in]``) they compute, are read transposed.
 """
 
 from __future__ import annotations
@@ -331,8 +332,9 @@ def _plan(model, sources: dict, refused: dict[str, str], t: int) -> dict[str, tu
         key = next((n for n in names if n in sources), None)
         if key is None:
             missing.append(names[0])
-        else:
-            plan[names[0]] = (p, sources[key])
+        else:  # GPT-2's Conv1D weights [in, out], which parallelize split as nn.Linear's [out, in]
+            lazy = sources[key]
+            plan[names[0]] = (p, _Transposed(lazy, 0, 1) if getattr(p, "hf_transposed", False) else lazy)
     if missing:
         why = next((f" ({n}: {refused[n]}, which tessel does not read by slices)" for n in missing if n in refused), "")
         raise ValueError(f"load_pretrained: the checkpoint has no tensor for {len(missing)} of the model's, e.g. "
@@ -450,7 +452,7 @@ def load_pretrained(model: nn.Module, path, tp_group=None, *, device=None, dtype
                 raise ValueError(f"load_pretrained: {name}'s blocks make {tuple(value.shape)}, the model's is "
                                  f"{tuple(p.shape)}")  # fmt: skip
             target = dtype if dtype is not None and p.is_floating_point() else p.dtype
-            value = value.to(device=device, dtype=target)
+            value = value.to(device=device, dtype=target).contiguous()
             if isinstance(p, nn.Parameter):
                 value = nn.Parameter(value, requires_grad=p.requires_grad)
                 value.__dict__.update(p.__dict__)

@@ -37,6 +37,8 @@ everything else is left as Hugging Face wrote it. A plan the user passes is neve
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -55,6 +57,8 @@ __all__ = [
     "fused_qkv_parts",
     "head_dim_of",
     "head_split_plan",
+    "is_conv1d",
+    "linear_widths",
     "local_head_updates",
     "pairs_halves",
     "whole_attention_plan",
@@ -63,8 +67,10 @@ __all__ = [
 # Attention-module attributes holding a head count (or a width of heads) that Hugging Face modules of
 # various versions read in forward; each becomes its local value (``/ t``) when the heads are split.
 # transformers 5.x Llama/Mistral/Qwen2 attention reshapes with -1 and reads none of them.
-HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads")
-HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size")
+HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads",
+                    "kv_heads")  # fmt: skip
+# split_size: GPT-2's [q | k | v] widths; kv_dim: GPT-BigCode's keys' width (one kv head per query head)
+HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size", "split_size", "kv_dim")
 
 _GATHERING = ("colwise_gather_output", "colwise_rep", "gather", "colwise_gather", "rowwise_split_input",
               "rowwise_rep", "rowwise_split")  # fmt: skip
@@ -359,19 +365,46 @@ def pairs_halves(mlp: nn.Module) -> bool:
     return _permutes_features(mlp, "gate_up_proj", "down_proj", halves=True)
 
 
+def is_conv1d(m) -> bool:
+    """Whether ``m`` is transformers' ``Conv1D`` (GPT-2's): a linear layer ``x @ W + b`` of weight ``[in, out]``."""
+    return (type(m).__name__ == "Conv1D" and type(m).__module__.startswith("transformers")
+            and isinstance(getattr(m, "weight", None), torch.Tensor) and m.weight.dim() == 2)  # fmt: skip
+
+
+def linear_widths(m) -> tuple[int, int] | None:
+    """``(in, out)`` of an ``nn.Linear`` or a ``Conv1D``; None for another module."""
+    if isinstance(m, nn.Linear):
+        return m.in_features, m.out_features
+    return tuple(m.weight.shape) if is_conv1d(m) else None
+
+
+def _probe_args(mlp: nn.Module, rows: int, width: int, dtype, device) -> tuple:
+    """The arguments after the input that ``mlp``'s forward needs: a zero ``residual`` (BLOOM's and MPT's MLPs add
+    it themselves)."""
+    try:
+        params = list(inspect.signature(mlp.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return ()
+    needed = [p for p in params if p.default is p.empty and p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if [p.name for p in needed] == ["residual"]:
+        return (torch.zeros(rows, width, dtype=dtype, device=device),)
+    return ()
+
+
 def _permutes_features(mlp: nn.Module, column: str, row: str, halves: bool, more: tuple[str, ...] = (),
                        args: tuple = ()) -> bool:  # fmt: skip
     """Whether ``mlp``'s output is unchanged when the intermediate features between its ``column`` and ``row``
     projections are permuted (in both halves of ``column``'s output alike, with ``halves``, and in the output of the
-    ``more`` column projections added to it): probed on two random rows, ``mlp(x, *args)``. It holds for an activation
-    that acts feature by feature (``act(gate)·up`` of two halves), and fails for interleaved pairs or features mixed
-    otherwise. False for a module of another shape. On the meta device it is probed on a copy with random values
+    ``more`` column projections added to it): probed on two random rows, ``mlp(x, *args)`` (a zero ``residual`` where
+    its forward takes one). It holds for an activation that acts feature by feature (``act(gate)·up`` of two halves),
+    and fails for interleaved pairs or features mixed otherwise. The projections are ``nn.Linear`` or ``Conv1D``
+    layers. False for a module of another shape. On the meta device it is probed on a copy with random values
     (:func:`~tessel.layers.meta.probe_copy`)."""
-    up, down = getattr(mlp, column, None), getattr(mlp, row, None)
-    if not isinstance(up, nn.Linear) or not isinstance(down, nn.Linear):
+    up, down = linear_widths(getattr(mlp, column, None)), linear_widths(getattr(mlp, row, None))
+    if up is None or down is None:
         return False
-    width = down.in_features
-    if up.out_features != width * (2 if halves else 1) or not up.weight.is_floating_point():
+    width = down[0]
+    if up[1] != width * (2 if halves else 1) or not getattr(mlp, column).weight.is_floating_point():
         return False
     mlp = probe_copy(mlp)
     up, down = getattr(mlp, column), getattr(mlp, row)
@@ -379,13 +412,22 @@ def _permutes_features(mlp: nn.Module, column: str, row: str, halves: bool, more
     gen = torch.Generator().manual_seed(0)
     perm = torch.randperm(width, generator=gen).to(w.device)
     rows = torch.cat([perm, perm + width]) if halves else perm
-    x = torch.randn(2, up.in_features, generator=gen).to(w.device, w.dtype)
+    x = torch.randn(2, linear_widths(up)[0], generator=gen).to(w.device, w.dtype)
+    args = args or _probe_args(mlp, 2, linear_widths(down)[1], w.dtype, w.device)
     names = {p: n for n, p in mlp.named_parameters()}
-    swapped = {names[down.weight]: down.weight[:, perm]}
+    # a Conv1D's output features are its weight's columns and its input features its rows
+    swapped = {names[down.weight]: down.weight[perm] if is_conv1d(down) else down.weight[:, perm]}
     for layer in (up, *(mlp.get_submodule(n) for n in more)):
-        swapped.update({names[t]: t[rows] for t in (layer.weight, layer.bias) if t is not None})
-    with torch.no_grad():
-        want, got = mlp(x, *args).float(), functional_call(mlp, swapped, (x, *args)).float()
+        swapped[names[layer.weight]] = layer.weight[:, rows] if is_conv1d(layer) else layer.weight[rows]
+        if layer.bias is not None:
+            swapped[names[layer.bias]] = layer.bias[rows]
+    training = mlp.training
+    mlp.eval()  # no dropout
+    try:
+        with torch.no_grad():
+            want, got = mlp(x, *args).float(), functional_call(mlp, swapped, (x, *args)).float()
+    finally:
+        mlp.train(training)
     tol = 1e-4 if w.dtype == torch.float32 else 3e-2
     return got.shape == want.shape and torch.allclose(got, want, rtol=tol, atol=tol * want.abs().max().item())
 
@@ -426,13 +468,18 @@ def _local_heads_config(config, local: dict) -> LocalHeadsConfig:
     return LocalHeadsConfig(config, **local)
 
 
-def head_dim_of(module: nn.Module) -> int | None:
-    """The module's head dim, by the names Hugging Face attention modules use."""
-    for attr in ("head_dim", "attention_head_size"):
+def positive_int_attr(module: nn.Module, attrs: tuple[str, ...]) -> int | None:
+    """The first of ``module``'s attributes ``attrs`` that holds a positive int; None where none does."""
+    for attr in attrs:
         value = getattr(module, attr, None)
         if isinstance(value, int) and not isinstance(value, bool) and value > 0:
             return value
     return None
+
+
+def head_dim_of(module: nn.Module) -> int | None:
+    """The module's head dim, by the names Hugging Face attention modules use."""
+    return positive_int_attr(module, ("head_dim", "attention_head_size"))
 
 
 def local_head_updates(module: nn.Module, t: int) -> dict[str, int]:

@@ -12,7 +12,10 @@ is sliced by the config's head counts (Phi-3: ``colwise_qkv``), tessel splits th
 experts the plan does not name are split too (:func:`~tessel.layers.hf_plans.whole_attention_plan`), and so is the
 Gated DeltaNet linear attention it gathers whole or leaves out (Qwen3.5, Qwen3-Next, OLMo-hybrid:
 :mod:`~tessel.layers.hf_linear_attention`), and so are Mamba-2 and Mamba-1 mixers and LFM2's short convolutions
-(:mod:`~tessel.layers.hf_mixers`).
+(:mod:`~tessel.layers.hf_mixers`). Decoders with no plan of their own (GPT-2, GPT-BigCode, GPT-Neo, OPT, XGLM, BioGPT,
+BLOOM, Falcon, MPT, Persimmon) are split as Megatron-LM splits a GPT: attention by heads from their fused projections,
+MLPs by features, the vocabulary where it divides (:mod:`~tessel.layers.hf_classic`); GPT-2's ``Conv1D`` layers become
+column and row layers of ``nn.Linear``'s layout.
 
 =================================================  ===================================================
 style (Hugging Face names in parentheses)          what the module becomes (``t`` ranks, rank ``r``)
@@ -116,6 +119,7 @@ from .hf_attention import (
     per_head_parameters,
 )
 from .hf_balance import balanced_blocks, track_split_loads
+from .hf_classic import as_linear, classic_qkv_parts, head_bias_installer, linear_like
 from .hf_context import HFContextLayout
 from .hf_experts import (
     check_ep_group,
@@ -138,7 +142,7 @@ from .hf_mixers import (
     mixer_updates,
     packed_parts,
 )
-from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, local_head_updates
+from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, is_conv1d, local_head_updates
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
 from .norm import SplitRMSNorm, sequence_parallel_norm
@@ -220,6 +224,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     entries, head_params = match_plan(model, plan, strict=not (own and is_hf_model(model)))
     for e in entries:
         e.ep_group = ep_group
+        if e.kind in SPLIT_LINEAR and linear_like(e.module):  # GPT-2's Conv1D, Falcon's FalconLinear
+            e.transposed, e.module = is_conv1d(e.module), as_linear(e.module)
         if e.kind == EXPERTS:
             e.expert_split = "experts" if e.style == "ep_dispatch_experts" or ep else expert_split
         _validate_entry(e, ep or t if e.kind == EXPERTS else t, model)
@@ -236,10 +242,12 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     if isinstance(context, HFContextLayout):
         context.plan_mixers(model, {e.name for e in entries}, t, cp_group)
     check_mixers_whole(model, {e.name: e.kind for e in entries} | dict.fromkeys(head_params, COLUMN), t)
-    installs = [f for p, _ in heads if (f := mixer_installer(p, tp_group)) is not None]  # what they need after
+    installs = [f for p, _ in heads if (f := mixer_installer(p, tp_group) or head_bias_installer(p, tp_group))]
     per_head = per_head_parameters(_attention_parents(model, entries), tp_group, head_params)
     for e in entries:
         e.new = _build(e, tp_group, overlap)
+        if e.transposed:  # the checkpoint's tensor is [in, out]: load_pretrained reads it transposed
+            e.new.weight.hf_transposed = True
     rings = _rings(layout, entries, tp_group) if layout is not None else {}
     ties = tied_parameters(model, entries)
     balanced = is_hf_model(model) and balanced_blocks(model)  # checked here: raises before any change
@@ -350,7 +358,8 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
             updates = local_head_updates(parent, t)
         except ValueError as err:
             raise ValueError(f"parallelize: {parent_name}: {err}") from None
-        if any(e.kind == COLUMN_QKV for e in children):  # its forward slices q, k, v by its config's head counts
+        if any(e.kind == COLUMN_QKV for e in children) and fused_qkv_parts(parent) is not None:
+            # its forward slices q, k, v by its config's head counts (Phi-3)
             config = parent.config
             updates["config"] = LocalHeadsConfig(config, num_attention_heads=config.num_attention_heads // t,
                                                  num_key_value_heads=config.num_key_value_heads // t)  # fmt: skip
@@ -393,11 +402,13 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
             out = e.parts = (out // 2, out // 2)
         elif e.kind == COLUMN_QKV:
             parent = model.get_submodule(e.name.rpartition(".")[0])
-            out = e.parts = packed_parts(parent, e.name.rpartition(".")[2]) or fused_qkv_parts(parent)
+            leaf = e.name.rpartition(".")[2]
+            out = e.parts = packed_parts(parent, leaf) or fused_qkv_parts(parent) or classic_qkv_parts(parent, leaf)
             if out is None:
                 _fail(e, "expected the qkv_proj of an attention module whose config's num_attention_heads and "
-                         "num_key_value_heads and whose head_dim give its width (H + 2·Hkv)·head_dim, or the input "
-                         "projection of a Gated DeltaNet, Mamba-2 or short-convolution block")  # fmt: skip
+                         "num_key_value_heads and whose head_dim give its width (H + 2·Hkv)·head_dim, GPT-2's c_attn "
+                         "or MPT's Wqkv, or the input projection of a Gated DeltaNet, Mamba-2 or short-convolution "
+                         "block")  # fmt: skip
         for n in (out,) if isinstance(out, int) else out:
             if n % t:
                 _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")

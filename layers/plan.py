@@ -12,6 +12,7 @@ from torch import nn
 
 from .hf import hf_tp_plan, is_hf_model
 from .hf_attention import MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES, MLA_LATENT_PROJECTIONS, MLA_LATENT_READERS
+from .hf_classic import classic_plan
 from .hf_experts import ExpertSplit
 from .hf_linear_attention import KIMI_LATENT_FED, KIMI_LATENTS, is_kimi_delta
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
@@ -70,14 +71,17 @@ class Entry:
     rope_dim: int | None = None  # mla_kv_a_proj: the width of the rotary key shared by every head
     expert_split: str = "features"  # experts: "features" or "experts"
     ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
+    transposed: bool = False  # a Conv1D (weight [in, out]) split as the nn.Linear it computes
 
 
 def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
     """tessel's GPT's plan, or a Hugging Face model's as :mod:`~tessel.layers.hf_plans` rewrites it; a Hugging Face
-    model without a plan of its own (Mamba-2's, Zamba 2's) gets the blocks :func:`whole_attention_plan` finds."""
+    model without a plan of its own gets the blocks :func:`whole_attention_plan` finds (Mamba-2's, Zamba 2's) and those
+    of the classic decoders (GPT-2, OPT, BLOOM, Falcon...: :mod:`~tessel.layers.hf_classic`)."""
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if is_hf_model(model) and (plan or t > 1):
         plan = whole_attention_plan(model, head_split_plan(model, plan or {}, glob_regex, t), glob_regex, t)
+        plan = classic_plan(model, plan, glob_regex, t)
     if not plan and is_hf_model(model) and t == 1:  # nothing splits over one rank (context parallelism alone)
         return {}
     if not plan:

@@ -92,7 +92,8 @@ def _check_against_dense(dense, par, tag, **kw):
         if dense_params[name].grad is None:  # one the forward does not reach (Zamba 2's adapter of another layer)
             assert p.grad is None, f"{tag} {name}: a gradient where the dense model has none"
             continue
-        expected = shard_like(dense_params[name].grad, p, None)
+        full = dense_params[name].grad  # GPT-2's Conv1D [in, out], split as the nn.Linear [out, in] it computes
+        expected = shard_like(full.t() if getattr(p, "hf_transposed", False) else full, p, None)
         _close(p.grad, expected, msg=lambda m, name=name: f"{tag} grad of {name}: {m}")
 
 

@@ -15,6 +15,8 @@ import torch
 import torch.distributed as dist
 
 from tests.layers.test_hf import REFERENCE_KERNELS, _check_against_dense, needs_hf
+from tests.layers.test_hf_classic import CLASSIC, classic_model
+from tests.layers.test_hf_classic import VARIANTS as CLASSIC_VARIANTS
 from tests.multiprocess import run_ranks
 
 FAMILIES = ("llama", "qwen3", "olmo2", "phi3", "nemotron", "gemma", "gemma3_text", "gpt_oss", "apertus")
@@ -35,6 +37,8 @@ def _dense(kind: str):
     from tests.layers.test_hf_families import BAILING, FAMILY_CONFIGS, KIMI, SPARSE, SPARSE_FAMILIES, family_model
     from tests.layers.test_hf_mixer_context import hybrid_model
 
+    if kind in (*CLASSIC, *CLASSIC_VARIANTS):
+        return classic_model(kind)
     if kind == "deepseek_v3":  # multi-head latent attention, a dense first layer, shared and routed experts
         return _moe(kind)
     if kind in SPARSE_FAMILIES:
@@ -129,6 +133,16 @@ def test_latent_attention_and_hybrid_mixtures_load_by_slices(tmp_path):
     assert (
         run_ranks(_families_ranks, 2, LATENT, str(tmp_path), layouts, timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
     )
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_classic_decoders_split_on_the_meta_device_load_their_weights(tmp_path):
+    """GPT-2 (its Conv1D weights [in, out], split as nn.Linear's [out, in], read transposed), BLOOM, Falcon, MPT, OPT
+    and Persimmon split on the meta device with and without sequence parallelism, then loaded, equal to the split
+    dense model."""
+    kinds = ("gpt2", "bloom", "falcon", "mpt", "opt", "persimmon")
+    assert run_ranks(_families_ranks, 2, kinds, str(tmp_path), timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
 
 
 def _transposed_ranks(rank, world_size, root):
