@@ -7,7 +7,8 @@ records, and writes ``OUT`` in Hugging Face's format (``config.json``, ``model.s
 ``transformers.AutoModelForCausalLM.from_pretrained(OUT)`` loads without tessel:
 
 - a Hugging Face family trained with ``--hf``: that family's model, its config built as the run built it, naming
-  Hugging Face's own attention and experts (the run's were tessel's);
+  Hugging Face's own attention and experts (the run's were tessel's); GPT-2's ``Conv1D`` weights back in their
+  ``[in, out]`` layout;
 - tessel's GPT of Llama's design (SwiGLU, RMSNorm, no experts): a ``LlamaForCausalLM``, or a
   ``MistralForCausalLM`` where it slides a window. Its fused ``qkv`` splits into ``q_proj``/``k_proj``/``v_proj``
   and its ``fc`` into ``gate_proj``/``up_proj`` (their biases into ``attention_bias``/``mlp_bias`` layers); the
@@ -98,9 +99,7 @@ def gpt_to_llama(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str,
 def _hf_model(family: str, config: GPTConfig, kv_shared_layers: int = 0) -> nn.Module:
     """The ``--hf`` family's causal LM as the run built it (its config from the same builder), on the meta device:
     the checkpoint's tensors replace its parameters."""
-    import transformers
-
-    from .train_hf import EAGER_FAMILIES, HF_FAMILIES, _hf_config
+    from .train_hf import EAGER_FAMILIES, HF_FAMILIES, _hf_config, model_class
 
     if family not in HF_FAMILIES:
         raise ExportError(f"the checkpoint's model is an unknown Hugging Face family {family!r} (known: "
@@ -111,7 +110,18 @@ def _hf_model(family: str, config: GPTConfig, kv_shared_layers: int = 0) -> nn.M
                            kv_shared_layers=kv_shared_layers)  # fmt: skip
     made = _hf_config(args, config, "eager" if family in EAGER_FAMILIES else "sdpa")
     with torch.device("meta"):
-        return getattr(transformers, f"{HF_FAMILIES[family]}ForCausalLM")(made)
+        return model_class(family)(made)
+
+
+def _conv1d_layout(state: dict[str, torch.Tensor], model: nn.Module) -> None:
+    """GPT-2's Conv1D weights, which tessel trained as the nn.Linear weights (``[out, in]``) they compute, in the
+    model's layout (``[in, out]``)."""
+    from ..layers.hf_plans import is_conv1d
+
+    for name, m in model.named_modules():
+        key = f"{name}.weight"
+        if is_conv1d(m) and key in state and state[key].shape == m.weight.shape[::-1] != m.weight.shape:
+            state[key] = state[key].t().contiguous()
 
 
 def _read_model(path: Path) -> dict[str, torch.Tensor]:
@@ -161,6 +171,7 @@ def export(checkpoint: str | Path, out: str | Path, *, dtype: str | None = None)
     state = _read_model(path)
     if family is not None:
         model = _hf_model(family, config, shared)
+        _conv1d_layout(state, model)
         _check_names(state, model, path)
     elif llama_design(config) is None:
         _check_names(state, GPT(config, device="meta"), path)

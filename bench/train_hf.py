@@ -69,6 +69,11 @@ layers' on with the activation). FLOPs count each layer's keys and head width (:
 of their kind, as Gemma 4's E-models do (the layer before them attends to every key, as theirs does); under ``--pp`` a
 stage passes on those a later stage reuses.
 
+``--hf gpt2``, ``opt``, ``bloom`` (:data:`CLASSIC_FAMILIES`): the decoders Hugging Face gives no tensor-parallel plan,
+split by :mod:`~tessel.layers.hf_classic` (GPT-2's Conv1D layers, OPT's MLP held by its layers, BLOOM's ALiBi, which
+runs its own eager attention: :data:`OWN_ATTENTION`); their LayerNorms and GELU MLPs, learned positions (which FLOPs
+leave out, as the token embedding) or ALiBi. Not in pipeline stages nor under ``--cp``.
+
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
 it their window is set off explicitly (Mistral's config would otherwise default to 4096).
@@ -90,12 +95,13 @@ from ..layers import (
     register_hf_experts,
 )
 from ..layers.gpt import GPTConfig
-from ..layers.hf import base_model
+from ..layers.hf import base_model, decoder_layer_list
 from ..layers.hf_balance import track_expert_loads
 from ..layers.hf_router_loss import router_sums, router_z_loss
 from .train_args import OVERLAPS, ArgumentError
 
 __all__ = [
+    "CLASSIC_FAMILIES",
     "HF_FAMILIES",
     "LINEAR_ATTENTION_FAMILIES",
     "MOE_FAMILIES",
@@ -112,6 +118,7 @@ __all__ = [
     "hf_loss",
     "hf_stage",
     "init_from",
+    "model_class",
     "refused_options",
 ]
 
@@ -120,7 +127,14 @@ HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3"
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32",
                "gpt_oss": "GptOss", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba",
                "jamba": "Jamba", "gemma4": "Gemma4", "kimi_linear": "KimiLinear",
-               "bailing_hybrid": "BailingHybrid"}  # fmt: skip
+               "bailing_hybrid": "BailingHybrid", "gpt2": "GPT2", "opt": "OPT", "bloom": "Bloom"}  # fmt: skip
+# The causal LMs not named {family}ForCausalLM
+MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel"}
+# The families Hugging Face gives no tensor-parallel plan (tessel.layers.hf_classic splits them): GPT-2's learned
+# positions and Conv1D layers, OPT's MLP held by its layers, BLOOM's ALiBi; their LayerNorms and GELU MLPs of the
+# preset's width (BLOOM's is four times its width), no dropout. Not in pipeline stages (their layers are not a
+# ModuleList named layers) nor under --cp (no rotary positions to hand each rank's tokens).
+CLASSIC_FAMILIES = ("gpt2", "opt", "bloom")
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "qwen3_5_moe": "Qwen3_5MoeText",
@@ -150,7 +164,9 @@ LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "bamba", "jamba", "kimi_l
 ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
 # The families Hugging Face runs without sdpa (soft-capped attention, attention sinks): the baseline's attention is
 # their eager one
-EAGER_FAMILIES = ("gemma2", "gpt_oss")
+EAGER_FAMILIES = ("gemma2", "gpt_oss", "bloom")
+# The families whose attention computes itself (BLOOM's ALiBi): their eager attention in every run
+OWN_ATTENTION = ("bloom",)
 
 
 def _experts_config(args, c: GPTConfig) -> dict:
@@ -169,8 +185,35 @@ def _experts_config(args, c: GPTConfig) -> dict:
             "output_router_logits": args.aux_loss_coef > 0 or args.z_loss_coef > 0}  # fmt: skip
 
 
+def _classic_config(family: str, c: GPTConfig, attention: str):
+    """A classic family's config (:data:`CLASSIC_FAMILIES`) of the preset's shape, without dropout."""
+    import transformers
+
+    kw = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, num_hidden_layers=c.n_layer, num_attention_heads=c.n_head,
+              max_position_embeddings=c.block_size, layer_norm_epsilon=c.norm_eps, initializer_range=c.init_std,
+              tie_word_embeddings=False, attn_implementation=attention, pad_token_id=None, bos_token_id=None,
+              eos_token_id=None)  # fmt: skip
+    kw.update({
+        "gpt2": dict(n_inner=c.mlp_hidden, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0),
+        "opt": dict(ffn_dim=c.mlp_hidden, word_embed_proj_dim=c.n_embd, dropout=0.0, attention_dropout=0.0,
+                    layerdrop=0.0),
+        "bloom": dict(hidden_dropout=0.0, attention_dropout=0.0),
+    }[family])  # fmt: skip
+    return transformers.AutoConfig.for_model(family, **kw)
+
+
+def model_class(family: str):
+    """The ``--hf`` family's causal-LM class."""
+    import transformers
+
+    return getattr(transformers, MODEL_CLASSES.get(family, f"{HF_FAMILIES[family]}ForCausalLM"))
+
+
 def _hf_config(args, c: GPTConfig, attention: str):
     import transformers
+
+    if args.hf in CLASSIC_FAMILIES:
+        return _classic_config(args.hf, c, attention)
 
     # no padding token: the job packs its batches (and a family's default id may lie past the preset's vocabulary)
     kw = dict(vocab_size=c.vocab_size, hidden_size=c.n_embd, intermediate_size=c.mlp_hidden,
@@ -324,13 +367,13 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     """``(model, num_params, flops_per_token)``: the dense model drawn from the seed on the run's device (the same
     on every rank), counted, then laid out on ``dims``'s TP group with its fused loss, in ``dtype``. With
     ``--hf-baseline`` the model stays as Hugging Face makes it: its ``sdpa`` attention, its head and loss."""
-    import transformers
 
     torch.manual_seed(args.seed)
     # the baseline's attention: sdpa, but eager for Gemma 2 and GPT-OSS (soft-capped attention, sinks: not sdpa's)
     attention = ("eager" if args.hf in EAGER_FAMILIES else "sdpa") if args.hf_baseline else register_hf_attention()
+    attention = "eager" if args.hf in OWN_ATTENTION else attention
     with torch.device("meta" if args.init else dims.device):  # --init: each rank reads its shards once split
-        model = getattr(transformers, f"{HF_FAMILIES[args.hf]}ForCausalLM")(_hf_config(args, config, attention))
+        model = model_class(args.hf)(_hf_config(args, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
     flops = hf_flops_per_token(
         _active_params(model, args),
@@ -358,8 +401,11 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
 
 
 def _active_params(model: nn.Module, args) -> int:
-    """The parameters a token runs through: all but the experts it is not routed to (k of every block's N)."""
-    total = sum(p.numel() for p in model.parameters())
+    """The parameters a token runs through: all but the experts it is not routed to (k of every block's N) and the
+    learned positions' embedding (GPT-2's, OPT's: looked up)."""
+    embeddings = [m for m in base_model(model)[1].modules() if isinstance(m, nn.Embedding)]
+    positions = sum(m.weight.numel() for m in embeddings if m is not model.get_input_embeddings())
+    total = sum(p.numel() for p in model.parameters()) - positions
     if args.hf not in MOE_FAMILIES:
         return total
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
@@ -399,7 +445,11 @@ def attention_widths(config) -> list[int] | None:
     layers = getattr(config, "per_layer_config", None)
     if layers is None:
         return None
-    widths = [layers[i].num_attention_heads * layers[i].head_dim for i in range(config.num_hidden_layers)]
+    per_layer = [(getattr(layers[i], "num_attention_heads", None), getattr(layers[i], "head_dim", None))
+                 for i in range(config.num_hidden_layers)]  # fmt: skip
+    if any(heads is None or dim is None for heads, dim in per_layer):  # GPT-2's: no head_dim, one width
+        return None
+    widths = [heads * dim for heads, dim in per_layer]
     return widths if len(set(widths)) > 1 else None  # uniform: the model's width (DeepSeek-V3's head_dim is rotary)
 
 
@@ -416,8 +466,9 @@ def attention_kwargs(args) -> dict:
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:
-    """The model's decoder layers (its base model's ``layers``): FSDP's units, what ``--compile`` compiles."""
-    return base_model(model)[1].layers
+    """The model's decoder layers (its base model's ``layers``, GPT-2's ``h``): FSDP's units, what ``--compile``
+    compiles."""
+    return decoder_layer_list(model)
 
 
 def decoder_layer_class(model: nn.Module) -> type:
@@ -479,6 +530,11 @@ def refused_options(args) -> str | None:
     if smoothed and args.hf_baseline:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
+    if args.hf in CLASSIC_FAMILIES and (args.pp > 1 or args.cp > 1):
+        return (
+            f"--hf {args.hf} trains without --pp and --cp: its layers are not a ModuleList named layers (pipeline "
+            "stages), and its positions are not rotary (context parallelism hands each rank's tokens theirs)"
+        )
     if args.hf in SPARSE_FAMILIES and args.cp > 1:
         return (f"--hf {args.hf} keeps each query's top keys by an indexer, which under --cp {args.cp} would score a "
                 "rank's keys alone: train it without --cp")  # fmt: skip

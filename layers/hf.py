@@ -54,6 +54,7 @@ __all__ = [
     "RingColumnLinear",
     "RingLatentLinear",
     "SequenceRing",
+    "decoder_layer_list",
     "hf_tp_plan",
     "is_hf_model",
     "register_hf_attention",
@@ -77,6 +78,20 @@ def base_model(model: nn.Module) -> tuple[str, nn.Module]:
     if len(bases) == 1:
         return bases[0][0] + ".", bases[0][1]
     return "", model
+
+
+def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
+    """A Hugging Face model's decoder layers: its base model's ``layers``, else the one ModuleList among its children
+    that learns (GPT-2's ``h``), else that of the one child holding ``layers`` (OPT's ``decoder.layers``)."""
+    base = base_model(model)[1]
+    if isinstance(getattr(base, "layers", None), nn.ModuleList):
+        return base.layers
+    children = [m for _, m in base.named_children()]
+    found = [m for m in children if isinstance(m, nn.ModuleList) and any(True for _ in m.parameters())]
+    found = found or [m.layers for m in children if isinstance(getattr(m, "layers", None), nn.ModuleList)]
+    if len(found) != 1:
+        raise ValueError(f"cannot find the decoder layers of {type(base).__name__}: no one ModuleList of them")
+    return found[0]
 
 
 def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:

@@ -212,9 +212,10 @@ def _vocab_plan(model: nn.Module, t: int) -> dict[str, str]:
 
 
 def classic_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> dict[str, str]:
-    """``plan`` (of a Hugging Face model with no plan of its own) with the classic attention, MLPs and vocabulary it
-    does not name split over ``t`` ranks; ``regex_of(glob)`` is the compiled pattern of a glob."""
-    if t < 2 or not is_hf_model(model) or getattr(model.config, "base_model_tp_plan", None):
+    """``plan`` (of a Hugging Face model with no plan of its own) with the classic attention and MLPs it does not name
+    split over ``t`` ranks (over one rank: tessel's layers, which the fused loss reads), and a classic decoder's
+    vocabulary; ``regex_of(glob)`` is the compiled pattern of a glob."""
+    if not is_hf_model(model) or getattr(model.config, "base_model_tp_plan", None):
         return plan
     covered = [regex_of(glob) for glob in plan]
     out = dict(plan)
@@ -226,9 +227,19 @@ def classic_plan(model: nn.Module, plan: dict[str, str], regex_of, t: int) -> di
             if not any(r.fullmatch(n) for r in covered for n in full.values()):
                 out.update({full[child]: style for child, style in styles.items()})
     vocab = _vocab_plan(model, t)
-    if not any(r.fullmatch(n) for r in covered for n in vocab):
+    if _is_classic(model) and not any(r.fullmatch(n) for r in covered for n in vocab):
         out.update(vocab)
     return out
+
+
+# the projections by which a classic decoder's blocks are known, split or not
+_CLASSIC_NAMES = (("c_attn", "c_proj"), ("Wqkv", "out_proj"), ("query_key_value", "dense"), *_MLPS, ("fc1", "fc2"))
+
+
+def _is_classic(model: nn.Module) -> bool:
+    """Whether ``model`` holds blocks of the classic decoders' (the table above), split or kept whole."""
+    modules = list(model.modules())
+    return any(all(linear_like(getattr(m, n, None)) for n in names) for m in modules for names in _CLASSIC_NAMES)
 
 
 # ALiBi biases as the model hands them to each attention module: (argument, how many heads lead its first dim)

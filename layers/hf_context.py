@@ -215,7 +215,7 @@ class HFContextLayout:
                 f"attention and short convolution mixers, but {type(model).__name__} also mixes tokens in {others[0]}, "
                 "which would see this rank's share of the tokens alone; train it without context parallelism"
             )
-        own = [n for n in attention if _computes_its_own(model.get_submodule(n), mixers, n)]
+        own = own_attention(model, attention, mixers)
         if own:
             raise ValueError(
                 f"parallelize: cp_group runs attention through Hugging Face's attention functions (as tessel's ring), "
@@ -342,6 +342,16 @@ class HFContextLayout:
             model.set_attn_implementation("tessel")
         else:  # transformers < 4.56
             model.config._attn_implementation = "tessel"
+
+
+def own_attention(model: nn.Module, attention: list[str] | None = None, mixers: list[str] | None = None) -> list[str]:
+    """The names of ``model``'s attention modules (``attention``: default, those whose class name ends in Attention)
+    that compute their attention themselves (BLOOM's, MPT's, Falcon's): Hugging Face's attention functions, tessel's
+    among them, never run there."""
+    if attention is None:
+        attention = [name for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
+    mixers = context_mixers(model) if mixers is None else mixers
+    return [n for n in attention if _computes_its_own(model.get_submodule(n), mixers, n)]
 
 
 def _computes_its_own(m: nn.Module, mixers: list[str], name: str) -> bool:

@@ -120,7 +120,7 @@ from .hf_attention import (
 )
 from .hf_balance import balanced_blocks, track_split_loads
 from .hf_classic import as_linear, classic_qkv_parts, head_bias_installer, linear_like
-from .hf_context import HFContextLayout
+from .hf_context import HFContextLayout, own_attention
 from .hf_experts import (
     check_ep_group,
     check_parameter_styles,
@@ -217,6 +217,12 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     if expert_split not in ("features", "experts"):
         raise ValueError(f"parallelize: expert_split must be 'features' or 'experts', received {expert_split!r}")
     t = group_size(tp_group)
+    if is_hf_model(model) and getattr(model.config, "_attn_implementation", None) == "tessel":
+        own = own_attention(model)
+        if own:  # its causal mask would be tessel's: None, which the kernel's causal flag stands for
+            raise ValueError(f"parallelize: {type(model).__name__} runs tessel's attention implementation, but "
+                             f"{own[0]} computes its own attention, which would see no causal mask: set "
+                             "attn_implementation='eager'")  # fmt: skip
     ep = check_ep_group(ep_group, tp_group)
     context = _context_layout(model, tp_group, cp_group)
     own = plan is None

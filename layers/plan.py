@@ -81,7 +81,8 @@ def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
     plan = getattr(model, "tessel_tp_plan", None) or hf_tp_plan(model)
     if is_hf_model(model) and (plan or t > 1):
         plan = whole_attention_plan(model, head_split_plan(model, plan or {}, glob_regex, t), glob_regex, t)
-        plan = classic_plan(model, plan, glob_regex, t)
+    if is_hf_model(model):  # also over one rank: its layers tessel's (the fused loss takes the head's)
+        plan = classic_plan(model, plan or {}, glob_regex, t)
     if not plan and is_hf_model(model) and t == 1:  # nothing splits over one rank (context parallelism alone)
         return {}
     if not plan:

@@ -186,3 +186,20 @@ def test_context_parallelism_takes_attention_that_runs_hugging_faces_functions()
     context-parallel ranks; Falcon's attention, which computes itself (it would run on each rank's share of the keys),
     and GPT-2's learned positions are refused by name."""
     assert run_ranks(_context_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
+@needs_hf
+def test_attention_that_computes_itself_is_refused_tessels_attention_implementation():
+    """BLOOM's and MPT's attention compute themselves: under tessel's attention implementation the model would build
+    tessel's causal mask, None (the kernel's causal flag), and they would see every key. parallelize refuses it."""
+    from tessel.layers import register_hf_attention
+    from tessel.layers.parallelize import parallelize
+
+    for kind, attention in (("bloom", "transformer.h.0.self_attention"), ("mpt", "transformer.blocks.0.attn")):
+        model = classic_model(kind)
+        model.config._attn_implementation = register_hf_attention()
+        with pytest.raises(ValueError, match=f"{attention} computes its own attention, which would see no causal"):
+            parallelize(model, None)
+    model = classic_model("gpt2")  # through Hugging Face's attention functions: tessel's runs there
+    model.config._attn_implementation = register_hf_attention()
+    parallelize(model, None)
