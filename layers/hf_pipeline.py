@@ -21,6 +21,14 @@ without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_ent
 wrapper gathers the head's parameters only inside its forward, the schedule's ``loss_fn`` calls the wrapped
 stage: ``lambda output, target: wrapped(output, targets=target)``.
 
+The decoders Hugging Face gives no plan (GPT-2, GPT-BigCode, GPT-Neo, BLOOM, Falcon, MPT, Persimmon:
+:mod:`.hf_classic`) cut the same way. Where the base model changes the embeddings before its first layer (GPT-2's
+learned positions, BLOOM's embedding norm) a later stage's base model is given a placeholder, and its first layer
+the hidden states the stage received; the position embedding and the norm are the first stage's alone. Under sequence
+parallelism a stage but the last hands a base model that views its output in its input's shape (GPT-2's) a
+placeholder of the whole sequence, and passes its share on. OPT's layers, one module down in its decoder, are
+refused.
+
 Gemma 4's per-layer inputs (an embedding of the token ids for every layer, projected with the embeddings) are
 computed for every layer by the first stage, which keeps its layers' and passes the rest on beside the activation;
 each later stage keeps its own (the per-layer embedding and projection are the first stage's alone). Where its last
@@ -86,7 +94,18 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          # hybrids: linear attention, state spaces or short convolutions between attention layers
                          "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid",
                          "falcon_h1", "nemotron_h", "jamba", "lfm2", "kimi_linear", "bailing_hybrid",
-                         "zamba2")  # fmt: skip
+                         "zamba2",
+                         # the decoders Hugging Face gives no tensor-parallel plan (tessel.layers.hf_classic)
+                         "gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persimmon")  # fmt: skip
+# Base models whose forward changes the embeddings before their first layer: GPT-2's, GPT-BigCode's and GPT-Neo's add
+# their learned positions, BLOOM's norms them. A later stage's base model is given a placeholder, and its first layer
+# the hidden states the stage received (as under sequence parallelism).
+EMBEDDING_TRANSFORMS = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom")
+# ... and what computes it, which a later stage drops: their position embedding, its norm
+_EMBEDDING_MODULES = ("wpe", "word_embeddings_layernorm")
+# Base models whose forward views its output in the shape of its input (GPT-2's view(output_shape)): under sequence
+# parallelism a stage but the last hands it a placeholder of the whole sequence's shape, and passes on its share.
+OUTPUT_VIEWS = ("gpt2", "gpt_bigcode", "gpt_neo")
 
 
 class HFPipelineStage(nn.Module):
@@ -114,19 +133,26 @@ class HFPipelineStage(nn.Module):
         self.held = {}
         if self.embeddings:
             own = [_Indexed(m, start, self.held) for m in own]
-        self.tp_group, self.sequence_parallel = _tensor_layout(base)
+        self.tp_group, self.sequence_parallel = _tensor_layout(getattr(base, layers))
         # a later stage under sequence parallelism receives its share of the sequence: its base model is given a
-        # placeholder of the whole sequence's shape (whose length its masks take) and its first layer the share
-        self.fed = self.sequence_parallel and not first
+        # placeholder of the whole sequence's shape (whose length its masks take) and its first layer the share (as
+        # a later stage of a model whose base changes its embeddings is: GPT-2's positions, BLOOM's norm)
+        self.fed = (self.sequence_parallel or model.config.model_type in EMBEDDING_TRANSFORMS) and not first
         if self.fed:
             own = [_Fed(own[0], self.held), *own[1:]]
         stage._modules[layers] = nn.ModuleList(own)
         if not first:
             stage._modules[embedding] = None  # a later stage is fed inputs_embeds
+            for name in _EMBEDDING_MODULES if model.config.model_type in EMBEDDING_TRANSFORMS else ():
+                if isinstance(stage._modules.get(name), nn.Module):  # its output goes to the placeholder: unused
+                    stage._modules[name] = _Unused(stage._modules[name])
             if "embedding_multiplier" in vars(stage):  # Granite's: the first stage's base model multiplied them
                 stage.embedding_multiplier = 1.0
+        # under sequence parallelism the share of a stage but the last leaves a base model that views its output in
+        # its input's shape through a placeholder of the whole sequence's (_Kept)
+        self.kept = self.sequence_parallel and not last and model.config.model_type in OUTPUT_VIEWS
         if not last:
-            stage._modules[norm] = nn.Identity()
+            stage._modules[norm] = _Kept(self.held) if self.kept else nn.Identity()
         stage.config = config
         self.base = stage
         self.head = model.get_output_embeddings() if last else None
@@ -138,7 +164,7 @@ class HFPipelineStage(nn.Module):
         # a mixture's (experts, top_k, coefficient) when it trains its balancing loss (output_router_logits)
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
-        self.cp_size = _size(_context_group(base))
+        self.cp_size = _size(_context_group(getattr(base, layers)))
         self.forward_kwargs = dict(forward_kwargs or {})  # passed to every call of the base model
         self.per_layer = bool(getattr(base, "hidden_size_per_layer_input", 0))  # Gemma 4's per-layer inputs
         if self.per_layer:
@@ -176,6 +202,7 @@ class HFPipelineStage(nn.Module):
         kv = carried[len(carried) - 2 * len(self.kv_in) :]
         position_ids, sums, later, embeddings = _carried(carried[: len(carried) - len(kv)])
         self.held.clear()
+        self.held["tp_group"] = self.tp_group
         if self.embeddings and not self.first:
             self.held["embeddings"] = embeddings
         extra = {}
@@ -184,9 +211,10 @@ class HFPipelineStage(nn.Module):
                 later[:, :, : self.stop - self.start],
                 later[:, :, self.stop - self.start :],
             )
-        if self.fed:  # the share for the first layer, the whole sequence's shape for the base model
+        if self.fed:  # the hidden states for the first layer, the whole sequence's shape for the base model
             self.held["hidden"] = x
-            x = x.new_zeros(()).expand(x.shape[0], x.shape[1] * _size(self.tp_group), *x.shape[2:])
+            split = _size(self.tp_group) if self.sequence_parallel else 1  # a share under sequence parallelism
+            x = x.new_zeros(()).expand(x.shape[0], x.shape[1] * split, *x.shape[2:])
         positions = position_ids
         if positions is None:  # under context parallelism the whole sequence's (the model's hook takes its share)
             positions = torch.arange(x.shape[1] * self.cp_size, device=x.device)[None]
@@ -203,7 +231,7 @@ class HFPipelineStage(nn.Module):
             shared = extra["shared_kv_states"] = KVSharingDict({t: kv[2 * i : 2 * i + 2] for i, t in
                                                                enumerate(self.kv_in)})  # fmt: skip
         out = self.base(**inputs, position_ids=positions, use_cache=False, **routers, **extra, **self.forward_kwargs)
-        hidden = out.last_hidden_state
+        hidden = self.held.pop("kept") if self.kept else out.last_hidden_state
         if self.per_layer and self.first:
             later = self.later.pop()
         if self.embeddings and self.first:
@@ -320,6 +348,36 @@ class _Fed(nn.Module):
         return self.layer(*args, **kwargs)
 
 
+class _Unused(nn.Module):
+    """What a later stage's base model computes on its placeholder in place of the first stage's position embedding
+    or embedding norm (whose output the stage's first layer does not read): zeros of its output's shape, with no
+    parameters of the model's."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.width = module.embedding_dim if isinstance(module, nn.Embedding) else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.width is None:  # a norm: the placeholder's shape
+            return torch.zeros_like(x)
+        return torch.zeros(*x.shape, self.width, device=x.device)
+
+
+class _Kept(nn.Module):
+    """The final norm's place on a stage but the last under sequence parallelism, for a base model that views its
+    output in its input's shape: it keeps the share (``held["kept"]``, what the stage passes on) and hands the base
+    model a placeholder of the whole sequence's shape."""
+
+    def __init__(self, held: dict):
+        super().__init__()
+        self.__dict__["held"] = held  # not a submodule, not state
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.held["kept"] = x
+        t = _size(self.held["tp_group"])
+        return x.new_zeros(()).expand(x.shape[0], x.shape[1] * t, *x.shape[2:])
+
+
 # what computes Gemma 4's per-layer inputs from the token ids and their embeddings, on the first stage
 _PER_LAYER_MODULES = ("embed_tokens_per_layer", "per_layer_model_projection", "per_layer_projection_norm")
 
@@ -382,9 +440,9 @@ def _names(model: nn.Module, base: nn.Module) -> tuple[str, str, str]:
         layers = norm = None
     embeddings = base.get_input_embeddings()
     embedding = next((n for n, m in base.named_children() if m is embeddings), None)
-    if layers != "layers" or embedding is None:
+    if layers is None or "." in layers or embedding is None:  # OPT's decoder.layers: one module down
         raise ValueError(f"{_NAME}: cannot find {type(base).__name__}'s input embedding, its decoder layers (a "
-                         f"ModuleList named layers) and the final norm after them")  # fmt: skip
+                         f"ModuleList among its children) and the final norm after them")  # fmt: skip
     return layers, norm, embedding
 
 
@@ -410,14 +468,15 @@ def _size(group) -> int:
     return 1 if group is None else torch.distributed.get_world_size(group)
 
 
-def _context_group(base: nn.Module):
-    """The context-parallel group ``parallelize(cp_group=)`` marked the attention modules with (None: none)."""
-    return next((g for m in base.layers.modules() if (g := getattr(m, CP_GROUP_ATTR, None)) is not None), None)
+def _context_group(layers: nn.Module):
+    """The context-parallel group ``parallelize(cp_group=)`` marked the attention modules of the decoder ``layers``
+    with (None: none)."""
+    return next((g for m in layers.modules() if (g := getattr(m, CP_GROUP_ATTR, None)) is not None), None)
 
 
-def _tensor_layout(base: nn.Module):
-    """``(tp_group, sequence_parallel)`` of the model's split decoder layers (``(None, False)`` unsplit)."""
-    for module in base.layers.modules():
+def _tensor_layout(layers: nn.Module):
+    """``(tp_group, sequence_parallel)`` of the model's split decoder ``layers`` (``(None, False)`` unsplit)."""
+    for module in layers.modules():
         if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             return module.tp_group, module.sequence_parallel
     return None, False
@@ -448,8 +507,7 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{_NAME}: {arg} must be an int, received {type(value).__name__}")
-    _names(model, base)
-    layers = len(base.layers)
+    layers = len(getattr(base, _names(model, base)[0]))
     if not 1 <= num_stages <= layers:
         raise ValueError(f"{_NAME}: num_stages must be in [1, {layers}] (the model's decoder layers), received "
                          f"{num_stages}")  # fmt: skip

@@ -203,3 +203,52 @@ def test_attention_that_computes_itself_is_refused_tessels_attention_implementat
     model = classic_model("gpt2")  # through Hugging Face's attention functions: tessel's runs there
     model.config._attn_implementation = register_hf_attention()
     parallelize(model, None)
+
+
+# the families whose layers are a ModuleList among their base model's children (OPT's sit one module down, in its
+# decoder: refused by name)
+PIPELINED = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persimmon")
+
+
+@needs_hf
+@pytest.mark.parametrize("kind", PIPELINED)
+def test_classic_decoders_chain_through_pipeline_stages(kind):
+    """Five layers in 2 and 3 stages, chained: the model's logits, its loss (from the logits and fused) and every
+    gradient. A later stage's base model is handed a placeholder, and its first layer the hidden states: GPT-2's would
+    add its learned positions again, BLOOM's norm them again."""
+    from tests.layers.test_hf_pipeline import check_stages
+
+    layers = {"gpt_neo": dict(num_layers=5, attention_types=[[["global", "local"], 2], [["global"], 1]])}
+    depth = {"n_layer": 5} if kind in ("gpt2", "gpt_bigcode", "bloom") else {"n_layers": 5} if kind == "mpt" else {}
+    model = classic_model(kind, **layers.get(kind, depth or {"num_hidden_layers": 5}))
+    assert len(_decoder_layers(model)) == 5, kind
+    ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
+    check_stages(model, ids, kind)
+
+
+def _decoder_layers(model):
+    from tessel.layers.hf import decoder_layer_list
+
+    return decoder_layer_list(model)
+
+
+@needs_hf
+def test_a_decoder_one_module_down_is_refused_pipeline_stages():
+    from tessel.layers import hf_pipeline_stage
+
+    with pytest.raises(ValueError, match=r"a causal LM of type .*, received OPTForCausalLM of type 'opt'"):
+        hf_pipeline_stage(classic_model("opt"), 0, 2)
+
+
+@pytest.mark.multiprocess
+@needs_hf
+@pytest.mark.parametrize(("sp", "fused", "kind"), [(True, True, "gpt2"), (False, False, "bloom")])
+def test_classic_decoders_train_in_tensor_and_pipeline_parallel_stages(sp, fused, kind):
+    """tp=2 × pp=2 through 1F1B: every gradient shard a stage holds, and the loss, are those of the tensor-parallel
+    model run whole (GPT-2's positions added once, by the first stage; BLOOM's ALiBi of each rank's heads in both)."""
+    from tests.layers.test_hf_pipeline import _pipelined
+
+    results = run_ranks(_pipelined, 4, sp, fused, kind, timeout=300, env=REFERENCE_KERNELS)
+    embedding, positions = ("wte", "wpe") if kind == "gpt2" else ("word_embeddings", "word_embeddings_layernorm")
+    assert embedding in results[0] and positions in results[0] and "lm_head" not in results[0]
+    assert "lm_head" in results[2] and "ln_f" in results[2] and embedding not in results[2]

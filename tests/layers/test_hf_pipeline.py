@@ -114,6 +114,7 @@ def _pipelined(rank, world_size, sp, fused, kind):
     pp_groups = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     tp, pp = tp_groups[pp_rank], pp_groups[tp_rank]
     ids = torch.randint(VOCAB, (4, 8), generator=torch.Generator().manual_seed(2))
+    from tests.layers.test_hf_classic import classic_model
     from tests.layers.test_hf_families import GEMMA4_VARIANTS, gemma4_model
     from tests.layers.test_hf_mixers import planless_model
 
@@ -123,6 +124,8 @@ def _pipelined(rank, world_size, sp, fused, kind):
         "mixtral": lambda: _mixture("Mixtral", output_router_logits=True, router_aux_loss_coef=0.5),
         "zamba2": lambda: planless_model("zamba2", num_hidden_layers=4, layers_block_type=["mamba", "hybrid"] * 2),
         "gemma4": lambda: gemma4_model(**GEMMA4_VARIANTS["keys and values shared"]),
+        "gpt2": lambda: classic_model("gpt2", n_layer=3),
+        "bloom": lambda: classic_model("bloom", n_layer=3),
     }[kind]
     whole = parallelize(build(), tp, sequence_parallel=sp)
     want = torch.stack([whole(half, labels=half).loss for half in ids.chunk(2)]).mean()
