@@ -2,7 +2,7 @@
 split by :mod:`tessel.layers.hf_classic` (GPT-2's Conv1D layers and learned positions, OPT's MLP held by its layers,
 BLOOM's ALiBi). Each trains the single process's curve as Hugging Face computes it, split over two ranks with
 sequence parallelism; GPT-2 and BLOOM in two pipeline stages too, and GPT-2 without sequence parallelism, over two
-data-parallel ranks under ZeRO-2, and at tp=2 × pp=2 with sequence parallelism.
+data-parallel ranks under ZeRO-2 and under FSDP, compiled, and at tp=2 × pp=2 with sequence parallelism.
 """
 
 import importlib.util
@@ -16,7 +16,10 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("transformers") is None
 RUN = ["--steps", "3", "--seq-len", "32", "--batch-size", "8"]
 LAYOUTS = {"baseline": (["--hf-baseline"], 1), "tp2-sp": (["--tp", "2", "--sequence-parallel"], 2)}
 PIPELINED = {**LAYOUTS, "pp2": (["--pp", "2"], 2)}
+# FSDP wraps each GPT-2 block (its layers are h, not layers), as --compile compiles each
 GPT2_LAYOUTS = {**PIPELINED, "tp2": (["--tp", "2"], 2), "dp2": (["--dp", "2", "--zero", "2"], 2),
+                "fsdp": (["--dp", "2", "--zero", "3"], 2),
+                "tp2-sp-compiled": (["--tp", "2", "--sequence-parallel", "--compile", "aot_eager"], 2),
                 "tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4)}  # fmt: skip
 
 
