@@ -252,3 +252,24 @@ def test_classic_decoders_train_in_tensor_and_pipeline_parallel_stages(sp, fused
     embedding, positions = ("wte", "wpe") if kind == "gpt2" else ("word_embeddings", "word_embeddings_layernorm")
     assert embedding in results[0] and positions in results[0] and "lm_head" not in results[0]
     assert "lm_head" in results[2] and "ln_f" in results[2] and embedding not in results[2]
+
+
+def _generate_ranks(rank, world_size, kinds):
+    from tessel.layers.parallelize import parallelize
+
+    prompt = torch.randint(3, VOCAB, (2, 5), generator=torch.Generator().manual_seed(4))
+    for kind in kinds:
+        dense = classic_model(kind)
+        par = parallelize(copy.deepcopy(dense), None)
+        kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+        want, got = dense.generate(prompt, **kw), par.generate(prompt, **kw)
+        assert torch.equal(got, want), (kind, got, want)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_split_classic_decoders_generate_the_dense_models_tokens():
+    """Greedy generation over the cache, each rank its heads' keys and values: the dense model's tokens."""
+    kinds = ("gpt2", "gpt_bigcode", "opt", "bloom", "falcon", "mpt", "persimmon")
+    assert run_ranks(_generate_ranks, 2, kinds, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
