@@ -344,6 +344,18 @@ class HFContextLayout:
             model.config._attn_implementation = "tessel"
 
 
+def check_own_attention(model: nn.Module) -> None:
+    """Raise where ``model`` runs tessel's attention implementation and holds attention that computes itself: its
+    causal mask would be tessel's, None (which the kernel's causal flag stands for), and it would see every key."""
+    if getattr(model.config, "_attn_implementation", None) != "tessel":
+        return
+    own = own_attention(model)
+    if own:
+        raise ValueError(f"parallelize: {type(model).__name__} runs tessel's attention implementation, but {own[0]} "
+                         f"computes its own attention, which would see no causal mask: set "
+                         "attn_implementation='eager'")  # fmt: skip
+
+
 def own_attention(model: nn.Module, attention: list[str] | None = None, mixers: list[str] | None = None) -> list[str]:
     """The names of ``model``'s attention modules (``attention``: default, those whose class name ends in Attention)
     that compute their attention themselves (BLOOM's, MPT's, Falcon's): Hugging Face's attention functions, tessel's

@@ -494,8 +494,8 @@ def local_head_updates(module: nn.Module, t: int) -> dict[str, int]:
         if isinstance(value, int) and not isinstance(value, bool):
             if value % t:
                 raise ValueError(
-                    f"{type(module).__name__}.{attr}={value} does not split over {t} tensor-parallel ranks; kv heads "
-                    "are not replicated across ranks: use a tensor-parallel size that divides every head count"
+                    f"{type(module).__name__}.{attr}={value} does not split over {t} tensor-parallel ranks: use a "
+                    "tensor-parallel size that divides every head count"
                 )
             updates[attr] = value // t
     head_dim, heads = head_dim_of(module), updates.get("num_heads", updates.get("num_attention_heads"))

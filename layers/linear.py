@@ -255,6 +255,25 @@ class ColumnParallelLinear(nn.Module):
         return layer
 
     @classmethod
+    def from_packed(cls, linear: nn.Linear, parts: Sequence[int], *, tp_group=None, **kwargs) -> ColumnParallelLinear:
+        """One layer over the parts ``linear`` packs along its outputs, each split on its own: rank r keeps
+        ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight (so ``y.chunk(2, -1)`` still splits it), ``[q_r; k_r;
+        v_r]`` of a fused ``[q; k; v]`` (which an attention slices by its local head counts); returns one tensor."""
+        t, r = group_size(tp_group), group_rank(tp_group)
+        w = linear.weight
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
+                    device=w.device, dtype=w.dtype, **kwargs)  # fmt: skip
+        parts = tuple(parts)
+        with torch.no_grad():
+            layer.weight.copy_(_column_block(w, parts, r, t))
+            if layer.bias is not None:
+                layer.bias.copy_(_column_block(linear.bias, parts, r, t))
+        for p in (layer.weight, layer.bias):
+            if p is not None:
+                p.tp_parts = parts
+        return layer
+
+    @classmethod
     def from_linears(cls, linears: Sequence[nn.Linear], *, tp_group=None, **kwargs) -> ColumnParallelLinear:
         """One fused layer from several dense layers that share an input (Q, K, V; gate, up).
 

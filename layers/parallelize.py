@@ -77,7 +77,8 @@ Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and ``grouped_gemm`` (o
 
 Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module of the wrong
 kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose extra work a tessel layer
-would drop), widths or head counts that do not split over the group (kv heads fewer than ranks are not replicated),
+would drop), widths or head counts that do not split over the group (kv heads fewer than the ranks are replicated
+over them where the attention's q_proj/k_proj/v_proj allow it, :mod:`~tessel.layers.hf_kv_replicas`),
 parameters tied to a module split differently, all raise ``ValueError`` and leave the model as it was. Then every
 replacement is built, and only then installed. Parents of split projections see their local head counts: tessel's
 attention derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
@@ -101,8 +102,7 @@ import torch
 from torch import nn
 
 from ..parallel.collectives import reduce_from_tp
-from ..parallel.comm import check_peer_group, group_rank, group_size
-from ..parallel.sharding import local_shard
+from ..parallel.comm import check_peer_group, group_size
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
 from .hf import (
@@ -120,7 +120,7 @@ from .hf_attention import (
 )
 from .hf_balance import balanced_blocks, track_split_loads
 from .hf_classic import as_linear, classic_qkv_parts, head_bias_installer, linear_like
-from .hf_context import HFContextLayout, own_attention
+from .hf_context import HFContextLayout, check_own_attention
 from .hf_experts import (
     check_ep_group,
     check_parameter_styles,
@@ -131,6 +131,7 @@ from .hf_experts import (
     reduce_parameter_grads,
     shard_experts,
 )
+from .hf_kv_replicas import ReplicatedKVLinear, replicate_kv_heads, replicated_updates
 from .hf_linear_attention import delta_net_updates, is_delta_net, split_depthwise_conv
 from .hf_mixers import (
     SharedRowLinear,
@@ -159,6 +160,7 @@ from .plan import (
     EXPERTS,
     GATED_NORM,
     GRAD_ALL_REDUCE,
+    KV_REPLICATED,
     MLA_KV_A,
     MOE,
     NORM,
@@ -217,12 +219,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     if expert_split not in ("features", "experts"):
         raise ValueError(f"parallelize: expert_split must be 'features' or 'experts', received {expert_split!r}")
     t = group_size(tp_group)
-    if is_hf_model(model) and getattr(model.config, "_attn_implementation", None) == "tessel":
-        own = own_attention(model)
-        if own:  # its causal mask would be tessel's: None, which the kernel's causal flag stands for
-            raise ValueError(f"parallelize: {type(model).__name__} runs tessel's attention implementation, but "
-                             f"{own[0]} computes its own attention, which would see no causal mask: set "
-                             "attn_implementation='eager'")  # fmt: skip
+    if is_hf_model(model):
+        check_own_attention(model)
     ep = check_ep_group(ep_group, tp_group)
     context = _context_layout(model, tp_group, cp_group)
     own = plan is None
@@ -232,6 +230,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         e.ep_group = ep_group
         if e.kind in SPLIT_LINEAR and linear_like(e.module):  # GPT-2's Conv1D, Falcon's FalconLinear
             e.transposed, e.module = is_conv1d(e.module), as_linear(e.module)
+    replicate_kv_heads(model, entries, t, sequence_parallel)
+    for e in entries:
         if e.kind == EXPERTS:
             e.expert_split = "experts" if e.style == "ep_dispatch_experts" or ep else expert_split
         _validate_entry(e, ep or t if e.kind == EXPERTS else t, model)
@@ -340,9 +340,13 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
     for e in entries:
         if e.kind in BY_HEADS and "." in e.name:
             parents.setdefault(e.name.rsplit(".", 1)[0], []).append(e)
+    replicated = {e.name.rsplit(".", 1)[0] for e in entries if e.kind == KV_REPLICATED}
     heads = []
     for parent_name, children in parents.items():
         parent = model.get_submodule(parent_name)
+        if parent_name in replicated:  # this rank's query heads and the one kv head they read
+            heads.append((parent, replicated_updates(parent, t)))
+            continue
         if isinstance(parent, ParallelAttention):
             check_heads(parent_name, parent.n_head, parent.n_kv_head, t)
             continue
@@ -432,9 +436,13 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
         if not is_mamba2(parent) or leaf != "norm":
             _fail(e, "expected the gated norm of a Mamba-2 mixer (tessel.layers.hf_mixers)")
         e.groups = parent.n_groups
-    elif e.kind == MLA_KV_A:
+    elif e.kind in (MLA_KV_A, KV_REPLICATED):
         if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
-            _fail(e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa) that does not override forward")
+            _fail(
+                e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa, a k_proj or v_proj) that does not override forward"
+            )
+        if e.kind == KV_REPLICATED:
+            return
         try:
             e.rope_dim = mla_rope_dim(model, e.name, m)
         except ValueError as err:
@@ -479,8 +487,9 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[Entry
             if rest == 0 and heads % t:
                 raise ValueError(
                     f"parallelize: {e.name}: {heads} heads (width {width}, head_dim {head_dim}) do not split over "
-                    f"{t} tensor-parallel ranks; kv heads are not replicated across ranks: use a tensor-parallel "
-                    f"size that divides every head count"
+                    f"{t} tensor-parallel ranks (kv heads are replicated over the ranks only in attention of "
+                    f"q_proj/k_proj/v_proj whose query heads split): use a tensor-parallel size that divides every "
+                    f"head count"
                 )
 
 
@@ -489,6 +498,8 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[Entry
 
 def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
     """The replacement of ``e.module`` (None: the module stays, with hooks). Changes nothing of the model."""
+    if e.kind == KV_REPLICATED:  # whole on every rank, computing the rank's kv head (under SP: a latent of the ring)
+        return ReplicatedKVLinear.from_projection(e.module, e.kv_heads, tp_group)
     if e.latent:  # under SP: multiplies the shard, gathers the latent
         return RingLatentLinear.from_linear(e.module)
     column = RingColumnLinear if e.gathered else ColumnParallelLinear
@@ -498,7 +509,13 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
     if e.kind == COLUMN_GATHER:
         return ColumnParallelLinear.from_linear(e.module, tp_group=tp_group, gather_output=True, **kw)
     if e.kind in PACKED:
-        return _packed_column(column, e.module, e.parts, tp_group, e.sequence_parallel, overlap)
+        return column.from_packed(
+            e.module,
+            e.parts,
+            tp_group=tp_group,
+            sequence_parallel=e.sequence_parallel,
+            overlap="auto" if overlap is None else overlap,
+        )
     if e.kind == COLUMN_CONV:
         return split_depthwise_conv(e.module, e.parts, tp_group)
     if e.kind == ROW:
@@ -543,24 +560,6 @@ def _rings(layout: HFSequenceLayout, entries: list[Entry], tp_group) -> dict[str
             (latents if e.latent else columns).setdefault(block, []).append(e.new)
     return {block: SequenceRing(block, columns.get(block, []), tp_group, latents.get(block, []))
             for block in layout.blocks}  # fmt: skip
-
-
-def _packed_column(cls, linear: nn.Linear, parts, tp_group, sequence_parallel: bool, overlap) -> ColumnParallelLinear:
-    """Rank r keeps ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight, so ``y.chunk(2, -1)`` still splits it (and
-    ``[q_r; k_r; v_r]`` of a fused ``[q; k; v]``, which the attention slices by its local head counts)."""
-    t, r = group_size(tp_group), group_rank(tp_group)
-    w = linear.weight
-    layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
-                sequence_parallel=sequence_parallel, overlap="auto" if overlap is None else overlap,
-                device=w.device, dtype=w.dtype)  # fmt: skip
-    with torch.no_grad():
-        layer.weight.copy_(local_shard(w, 0, parts, r, t))
-        if layer.bias is not None:
-            layer.bias.copy_(local_shard(linear.bias, 0, parts, r, t))
-    for p in (layer.weight, layer.bias):
-        if p is not None:
-            p.tp_parts = parts
-    return layer
 
 
 # ---------------------------------------------------------------------------------------------------- installing

@@ -1,0 +1,116 @@
+"""Key and value heads fewer than the tensor-parallel ranks: each kv head replicated on the ranks whose query heads read
+it, as Megatron-LM replicates them (Qwen2.5-7B's 4 kv heads over 8 ranks, StarCoder's one).
+
+Over ``t`` ranks a Hugging Face attention of ``H`` query heads and ``Hkv < t`` kv heads (``t`` a multiple of ``Hkv``,
+``H`` of ``t``) keeps on rank ``r`` its ``H/t`` query heads, as any split does, and the one kv head they read:
+``r // (t / Hkv)``. ``k_proj`` and ``v_proj`` stay whole on every rank (their parameters replicated, as norms are);
+:class:`ReplicatedKVLinear` computes the rank's kv head from them:
+
+- without sequence parallelism, the rows of its head alone, from the replicated input; the input's gradient and the
+  weights' are each rank's share (its query heads' pull on the kv head), summed over the group in backward
+  (``copy_to_tp``);
+- under sequence parallelism, inside the block's ring (as multi-head latent attention's latents): every kv head from
+  this rank's tokens, all-gathered along the sequence (``Hkv·D`` features a token, a fraction of the hidden width),
+  then its head's; in backward the ranks' gradients of the gathered heads are reduce-scattered back to their tokens,
+  and the weights' summed.
+
+The attention's counts become this rank's (:func:`replicated_updates`): its query heads, one kv head, and the query
+heads per kv head (``num_key_value_groups``) its forward repeats the keys by.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..parallel.collectives import copy_to_tp, gather_from_sequence
+from ..parallel.comm import group_rank, group_size
+from .hf import RingLatentLinear
+from .hf_plans import head_dim_of
+from .plan import COLUMN, KV_REPLICATED, Entry
+
+__all__ = ["KV_PROJECTIONS", "ReplicatedKVLinear", "kv_replicas", "replicate_kv_heads", "replicated_updates"]
+
+KV_PROJECTIONS = ("k_proj", "v_proj")
+_QUERY_COUNTS = ("num_heads", "num_attention_heads")
+_KV_COUNTS = ("num_key_value_heads", "num_kv_heads")
+
+
+def _count(m: nn.Module, attrs: tuple[str, ...]) -> int | None:
+    config = getattr(m, "config", None)
+    for owner in (m, config):
+        for attr in attrs:
+            value = getattr(owner, attr, None)
+            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+                return value
+    return None
+
+
+def kv_replicas(attention: nn.Module, t: int) -> int | None:
+    """``Hkv`` when ``attention`` (``q_proj``, ``k_proj``, ``v_proj`` of ``nn.Linear``, a ``head_dim``) has fewer kv
+    heads than the ``t`` ranks and they replicate evenly over them (``t % Hkv == 0``, ``H % t == 0``); else None."""
+    heads, kv_heads, head_dim = _count(attention, _QUERY_COUNTS), _count(attention, _KV_COUNTS), head_dim_of(attention)
+    projections = [getattr(attention, n, None) for n in ("q_proj", *KV_PROJECTIONS)]
+    if heads is None or kv_heads is None or head_dim is None or not all(isinstance(p, nn.Linear) for p in projections):
+        return None
+    q, k, v = projections
+    widths = (q.out_features, k.out_features, v.out_features)
+    if widths != (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim):
+        return None
+    return kv_heads if kv_heads < t and t % kv_heads == 0 and heads % t == 0 else None
+
+
+def replicated_updates(attention: nn.Module, t: int) -> dict[str, int]:
+    """The head counts of ``attention`` (:func:`kv_replicas`) on each of ``t`` ranks: ``H/t`` query heads, one kv
+    head, ``H/t`` query heads reading it."""
+    heads = _count(attention, _QUERY_COUNTS)
+    updates = {attr: heads // t for attr in _QUERY_COUNTS if isinstance(getattr(attention, attr, None), int)}
+    updates |= {attr: 1 for attr in _KV_COUNTS if isinstance(getattr(attention, attr, None), int)}
+    if isinstance(getattr(attention, "num_key_value_groups", None), int):
+        updates["num_key_value_groups"] = heads // t
+    head_dim = head_dim_of(attention)
+    for attr in ("hidden_size", "embed_dim", "all_head_size"):  # widths of every query head, where a forward reads one
+        if getattr(attention, attr, None) == heads * head_dim:
+            updates[attr] = heads // t * head_dim
+    return updates
+
+
+def replicate_kv_heads(model: nn.Module, entries: list[Entry], t: int, sequence_parallel: bool) -> None:
+    """k_proj and v_proj split ``colwise`` in attention whose kv heads are fewer than the ``t`` ranks (its q_proj split
+    too): each replicated over the ranks whose query heads read it (:mod:`~tessel.layers.hf_kv_replicas`), under
+    sequence parallelism as latents of the block's ring."""
+    kinds = {e.name: e.kind for e in entries}
+    for e in entries:
+        parent, _, leaf = e.name.rpartition(".")
+        if t < 2 or e.kind != COLUMN or leaf not in KV_PROJECTIONS or kinds.get(f"{parent}.q_proj") != COLUMN:
+            continue
+        if (kv_heads := kv_replicas(model.get_submodule(parent), t)) is not None:
+            e.kind, e.kv_heads, e.latent = KV_REPLICATED, kv_heads, sequence_parallel
+
+
+class ReplicatedKVLinear(RingLatentLinear):
+    """``k_proj`` or ``v_proj`` whole on every rank, computing the kv head this rank's query heads read (rows
+    ``rows`` of its output): see the module. Shares the replaced layer's parameters. Under sequence parallelism its
+    block's ring hands it this rank's tokens (``ring``); otherwise it reads the replicated input."""
+
+    @classmethod
+    def from_projection(cls, linear: nn.Linear, kv_heads: int, tp_group) -> ReplicatedKVLinear:
+        layer = cls.from_linear(linear)
+        t, r = group_size(tp_group), group_rank(tp_group)
+        width = linear.out_features // kv_heads
+        head = r // (t // kv_heads)
+        layer.rows, layer.tp_group = slice(head * width, (head + 1) * width), tp_group
+        return layer
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        group = self.tp_group
+        weight, bias = copy_to_tp(self.weight, group), None if self.bias is None else copy_to_tp(self.bias, group)
+        if self.ring is None:  # the replicated input: this rank's head alone
+            return nn.functional.linear(
+                copy_to_tp(x, group), weight[self.rows], None if bias is None else bias[self.rows]
+            )
+        y = nn.functional.linear(self.ring.shard(self, x), weight, bias)  # every kv head of this rank's tokens
+        return gather_from_sequence(y, group, dim=y.dim() - 2)[..., self.rows]
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features} (this rank's rows {self.rows})"
