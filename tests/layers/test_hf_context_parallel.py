@@ -152,6 +152,14 @@ def test_hf_models_under_context_and_tensor_parallelism_match_dense_on_four_rank
 
 @pytest.mark.multiprocess
 @needs_hf
+def test_one_kv_head_replicated_over_the_tensor_parallel_ranks_under_context_parallelism():
+    # cp2 x tp2 of one kv head: each tp rank computes it (under sequence parallelism from its tokens, gathered), and
+    # the ring passes this rank's copy round the cp ranks
+    run_ranks(_grid_vs_dense, 4, 2, ("llama", "qwen2"), (False, True), 1, timeout=300, env=REFERENCE_KERNELS)
+
+
+@pytest.mark.multiprocess
+@needs_hf
 def test_hf_model_on_four_context_parallel_ranks_matches_dense():
     # Mistral's window of 2 over chunks of one token: the blocks travel one link each way, not round the ring
     assert _ring_links("mistral-window2", 4, S) == 2 * 2  # in each of the 2 layers
