@@ -72,7 +72,7 @@ stage passes on those a later stage reuses.
 ``--hf gpt2``, ``opt``, ``bloom`` (:data:`CLASSIC_FAMILIES`): the decoders Hugging Face gives no tensor-parallel plan,
 split by :mod:`~tessel.layers.hf_classic` (GPT-2's Conv1D layers, OPT's MLP held by its layers, BLOOM's ALiBi, which
 runs its own eager attention: :data:`OWN_ATTENTION`); their LayerNorms and GELU MLPs, learned positions (which FLOPs
-leave out, as the token embedding) or ALiBi. Not under ``--cp``; OPT not under ``--pp``.
+leave out, as the token embedding) or ALiBi. Not under ``--cp``.
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -133,7 +133,7 @@ MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel"}
 # The families Hugging Face gives no tensor-parallel plan (tessel.layers.hf_classic splits them): GPT-2's learned
 # positions and Conv1D layers, OPT's MLP held by its layers, BLOOM's ALiBi; their LayerNorms and GELU MLPs of the
 # preset's width (BLOOM's is four times its width), no dropout. Not under --cp (no rotary positions to hand each
-# rank's tokens), OPT not in pipeline stages (its layers sit one module down).
+# rank's tokens).
 CLASSIC_FAMILIES = ("gpt2", "opt", "bloom")
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
@@ -533,9 +533,6 @@ def refused_options(args) -> str | None:
     if args.hf in CLASSIC_FAMILIES and args.cp > 1:
         return (f"--hf {args.hf} trains without --cp: its positions are not rotary (context parallelism hands each "
                 "rank's tokens their positions through the rotary embedding)")  # fmt: skip
-    if args.hf == "opt" and args.pp > 1:
-        return ("--hf opt trains without --pp: its decoder layers sit one module down (OPTModel.decoder.layers), where "
-                "hf_pipeline_stage does not cut them")  # fmt: skip
     if args.hf in SPARSE_FAMILIES and args.cp > 1:
         return (f"--hf {args.hf} keeps each query's top keys by an indexer, which under --cp {args.cp} would score a "
                 "rank's keys alone: train it without --cp")  # fmt: skip

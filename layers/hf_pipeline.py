@@ -21,13 +21,13 @@ without logits in the fused case (:func:`~.linear_cross_entropy.linear_cross_ent
 wrapper gathers the head's parameters only inside its forward, the schedule's ``loss_fn`` calls the wrapped
 stage: ``lambda output, target: wrapped(output, targets=target)``.
 
-The decoders Hugging Face gives no plan (GPT-2, GPT-BigCode, GPT-Neo, BLOOM, Falcon, MPT, Persimmon:
-:mod:`.hf_classic`) cut the same way. Where the base model changes the embeddings before its first layer (GPT-2's
-learned positions, BLOOM's embedding norm) a later stage's base model is given a placeholder, and its first layer
-the hidden states the stage received; the position embedding and the norm are the first stage's alone. Under sequence
-parallelism a stage but the last hands a base model that views its output in its input's shape (GPT-2's) a
-placeholder of the whole sequence, and passes its share on. OPT's layers, one module down in its decoder, are
-refused.
+The decoders Hugging Face gives no plan (GPT-2, GPT-BigCode, GPT-Neo, BLOOM, Falcon, MPT, Persimmon, OPT:
+:mod:`.hf_classic`) cut the same way; OPT's layers, one module down in its decoder, in a copy of that decoder. Where
+the base model changes the embeddings before its first layer (GPT-2's learned positions, BLOOM's embedding norm,
+OPT's positions and projection in) a later stage's base model is given a placeholder, and its first layer the hidden
+states the stage received; those modules are the first stage's alone, and OPT's projection out the last stage's.
+Under sequence parallelism a stage but the last hands a base model that views its output in its input's shape
+(GPT-2's) a placeholder of the whole sequence, and passes its share on.
 
 Gemma 4's per-layer inputs (an embedding of the token ids for every layer, projected with the embeddings) are
 computed for every layer by the first stage, which keeps its layers' and passes the rest on beside the activation;
@@ -96,13 +96,13 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          "falcon_h1", "nemotron_h", "jamba", "lfm2", "kimi_linear", "bailing_hybrid",
                          "zamba2",
                          # the decoders Hugging Face gives no tensor-parallel plan (tessel.layers.hf_classic)
-                         "gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persimmon")  # fmt: skip
+                         "gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persimmon", "opt")  # fmt: skip
 # Base models whose forward changes the embeddings before their first layer: GPT-2's, GPT-BigCode's and GPT-Neo's add
 # their learned positions, BLOOM's norms them. A later stage's base model is given a placeholder, and its first layer
 # the hidden states the stage received (as under sequence parallelism).
-EMBEDDING_TRANSFORMS = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom")
-# ... and what computes it, which a later stage drops: their position embedding, its norm
-_EMBEDDING_MODULES = ("wpe", "word_embeddings_layernorm")
+EMBEDDING_TRANSFORMS = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom", "opt")
+# ... and what computes it, which a later stage drops: their position embedding, its norm, OPT's projection in
+_EMBEDDING_MODULES = ("wpe", "word_embeddings_layernorm", "embed_positions", "project_in")
 # Base models whose forward views its output in the shape of its input (GPT-2's view(output_shape)): under sequence
 # parallelism a stage but the last hands it a placeholder of the whole sequence's shape, and passes on its share.
 OUTPUT_VIEWS = ("gpt2", "gpt_bigcode", "gpt_neo")
@@ -123,36 +123,42 @@ class HFPipelineStage(nn.Module):
         config.num_hidden_layers = stop - start
         if types is not None:
             _set_layer_types(config, list(types), start, stop)
-        stage = copy.copy(base)  # shares every submodule, parameter and hook with the model
-        # ... in dictionaries of its own: what is registered on the stage later stays off the model
-        stage.__dict__.update({k: type(v)(v) for k, v in vars(base).items() if isinstance(v, dict)})
-        own = getattr(base, layers)[start:stop]
+        stage = _shallow(base)
+        own = base.get_submodule(layers)[start:stop]
+        holder = stage  # the module holding the layers: the base model, or OPT's decoder in it (a copy of its own)
+        if "." in layers:
+            inner = layers.rpartition(".")[0]
+            holder = stage._modules[inner] = _shallow(base.get_submodule(inner))
+            holder.config = config
+            layers, norm, embedding = (n.rpartition(".")[2] for n in (layers, norm, embedding))
         # Zamba 2's layers read the embeddings beside the hidden states, and their index: the first stage's embeddings
         # travel with the activation, and each layer is called with its index in the whole model
         self.embeddings = any("original_hidden_states" in inspect.signature(type(m).forward).parameters for m in own)
         self.held = {}
         if self.embeddings:
             own = [_Indexed(m, start, self.held) for m in own]
-        self.tp_group, self.sequence_parallel = _tensor_layout(getattr(base, layers))
+        self.tp_group, self.sequence_parallel = _tensor_layout(holder._modules[layers])
         # a later stage under sequence parallelism receives its share of the sequence: its base model is given a
         # placeholder of the whole sequence's shape (whose length its masks take) and its first layer the share (as
         # a later stage of a model whose base changes its embeddings is: GPT-2's positions, BLOOM's norm)
         self.fed = (self.sequence_parallel or model.config.model_type in EMBEDDING_TRANSFORMS) and not first
         if self.fed:
             own = [_Fed(own[0], self.held), *own[1:]]
-        stage._modules[layers] = nn.ModuleList(own)
+        holder._modules[layers] = nn.ModuleList(own)
         if not first:
-            stage._modules[embedding] = None  # a later stage is fed inputs_embeds
+            holder._modules[embedding] = None  # a later stage is fed inputs_embeds
             for name in _EMBEDDING_MODULES if model.config.model_type in EMBEDDING_TRANSFORMS else ():
-                if isinstance(stage._modules.get(name), nn.Module):  # its output goes to the placeholder: unused
-                    stage._modules[name] = _Unused(stage._modules[name])
+                if isinstance(holder._modules.get(name), nn.Module):  # its output goes to the placeholder: unused
+                    holder._modules[name] = _Unused(holder._modules[name])
             if "embedding_multiplier" in vars(stage):  # Granite's: the first stage's base model multiplied them
                 stage.embedding_multiplier = 1.0
         # under sequence parallelism the share of a stage but the last leaves a base model that views its output in
         # its input's shape through a placeholder of the whole sequence's (_Kept)
         self.kept = self.sequence_parallel and not last and model.config.model_type in OUTPUT_VIEWS
         if not last:
-            stage._modules[norm] = _Kept(self.held) if self.kept else nn.Identity()
+            holder._modules[norm] = _Kept(self.held) if self.kept else nn.Identity()
+            if isinstance(holder._modules.get("project_out"), nn.Module):  # OPT's, after its final norm
+                holder._modules["project_out"] = None
         stage.config = config
         self.base = stage
         self.head = model.get_output_embeddings() if last else None
@@ -164,7 +170,7 @@ class HFPipelineStage(nn.Module):
         # a mixture's (experts, top_k, coefficient) when it trains its balancing loss (output_router_logits)
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
-        self.cp_size = _size(_context_group(getattr(base, layers)))
+        self.cp_size = _size(_context_group(holder._modules[layers]))
         self.forward_kwargs = dict(forward_kwargs or {})  # passed to every call of the base model
         self.per_layer = bool(getattr(base, "hidden_size_per_layer_input", 0))  # Gemma 4's per-layer inputs
         if self.per_layer:
@@ -349,18 +355,25 @@ class _Fed(nn.Module):
 
 
 class _Unused(nn.Module):
-    """What a later stage's base model computes on its placeholder in place of the first stage's position embedding
-    or embedding norm (whose output the stage's first layer does not read): zeros of its output's shape, with no
-    parameters of the model's."""
+    """What a later stage's base model computes on its placeholder in place of the first stage's position embedding,
+    embedding norm or projection (whose output the stage's first layer does not read): zeros of its output's shape,
+    with no parameters of the model's."""
 
     def __init__(self, module: nn.Module):
         super().__init__()
-        self.width = module.embedding_dim if isinstance(module, nn.Embedding) else None
+        self.kind = (
+            "embedding" if isinstance(module, nn.Embedding) else "linear" if isinstance(module, nn.Linear) else ""
+        )
+        self.width = module.embedding_dim if self.kind == "embedding" else getattr(module, "out_features", None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.width is None:  # a norm: the placeholder's shape
-            return torch.zeros_like(x)
-        return torch.zeros(*x.shape, self.width, device=x.device)
+    def forward(self, x: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if self.kind == "embedding":  # positions [B, S] (OPT's: its mask, and the ids as a keyword)
+            ids = kwargs.get("position_ids")
+            ids = ids if isinstance(ids, torch.Tensor) else x
+            return torch.zeros(*ids.shape, self.width, device=ids.device)
+        if self.kind == "linear":
+            return x.new_zeros(*x.shape[:-1], self.width)
+        return torch.zeros_like(x)  # a norm
 
 
 class _Kept(nn.Module):
@@ -431,6 +444,14 @@ def _shared_kv_types(sharing: tuple[list[str], list[str | None]], start: int,
             tuple(t for i, t in stores if i < stop and reused_from(t, stop)))  # fmt: skip
 
 
+def _shallow(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` sharing every submodule, parameter and hook with it, in dictionaries of its own: what is
+    registered on the copy later stays off the model."""
+    copied = copy.copy(module)
+    copied.__dict__.update({k: type(v)(v) for k, v in vars(module).items() if isinstance(v, dict)})
+    return copied
+
+
 def _names(model: nn.Module, base: nn.Module) -> tuple[str, str, str]:
     """The names in the base model of its decoder layers, its final norm (Nemotron-H's ``norm_f``, LFM2's
     ``embedding_norm``) and its input embedding (Nemotron-H's ``embeddings``)."""
@@ -439,10 +460,12 @@ def _names(model: nn.Module, base: nn.Module) -> tuple[str, str, str]:
     except ValueError:
         layers = norm = None
     embeddings = base.get_input_embeddings()
-    embedding = next((n for n, m in base.named_children() if m is embeddings), None)
-    if layers is None or "." in layers or embedding is None:  # OPT's decoder.layers: one module down
+    embedding = next((n for n, m in base.named_modules() if m is embeddings and n.count(".") <= 1), None)
+    # one module holds them all: the base model, or one child of it (OPT's decoder)
+    holders = {n.rpartition(".")[0] for n in (layers, norm, embedding) if n is not None}
+    if layers is None or embedding is None or len(holders) != 1 or layers.count(".") > 1:
         raise ValueError(f"{_NAME}: cannot find {type(base).__name__}'s input embedding, its decoder layers (a "
-                         f"ModuleList among its children) and the final norm after them")  # fmt: skip
+                         f"ModuleList among its children or its decoder's) and the final norm after them")  # fmt: skip
     return layers, norm, embedding
 
 
@@ -507,7 +530,7 @@ def _check(model, stage_index, num_stages, fused_loss) -> int:
     for arg, value in (("stage_index", stage_index), ("num_stages", num_stages)):
         if isinstance(value, bool) or not isinstance(value, int):
             raise TypeError(f"{_NAME}: {arg} must be an int, received {type(value).__name__}")
-    layers = len(getattr(base, _names(model, base)[0]))
+    layers = len(base.get_submodule(_names(model, base)[0]))
     if not 1 <= num_stages <= layers:
         raise ValueError(f"{_NAME}: num_stages must be in [1, {layers}] (the model's decoder layers), received "
                          f"{num_stages}")  # fmt: skip

@@ -42,6 +42,7 @@ VARIANTS = {
         dict(new_decoder_architecture=False, multi_query=False, num_kv_heads=4, parallel_attn=False, bias=True),
     ),
     "opt_post_norm": ("opt", dict(do_layer_norm_before=False)),
+    "opt_projected": ("opt", dict(word_embed_proj_dim=32)),
 }
 
 
@@ -63,7 +64,11 @@ def classic_model(kind: str, seed: int = 0, **config):
 
 
 # the linear layers each family keeps whole: XGLM's and BioGPT's heads, beside embeddings that scale their output
-WHOLE = {"xglm": {"lm_head"}, "biogpt": {"output_projection"}}
+WHOLE = {
+    "xglm": {"lm_head"},
+    "biogpt": {"output_projection"},
+    "opt_projected": {"model.decoder.project_in", "model.decoder.project_out"},
+}  # OPT-350m's: to and from 32
 
 
 def _whole_linears(model) -> set[str]:
@@ -205,9 +210,9 @@ def test_attention_that_computes_itself_is_refused_tessels_attention_implementat
     parallelize(model, None)
 
 
-# the families whose layers are a ModuleList among their base model's children (OPT's sit one module down, in its
-# decoder: refused by name)
-PIPELINED = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persimmon")
+# OPT's layers sit one module down, in its decoder; "opt_projected" projects its embeddings in and out of a narrower
+# width (OPT-350m's)
+PIPELINED = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persimmon", "opt", "opt_projected")
 
 
 @needs_hf
@@ -215,11 +220,13 @@ PIPELINED = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persim
 def test_classic_decoders_chain_through_pipeline_stages(kind):
     """Five layers in 2 and 3 stages, chained: the model's logits, its loss (from the logits and fused) and every
     gradient. A later stage's base model is handed a placeholder, and its first layer the hidden states: GPT-2's would
-    add its learned positions again, BLOOM's norm them again."""
+    add its learned positions again, BLOOM's norm them again, OPT's project them in again (and a stage but the last
+    project them out)."""
     from tests.layers.test_hf_pipeline import check_stages
 
     layers = {"gpt_neo": dict(num_layers=5, attention_types=[[["global", "local"], 2], [["global"], 1]])}
     depth = {"n_layer": 5} if kind in ("gpt2", "gpt_bigcode", "bloom") else {"n_layers": 5} if kind == "mpt" else {}
+    depth = {"num_hidden_layers": 5} if kind.startswith("opt") else depth
     model = classic_model(kind, **layers.get(kind, depth or {"num_hidden_layers": 5}))
     assert len(_decoder_layers(model)) == 5, kind
     ids = torch.randint(VOCAB, (2, 13), generator=torch.Generator().manual_seed(3))
@@ -233,11 +240,11 @@ def _decoder_layers(model):
 
 
 @needs_hf
-def test_a_decoder_one_module_down_is_refused_pipeline_stages():
+def test_a_decoder_without_a_final_norm_is_refused_pipeline_stages():
     from tessel.layers import hf_pipeline_stage
 
-    with pytest.raises(ValueError, match=r"a causal LM of type .*, received OPTForCausalLM of type 'opt'"):
-        hf_pipeline_stage(classic_model("opt"), 0, 2)
+    with pytest.raises(ValueError, match="cannot find OPTModel's input embedding, its decoder layers"):
+        hf_pipeline_stage(classic_model("opt_post_norm"), 0, 2)
 
 
 @pytest.mark.multiprocess
