@@ -80,20 +80,6 @@ def base_model(model: nn.Module) -> tuple[str, nn.Module]:
     return "", model
 
 
-def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
-    """A Hugging Face model's decoder layers: its base model's ``layers``, else the one ModuleList among its children
-    that learns (GPT-2's ``h``), else that of the one child holding ``layers`` (OPT's ``decoder.layers``)."""
-    base = base_model(model)[1]
-    if isinstance(getattr(base, "layers", None), nn.ModuleList):
-        return base.layers
-    children = [m for _, m in base.named_children()]
-    found = [m for m in children if isinstance(m, nn.ModuleList) and any(True for _ in m.parameters())]
-    found = found or [m.layers for m in children if isinstance(getattr(m, "layers", None), nn.ModuleList)]
-    if len(found) != 1:
-        raise ValueError(f"cannot find the decoder layers of {type(base).__name__}: no one ModuleList of them")
-    return found[0]
-
-
 def hf_tp_plan(model: nn.Module) -> dict[str, str] | None:
     """The model's own plan: ``config.base_model_tp_plan`` (keys prefixed with the base model's name), the
     input embedding over the vocabulary as transformers 5.x adds it (when it is a plain ``nn.Embedding``:
@@ -435,36 +421,55 @@ class SequenceRing:
         return outputs
 
 
-def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
-    """Names (in the base model) of the decoder layers' ModuleList and of the final norm."""
+def _layers_name(model: nn.Module, base: nn.Module) -> str | None:
+    """The name in the base model of its decoder layers: the one ModuleList among its children (in its pipeline plan's
+    order where it has one) that learns (``layers``, GPT-2's ``h``), or ``layers`` of its one child holding them (OPT's
+    ``decoder.layers``); None where there is no such one."""
     pp_plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
     names = pp_plan or [name for name, _ in base.named_children()]
-    inner = [(n, m) for n, m in base.named_children() if isinstance(getattr(m, "layers", None), nn.ModuleList)]
-    if not pp_plan and len(inner) == 1 and not any(isinstance(m, nn.ModuleList) for _, m in base.named_children()):
-        # the layers one module down (OPT's decoder), its final norm defined before them (final_layer_norm)
-        name, decoder = inner[0]
-        final = getattr(decoder, "final_layer_norm", None)
-        after = _decoder_norm(decoder, [n for n, _ in decoder.named_children()], "layers")
-        norm = after or ("final_layer_norm" if _is_norm(final) else None)
-        if norm is not None:
-            return f"{name}.layers", f"{name}.{norm}"
     # a ModuleList that learns nothing (Granite-MoE-SWA's rotary embeddings, one per kind of layer) is not the layers
-    layers = [
+    lists = [
         n for n in names if isinstance(m := getattr(base, n, None), nn.ModuleList) and any(True for _ in m.parameters())
     ]
-    norms = [n for n in names[names.index(layers[0]) + 1 :] if _is_norm(getattr(base, n, None))] if layers else []
-    if len(layers) != 1 or not norms:
+    if lists or pp_plan:
+        return lists[0] if len(lists) == 1 else None
+    inner = [n for n, m in base.named_children() if isinstance(getattr(m, "layers", None), nn.ModuleList)]
+    return f"{inner[0]}.layers" if len(inner) == 1 else None
+
+
+def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
+    """A Hugging Face model's decoder layers: its base model's ``layers``, else as :func:`_layers_name` finds them
+    (GPT-2's ``h``, OPT's ``decoder.layers``)."""
+    base = base_model(model)[1]
+    if isinstance(getattr(base, "layers", None), nn.ModuleList):
+        return base.layers
+    name = _layers_name(model, base)
+    if name is None:
+        raise ValueError(f"cannot find the decoder layers of {type(base).__name__}: no one ModuleList of them")
+    return base.get_submodule(name)
+
+
+def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:
+    """Names (in the base model) of the decoder layers' ModuleList and of the final norm: the last norm after the
+    layers, among the children of the module holding them (OPT's decoder, whose ``final_layer_norm`` is defined
+    before its layers: that one)."""
+    layers, norm = _layers_name(model, base), None
+    if layers is not None:
+        holder_name, _, leaf = layers.rpartition(".")
+        holder = base.get_submodule(holder_name) if holder_name else base
+        pp_plan = list(getattr(model.config, "base_model_pp_plan", None) or {})
+        names = pp_plan if pp_plan and not holder_name else [name for name, _ in holder.named_children()]
+        norms = [n for n in names[names.index(leaf) + 1 :] if _is_norm(getattr(holder, n, None))]
+        if holder_name and not norms and _is_norm(getattr(holder, "final_layer_norm", None)):
+            norms = ["final_layer_norm"]
+        norm = f"{holder_name}.{norms[-1]}" if holder_name and norms else norms[-1] if norms else None
+    if layers is None or norm is None:
         raise ValueError(
             f"parallelize: sequence_parallel=True cannot find one ModuleList of decoder layers followed by a final "
-            f"norm in {type(base).__name__} (children {names}); pass sequence_parallel=False"
+            f"norm in {type(base).__name__} (children {[n for n, _ in base.named_children()]}); pass "
+            "sequence_parallel=False"
         )
-    return layers[0], norms[-1]
-
-
-def _decoder_norm(base: nn.Module, names: list[str], layers: str) -> str | None:
-    """The last norm among ``base``'s children ``names`` after its ``layers``; None where there is none."""
-    norms = [n for n in names[names.index(layers) + 1 :] if _is_norm(getattr(base, n, None))]
-    return norms[-1] if norms else None
+    return layers, norm
 
 
 def _own_linear(m: nn.Module, name: str, split_names: set[str], layer: nn.Module) -> bool:
