@@ -33,7 +33,7 @@ from torch import nn
 
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
-from .hf import base_model
+from .hf import base_model, decoder_layer_list
 from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention
 from .hf_mixer_context import MixerContext, context_mixers, entry_names, install_mixer_context, mixer_context
 
@@ -357,13 +357,20 @@ def check_own_attention(model: nn.Module) -> None:
 
 
 def own_attention(model: nn.Module, attention: list[str] | None = None, mixers: list[str] | None = None) -> list[str]:
-    """The names of ``model``'s attention modules (``attention``: default, those whose class name ends in Attention)
-    that compute their attention themselves (BLOOM's, MPT's, Falcon's): Hugging Face's attention functions, tessel's
-    among them, never run there."""
+    """The names of the attention modules in ``model``'s decoder layers (among ``attention``: default, those whose class
+    name ends in Attention) that compute their attention themselves (BLOOM's, MPT's, Falcon's): Hugging Face's
+    attention functions, tessel's among them, never run there. A vision or audio tower's, which build their own masks,
+    are not the decoder's."""
+    try:
+        layers = decoder_layer_list(model)
+    except ValueError:
+        return []
+    inside = {id(m) for m in layers.modules()}
     if attention is None:
         attention = [name for name, m in model.named_modules() if type(m).__name__.endswith("Attention")]
     mixers = context_mixers(model) if mixers is None else mixers
-    return [n for n in attention if _computes_its_own(model.get_submodule(n), mixers, n)]
+    modules = {n: model.get_submodule(n) for n in attention}
+    return [n for n, m in modules.items() if id(m) in inside and _computes_its_own(m, mixers, n)]
 
 
 def _computes_its_own(m: nn.Module, mixers: list[str], name: str) -> bool:

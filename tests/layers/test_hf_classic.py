@@ -207,7 +207,13 @@ def test_attention_that_computes_itself_is_refused_tessels_attention_implementat
             parallelize(model, None)
     model = classic_model("gpt2")  # through Hugging Face's attention functions: tessel's runs there
     model.config._attn_implementation = register_hf_attention()
+    model.tower = _TowerAttention()  # outside the decoder layers (a vision or audio tower's): its own masks
     parallelize(model, None)
+
+
+class _TowerAttention(torch.nn.Module):
+    def forward(self, x):
+        return torch.softmax(x @ x.transpose(-1, -2), dim=-1) @ x
 
 
 # OPT's layers sit one module down, in its decoder; "opt_projected" projects its embeddings in and out of a narrower
