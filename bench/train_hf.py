@@ -69,10 +69,11 @@ layers' on with the activation). FLOPs count each layer's keys and head width (:
 of their kind, as Gemma 4's E-models do (the layer before them attends to every key, as theirs does); under ``--pp`` a
 stage passes on those a later stage reuses.
 
-``--hf gpt2``, ``opt``, ``bloom`` (:data:`CLASSIC_FAMILIES`): the decoders Hugging Face gives no tensor-parallel plan,
+``--hf gpt2``, ``opt``, ``bloom``, ``falcon`` (:data:`CLASSIC_FAMILIES`): the decoders Hugging Face gives no plan,
 split by :mod:`~tessel.layers.hf_classic` (GPT-2's Conv1D layers, OPT's MLP held by its layers, BLOOM's ALiBi, which
-runs its own eager attention: :data:`OWN_ATTENTION`); their LayerNorms and GELU MLPs, learned positions (which FLOPs
-leave out, as the token embedding) or ALiBi. Not under ``--cp``.
+runs its own eager attention, Falcon-40B's design, its own sdpa: :data:`OWN_ATTENTION`); their LayerNorms and GELU
+MLPs, learned positions (which FLOPs leave out, as the token embedding), ALiBi or rotary positions. Not under
+``--cp``.
 
 ``--sliding-window W``: the families whose attention slides (:data:`WINDOW_FAMILIES`) are configured to slide every
 layer over ``W`` keys (Hugging Face's ``sliding_window``), which tessel's attention runs with ``window=W``; without
@@ -127,14 +128,16 @@ HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3"
                "olmoe": "Olmoe", "phi3": "Phi3", "deepseek_v3": "DeepseekV3", "deepseek_v32": "DeepseekV32",
                "gpt_oss": "GptOss", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba",
                "jamba": "Jamba", "gemma4": "Gemma4", "kimi_linear": "KimiLinear",
-               "bailing_hybrid": "BailingHybrid", "gpt2": "GPT2", "opt": "OPT", "bloom": "Bloom"}  # fmt: skip
+               "bailing_hybrid": "BailingHybrid", "gpt2": "GPT2", "opt": "OPT", "bloom": "Bloom",
+               "falcon": "Falcon"}  # fmt: skip
 # The causal LMs not named {family}ForCausalLM
 MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel"}
 # The families Hugging Face gives no tensor-parallel plan (tessel.layers.hf_classic splits them): GPT-2's learned
-# positions and Conv1D layers, OPT's MLP held by its layers, BLOOM's ALiBi; their LayerNorms and GELU MLPs of the
-# preset's width (BLOOM's is four times its width), no dropout. Not under --cp (no rotary positions to hand each
-# rank's tokens).
-CLASSIC_FAMILIES = ("gpt2", "opt", "bloom")
+# positions and Conv1D layers, OPT's MLP held by its layers, BLOOM's ALiBi, Falcon-40B's design (kv groups, attention
+# and MLP side by side, rotary positions); their LayerNorms and GELU MLPs of the preset's width (BLOOM's is four times
+# its width), no dropout. Not under --cp: no rotary positions to hand each rank's tokens, or attention that computes
+# itself (Falcon's), which tessel's ring never reaches.
+CLASSIC_FAMILIES = ("gpt2", "opt", "bloom", "falcon")
 # Families whose text model's config class is named apart from the causal LM (Gemma3TextConfig, Gemma3ForCausalLM);
 # they keep their own rotary embeddings (Gemma 3's two bases, Qwen3.5's partial rotary)
 TEXT_CONFIGS = {"gemma3": "Gemma3Text", "qwen3_5": "Qwen3_5Text", "qwen3_5_moe": "Qwen3_5MoeText",
@@ -165,8 +168,9 @@ ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
 # The families Hugging Face runs without sdpa (soft-capped attention, attention sinks): the baseline's attention is
 # their eager one
 EAGER_FAMILIES = ("gemma2", "gpt_oss", "bloom")
-# The families whose attention computes itself (BLOOM's ALiBi): their eager attention in every run
-OWN_ATTENTION = ("bloom",)
+# The families whose attention computes itself, and the implementation it runs in every run: BLOOM's eager one (its
+# ALiBi), Falcon's sdpa (which has no tessel one)
+OWN_ATTENTION = {"bloom": "eager", "falcon": "sdpa"}
 
 
 def _experts_config(args, c: GPTConfig) -> dict:
@@ -198,8 +202,13 @@ def _classic_config(family: str, c: GPTConfig, attention: str):
         "opt": dict(ffn_dim=c.mlp_hidden, word_embed_proj_dim=c.n_embd, dropout=0.0, attention_dropout=0.0,
                     layerdrop=0.0),
         "bloom": dict(hidden_dropout=0.0, attention_dropout=0.0),
+        "falcon": dict(new_decoder_architecture=True, num_kv_heads=c.n_kv_head or c.n_head,
+                       ffn_hidden_size=c.mlp_hidden, hidden_dropout=0.0, attention_dropout=0.0, bias=False),
     }[family])  # fmt: skip
-    return transformers.AutoConfig.for_model(family, **kw)
+    config = transformers.AutoConfig.for_model(family, **kw)
+    if family == "falcon":  # the preset's rotary base
+        config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": c.rope_theta}
+    return config
 
 
 def model_class(family: str):
@@ -371,7 +380,7 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     torch.manual_seed(args.seed)
     # the baseline's attention: sdpa, but eager for Gemma 2 and GPT-OSS (soft-capped attention, sinks: not sdpa's)
     attention = ("eager" if args.hf in EAGER_FAMILIES else "sdpa") if args.hf_baseline else register_hf_attention()
-    attention = "eager" if args.hf in OWN_ATTENTION else attention
+    attention = OWN_ATTENTION.get(args.hf, attention)
     with torch.device("meta" if args.init else dims.device):  # --init: each rank reads its shards once split
         model = model_class(args.hf)(_hf_config(args, config, attention))
     num_params = sum(p.numel() for p in model.parameters())
@@ -531,8 +540,10 @@ def refused_options(args) -> str | None:
         return (f"{' and '.join(smoothed)} {'shape' if len(smoothed) > 1 else 'shapes'} tessel's fused loss; "
                 "--hf-baseline trains Hugging Face's own loss, which has neither")  # fmt: skip
     if args.hf in CLASSIC_FAMILIES and args.cp > 1:
-        return (f"--hf {args.hf} trains without --cp: its positions are not rotary (context parallelism hands each "
-                "rank's tokens their positions through the rotary embedding)")  # fmt: skip
+        why = ("its attention computes itself, where tessel's ring never runs" if args.hf in OWN_ATTENTION else
+               "its positions are not rotary (context parallelism hands each rank's tokens theirs through the rotary "
+               "embedding)")  # fmt: skip
+        return f"--hf {args.hf} trains without --cp: {why}"
     if args.hf in SPARSE_FAMILIES and args.cp > 1:
         return (f"--hf {args.hf} keeps each query's top keys by an indexer, which under --cp {args.cp} would score a "
                 "rank's keys alone: train it without --cp")  # fmt: skip

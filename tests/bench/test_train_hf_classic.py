@@ -27,23 +27,34 @@ GPT2_LAYOUTS = {**PIPELINED, "tp2": (["--tp", "2"], 2), "dp2": (["--dp", "2", "-
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     ("family", "name", "layouts"),
-    [("gpt2", "GPT2", GPT2_LAYOUTS), ("opt", "OPT", PIPELINED), ("bloom", "Bloom", PIPELINED)],
-    ids=["gpt2", "opt", "bloom"],
+    [
+        ("gpt2", "GPT2", GPT2_LAYOUTS),
+        ("opt", "OPT", PIPELINED),
+        ("bloom", "Bloom", PIPELINED),
+        ("falcon", "Falcon", PIPELINED),
+    ],
+    ids=["gpt2", "opt", "bloom", "falcon"],
 )
 def test_classic_decoders_train_the_single_processs_curve(tmp_path, family, name, layouts):
     """The single process's curve (its Conv1D, fc1/fc2 and fused projections tessel's layers over one rank, the fused
     loss) as Hugging Face's own model computes it and in every layout, within 1e-5. BLOOM runs its own (eager)
     attention in every run: under tessel's attention implementation its mask would be tessel's None, and its attention,
-    which computes itself, would see every key."""
+    which computes itself, would see every key. Falcon (Falcon-40B's kv groups, attention beside the MLP) runs its own
+    sdpa attention."""
     _check_hybrid_curves(tmp_path, ["--hf", family, *RUN], name, layouts)
 
 
-def test_context_parallelism_is_refused(monkeypatch):
+@pytest.mark.parametrize(
+    ("family", "words"),
+    [("gpt2", "--hf gpt2 trains without --cp: its positions are not rotary"),
+     ("falcon", "--hf falcon trains without --cp: its attention computes itself")],
+)  # fmt: skip
+def test_context_parallelism_is_refused(monkeypatch, family, words):
     from tessel.bench.train_args import ArgumentError, parse_args
 
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(ArgumentError, match="--hf gpt2 trains without --cp: its positions are not rotary"):
-        parse_args(["--hf", "gpt2", *RUN, "--cp", "2"])
+    with pytest.raises(ArgumentError, match=words):
+        parse_args(["--hf", family, *RUN, "--cp", "2"])
 
 
 def test_the_flops_count_no_learned_positions():
