@@ -260,6 +260,14 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         "sliding_window; default: off, every earlier token)",
     )
     add(
+        "--kv-heads",
+        type=int,
+        default=None,
+        help="key and value heads of the attention (grouped-query attention; default: the preset's, one per query "
+        "head); with --hf, over more tensor-parallel ranks than kv heads each is replicated on the ranks whose query "
+        "heads read it",
+    )
+    add(
         "--kv-shared-layers",
         type=int,
         default=0,
@@ -451,12 +459,21 @@ def _check_layout(args) -> None:
 
 def _check_model(args, preset: Preset) -> None:
     model = preset.model
-    block, layers, heads = model["block_size"], model["n_layer"], model.get("n_kv_head") or model["n_head"]
+    block, layers, heads = model["block_size"], model["n_layer"], model["n_head"]
     positive(args, "seq_len")
     if args.seq_len > block:
         raise ArgumentError(f"--seq-len {args.seq_len} exceeds the block size {block} of preset {args.preset!r}")
+    if args.kv_heads is not None:
+        positive(args, "kv_heads")
+        if heads % args.kv_heads:
+            raise ArgumentError(f"--kv-heads {args.kv_heads} does not divide the {heads} heads of preset "
+                                f"{args.preset!r}")  # fmt: skip
+    kv_heads = args.kv_heads or model.get("n_kv_head") or heads
     if heads % args.tp:
         raise ArgumentError(f"--tp {args.tp} does not divide the {heads} heads of preset {args.preset!r}")
+    if kv_heads % args.tp and not (args.hf and args.tp % kv_heads == 0):
+        how = "" if args.hf else " (a --hf family's are replicated over the ranks; tessel's GPT's are not)"
+        raise ArgumentError(f"--tp {args.tp} does not divide the {kv_heads} kv heads{how}")
     stages = args.pp * args.stages_per_rank
     if stages > layers:
         raise ArgumentError(

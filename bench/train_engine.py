@@ -440,8 +440,11 @@ def _schedule(args, wrapper: nn.Module, modules: list[nn.Module], dims: Parallel
 def build_engine(args, dims: ParallelDims) -> Engine:
     """The GPT of ``args.preset`` laid out on ``dims``, wrapped, with its optimizer (and pipeline schedule)."""
     torch.manual_seed(args.seed)
+    model = dict(PRESETS[args.preset].model)
+    if args.kv_heads is not None:  # grouped-query attention
+        model["n_kv_head"] = args.kv_heads
     config = GPTConfig(
-        **PRESETS[args.preset].model,
+        **model,
         vocab_size=args.vocab_size,
         deterministic_attention=args.attention_backward == "deterministic",
         recompute=args.recompute,

@@ -27,11 +27,14 @@ from ..parallel.collectives import copy_to_tp, gather_from_sequence
 from ..parallel.comm import group_rank, group_size
 from .hf import RingLatentLinear
 from .hf_plans import head_dim_of
-from .plan import COLUMN, KV_REPLICATED, Entry
+from .plan import COLUMN, GRAD_ALL_REDUCE, KV_REPLICATED, ROW, Entry
 
 __all__ = ["KV_PROJECTIONS", "ReplicatedKVLinear", "kv_replicas", "replicate_kv_heads", "replicated_updates"]
 
 KV_PROJECTIONS = ("k_proj", "v_proj")
+# what may sit beside replicated kv heads: split query and output projections (and a gate of the query heads), norms of
+# one head's width (their gradients summed)
+_BESIDE = {COLUMN, ROW, GRAD_ALL_REDUCE}
 _QUERY_COUNTS = ("num_heads", "num_attention_heads")
 _KV_COUNTS = ("num_key_value_heads", "num_kv_heads")
 
@@ -83,6 +86,9 @@ def replicate_kv_heads(model: nn.Module, entries: list[Entry], t: int, sequence_
     for e in entries:
         parent, _, leaf = e.name.rpartition(".")
         if t < 2 or e.kind != COLUMN or leaf not in KV_PROJECTIONS or kinds.get(f"{parent}.q_proj") != COLUMN:
+            continue
+        siblings = {kind for name, kind in kinds.items() if name.rpartition(".")[0] == parent}
+        if siblings - _BESIDE:  # a norm over every kv head's features (OLMo 2's k_norm) would need them all
             continue
         if (kv_heads := kv_replicas(model.get_submodule(parent), t)) is not None:
             e.kind, e.kv_heads, e.latent = KV_REPLICATED, kv_heads, sequence_parallel

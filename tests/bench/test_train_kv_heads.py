@@ -1,0 +1,60 @@
+"""``python -m tessel.bench.train --kv-heads N``: grouped-query attention of N key and value heads. tessel's GPT splits
+them over the tensor-parallel ranks; a Hugging Face family's are replicated over more ranks than kv heads
+(:mod:`tessel.layers.hf_kv_replicas`), each rank computing the one its query heads read.
+"""
+
+import importlib.util
+
+import pytest
+
+from tests.bench.test_train import _losses, _ok, _train
+
+RUN = ["--steps", "3", "--seq-len", "32", "--batch-size", "8"]
+needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tessels_gpt_splits_its_kv_heads(tmp_path):
+    """Two kv heads for the tiny preset's four query heads, over two tensor-parallel ranks: the single process's
+    curve."""
+    run = [*RUN, "--kv-heads", "2"]
+    proc = _ok(_train(tmp_path / "one", *run))
+    assert "tessel GPT tiny" in proc.stdout
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
+    assert _losses(tmp_path / "tp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@needs_hf
+def test_a_hugging_face_llama_replicates_its_kv_heads_over_more_ranks(tmp_path):
+    """--hf llama with 2 kv heads over 4 tensor-parallel ranks (each kv head on the two ranks whose query heads read
+    it), with and without sequence parallelism, and with one kv head over 2 ranks: Hugging Face's curve."""
+    for kv_heads, tp in (("2", "4"), ("1", "2")):
+        run = ["--hf", "llama", *RUN, "--kv-heads", kv_heads]
+        _ok(_train(tmp_path / f"one{kv_heads}", *run))
+        one = _losses(tmp_path / f"one{kv_heads}")
+        layouts = {"baseline": (["--hf-baseline"], 1), "tp-sp": (["--tp", tp, "--sequence-parallel"], int(tp)),
+                   "tp": (["--tp", tp], int(tp))}  # fmt: skip
+        for name, (layout, nproc) in layouts.items():
+            _ok(_train(tmp_path / f"{name}{kv_heads}", *run, *layout, nproc=nproc))
+            assert _losses(tmp_path / f"{name}{kv_heads}") == pytest.approx(one, rel=1e-5), (kv_heads, name)
+
+
+@pytest.mark.parametrize(
+    ("extra", "words"),
+    [(["--kv-heads", "3"], "--kv-heads 3 does not divide the 4 heads of preset 'tiny'"),
+     (["--kv-heads", "0"], "--kv-heads must be a positive integer, received 0"),
+     (["--kv-heads", "2", "--tp", "4"], "--tp 4 does not divide the 2 kv heads (a --hf family's are replicated"),
+     (["--hf", "phi3", "--kv-heads", "2", "--tp", "4"], "--hf phi3 trains without --kv-heads below --tp"),
+     (["--hf", "deepseek_v3", "--experts", "4", "--aux-loss-coef", "0", "--kv-heads", "2"],
+      "--hf deepseek_v3 trains without --kv-heads (its attention has one kv head per query head")],
+    ids=["not-dividing", "zero", "gpt-replicated", "fused-qkv", "latent"],
+)  # fmt: skip
+def test_kv_heads_it_cannot_train_are_refused(monkeypatch, extra, words):
+    from tessel.bench.train_args import ArgumentError, parse_args
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    with pytest.raises(ArgumentError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        parse_args([*RUN, *extra])
