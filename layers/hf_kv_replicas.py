@@ -1,5 +1,5 @@
 """Key and value heads fewer than the tensor-parallel ranks: each kv head replicated on the ranks whose query heads read
-it, as Megatron-LM replicates them (Qwen2.5-7B's 4 kv heads over 8 ranks, StarCoder's one).
+it, as Megatron-LM replicates them (Qwen2.5-7B's 4 kv heads over 8 ranks, Gemma 2B's one).
 
 Over ``t`` ranks a Hugging Face attention of ``H`` query heads and ``Hkv < t`` kv heads (``t`` a multiple of ``Hkv``,
 ``H`` of ``t``) keeps on rank ``r`` its ``H/t`` query heads, as any split does, and the one kv head they read:
