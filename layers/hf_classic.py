@@ -34,8 +34,9 @@ GPT-2's ``Conv1D`` layers (weight ``[in, out]``) become tessel's column and row 
 (weight ``[out, in]``): their weights are tagged ``hf_transposed``, which :func:`~tessel.layers.load_pretrained`
 reads transposed. Falcon's ``FalconLinear`` computes what ``nn.Linear`` computes and is split as one.
 
-What stays whole: multi-query attention (GPT-BigCode's StarCoder and SantaCoder, Falcon-7B: one key and value head,
-which tessel does not replicate over the ranks), Falcon with ALiBi, and BLOOM's ``slow_but_exact`` emulation of its
+What stays whole: multi-query attention (GPT-BigCode's StarCoder and SantaCoder, Falcon-7B: one key and value head
+in a fused projection, which tessel does not replicate over the ranks as it does separate ones:
+:mod:`~tessel.layers.hf_kv_replicas`), Falcon with ALiBi, and BLOOM's ``slow_but_exact`` emulation of its
 pretraining's tensor parallelism. Their MLPs still split; under sequence parallelism a whole attention is refused by
 name, as for any family.
 """
