@@ -1,0 +1,45 @@
+"""Key and value heads fewer than the tensor-parallel ranks, replicated over them (:mod:`tessel.layers.hf_kv_replicas`):
+Hugging Face models (tiny, random init) dense against parallelized on four gloo ranks, as tests/layers/test_hf.py
+checks them (logits and every gradient, fp32, 1e-4 relative)."""
+
+import copy
+
+import pytest
+import torch
+
+from tests.layers.test_hf import REFERENCE_KERNELS, _check_against_dense, _model, needs_hf
+from tests.multiprocess import run_ranks
+
+
+def _replicas(rank, world_size):
+    from tessel.layers.hf_kv_replicas import ReplicatedKVLinear
+    from tessel.layers.parallelize import parallelize
+    from tests.layers.test_hf_plans import qk_norm_model
+
+    # each kv head on the ranks whose query heads read it (2 or 4 of them); Qwen3's per-head k norm on each rank's kv
+    # head, its gradient summed
+    for family, kv_heads in (("llama", 2), ("mistral", 2), ("qwen2", 1), ("qwen3", 2)):
+        for sp in (False, True):
+            dense = _model(family, kv_heads=kv_heads)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
+            attention, whole = par.model.layers[0].self_attn, dense.model.layers[0].self_attn
+            assert isinstance(attention.k_proj, ReplicatedKVLinear) and attention.k_proj.weight is not None
+            head = rank // (world_size // kv_heads)
+            assert attention.k_proj.rows == slice(16 * head, 16 * head + 16)
+            assert torch.equal(attention.v_proj.weight, whole.v_proj.weight)  # whole on every rank
+            assert attention.q_proj.weight.shape == (16, 64) and attention.num_key_value_groups == 1
+            _check_against_dense(dense, par, f"{family} {kv_heads} kv heads sp={sp}")
+    # OLMo 2's k norm spans every kv head's features: its 2 kv heads are not replicated, and the model is as it was
+    model = qk_norm_model("olmo2", kv_heads=2)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for sp in (False, True):
+        with pytest.raises(ValueError, match=r"k_proj: 2 heads \(width 32, head_dim 16\) do not split over 4"):
+            parallelize(model, None, sequence_parallel=sp)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_kv_heads_fewer_than_the_ranks_are_replicated_over_them():
+    assert run_ranks(_replicas, 4, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 4
