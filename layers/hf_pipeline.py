@@ -124,7 +124,8 @@ class HFPipelineStage(nn.Module):
         if types is not None:
             _set_layer_types(config, list(types), start, stop)
         stage = _shallow(base)
-        own = base.get_submodule(layers)[start:stop]
+        every = base.get_submodule(layers)  # the whole model's layers (this stage's may hold no split attention)
+        own = every[start:stop]
         holder = stage  # the module holding the layers: the base model, or OPT's decoder in it (a copy of its own)
         if "." in layers:
             inner = layers.rpartition(".")[0]
@@ -137,7 +138,7 @@ class HFPipelineStage(nn.Module):
         self.held = {}
         if self.embeddings:
             own = [_Indexed(m, start, self.held) for m in own]
-        self.tp_group, self.sequence_parallel = _tensor_layout(holder._modules[layers])
+        self.tp_group, self.sequence_parallel = _tensor_layout(every)
         # a later stage under sequence parallelism receives its share of the sequence: its base model is given a
         # placeholder of the whole sequence's shape (whose length its masks take) and its first layer the share (as
         # a later stage of a model whose base changes its embeddings is: GPT-2's positions, BLOOM's norm)
@@ -170,7 +171,7 @@ class HFPipelineStage(nn.Module):
         # a mixture's (experts, top_k, coefficient) when it trains its balancing loss (output_router_logits)
         self.balance = balancing_config(model) if getattr(model.config, "output_router_logits", False) else None
         self.gather = getattr(model, ROUTER_GATHER, None)  # parallelize's switch for gathering split routers' logits
-        self.cp_size = _size(_context_group(holder._modules[layers]))
+        self.cp_size = _size(_context_group(every))
         self.forward_kwargs = dict(forward_kwargs or {})  # passed to every call of the base model
         self.per_layer = bool(getattr(base, "hidden_size_per_layer_input", 0))  # Gemma 4's per-layer inputs
         if self.per_layer:
