@@ -7,7 +7,7 @@ import importlib.util
 
 import pytest
 
-from tests.bench.test_train import _losses, _ok, _train
+from tests.bench.test_train import _checkpoint, _copy_checkpoint, _losses, _ok, _train
 
 RUN = ["--steps", "3", "--seq-len", "32", "--batch-size", "8"]
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
@@ -40,6 +40,24 @@ def test_a_hugging_face_llama_replicates_its_kv_heads_over_more_ranks(tmp_path):
         for name, (layout, nproc) in layouts.items():
             _ok(_train(tmp_path / f"{name}{kv_heads}", *run, *layout, nproc=nproc))
             assert _losses(tmp_path / f"{name}{kv_heads}") == pytest.approx(one, rel=1e-5), (kv_heads, name)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@needs_hf
+def test_replicated_kv_heads_resume_whole(tmp_path):
+    """A checkpoint of one kv head replicated over two ranks (saved once: its parameters are the whole model's)
+    resumed in one process, and one of the single process resumed over two ranks: the uninterrupted curve."""
+    run = ["--hf", "llama", *RUN, "--kv-heads", "1"]
+    _ok(_train(tmp_path / "one", *run, "--save-every", "2"))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", "--save-every", "2", nproc=2))
+    one = _losses(tmp_path / "one")
+    _copy_checkpoint(_checkpoint(tmp_path / "tp2", 2), tmp_path / "whole")
+    _ok(_train(tmp_path / "whole", *run, "--resume"))
+    _copy_checkpoint(_checkpoint(tmp_path / "one", 2), tmp_path / "split")
+    _ok(_train(tmp_path / "split", *run, "--resume", "--tp", "2", nproc=2))
+    for name in ("whole", "split"):
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
 
 
 @pytest.mark.parametrize(

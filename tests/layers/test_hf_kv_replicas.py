@@ -43,3 +43,28 @@ def _replicas(rank, world_size):
 @needs_hf
 def test_kv_heads_fewer_than_the_ranks_are_replicated_over_them():
     assert run_ranks(_replicas, 4, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 4
+
+
+def _loaded(rank, world_size, root):
+    import torch.distributed as dist
+
+    from tessel.layers import load_pretrained, parallelize
+    from tests.layers.test_hf_load import _assert_same_tensors, _on_meta
+
+    dense = _model("llama", kv_heads=1)
+    if rank == 0:
+        dense.save_pretrained(root)
+    dist.barrier()
+    for sp in (False, True):
+        model = load_pretrained(parallelize(_on_meta(dense), None, sequence_parallel=sp), root)
+        _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp), f"sp={sp}")
+        _check_against_dense(copy.deepcopy(dense), model.eval(), f"loaded sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_replicated_kv_heads_load_whole_on_the_meta_device(tmp_path):
+    """One kv head over two ranks, split on the meta device and loaded: k_proj and v_proj read whole on each rank,
+    equal to the split dense model, with and without sequence parallelism."""
+    assert run_ranks(_loaded, 2, str(tmp_path), timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
