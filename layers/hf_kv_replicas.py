@@ -26,7 +26,7 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp, gather_from_sequence
 from ..parallel.comm import group_rank, group_size
 from .hf import RingLatentLinear
-from .hf_plans import head_dim_of
+from .hf_plans import head_dim_of, positive_int_attr
 from .plan import COLUMN, GRAD_ALL_REDUCE, KV_REPLICATED, ROW, Entry
 
 __all__ = ["KV_PROJECTIONS", "ReplicatedKVLinear", "kv_replicas", "replicate_kv_heads", "replicated_updates"]
@@ -40,13 +40,8 @@ _KV_COUNTS = ("num_key_value_heads", "num_kv_heads")
 
 
 def _count(m: nn.Module, attrs: tuple[str, ...]) -> int | None:
-    config = getattr(m, "config", None)
-    for owner in (m, config):
-        for attr in attrs:
-            value = getattr(owner, attr, None)
-            if isinstance(value, int) and not isinstance(value, bool) and value > 0:
-                return value
-    return None
+    """The module's count (``attrs``), else its config's."""
+    return positive_int_attr(m, attrs) or positive_int_attr(getattr(m, "config", None), attrs)
 
 
 def kv_replicas(attention: nn.Module, t: int) -> int | None:

@@ -221,7 +221,7 @@ class HFPipelineStage(nn.Module):
         if self.fed:  # the hidden states for the first layer, the whole sequence's shape for the base model
             self.held["hidden"] = x
             split = _size(self.tp_group) if self.sequence_parallel else 1  # a share under sequence parallelism
-            x = x.new_zeros(()).expand(x.shape[0], x.shape[1] * split, *x.shape[2:])
+            x = _placeholder(x, split)
         positions = position_ids
         if positions is None:  # under context parallelism the whole sequence's (the model's hook takes its share)
             positions = torch.arange(x.shape[1] * self.cp_size, device=x.device)[None]
@@ -355,6 +355,12 @@ class _Fed(nn.Module):
         return self.layer(*args, **kwargs)
 
 
+def _placeholder(x: torch.Tensor, split: int) -> torch.Tensor:
+    """Zeros (one value, expanded) of ``x``'s shape with ``split`` times its sequence: the whole sequence's shape of a
+    share of it, for a base model that reads no more than the shape."""
+    return x.new_zeros(()).expand(x.shape[0], x.shape[1] * split, *x.shape[2:])
+
+
 class _Unused(nn.Module):
     """What a later stage's base model computes on its placeholder in place of the first stage's position embedding,
     embedding norm or projection (whose output the stage's first layer does not read): zeros of its output's shape,
@@ -389,7 +395,7 @@ class _Kept(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         self.held["kept"] = x
         t = _size(self.held["tp_group"])
-        return x.new_zeros(()).expand(x.shape[0], x.shape[1] * t, *x.shape[2:])
+        return _placeholder(x, t)
 
 
 # what computes Gemma 4's per-layer inputs from the token ids and their embeddings, on the first stage
