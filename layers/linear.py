@@ -258,12 +258,22 @@ class ColumnParallelLinear(nn.Module):
     def from_packed(cls, linear: nn.Linear, parts: Sequence[int], *, tp_group=None, **kwargs) -> ColumnParallelLinear:
         """One layer over the parts ``linear`` packs along its outputs, each split on its own: rank r keeps
         ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight (so ``y.chunk(2, -1)`` still splits it), ``[q_r; k_r;
-        v_r]`` of a fused ``[q; k; v]`` (which an attention slices by its local head counts); returns one tensor."""
+        v_r]`` of a fused ``[q; k; v]`` (which an attention slices by its local head counts); returns one tensor.
+        Raises ``TypeError``/``ValueError`` for another module, or ``parts`` that do not add up to its outputs or do not
+        each split over the group."""
+        name = f"{cls.__name__}.from_packed"
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{name}: expected an nn.Linear, received {type(linear).__name__}")
         t, r = group_size(tp_group), group_rank(tp_group)
+        parts = tuple(parts)
+        if not all(isinstance(n, int) and n > 0 for n in parts) or sum(parts) != linear.out_features:
+            raise ValueError(f"{name}: parts must be positive widths adding up to out_features={linear.out_features}, "
+                             f"received {parts}")  # fmt: skip
+        if any(n % t for n in parts):
+            raise ValueError(f"{name}: parts {parts} do not each split over the tensor-parallel size {t}")
         w = linear.weight
         layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
                     device=w.device, dtype=w.dtype, **kwargs)  # fmt: skip
-        parts = tuple(parts)
         with torch.no_grad():
             layer.weight.copy_(_column_block(w, parts, r, t))
             if layer.bias is not None:

@@ -210,6 +210,11 @@ def _errors_worker(rank, t):
         (lambda: RowParallelLinear(8, 8, device="meta")(torch.randn(2, 2, device="meta")), ValueError,
          "the gloo tensor-parallel group needs cpu tensors, received one on meta"),
         (lambda: ColumnParallelLinear.from_linear(nn.Conv1d(2, 2, 1)), TypeError, "expected an nn.Linear"),
+        (lambda: ColumnParallelLinear.from_packed(nn.Conv1d(2, 2, 1), (2,)), TypeError, "expected an nn.Linear"),
+        (lambda: ColumnParallelLinear.from_packed(nn.Linear(8, 16), (8, 4)), ValueError,
+         "parts must be positive widths adding up to out_features=16, received (8, 4)"),
+        (lambda: ColumnParallelLinear.from_packed(nn.Linear(8, 16), (8, 6, 2)), ValueError,
+         "parts (8, 6, 2) do not each split over the tensor-parallel size 4"),
     ]  # fmt: skip
     for make, error, words in cases:
         with pytest.raises(error, match=words.replace("(", r"\(").replace(")", r"\)")):
