@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from ..parallel.collectives import gather_from_tp, split_to_tp
+from ..parallel.collectives import copy_to_tp, gather_from_tp, split_to_tp
 from ..parallel.comm import group_rank, group_size
 from ..parallel.overlap import (
     ALL_REDUCE_CHUNKS,
@@ -29,6 +29,7 @@ from ..parallel.overlap import (
     matmul_grad_all_reduce,
     matmul_reduce_scatter,
 )
+from ..parallel.sharding import local_shard, part_chunks
 from .fp8 import Fp8Linear, column_parallel_fp8, row_parallel_fp8
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
@@ -124,14 +125,59 @@ def _init_uniform(weight: torch.Tensor, bias: torch.Tensor | None, fan_in: int) 
             bias.uniform_(-bound, bound)
 
 
-def _mark_sharded(param: nn.Parameter | None, dim: int, parts: tuple[int, ...]) -> None:
+def _mark_sharded(param: nn.Parameter | None, dim: int, parts: tuple[int, ...], max_chunks=None) -> None:
     """Tag a parameter split over the TP group (read by gradient clipping and by checkpoints).
 
     ``tp_parts`` are the global sizes along ``tp_dim`` of the parts fused in the parameter: the local
-    tensor is the concatenation of each part's r-th of t chunks.
+    tensor is the concatenation of each part's r-th of t chunks; ``tp_max_chunks`` caps a part's chunks, each
+    then replicated on several ranks (:mod:`tessel.parallel.sharding`).
     """
     if param is not None:
         param.tensor_parallel, param.tp_dim, param.tp_parts = True, dim, tuple(parts)
+        if max_chunks is not None:
+            param.tp_max_chunks = tuple(max_chunks)
+
+
+def _check_max_chunks(name: str, max_chunks, parts: tuple[int, ...], t: int) -> tuple[int, ...]:
+    """The chunks each part is cut into over ``t`` ranks (``max_chunks``: None, or an int or None per part, each int
+    dividing ``t`` where it is below it); raise a TypeError or ValueError naming ``max_chunks`` otherwise."""
+    if max_chunks is None:
+        return (t,) * len(parts)
+    if isinstance(max_chunks, (str, bytes)) or not isinstance(max_chunks, Sequence):
+        raise TypeError(f"{name}: max_chunks must be None or a sequence of ints or None, one per part of "
+                        f"out_features, received {type(max_chunks).__name__}")  # fmt: skip
+    ok = len(max_chunks) == len(parts)
+    ok = ok and all(m is None or (isinstance(m, int) and not isinstance(m, bool) and m > 0) for m in max_chunks)
+    if not ok:
+        raise ValueError(f"{name}: max_chunks must hold a positive int or None for each of the {len(parts)} parts "
+                         f"of out_features, received {tuple(max_chunks)!r}")  # fmt: skip
+    for m in max_chunks:
+        if m is not None and m < t and t % m:
+            raise ValueError(f"{name}: max_chunks={tuple(max_chunks)}: a part cut into {m} chunks is replicated over "
+                             f"the tensor-parallel size {t} only if {m} divides it")  # fmt: skip
+    return part_chunks(parts, max_chunks, t)
+
+
+def _replica_summed(p: torch.Tensor, local_parts, chunks: tuple[int, ...], group, rank: int) -> torch.Tensor:
+    """``p`` (a column layer's fused weight or bias) whose replicated chunks' gradients are summed over the ranks
+    holding each, so that every copy gets the gradient of the whole group's use of it; the other rows as they are.
+
+    Each replicated part is placed at its chunk's rows of a zero tensor of the part's global size, all of them in
+    one buffer whose gradient is all-reduced over the group (``copy_to_tp``): ``sum(n)·K`` elements, the replicated
+    parts' global size; the ranks of a chunk add up their gradients and the others add zeros."""
+    t = group_size(group)
+    if all(c == t for c in chunks):
+        return p
+    pieces, padded, where = list(p.split(local_parts, dim=0)), [], []
+    for i, (piece, c) in enumerate(zip(pieces, chunks)):
+        if c < t:
+            j, rest, n = rank * c // t, piece.shape[1:], piece.shape[0]
+            where.append((i, sum(x.shape[0] for x in padded) + j * n, n))
+            padded += [piece.new_zeros(j * n, *rest), piece, piece.new_zeros((c - 1 - j) * n, *rest)]
+    summed = copy_to_tp(torch.cat(padded), group)
+    for i, start, n in where:
+        pieces[i] = summed[start : start + n]
+    return torch.cat(pieces)
 
 
 def _dense_source(cls, linear: nn.Module, parallel_cls) -> tuple[tuple[int, ...] | int, dict]:
@@ -151,14 +197,9 @@ def _dense_source(cls, linear: nn.Module, parallel_cls) -> tuple[tuple[int, ...]
     return linear.out_features, {"fp8": True} if isinstance(linear, Fp8Linear) else {}
 
 
-def _column_block(full: torch.Tensor, parts: tuple[int, ...], rank: int, t: int) -> torch.Tensor:
-    """Rank ``rank``'s rows of a fused dense tensor: the concatenation of each part's rank-th of t chunks."""
-    blocks, start = [], 0
-    for n in parts:
-        chunk = n // t
-        blocks.append(full[start + rank * chunk : start + (rank + 1) * chunk])
-        start += n
-    return torch.cat(blocks)
+def _column_block(full: torch.Tensor, layer: ColumnParallelLinear, parts: tuple[int, ...]) -> torch.Tensor:
+    """``layer``'s rows of a fused dense tensor: the concatenation of each part's chunk on its rank."""
+    return local_shard(full, 0, parts, layer.tp_rank, layer.tp_size, layer.chunks)
 
 
 def _to_token_major(x: torch.Tensor) -> torch.Tensor:
@@ -183,50 +224,68 @@ class ColumnParallelLinear(nn.Module):
     ``regather_input`` (sequence parallelism only) keeps just the input shard for backward and gathers
     it again there: ``1/t`` of the saved activation for ``(t-1)/t`` of its size in extra traffic.
     ``fp8=True`` runs the GEMMs in fp8 (:mod:`tessel.layers.fp8`), the same rings gathering the input in fp8.
+
+    ``max_chunks`` (one int or None per part) cuts a part into at most that many chunks: over more ranks ``t``
+    (a multiple of it), each chunk is replicated on ``t / max_chunks`` consecutive ranks, as Megatron-LM replicates
+    kv heads fewer than the ranks (``(None, Hkv, Hkv)`` of a ``(q, k, v)`` layer with ``D``-row heads keeps one kv
+    head on each rank). In backward the copies' gradients are summed over the group (one all-reduce of the
+    replicated parts' global size), so every copy holds the gradient of the whole group's use of it.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None, gather_output=False,
-                 sequence_parallel=False, overlap="auto", regather_input=False, fp8=False, device=None,
-                 dtype=None):  # fmt: skip
+                 sequence_parallel=False, overlap="auto", regather_input=False, fp8=False, max_chunks=None,
+                 device=None, dtype=None):  # fmt: skip
         super().__init__()
         name = type(self).__name__
         self.tp_group, self.tp_size, self.tp_rank = tp_group, group_size(tp_group), group_rank(tp_group)
         parts = _parts(out_features)
-        for n in parts:
-            _check_divisible(name, "out_features", n, self.tp_size)
+        self.chunks = _check_max_chunks(name, max_chunks, parts, self.tp_size)
+        for n, c in zip(parts, self.chunks):
+            if c < self.tp_size and n % c:
+                raise ValueError(f"{name}: out_features={n} does not split into its max_chunks={c} chunks")
+            _check_divisible(name, "out_features", n, c)
         _check_overlap(name, overlap)
+        if gather_output and any(c < self.tp_size for c in self.chunks):
+            raise ValueError(f"{name}: gather_output=True cannot gather parts replicated over ranks "
+                             f"(max_chunks={tuple(max_chunks)} over {self.tp_size} ranks)")  # fmt: skip
         self.in_features, self.out_features = in_features, out_features
-        self.local_parts = tuple(n // self.tp_size for n in parts)
+        self.max_chunks = None if max_chunks is None else tuple(max_chunks)
+        # local rows of each part (``local_parts``: of each output, one for a packed layer)
+        self.part_rows = self.local_parts = tuple(n // c for n, c in zip(parts, self.chunks))
         self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
         self.regather_input, self.fp8 = regather_input, _check_fp8(name, fp8)
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(sum(self.local_parts), in_features, **kw))
         self.bias = nn.Parameter(torch.empty(sum(self.local_parts), **kw)) if bias else None
         _init_uniform(self.weight, self.bias, in_features)
-        _mark_sharded(self.weight, dim=0, parts=parts)
-        _mark_sharded(self.bias, dim=0, parts=parts)
+        _mark_sharded(self.weight, dim=0, parts=parts, max_chunks=self.max_chunks)
+        _mark_sharded(self.bias, dim=0, parts=parts, max_chunks=self.max_chunks)
+
+    def _summed(self, p: torch.Tensor | None) -> torch.Tensor | None:
+        return None if p is None else _replica_summed(p, self.part_rows, self.chunks, self.tp_group, self.tp_rank)
 
     def forward(self, x: torch.Tensor):
         _check_input(self, x, self.in_features, "in_features")
         n_local = self.weight.shape[0]
+        weight, bias = self._summed(self.weight), self._summed(self.bias)
         if self.sequence_parallel:
             _check_sequence_parallel_input(self, x)
             x2 = _sequence_token_major(x)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0] * self.tp_size, self.in_features, n_local)
             if self.fp8:
-                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=True, overlap=ov,
+                y = column_parallel_fp8(x2, weight, bias, self.tp_group, sequence_parallel=True, overlap=ov,
                                         regather=self.regather_input)  # fmt: skip
             else:
-                y = all_gather_matmul(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov,
+                y = all_gather_matmul(x2, weight, self.tp_group, biases=bias, overlap=ov,
                                       regather=self.regather_input)  # fmt: skip
             y = _sequence_from_token_major(y, x)
         else:
             x2 = x.reshape(-1, self.in_features)
             ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local, ALL_REDUCE_CHUNKS)
             if self.fp8:
-                y = column_parallel_fp8(x2, self.weight, self.bias, self.tp_group, sequence_parallel=False, overlap=ov)
+                y = column_parallel_fp8(x2, weight, bias, self.tp_group, sequence_parallel=False, overlap=ov)
             else:
-                y = matmul_grad_all_reduce(x2, self.weight, self.tp_group, biases=self.bias, overlap=ov)
+                y = matmul_grad_all_reduce(x2, weight, self.tp_group, biases=bias, overlap=ov)
             y = y.view(*x.shape[:-1], n_local)
         outs = y.split(self.local_parts, dim=-1) if len(self.local_parts) > 1 else (y,)
         if self.gather_output:
@@ -243,15 +302,16 @@ class ColumnParallelLinear(nn.Module):
         """
         out_features, inherited = _dense_source(cls, linear, ColumnParallelLinear)
         if isinstance(linear, ColumnParallelLinear):
-            inherited.update(gather_output=linear.gather_output, regather_input=linear.regather_input)
+            inherited.update(gather_output=linear.gather_output, regather_input=linear.regather_input,
+                             max_chunks=linear.max_chunks)  # fmt: skip
         w = linear.weight
         layer = cls(linear.in_features, out_features, linear.bias is not None, tp_group=tp_group,
                     device=w.device, dtype=w.dtype, **{**inherited, **kwargs})  # fmt: skip
         parts = _parts(out_features)
         with torch.no_grad():
-            layer.weight.copy_(_column_block(w, parts, layer.tp_rank, layer.tp_size))
+            layer.weight.copy_(_column_block(w, layer, parts))
             if layer.bias is not None:
-                layer.bias.copy_(_column_block(linear.bias, parts, layer.tp_rank, layer.tp_size))
+                layer.bias.copy_(_column_block(linear.bias, layer, parts))
         return layer
 
     @classmethod
@@ -259,28 +319,28 @@ class ColumnParallelLinear(nn.Module):
         """One layer over the parts ``linear`` packs along its outputs, each split on its own: rank r keeps
         ``[gate_r; up_r]`` of a packed ``[gate; up]`` weight (so ``y.chunk(2, -1)`` still splits it), ``[q_r; k_r;
         v_r]`` of a fused ``[q; k; v]`` (which an attention slices by its local head counts); returns one tensor.
-        Raises ``TypeError``/``ValueError`` for another module, or ``parts`` that do not add up to its outputs or do not
-        each split over the group."""
+        ``max_chunks`` (in ``kwargs``) replicates parts fewer than the ranks (a multi-query ``[q; k; v]``: each rank's
+        ``[q_r; k; v]``). Raises ``TypeError``/``ValueError`` for another module, or ``parts`` that do not add up to
+        its outputs or do not each split over the group."""
         name = f"{cls.__name__}.from_packed"
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"{name}: expected an nn.Linear, received {type(linear).__name__}")
-        t, r = group_size(tp_group), group_rank(tp_group)
+        t = group_size(tp_group)
         parts = tuple(parts)
         if not all(isinstance(n, int) and n > 0 for n in parts) or sum(parts) != linear.out_features:
             raise ValueError(f"{name}: parts must be positive widths adding up to out_features={linear.out_features}, "
                              f"received {parts}")  # fmt: skip
-        if any(n % t for n in parts):
+        chunks = _check_max_chunks(name, kwargs.get("max_chunks"), parts, t)
+        if any(n % c for n, c in zip(parts, chunks)):
             raise ValueError(f"{name}: parts {parts} do not each split over the tensor-parallel size {t}")
         w = linear.weight
-        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_group=tp_group,
+        layer = cls(linear.in_features, parts, linear.bias is not None, tp_group=tp_group,
                     device=w.device, dtype=w.dtype, **kwargs)  # fmt: skip
+        layer.out_features, layer.local_parts = linear.out_features, (sum(layer.part_rows),)
         with torch.no_grad():
-            layer.weight.copy_(_column_block(w, parts, r, t))
+            layer.weight.copy_(_column_block(w, layer, parts))
             if layer.bias is not None:
-                layer.bias.copy_(_column_block(linear.bias, parts, r, t))
-        for p in (layer.weight, layer.bias):
-            if p is not None:
-                p.tp_parts = parts
+                layer.bias.copy_(_column_block(linear.bias, layer, parts))
         return layer
 
     @classmethod
@@ -298,15 +358,10 @@ class ColumnParallelLinear(nn.Module):
         first = linears[0]
         layer = cls(first.in_features, tuple(lin.out_features for lin in linears), first.bias is not None,
                     tp_group=tp_group, device=first.weight.device, dtype=first.weight.dtype, **kwargs)  # fmt: skip
-        r = layer.tp_rank
         with torch.no_grad():
-            layer.weight.copy_(
-                torch.cat([lin.weight[r * n : (r + 1) * n] for lin, n in zip(linears, layer.local_parts)])
-            )
+            layer.weight.copy_(_column_block(torch.cat([lin.weight for lin in linears]), layer, layer.out_features))
             if layer.bias is not None:
-                layer.bias.copy_(
-                    torch.cat([lin.bias[r * n : (r + 1) * n] for lin, n in zip(linears, layer.local_parts)])
-                )
+                layer.bias.copy_(_column_block(torch.cat([lin.bias for lin in linears]), layer, layer.out_features))
         return layer
 
     def extra_repr(self) -> str:

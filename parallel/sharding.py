@@ -6,6 +6,12 @@ part for most weights; Q, K, V or gate, up for fused projections). The local ten
 ``t`` is the concatenation along ``tp_dim`` of each part's ``r``-th of ``t`` equal chunks. Parameters
 without the tag are replicated on every TP rank.
 
+A part may be cut into fewer chunks than there are ranks: ``tp_max_chunks`` (one entry per part, ``None`` for
+no limit) caps it at ``m`` chunks, so over ``t > m`` ranks (``t`` a multiple of ``m``) each chunk sits on ``t/m``
+consecutive ranks, chunk ``r·m/t`` on rank ``r`` (Megatron-LM's kv heads replicated when they are fewer than the
+ranks). :func:`tp_chunks` says how many chunks each part is cut into on a group; a norm counts a replicated chunk
+once, on the first rank that holds it (:func:`uncounted_rows`).
+
 Used by initialisation that must not depend on the layout, by checkpoints that save and load each
 rank's pieces of the global tensors (:func:`global_pieces`), and by tests that compare shards with a
 dense model.
@@ -26,7 +32,7 @@ import torch.distributed as dist
 from .comm import all_gather, group_rank, group_size
 
 __all__ = ["expert_spec", "flat_boxes", "full_tensor", "global_pieces", "global_shape", "is_tp_sharded",
-           "local_shard", "shard_like", "tp_spec"]  # fmt: skip
+           "local_shard", "part_chunks", "shard_like", "tp_chunks", "tp_spec", "uncounted_rows"]  # fmt: skip
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
@@ -40,15 +46,56 @@ def tp_spec(p: torch.Tensor, t: int) -> tuple[int, tuple[int, ...]]:
     return dim, tuple(parts)
 
 
-def _check_layout(op: str, ndim: int, dim, parts, t, rank=None) -> None:
+def part_chunks(parts, max_chunks, t: int) -> tuple[int, ...]:
+    """How many chunks each of ``parts`` is cut into over ``t`` ranks: ``t``, or ``min(t, m)`` for a part whose
+    ``max_chunks`` entry is ``m`` (``max_chunks`` None: ``t`` for every part)."""
+    if max_chunks is None:
+        return (t,) * len(parts)
+    return tuple(t if m is None else min(t, m) for m in max_chunks)
+
+
+def tp_chunks(p: torch.Tensor, t: int) -> tuple[int, ...]:
+    """How many chunks each part of a sharded parameter is cut into on a group of ``t`` (``tp_max_chunks``)."""
+    return part_chunks(tp_spec(p, t)[1], getattr(p, "tp_max_chunks", None), t)
+
+
+def _chunk_index(rank: int, chunks: int, t: int) -> int:
+    """The chunk rank ``rank`` of ``t`` holds of a part cut into ``chunks``: each sits on ``t/chunks`` ranks."""
+    return rank * chunks // t
+
+
+def _check_layout(op: str, ndim: int, dim, parts, t, rank=None, chunks=None) -> tuple[int, ...]:
+    """Raise a ValueError for a bad layout; the chunks of each part (``chunks``, default ``t`` each)."""
     if not isinstance(dim, int) or not -ndim <= dim < max(ndim, 1):
         raise ValueError(f"{op}: dim must be a dimension of a {ndim}-d tensor, received {dim!r}")
     if not isinstance(t, int) or t < 1:
         raise ValueError(f"{op}: the group size must be a positive int, received {t!r}")
     if rank is not None and not (isinstance(rank, int) and 0 <= rank < t):
         raise ValueError(f"{op}: rank must be in [0, {t}), received {rank!r}")
-    if not parts or any(not isinstance(n, int) or n < 0 or n % t for n in parts):
-        raise ValueError(f"{op}: parts must be sizes divisible by the group size {t}, received {tuple(parts)}")
+    if chunks is None:
+        if not parts or any(not isinstance(n, int) or n < 0 or n % t for n in parts):
+            raise ValueError(f"{op}: parts must be sizes divisible by the group size {t}, received {tuple(parts)}")
+        return (t,) * len(parts)
+    chunks = tuple(chunks)
+    ok = bool(parts) and len(chunks) == len(parts)
+    ok = ok and all(isinstance(n, int) and isinstance(c, int) and n >= 0 and c >= 1 for n, c in zip(parts, chunks))
+    if not ok or any(n % c or t % c for n, c in zip(parts, chunks)):
+        raise ValueError(f"{op}: parts must be sizes divisible by their chunk counts, which divide the group size "
+                         f"{t}, received parts {tuple(parts)} in chunks {chunks}")  # fmt: skip
+    return chunks
+
+
+def uncounted_rows(p: torch.Tensor, t: int, rank: int) -> list[tuple[int, int]]:
+    """Ranges ``[lo, hi)`` along ``tp_dim`` of rank ``rank``'s local tensor of ``p`` that a norm over the group
+    leaves out: the chunks it holds as a copy of an earlier rank's (``tp_max_chunks``). Empty for most parameters."""
+    if not is_tp_sharded(p) or getattr(p, "tp_max_chunks", None) is None:
+        return []
+    out, lo = [], 0
+    for n, c in zip(tp_spec(p, t)[1], tp_chunks(p, t)):
+        if rank % (t // c):
+            out.append((lo, lo + n // c))
+        lo += n // c
+    return out
 
 
 def expert_spec(p: torch.Tensor) -> tuple[int, int] | None:
@@ -72,35 +119,40 @@ def global_shape(p: torch.Tensor, t: int, shape: torch.Size | None = None) -> to
     return torch.Size(shape)
 
 
-def local_shard(full: torch.Tensor, dim: int, parts: tuple[int, ...], rank: int, t: int) -> torch.Tensor:
-    """Rank ``rank``'s shard of ``full``: each part's ``rank``-th of ``t`` chunks along ``dim``, concatenated."""
-    _check_layout("local_shard", full.dim(), dim, parts, t, rank)
+def local_shard(full: torch.Tensor, dim: int, parts: tuple[int, ...], rank: int, t: int,
+                chunks: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
+    """Rank ``rank``'s shard of ``full``: each part's ``rank``-th of ``t`` chunks along ``dim``, concatenated (of a
+    part cut into ``chunks[i] < t``, the chunk ``rank·chunks[i]/t``: see the module)."""
+    chunks = _check_layout("local_shard", full.dim(), dim, parts, t, rank, chunks)
     if full.shape[dim] != sum(parts):
         raise ValueError(f"local_shard: dim {dim} of the full tensor is {full.shape[dim]}, expected {sum(parts)}")
     blocks, start = [], 0
-    for n in parts:
-        chunk = n // t
-        blocks.append(full.narrow(dim, start + rank * chunk, chunk))
+    for n, c in zip(parts, chunks):
+        chunk = n // c
+        blocks.append(full.narrow(dim, start + _chunk_index(rank, c, t) * chunk, chunk))
         start += n
     return torch.cat(blocks, dim)
 
 
-def full_tensor(local: torch.Tensor, dim: int, parts: tuple[int, ...], group: dist.ProcessGroup | None) -> torch.Tensor:
-    """The global tensor from every rank's ``local`` shard (an all-gather; not differentiable)."""
+def full_tensor(local: torch.Tensor, dim: int, parts: tuple[int, ...], group: dist.ProcessGroup | None,
+                chunks: tuple[int, ...] | None = None) -> torch.Tensor:  # fmt: skip
+    """The global tensor from every rank's ``local`` shard (an all-gather; not differentiable; a part cut into
+    ``chunks[i] < t`` read from the first rank holding each chunk)."""
     t = group_size(group)
-    _check_layout("full_tensor", local.dim(), dim, parts, t)
-    if local.shape[dim] * t != sum(parts):
+    chunks = _check_layout("full_tensor", local.dim(), dim, parts, t, chunks=chunks)
+    held = sum(n // c for n, c in zip(parts, chunks))
+    if local.shape[dim] != held:
         raise ValueError(f"full_tensor: dim {dim} of the local shard is {local.shape[dim]}, expected "
-                         f"{sum(parts) // t} (parts {tuple(parts)} over {t} ranks)")  # fmt: skip
+                         f"{held} (parts {tuple(parts)} over {t} ranks)")  # fmt: skip
     if t == 1:
         return local.detach().clone()
     moved = local.detach().movedim(dim, 0).contiguous()
     gathered, _ = all_gather(moved, group)
     per_rank = gathered.chunk(t)  # rank q's local tensor, tp_dim first
     blocks, offset = [], 0
-    for n in parts:
-        chunk = n // t
-        blocks.extend(shard[offset : offset + chunk] for shard in per_rank)
+    for n, c in zip(parts, chunks):
+        chunk = n // c
+        blocks.extend(per_rank[q * (t // c)][offset : offset + chunk] for q in range(c))
         offset += chunk
     return torch.cat(blocks).movedim(0, dim)
 
@@ -115,7 +167,7 @@ def shard_like(full: torch.Tensor, p: torch.Tensor, group: dist.ProcessGroup | N
         return full
     t = group_size(group)
     dim, parts = tp_spec(p, t)
-    return local_shard(full, dim, parts, group_rank(group), t)
+    return local_shard(full, dim, parts, group_rank(group), t, tp_chunks(p, t))
 
 
 def flat_boxes(shape, start: int, stop: int) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
@@ -165,7 +217,8 @@ def global_pieces(p: torch.Tensor, flat: torch.Tensor, start: int, t: int, rank:
     ``flat`` is a 1-D tensor holding the flattened elements ``[start, start + flat.numel())`` of rank
     ``rank``'s local tensor of ``p`` (of local shape ``shape``, default ``p.shape``) on a group of ``t``.
     Each block is a view of ``flat`` (writing into it writes ``flat``). Parameters that are not
-    TP-sharded are their own global tensor; an expert-parallel one's blocks start at its first expert.
+    TP-sharded are their own global tensor; an expert-parallel one's blocks start at its first expert. The ranks
+    holding copies of a chunk (``tp_max_chunks``) each return its blocks.
     """
     pieces = _tp_pieces(p, flat, start, t, rank, tuple(p.shape if shape is None else shape))
     experts = expert_spec(p)
@@ -182,13 +235,13 @@ def _tp_pieces(p: torch.Tensor, flat: torch.Tensor, start: int, t: int, rank: in
     if not is_tp_sharded(p):
         return views
     dim, parts = tp_spec(p, t)
-    _check_layout("global_pieces", len(shape), dim, parts, t, rank)
+    chunks = _check_layout("global_pieces", len(shape), dim, parts, t, rank, tp_chunks(p, t))
     dim %= len(shape)
     pieces, local_lo, global_lo = [], 0, 0
     edges = []  # (local start, local stop, global start of this rank's chunk) per part
-    for n in parts:
-        edges.append((local_lo, local_lo + n // t, global_lo + rank * (n // t)))
-        local_lo, global_lo = local_lo + n // t, global_lo + n
+    for n, c in zip(parts, chunks):
+        edges.append((local_lo, local_lo + n // c, global_lo + _chunk_index(rank, c, t) * (n // c)))
+        local_lo, global_lo = local_lo + n // c, global_lo + n
     for off, view in views:
         lo, hi = off[dim], off[dim] + view.shape[dim]
         for a, b, g in edges:
