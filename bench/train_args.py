@@ -264,8 +264,8 @@ def _parser(cuda: bool) -> argparse.ArgumentParser:
         type=int,
         default=None,
         help="key and value heads of the attention (grouped-query attention; default: the preset's, one per query "
-        "head); with --hf, over more tensor-parallel ranks than kv heads each is replicated on the ranks whose query "
-        "heads read it",
+        "head); over more tensor-parallel ranks than kv heads each is replicated on the ranks whose query heads "
+        "read it",
     )
     add(
         "--kv-shared-layers",
@@ -471,9 +471,9 @@ def _check_model(args, preset: Preset) -> None:
     kv_heads = args.kv_heads or model.get("n_kv_head") or heads
     if heads % args.tp:
         raise ArgumentError(f"--tp {args.tp} does not divide the {heads} heads of preset {args.preset!r}")
-    if kv_heads % args.tp and not (args.hf and args.tp % kv_heads == 0):
-        how = "" if args.hf else " (a --hf family's are replicated over the ranks; tessel's GPT's are not)"
-        raise ArgumentError(f"--tp {args.tp} does not divide the {kv_heads} kv heads{how}")
+    if kv_heads % args.tp and args.tp % kv_heads:
+        raise ArgumentError(f"--tp {args.tp} does not divide the {kv_heads} kv heads, nor do they divide it (fewer "
+                            "kv heads than ranks are replicated over them)")  # fmt: skip
     stages = args.pp * args.stages_per_rank
     if stages > layers:
         raise ArgumentError(

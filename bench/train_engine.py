@@ -34,10 +34,10 @@ from ..layers.fp8 import convert_to_fp8, fp8_layers
 from ..layers.gpt import GPT, GPTConfig, TransformerBlock
 from ..layers.hf_router_loss import router_z_loss
 from ..layers.moe import update_expert_biases
-from ..parallel.comm import group_size
+from ..parallel.comm import group_rank, group_size
 from ..parallel.dims import ParallelDims
 from ..parallel.flat import is_expert
-from ..parallel.sharding import is_tp_sharded
+from ..parallel.sharding import is_tp_sharded, square_sum
 from .train_args import DTYPES, OVERLAPS, PRESETS, ArgumentError
 from .train_hf import (
     attention_kwargs,
@@ -294,14 +294,16 @@ class Engine:
 def clip_grad_norm(params, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     """Scale gradients so that their global norm (over TP shards and pipeline stages) is at most ``max_norm``.
 
-    TP-sharded parameters contribute their squares from every TP rank; replicated ones (norm weights,
+    TP-sharded parameters contribute their squares from every TP rank (a chunk several of them hold, kv heads
+    fewer than the ranks, from the first); replicated ones (norm weights,
     whose gradients the layers already reduce) once; pipeline stages hold disjoint parameters; the ranks of
     an expert-parallel group hold different experts (their squares are summed over the group first).
     """
-    grads = [(p.grad, is_tp_sharded(p), is_expert(p)) for p in params if p.grad is not None]
+    grads = [(p, p.grad, is_tp_sharded(p), is_expert(p)) for p in params if p.grad is not None]
     sums = torch.zeros(4, dtype=torch.float32, device=dims.device)  # tp-sharded, replicated; and those of experts
-    for g, sharded, expert in grads:
-        sums[(0 if sharded else 1) + 2 * expert] += g.float().pow(2).sum()
+    tp_rank = group_rank(dims.tp_group)
+    for p, g, sharded, expert in grads:  # a chunk replicated over tp ranks counted on one of them (square_sum)
+        sums[(0 if sharded else 1) + 2 * expert] += square_sum(p, g.reshape(-1), 0, dims.tp, tp_rank)
     if dims.ep > 1:
         dist.all_reduce(sums[2:], group=dims.ep_group)
     sums = sums[:2] + sums[2:]
@@ -313,20 +315,23 @@ def clip_grad_norm(params, max_norm: float, dims: ParallelDims) -> torch.Tensor:
     norm = total.sqrt()[0]
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)  # torch.nn.utils.clip_grad_norm_'s rule
     if grads:
-        torch._foreach_mul_([g for g, *_ in grads], coef)
+        torch._foreach_mul_([g for _, g, *_ in grads], coef)
     return norm
 
 
 @torch.no_grad()
-def clip_grad_shards(wrapper: nn.Module, max_norm: float, dims: ParallelDims, loss_scale: float | None) -> None:
+def clip_grad_shards(wrapper: nn.Module, max_norm: float, dims: ParallelDims, loss_scale: float | None) -> torch.Tensor:
     """:func:`clip_grad_norm` for ZeRO, whose averaged gradients exist only as this rank's shards of the
     wrapper's buckets (disjoint over DP). A non-finite gradient makes the coefficient 0·inf = NaN, which
     ZeroAdam's step then detects and skips as it would have done itself."""
     sums = torch.zeros(2, dtype=torch.float32, device=dims.device)
     shards = [b.grad_shard for b in wrapper.buckets]
+    tp_rank = group_rank(dims.tp_group)
     for b in wrapper.buckets:
         for slot, lo, hi in b.shard_slices():
-            sums[0 if is_tp_sharded(slot.param) else 1] += b.grad_shard[lo:hi].float().pow(2).sum()
+            start = lo + b.shard_offset - slot.offset  # of the parameter's flattened elements
+            sums[0 if is_tp_sharded(slot.param) else 1] += square_sum(slot.param, b.grad_shard[lo:hi], start, dims.tp,
+                                                                      tp_rank)  # fmt: skip
     dist.all_reduce(sums, group=dims.dp_cp_group)
     if dims.tp > 1:
         dist.all_reduce(sums[:1], group=dims.tp_group)
@@ -335,6 +340,7 @@ def clip_grad_shards(wrapper: nn.Module, max_norm: float, dims: ParallelDims, lo
     norm = total.sqrt()[0] / (loss_scale or 1.0)  # the gradients still carry the loss scale
     coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
     torch._foreach_mul_(shards, coef)
+    return norm
 
 
 def _stage_ids(args, dims: ParallelDims) -> list[int]:

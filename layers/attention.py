@@ -11,8 +11,10 @@ The local head counts are read from ``qkv``'s local part widths on every call, s
 projections with sharded ones (:func:`~tessel.layers.parallelize.parallelize`) is all it takes to
 parallelise an attention module.
 
-Fewer kv heads than TP ranks is refused: Megatron would replicate each kv head on ``t/Hkv`` ranks, whose
-copies then need their own gradient all-reduce; use a TP size that divides ``Hkv``.
+Fewer kv heads than TP ranks (``t`` a multiple of ``Hkv``, ``Hq`` of ``t``) are replicated as Megatron-LM replicates
+them: rank r holds kv head ``r·Hkv/t``, the one its query heads read, in its ``qkv`` weight (``max_chunks = (None,
+Hkv, Hkv)``: ``[Hq/t·D + 2·D, E]``); the ``t/Hkv`` copies of a head add up their gradients in backward
+(:class:`~tessel.layers.linear.ColumnParallelLinear`'s ``max_chunks``), so they stay equal.
 """
 
 from __future__ import annotations
@@ -54,17 +56,19 @@ def check_window(name: str, window, causal: bool, arg: str = "window") -> None:
 
 
 def check_heads(name: str, n_head: int, n_kv_head: int, tp_size: int) -> None:
-    """Raise a ValueError unless ``n_head`` query and ``n_kv_head`` kv heads split evenly over ``tp_size`` ranks."""
+    """Raise a ValueError unless ``n_head`` query and ``n_kv_head`` kv heads split over ``tp_size`` ranks: the kv
+    heads evenly, or, fewer than the ranks, each replicated on ``tp_size / n_kv_head`` of them (``n_kv_head``
+    dividing ``tp_size``, ``tp_size`` dividing ``n_head``)."""
     if n_head <= 0 or n_kv_head <= 0:
         raise ValueError(f"{name}: head counts must be positive, received n_head={n_head}, n_kv_head={n_kv_head}")
     if n_head % n_kv_head:
         raise ValueError(f"{name}: n_head={n_head} is not a multiple of n_kv_head={n_kv_head}")
-    if n_kv_head < tp_size:
+    if n_kv_head < tp_size and (tp_size % n_kv_head or n_head % tp_size):
         raise ValueError(
-            f"{name}: n_kv_head={n_kv_head} is smaller than the tensor-parallel size {tp_size}; kv heads are not "
-            "replicated across ranks: use a tensor-parallel size that divides n_kv_head"
+            f"{name}: n_kv_head={n_kv_head} is smaller than the tensor-parallel size {tp_size}; kv heads are "
+            f"replicated over the ranks only when n_kv_head divides it and it divides n_head={n_head}"
         )
-    if n_kv_head % tp_size:
+    if n_kv_head >= tp_size and n_kv_head % tp_size:
         raise ValueError(f"{name}: n_kv_head={n_kv_head} is not divisible by the tensor-parallel size {tp_size}")
 
 
@@ -109,7 +113,7 @@ class ParallelAttention(nn.Module):
         self.cp_group, self.window = cp_group, window
         kw = dict(tp_group=tp_group, sequence_parallel=sequence_parallel, overlap=overlap, device=device, dtype=dtype)
         self.qkv = ColumnParallelLinear(n_embd, (n_head * head_dim, n_kv_head * head_dim, n_kv_head * head_dim),
-                                        bias, **kw)  # fmt: skip
+                                        bias, max_chunks=(None, n_kv_head, n_kv_head), **kw)  # fmt: skip
         self.proj = RowParallelLinear(n_head * head_dim, n_embd, bias, **kw)
 
     def _heads(self, t: torch.Tensor) -> torch.Tensor:

@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from ..parallel.comm import group_rank, group_size
-from ..parallel.sharding import expert_spec, global_shape, is_tp_sharded, tp_spec
+from ..parallel.sharding import expert_spec, global_shape, is_tp_sharded, tp_chunks, tp_spec
 from .gpt import GPT
 from .gpt_llama import check_llama_config, llama_names
 from .meta import derived_buffers, is_meta
@@ -300,7 +300,8 @@ def _sources(model: nn.Module, path: Path, where: dict[str, Path], files: _Files
 
 def _blocks(p: torch.Tensor, t: int, r: int) -> tuple[int, list[tuple[slice, ...]]]:
     """``(dim, index tuples)``: the blocks of ``p``'s global tensor that make this rank's ``p``, concatenated along
-    ``dim`` (its experts' rows, then each fused part's ``r``-th of ``t`` chunks along ``tp_dim``)."""
+    ``dim`` (its experts' rows, then each fused part's ``r``-th of ``t`` chunks along ``tp_dim``, or the chunk it
+    holds a copy of)."""
     index = [slice(None)] * p.dim()
     experts = expert_spec(p)
     if experts is not None:
@@ -310,8 +311,9 @@ def _blocks(p: torch.Tensor, t: int, r: int) -> tuple[int, list[tuple[slice, ...
     dim, parts = tp_spec(p, t)
     dim %= p.dim()
     blocks, offset = [], 0
-    for n in parts:
-        index[dim] = slice(offset + r * n // t, offset + (r + 1) * n // t)
+    for n, c in zip(parts, tp_chunks(p, t)):  # a part cut into c < t chunks: chunk r·c/t
+        j = r * c // t
+        index[dim] = slice(offset + j * n // c, offset + (j + 1) * n // c)
         blocks.append(tuple(index))
         offset += n
     return dim, blocks

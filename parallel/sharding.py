@@ -32,7 +32,8 @@ import torch.distributed as dist
 from .comm import all_gather, group_rank, group_size
 
 __all__ = ["expert_spec", "flat_boxes", "full_tensor", "global_pieces", "global_shape", "is_tp_sharded",
-           "local_shard", "part_chunks", "shard_like", "tp_chunks", "tp_spec", "uncounted_rows"]  # fmt: skip
+           "local_shard", "part_chunks", "shard_like", "square_sum", "tp_chunks", "tp_spec", "uncounted_ranges",
+           "uncounted_rows"]  # fmt: skip
 
 
 def is_tp_sharded(p: torch.Tensor) -> bool:
@@ -96,6 +97,35 @@ def uncounted_rows(p: torch.Tensor, t: int, rank: int) -> list[tuple[int, int]]:
             out.append((lo, lo + n // c))
         lo += n // c
     return out
+
+
+def uncounted_ranges(p: torch.Tensor, start: int, stop: int, t: int, rank: int) -> list[tuple[int, int]]:
+    """:func:`uncounted_rows` within the flattened elements ``[start, stop)`` of rank ``rank``'s local tensor of
+    ``p``, as ranges relative to ``start`` (a parameter replicating chunks is split along dim 0)."""
+    rows = uncounted_rows(p, t, rank)
+    if rows and getattr(p, "tp_dim", 0) % p.dim() != 0:
+        raise ValueError(f"uncounted_ranges: replicated chunks are supported along dim 0, received tp_dim={p.tp_dim}")
+    inner = math.prod(p.shape[1:])
+    out = []
+    for lo, hi in rows:
+        a, b = max(lo * inner, start), min(hi * inner, stop)
+        if a < b:
+            out.append((a - start, b - start))
+    return out
+
+
+def square_sum(p: torch.Tensor, flat: torch.Tensor, start: int, t: int, rank: int) -> torch.Tensor:
+    """Σ x² in fp32 of ``flat``, the flattened elements ``[start, start + flat.numel())`` of rank ``rank``'s local
+    tensor of ``p`` (a gradient), leaving out the chunks another rank of the ``t`` counts (:func:`uncounted_rows`):
+    summed over the tensor-parallel group, each element of the global tensor is counted once."""
+    squares = flat.float().pow(2)
+    ranges = uncounted_ranges(p, start, start + flat.numel(), t, rank)
+    if not ranges:
+        return squares.sum()
+    keep = torch.ones(flat.numel(), dtype=torch.bool, device=flat.device)
+    for lo, hi in ranges:
+        keep[lo:hi] = False
+    return squares[keep].sum()
 
 
 def expert_spec(p: torch.Tensor) -> tuple[int, int] | None:

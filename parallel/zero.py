@@ -43,9 +43,10 @@ import torch
 import torch.distributed as dist
 
 from ..kernels.adam import adam_step, grad_stats
-from .comm import all_reduce, group_size
+from .comm import all_reduce, group_rank, group_size
 from .ddp import OWNER_ATTR, _ranks
 from .flat import shard_tensors
+from .sharding import uncounted_ranges
 from .zero_state import load_zero_shards, load_zero_state, zero_shard_views, zero_state_dict
 
 __all__ = ["ZeroAdam"]
@@ -153,7 +154,8 @@ class ZeroAdam(torch.optim.Optimizer):
         max_grad_norm: clip the global gradient norm (over dp, and over tp with ``tp_group``) to this.
         stage: 1 or 2 with DDP (default 2: only the gradient shard is kept between steps), 3 with FSDP.
         tp_group: the tensor-parallel group; parameters with ``tensor_parallel = True`` are sharded
-            over it and their squares summed across it, the others are replicated and counted once.
+            over it and their squares summed across it (a chunk several ranks hold, ``tp_max_chunks``, from
+            one of them), the others are replicated and counted once.
         growth_interval, growth_factor, backoff_factor: the dynamic loss scale's schedule.
 
     All arguments are checked before anything changes. ``step()`` never synchronises with the host;
@@ -201,6 +203,15 @@ class ZeroAdam(torch.optim.Optimizer):
             return None if gi is None else (gi, tp and bool(getattr(p, "tensor_parallel", False)))
 
         self._segments = [b.shard_segments(key) for b in buckets]
+        # runs of each bucket's shard that the TP norm leaves out: chunks of a parameter replicated over TP ranks,
+        # counted on the first rank holding them (tessel.parallel.sharding.uncounted_rows)
+        t, r = (group_size(self.tp_group), group_rank(self.tp_group)) if tp else (1, 0)
+        self._uncounted = [
+            [(lo + a, lo + z) for slot, lo, hi in b.shard_slices() if key(slot.param) is not None
+             for a, z in uncounted_ranges(slot.param, lo + b.shard_offset - slot.offset,
+                                          hi + b.shard_offset - slot.offset, t, r)]
+            for b in buckets
+        ]  # fmt: skip
         low = [b for b in buckets if b.dtype != torch.float32]
         low_masters = dict(zip(map(id, low), shard_tensors(low, lambda b: torch.float32)))
         # For fp32 parameters the master is the parameter shard itself: no second copy.
@@ -261,9 +272,11 @@ class ZeroAdam(torch.optim.Optimizer):
         tp = self.tp_group is not None
         device = self._params[0].device
         stats = torch.zeros(4 if tp else 2, dtype=torch.float32, device=device)  # [sumsq, count] (TP, replicated)
-        for b, segments in zip(self._owner.buckets, self._segments):
+        for b, segments, uncounted in zip(self._owner.buckets, self._segments, self._uncounted):
             for lo, hi, (_, is_tp) in segments:
                 grad_stats(b.grad_shard[lo:hi], out=stats[2:4] if tp and not is_tp else stats[0:2])
+            for lo, hi in uncounted:  # another TP rank counts these (a non-finite value still counts here)
+                stats[0] -= b.grad_shard[lo:hi].float().pow(2).sum()
         all_reduce(stats, self.group)
         if tp and group_size(self.tp_group) > 1:
             all_reduce(stats[0:2], self.tp_group)

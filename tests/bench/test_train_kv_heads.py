@@ -1,6 +1,7 @@
-"""``python -m tessel.bench.train --kv-heads N``: grouped-query attention of N key and value heads. tessel's GPT splits
-them over the tensor-parallel ranks; a Hugging Face family's are replicated over more ranks than kv heads
-(:mod:`tessel.layers.hf_kv_replicas`), each rank computing the one its query heads read.
+"""``python -m tessel.bench.train --kv-heads N``: grouped-query attention of N key and value heads, split over the
+tensor-parallel ranks, or replicated over more ranks than kv heads, each rank computing the one its query heads read
+(tessel's GPT: :class:`~tessel.layers.attention.ParallelAttention`; a Hugging Face family's:
+:mod:`tessel.layers.hf_kv_replicas`).
 """
 
 import importlib.util
@@ -23,6 +24,43 @@ def test_tessels_gpt_splits_its_kv_heads(tmp_path):
     assert "tessel GPT tiny" in proc.stdout
     _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--sequence-parallel", nproc=2))
     assert _losses(tmp_path / "tp2") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tessels_gpt_replicates_kv_heads_fewer_than_the_ranks(tmp_path):
+    """Two kv heads over four ranks ± sequence parallelism, and under ZeRO-1 beside two pipeline stages (the clipped
+    norm from the gradient shards); one kv head over two ranks under FSDP: the single process's curve. Every run
+    clips (--grad-clip 0.05, below the norm): a copy counted twice would change the step."""
+    clip = ["--grad-clip", "0.05"]
+    for kv_heads, layouts in (
+        ("2", {"tp4": (["--tp", "4"], 4), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
+               "tp2-pp2-zero1": (["--tp", "2", "--pp", "2", "--zero", "1", "--sequence-parallel"], 4)}),
+        ("1", {"tp2-fsdp": (["--tp", "2", "--dp", "2", "--zero", "3"], 4)}),
+    ):  # fmt: skip
+        run = [*RUN, *clip, "--kv-heads", kv_heads]
+        _ok(_train(tmp_path / f"one{kv_heads}", *run))
+        one = _losses(tmp_path / f"one{kv_heads}")
+        for name, (layout, nproc) in layouts.items():
+            _ok(_train(tmp_path / name, *run, *layout, nproc=nproc))
+            assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_tessels_replicated_kv_heads_resume_whole_and_split(tmp_path):
+    """A checkpoint of one kv head replicated over two ranks (each copy's blocks written, the global head once)
+    resumed in one process, and one of the single process resumed over two ranks: the uninterrupted curve."""
+    run = [*RUN, "--kv-heads", "1", "--save-every", "2"]
+    _ok(_train(tmp_path / "one", *run))
+    _ok(_train(tmp_path / "tp2", *run, "--tp", "2", "--zero", "1", nproc=2))
+    one = _losses(tmp_path / "one")
+    _copy_checkpoint(_checkpoint(tmp_path / "tp2", 2), tmp_path / "whole")
+    _ok(_train(tmp_path / "whole", *run, "--resume"))
+    _copy_checkpoint(_checkpoint(tmp_path / "one", 2), tmp_path / "split")
+    _ok(_train(tmp_path / "split", *run, "--resume", "--tp", "2", "--sequence-parallel", nproc=2))
+    for name in ("tp2", "whole", "split"):
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
 
 
 @pytest.mark.slow
@@ -64,7 +102,8 @@ def test_replicated_kv_heads_resume_whole(tmp_path):
     ("extra", "words"),
     [(["--kv-heads", "3"], "--kv-heads 3 does not divide the 4 heads of preset 'tiny'"),
      (["--kv-heads", "0"], "--kv-heads must be a positive integer, received 0"),
-     (["--kv-heads", "2", "--tp", "4"], "--tp 4 does not divide the 2 kv heads (a --hf family's are replicated"),
+     (["--preset", "125m", "--kv-heads", "3", "--tp", "4"],
+      "--tp 4 does not divide the 3 kv heads, nor do they divide it"),
      (["--hf", "phi3", "--kv-heads", "2", "--tp", "4"], "--hf phi3 trains without --kv-heads below --tp"),
      (["--hf", "deepseek_v3", "--experts", "4", "--aux-loss-coef", "0", "--kv-heads", "2"],
       "--hf deepseek_v3 trains without --kv-heads (its attention has one kv head per query head")],

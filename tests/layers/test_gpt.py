@@ -157,10 +157,14 @@ def test_recompute_only_while_autograd_records(seed, monkeypatch):
 
 
 def test_heads_that_do_not_split_are_refused():
-    with pytest.raises(ValueError, match="smaller than the tensor-parallel size 4"):
-        check_heads("GPT", 8, 2, 4)
+    with pytest.raises(ValueError, match="n_kv_head=3 is smaller than the tensor-parallel size 4; kv heads are"):
+        check_heads("GPT", 6, 3, 4)  # 3 kv heads cannot be replicated evenly over 4 ranks
+    with pytest.raises(ValueError, match="only when n_kv_head divides it and it divides n_head=4"):
+        check_heads("GPT", 4, 1, 8)  # 4 query heads cannot split over 8 ranks
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 4"):
         check_heads("GPT", 12, 6, 4)
+    check_heads("GPT", 8, 2, 4)  # each kv head replicated on two ranks
+    check_heads("GPT", 8, 1, 8)
 
 
 @pytest.mark.parametrize("mlp, norm", [("swiglu", "rmsnorm"), ("gelu", "layernorm")])
@@ -301,6 +305,17 @@ def test_tensor_parallel_gpt_matches_dense(world_size, sequence_parallel):
     env = REFERENCE_KERNELS if world_size == 4 else None
     losses = run_ranks(_tp_vs_dense, world_size, cfg_kw, sequence_parallel, timeout=300, env=env)
     assert len(set(losses)) == 1  # every rank computed the same (replicated) loss
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world_size, n_kv_head", [(4, 2), (4, 1), (2, 1)])
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_kv_heads_fewer_than_the_ranks_are_replicated(world_size, n_kv_head, sequence_parallel):
+    """Each rank holds the kv head its query heads read; every copy's gradient is the dense model's whole one
+    (``shard_like`` of the dense gradient places each head on every rank holding it)."""
+    env = REFERENCE_KERNELS if world_size == 4 else None  # two ranks: the kernels in the interpreter, GQA 2:1
+    losses = run_ranks(_tp_vs_dense, world_size, dict(n_kv_head=n_kv_head), sequence_parallel, timeout=300, env=env)
+    assert len(set(losses)) == 1
 
 
 @pytest.mark.multiprocess

@@ -230,8 +230,8 @@ def _gpt_worker(rank, world_size, cases, heads_error=None):
         _close(got_logits, want_logits[..., cols])
         _close(got, want)
         _check_grads(dense, par, f"gpt {cfg_kw} sp={sp}")
-    if heads_error:  # kv heads fewer than ranks: refused before anything changes
-        cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=4, n_kv_head=2, n_embd=64, block_size=16)
+    if heads_error:  # 3 kv heads over 4 ranks: refused before anything changes
+        cfg = GPTConfig(vocab_size=64, n_layer=1, n_head=6, n_kv_head=3, n_embd=96, block_size=16)
         model = GPT(cfg, tp_group=solo)
         before = {k: v.clone() for k, v in model.state_dict().items()}
         with pytest.raises(ValueError, match=heads_error):
@@ -248,7 +248,9 @@ def test_gpt_own_plan_matches_dense_on_two_ranks():
 
 
 @pytest.mark.multiprocess
-def test_gpt_own_plan_matches_dense_on_four_ranks_and_refuses_two_kv_heads():
-    cases = [(dict(n_kv_head=4), False), (dict(n_kv_head=4), True)]
-    error = "blocks.0.attn: n_kv_head=2 is smaller than the tensor-parallel size 4"
+def test_gpt_own_plan_matches_dense_on_four_ranks_and_refuses_three_kv_heads():
+    """Two kv heads over four ranks are replicated (the plan's qkv keeps the dense layer's max_chunks); three
+    cannot be."""
+    cases = [(dict(n_kv_head=4), False), (dict(n_kv_head=4), True), ({}, False), ({}, True)]
+    error = "blocks.0.attn: n_kv_head=3 is smaller than the tensor-parallel size 4"
     assert run_ranks(_gpt_worker, 4, cases, error, timeout=120, env=REFERENCE_KERNELS) == ["ok"] * 4
