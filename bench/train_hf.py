@@ -171,8 +171,8 @@ EAGER_FAMILIES = ("gemma2", "gpt_oss", "bloom")
 # The families whose attention keeps a kv head per query head (or latent keys and values): no --kv-heads
 ONE_KV_HEAD_PER_HEAD = ("gpt2", "opt", "bloom", "deepseek_v3", "deepseek_v32", "kimi_linear", "bailing_hybrid")
 # The families whose kv heads, fewer than the tensor-parallel ranks (--kv-heads below --tp), are replicated over them
-# (tessel.layers.hf_kv_replicas: q_proj, k_proj, v_proj apart, norms of one head's width)
-KV_REPLICA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+# (tessel.layers.hf_kv_replicas: q_proj, k_proj, v_proj apart, norms of one head's width; Phi-3's fused qkv_proj)
+KV_REPLICA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 # The families whose attention computes itself, and the implementation it runs in every run: BLOOM's eager one (its
 # ALiBi), Falcon's sdpa (which has no tessel one)
 OWN_ATTENTION = {"bloom": "eager", "falcon": "sdpa"}

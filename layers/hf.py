@@ -412,8 +412,10 @@ class SequenceRing:
         t, first = group_size(self.tp_group), columns[0]
         n_local = sum(c.weight.shape[0] for c in columns)
         overlap = _use_overlap(first.overlap, t, x2.shape[0] * t, first.in_features, n_local)
-        ys = all_gather_matmul(x2, [c.weight for c in columns], self.tp_group, biases=[c.bias for c in columns],
-                               overlap=overlap, regather=first.regather_input)  # fmt: skip
+        weights = [c.replica_summed(c.weight) for c in columns]  # kv heads copied on several ranks: summed gradients
+        biases = [c.replica_summed(c.bias) for c in columns]
+        ys = all_gather_matmul(x2, weights, self.tp_group, biases=biases, overlap=overlap,
+                               regather=first.regather_input)  # fmt: skip
         outputs = {}
         for c, y in zip(columns, ys):
             y = _sequence_from_token_major(y, x)

@@ -16,6 +16,9 @@ vocabulary and splits them as Megatron-LM splits a GPT:
   (``query_key_value``/``dense``)
   Falcon's new architecture         kv group by group, the group's   ``colwise``: a contiguous block of kv groups
   (Falcon-40B, -180B)               queries then its key and value
+  multi-query GPT-BigCode           ``[q | k | v]``, q ``H·D``, k     ``colwise_qkv``: this rank's query heads and a
+  (StarCoder, SantaCoder); Falcon   and v one head each               copy of the kv head (``max_chunks``)
+  (Falcon-7B)
   ================================  ===============================  ==============================================
 
   and the output projection ``rowwise``. Per-head q/k norms (Persimmon's ``[head_dim]`` LayerNorms) stay whole,
@@ -34,11 +37,10 @@ GPT-2's ``Conv1D`` layers (weight ``[in, out]``) become tessel's column and row 
 (weight ``[out, in]``): their weights are tagged ``hf_transposed``, which :func:`~tessel.layers.load_pretrained`
 reads transposed. Falcon's ``FalconLinear`` computes what ``nn.Linear`` computes and is split as one.
 
-What stays whole: multi-query attention (GPT-BigCode's StarCoder and SantaCoder, Falcon-7B: one key and value head
-in a fused projection, which tessel does not replicate over the ranks as it does separate ones:
-:mod:`~tessel.layers.hf_kv_replicas`), Falcon with ALiBi, and BLOOM's ``slow_but_exact`` emulation of its
-pretraining's tensor parallelism. Their MLPs still split; under sequence parallelism a whole attention is refused by
-name, as for any family.
+Multi-query attention keeps its one key and value head on every rank (:mod:`~tessel.layers.hf_kv_replicas`), the
+copies' gradients summed over the group. What stays whole: Falcon with ALiBi, and BLOOM's ``slow_but_exact`` emulation
+of its pretraining's tensor parallelism. Their MLPs still split; under sequence parallelism a whole attention is
+refused by name, as for any family.
 """
 
 from __future__ import annotations
@@ -95,11 +97,13 @@ def _heads(m: nn.Module) -> int | None:
 
 def _layout(m: nn.Module, children: dict) -> tuple[str, str, str] | None:
     """``(fused projection, output projection, layout)`` of classic attention: ``"thirds"`` ([q | k | v]),
-    ``"heads"`` (head by head), ``"groups"`` (Falcon's kv groups); None for another module or one that stays whole."""
+    ``"heads"`` (head by head), ``"groups"`` (Falcon's kv groups), ``"mqa"`` ([q | k | v] of one kv head); None for
+    another module or one that stays whole."""
     if "c_attn" in children and "c_proj" in children:
         if is_conv1d(children["c_attn"]):
             return "c_attn", "c_proj", "thirds"  # GPT-2: split by split_size
-        return ("c_attn", "c_proj", "heads") if getattr(m, "multi_query", None) is False else None  # GPT-BigCode
+        multi_query = getattr(m, "multi_query", None)  # GPT-BigCode
+        return ("c_attn", "c_proj", "mqa" if multi_query else "heads") if isinstance(multi_query, bool) else None
     if "Wqkv" in children and "out_proj" in children:
         return "Wqkv", "out_proj", "thirds"  # MPT: chunk(3)
     if "query_key_value" in children and "dense" in children:
@@ -107,9 +111,9 @@ def _layout(m: nn.Module, children: dict) -> tuple[str, str, str] | None:
             return None  # BLOOM's emulation slices dense.weight by the pretraining's ranks
         if getattr(m, "new_decoder_architecture", False):
             return "query_key_value", "dense", "groups"
-        if getattr(m, "multi_query", False) or getattr(getattr(m, "config", None), "alibi", False) is True:
-            return None  # Falcon-7B's one kv head; Falcon-RW's ALiBi, folded into its mask for every head
-        return "query_key_value", "dense", "heads"
+        if getattr(getattr(m, "config", None), "alibi", False) is True:
+            return None  # Falcon-RW's ALiBi, folded into its mask for every head
+        return "query_key_value", "dense", "mqa" if getattr(m, "multi_query", False) else "heads"  # Falcon-7B: mqa
     return None
 
 
@@ -125,13 +129,14 @@ def _classic_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     qkv, out = children[qkv_name], children[out_name]
     if not (linear_like(qkv) and linear_like(out)):
         return None
-    groups = getattr(m, "num_kv_heads", None) if layout == "groups" else heads
+    groups = {"groups": getattr(m, "num_kv_heads", None), "mqa": 1}.get(layout, heads)
     if not isinstance(groups, int) or groups < 1 or heads % groups:
         return None
-    width = (heads + 2 * groups) * head_dim if layout == "groups" else 3 * heads * head_dim
-    if linear_widths(qkv)[1] != width or linear_widths(out)[0] != heads * head_dim or groups % t:
+    width = (heads + 2 * groups) * head_dim if layout in ("groups", "mqa") else 3 * heads * head_dim
+    split = heads if layout == "mqa" else groups  # the kv head of multi-query attention replicated over the ranks
+    if linear_widths(qkv)[1] != width or linear_widths(out)[0] != heads * head_dim or split % t:
         return None
-    styles = {qkv_name: "colwise_qkv" if layout == "thirds" else "colwise", out_name: "rowwise"}
+    styles = {qkv_name: "colwise_qkv" if layout in ("thirds", "mqa") else "colwise", out_name: "rowwise"}
     for name, child in children.items():
         if name in styles or not any(True for _ in child.parameters()):
             continue
@@ -143,12 +148,13 @@ def _classic_attention(m: nn.Module, t: int) -> dict[str, str] | None:
 
 
 def classic_qkv_parts(parent: nn.Module, child: str) -> tuple[int, int, int] | None:
-    """``(H·D, H·D, H·D)``: the parts of GPT-2's ``c_attn`` and MPT's ``Wqkv`` (``[q | k | v]``); None otherwise."""
+    """``(H·D, H·D, H·D)``: the parts of GPT-2's ``c_attn`` and MPT's ``Wqkv`` (``[q | k | v]``); ``(H·D, D, D)``: a
+    multi-query GPT-BigCode's ``c_attn`` or Falcon's ``query_key_value``; None otherwise."""
     found = _layout(parent, dict(parent.named_children()))
     heads, head_dim = _heads(parent), head_dim_of(parent)
-    if found is None or found[0] != child or found[2] != "thirds" or heads is None or head_dim is None:
+    if found is None or found[0] != child or found[2] not in ("thirds", "mqa") or heads is None or head_dim is None:
         return None
-    return (heads * head_dim,) * 3
+    return (heads * head_dim, *(((heads if found[2] == "thirds" else 1) * head_dim,) * 2))
 
 
 _MLPS = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"))

@@ -16,6 +16,11 @@ Over ``t`` ranks a Hugging Face attention of ``H`` query heads and ``Hkv < t`` k
 
 The attention's counts become this rank's (:func:`replicated_updates`): its query heads, one kv head, and the query
 heads per kv head (``num_key_value_groups``) its forward repeats the keys by.
+
+A fused ``[q; k; v]`` projection (Phi-3's ``qkv_proj``, a multi-query GPT-BigCode's ``c_attn``: ``[q | k | v]`` of one
+kv head) is split as one :class:`~tessel.layers.linear.ColumnParallelLinear` whose k and v parts are cut into ``Hkv``
+chunks (``max_chunks``): rank r's weight holds its query heads' rows and a copy of its kv head's, the copies'
+gradients summed over the group in backward; under sequence parallelism it stays in its block's ring.
 """
 
 from __future__ import annotations
@@ -26,10 +31,13 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp, gather_from_sequence
 from ..parallel.comm import group_rank, group_size
 from .hf import RingLatentLinear
-from .hf_plans import head_dim_of, positive_int_attr
-from .plan import COLUMN, GRAD_ALL_REDUCE, KV_REPLICATED, ROW, Entry
+from .hf_classic import classic_qkv_parts
+from .hf_mixers import packed_parts
+from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, positive_int_attr
+from .plan import COLUMN, COLUMN_QKV, GRAD_ALL_REDUCE, KV_REPLICATED, ROW, Entry
 
-__all__ = ["KV_PROJECTIONS", "ReplicatedKVLinear", "kv_replicas", "replicate_kv_heads", "replicated_updates"]
+__all__ = ["KV_PROJECTIONS", "ReplicatedKVLinear", "fused_kv_replicas", "kv_replicas", "replicate_kv_heads",
+           "replicated_updates"]  # fmt: skip
 
 KV_PROJECTIONS = ("k_proj", "v_proj")
 # what may sit beside replicated kv heads: split query and output projections (and a gate of the query heads), norms of
@@ -55,35 +63,59 @@ def kv_replicas(attention: nn.Module, t: int) -> int | None:
     widths = (q.out_features, k.out_features, v.out_features)
     if widths != (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim):
         return None
-    return kv_heads if kv_heads < t and t % kv_heads == 0 and heads % t == 0 else None
+    return kv_heads if _replicate(heads, kv_heads, t) else None
 
 
-def replicated_updates(attention: nn.Module, t: int) -> dict[str, int]:
+def _replicate(heads, kv_heads, t: int) -> bool:
+    return kv_heads < t and t % kv_heads == 0 and heads % t == 0
+
+
+def fused_kv_replicas(attention: nn.Module, child: str, t: int) -> int | None:
+    """``Hkv`` when ``attention``'s fused projection ``child`` is ``[q; k; v]`` of ``H`` query and ``Hkv`` kv heads of
+    its ``head_dim`` (Phi-3's ``qkv_proj``, a multi-query GPT-BigCode's ``c_attn``) and the kv heads are fewer than
+    the ``t`` ranks and replicate evenly over them; else None."""
+    if packed_parts(attention, child) is not None:
+        return None
+    parts, head_dim = fused_qkv_parts(attention) or classic_qkv_parts(attention, child), head_dim_of(attention)
+    if parts is None or head_dim is None or parts[1] != parts[2] or any(n % head_dim for n in parts):
+        return None
+    heads, kv_heads = parts[0] // head_dim, parts[1] // head_dim
+    return kv_heads if _replicate(heads, kv_heads, t) else None
+
+
+def replicated_updates(attention: nn.Module, t: int) -> dict[str, object]:
     """The head counts of ``attention`` (:func:`kv_replicas`) on each of ``t`` ranks: ``H/t`` query heads, one kv
-    head, ``H/t`` query heads reading it."""
+    head, ``H/t`` query heads reading it (and a view of Phi-3's config that says so)."""
     heads = _count(attention, _QUERY_COUNTS)
     updates = {attr: heads // t for attr in _QUERY_COUNTS if isinstance(getattr(attention, attr, None), int)}
     updates |= {attr: 1 for attr in _KV_COUNTS if isinstance(getattr(attention, attr, None), int)}
     if isinstance(getattr(attention, "num_key_value_groups", None), int):
         updates["num_key_value_groups"] = heads // t
     head_dim = head_dim_of(attention)
-    for attr in ("hidden_size", "embed_dim", "all_head_size"):  # widths of every query head, where a forward reads one
+    # widths of every query head, where a forward reads one (GPT-BigCode's split_size)
+    for attr in ("hidden_size", "embed_dim", "all_head_size", "split_size"):
         if getattr(attention, attr, None) == heads * head_dim:
             updates[attr] = heads // t * head_dim
+    if fused_qkv_parts(attention) is not None:  # Phi-3 slices q, k, v by its config's head counts
+        updates["config"] = LocalHeadsConfig(attention.config, num_attention_heads=heads // t, num_key_value_heads=1)
     return updates
 
 
 def replicate_kv_heads(model: nn.Module, entries: list[Entry], t: int, sequence_parallel: bool) -> None:
     """k_proj and v_proj split ``colwise`` in attention whose kv heads are fewer than the ``t`` ranks (its q_proj split
     too): each replicated over the ranks whose query heads read it (:mod:`~tessel.layers.hf_kv_replicas`), under
-    sequence parallelism as latents of the block's ring."""
+    sequence parallelism as latents of the block's ring; a fused ``colwise_qkv`` projection of such attention gets
+    the ``max_chunks`` that keep a copy of a kv head on each rank."""
     kinds = {e.name: e.kind for e in entries}
     for e in entries:
         parent, _, leaf = e.name.rpartition(".")
-        if t < 2 or e.kind != COLUMN or leaf not in KV_PROJECTIONS or kinds.get(f"{parent}.q_proj") != COLUMN:
-            continue
         siblings = {kind for name, kind in kinds.items() if name.rpartition(".")[0] == parent}
-        if siblings - _BESIDE:  # a norm over every kv head's features (OLMo 2's k_norm) would need them all
+        if t < 2 or siblings - _BESIDE - {COLUMN_QKV}:  # a norm over every kv head's features (OLMo 2's k_norm)
+            continue
+        if e.kind == COLUMN_QKV and (kv_heads := fused_kv_replicas(model.get_submodule(parent), leaf, t)):
+            e.kv_heads, e.max_chunks = kv_heads, (None, kv_heads, kv_heads)  # one fused layer, k and v copied
+            continue
+        if e.kind != COLUMN or leaf not in KV_PROJECTIONS or kinds.get(f"{parent}.q_proj") != COLUMN:
             continue
         if (kv_heads := kv_replicas(model.get_submodule(parent), t)) is not None:
             e.kind, e.kv_heads, e.latent = KV_REPLICATED, kv_heads, sequence_parallel

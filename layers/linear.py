@@ -261,13 +261,13 @@ class ColumnParallelLinear(nn.Module):
         _mark_sharded(self.weight, dim=0, parts=parts, max_chunks=self.max_chunks)
         _mark_sharded(self.bias, dim=0, parts=parts, max_chunks=self.max_chunks)
 
-    def _summed(self, p: torch.Tensor | None) -> torch.Tensor | None:
+    def replica_summed(self, p: torch.Tensor | None) -> torch.Tensor | None:
         return None if p is None else _replica_summed(p, self.part_rows, self.chunks, self.tp_group, self.tp_rank)
 
     def forward(self, x: torch.Tensor):
         _check_input(self, x, self.in_features, "in_features")
         n_local = self.weight.shape[0]
-        weight, bias = self._summed(self.weight), self._summed(self.bias)
+        weight, bias = self.replica_summed(self.weight), self.replica_summed(self.bias)
         if self.sequence_parallel:
             _check_sequence_parallel_input(self, x)
             x2 = _sequence_token_major(x)

@@ -78,7 +78,7 @@ Hugging Face's ``embedding_colwise``, ``packed_rowwise`` and ``grouped_gemm`` (o
 Everything is checked before anything changes: an unknown style, a glob that matches nothing, a module of the wrong
 kind (also an ``nn.Linear``/``nn.Embedding`` subclass that overrides ``forward``, whose extra work a tessel layer
 would drop), widths or head counts that do not split over the group (kv heads fewer than the ranks are replicated
-over them where the attention's q_proj/k_proj/v_proj allow it, :mod:`~tessel.layers.hf_kv_replicas`),
+over them where the attention's q_proj/k_proj/v_proj or fused [q; k; v] allow it, :mod:`~tessel.layers.hf_kv_replicas`),
 parameters tied to a module split differently, all raise ``ValueError`` and leave the model as it was. Then every
 replacement is built, and only then installed. Parents of split projections see their local head counts: tessel's
 attention derives them from its projections; Hugging Face attention of transformers 5.x reshapes with ``-1``, and
@@ -103,6 +103,7 @@ from torch import nn
 
 from ..parallel.collectives import reduce_from_tp
 from ..parallel.comm import check_peer_group, group_size
+from ..parallel.sharding import part_chunks
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
 from .hf import (
@@ -344,7 +345,7 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
     heads = []
     for parent_name, children in parents.items():
         parent = model.get_submodule(parent_name)
-        if parent_name in replicated:  # this rank's query heads and the one kv head they read
+        if parent_name in replicated or any(e.max_chunks for e in children):  # its query heads, the kv head they read
             heads.append((parent, replicated_updates(parent, t)))
             continue
         if isinstance(parent, ParallelAttention):
@@ -419,8 +420,9 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
                          "num_key_value_heads and whose head_dim give its width (H + 2·Hkv)·head_dim, GPT-2's c_attn "
                          "or MPT's Wqkv, or the input projection of a Gated DeltaNet, Mamba-2 or short-convolution "
                          "block")  # fmt: skip
-        for n in (out,) if isinstance(out, int) else out:
-            if n % t:
+        parts = (out,) if isinstance(out, int) else out
+        for n, c in zip(parts, part_chunks(parts, e.max_chunks, t)):  # kv parts replicated: cut into fewer chunks
+            if n % c:
                 _fail(e, f"out_features {m.out_features} (part {n}) is not divisible by the tensor-parallel size {t}")
     elif e.kind == COLUMN_CONV:
         parent_name, _, leaf = e.name.rpartition(".")
@@ -488,8 +490,8 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[Entry
                 raise ValueError(
                     f"parallelize: {e.name}: {heads} heads (width {width}, head_dim {head_dim}) do not split over "
                     f"{t} tensor-parallel ranks (kv heads are replicated over the ranks only in attention of "
-                    f"q_proj/k_proj/v_proj whose query heads split): use a tensor-parallel size that divides every "
-                    f"head count"
+                    f"q_proj/k_proj/v_proj or a fused [q; k; v] whose query heads split, with no norm over every kv "
+                    f"head): use a tensor-parallel size that divides every head count"
                 )
 
 
@@ -515,6 +517,7 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
             tp_group=tp_group,
             sequence_parallel=e.sequence_parallel,
             overlap="auto" if overlap is None else overlap,
+            max_chunks=e.max_chunks,
         )
     if e.kind == COLUMN_CONV:
         return split_depthwise_conv(e.module, e.parts, tp_group)

@@ -74,6 +74,7 @@ class Entry:
     ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
     transposed: bool = False  # a Conv1D (weight [in, out]) split as the nn.Linear it computes
     kv_heads: int | None = None  # kv_replicated: the attention's kv heads, each replicated over t / kv_heads ranks
+    max_chunks: tuple | None = None  # a fused [q; k; v] whose kv heads are replicated: ColumnParallelLinear's
 
 
 def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:

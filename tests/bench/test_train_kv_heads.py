@@ -83,6 +83,22 @@ def test_a_hugging_face_llama_replicates_its_kv_heads_over_more_ranks(tmp_path):
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @needs_hf
+def test_phi3_replicates_the_kv_heads_of_its_fused_projection(tmp_path):
+    """--hf phi3 with 2 kv heads over 4 ranks ± sequence parallelism: each rank's qkv_proj holds its query heads and a
+    copy of the kv head they read; Hugging Face's curve."""
+    run = ["--hf", "phi3", *RUN, "--kv-heads", "2"]
+    _ok(_train(tmp_path / "one", *run))
+    one = _losses(tmp_path / "one")
+    layouts = {"baseline": (["--hf-baseline"], 1), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
+               "tp4": (["--tp", "4", "--zero", "1"], 4)}  # fmt: skip
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(tmp_path / name, *run, *layout, nproc=nproc))
+        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@needs_hf
 def test_replicated_kv_heads_resume_whole(tmp_path):
     """A checkpoint of one kv head replicated over two ranks (saved once: its parameters are the whole model's)
     resumed in one process, and one of the single process resumed over two ranks: the uninterrupted curve."""
@@ -104,10 +120,10 @@ def test_replicated_kv_heads_resume_whole(tmp_path):
      (["--kv-heads", "0"], "--kv-heads must be a positive integer, received 0"),
      (["--preset", "125m", "--kv-heads", "3", "--tp", "4"],
       "--tp 4 does not divide the 3 kv heads, nor do they divide it"),
-     (["--hf", "phi3", "--kv-heads", "2", "--tp", "4"], "--hf phi3 trains without --kv-heads below --tp"),
+     (["--hf", "olmo2", "--kv-heads", "2", "--tp", "4"], "--hf olmo2 trains without --kv-heads below --tp"),
      (["--hf", "deepseek_v3", "--experts", "4", "--aux-loss-coef", "0", "--kv-heads", "2"],
       "--hf deepseek_v3 trains without --kv-heads (its attention has one kv head per query head")],
-    ids=["not-dividing", "zero", "gpt-replicated", "fused-qkv", "latent"],
+    ids=["not-dividing", "zero", "neither-divides", "norm-over-kv-heads", "latent"],
 )  # fmt: skip
 def test_kv_heads_it_cannot_train_are_refused(monkeypatch, extra, words):
     from tessel.bench.train_args import ArgumentError, parse_args

@@ -405,10 +405,10 @@ def test_compiled_embedding_still_refuses_an_id_out_of_range():
         compiled(torch.tensor([[1, 10]]))
 
 
-def _compiled_tp(rank, world_size, sequence_parallel, overlap):
+def _compiled_tp(rank, world_size, sequence_parallel, overlap, n_kv_head=2):
     from tessel.parallel import record_events
 
-    cfg = _config(n_layer=2, bias=True)
+    cfg = _config(n_layer=2, bias=True, n_kv_head=n_kv_head)
     torch.manual_seed(0)
     model = GPT(cfg, sequence_parallel=sequence_parallel, overlap=overlap)
     with record_events() as log:
@@ -419,17 +419,20 @@ def _compiled_tp(rank, world_size, sequence_parallel, overlap):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "sequence_parallel, overlap", [(False, True), (True, True), (True, False)], ids=["tp", "tp+sp", "tp+sp-plain"]
+    "sequence_parallel, overlap, n_kv_head",
+    [(False, True, 2), (True, True, 2), (True, False, 2), (False, True, 1), (True, True, 1)],
+    ids=["tp", "tp+sp", "tp+sp-plain", "tp-kv1", "tp+sp-kv1"],
 )
-def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parallel, overlap):
+def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parallel, overlap, n_kv_head):
     """Two ranks: the forward, the loss and the backward in one graph (fullgraph); loss and every gradient shard
     equal the eager step's, whose rings run tessel's own transports. With overlap the overlapped ops are custom
     operators whose nodes run those rings: the compiled step logs the same ring steps as the eager one (the log
     holds the eager step's events, then the same again). Without overlap they are their plain compositions
     (torch's functional collectives, scheduled by the compiler), and no ring runs in either. The ranks run the
     kernels' references (they import transformers first, which once imported a second copy of tessel's kernels
-    whose custom operators replaced the first's: see test_a_top_level_kernels_import_stays_empty)."""
-    results = run_ranks(_compiled_tp, 2, sequence_parallel, overlap, timeout=300, env=REFERENCE_KERNELS)
+    whose custom operators replaced the first's: see test_a_top_level_kernels_import_stays_empty). One kv head over
+    the two ranks: each holds a copy in its qkv weight, whose gradients the graph sums."""
+    results = run_ranks(_compiled_tp, 2, sequence_parallel, overlap, n_kv_head, timeout=300, env=REFERENCE_KERNELS)
     assert len({loss for loss, _ in results}) == 1
     for rank, (_, events) in enumerate(results):
         ops = {op for _, op, _ in events}

@@ -43,6 +43,9 @@ VARIANTS = {
     ),
     "opt_post_norm": ("opt", dict(do_layer_norm_before=False)),
     "opt_projected": ("opt", dict(word_embed_proj_dim=32)),
+    # multi-query attention (StarCoder's, Falcon-7B's): one kv head, copied on every rank
+    "gpt_bigcode_mqa": ("gpt_bigcode", dict(multi_query=True)),
+    "falcon_mqa": ("falcon", dict(new_decoder_architecture=False, multi_query=True)),
 }
 
 
@@ -96,6 +99,13 @@ def _classic_ranks(rank, world_size, kinds):
     assert attention.c_attn.weight.hf_transposed and attention.c_proj.weight.hf_transposed
     assert (attention.num_heads, attention.split_size, attention.embed_dim) == (2, 32, 32)
     assert par.lm_head.weight.shape == par.transformer.wte.weight.shape == (VOCAB // 2, 64)
+    # a multi-query rank's c_attn: its query heads' rows and a copy of the one kv head's
+    dense = classic_model("gpt_bigcode_mqa")
+    attention, whole = parallelize(copy.deepcopy(dense), None).transformer.h[0].attn, dense.transformer.h[0].attn
+    q, kv = whole.c_attn.weight.split([64, 32])
+    assert torch.equal(attention.c_attn.weight, torch.cat([q[mine], kv])) and attention.c_attn.chunks == (2, 1, 1)
+    counts = (attention.num_heads, attention.embed_dim, attention.split_size, attention.kv_dim)
+    assert counts == (2, 32, 32, 16) and attention.num_key_value_groups == 2
     # BLOOM's ALiBi biases and MPT's: each rank's heads' slopes
     for kind in ("bloom", "mpt"):
         _check_against_dense(*_steep_alibi(kind, parallelize), f"{kind} steep ALiBi")
@@ -120,11 +130,9 @@ def test_classic_decoders_match_dense_on_two_ranks():
     assert run_ranks(_classic_ranks, 2, kinds, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
-# attention tessel leaves whole: one key and value head (StarCoder's, Falcon-7B's), Falcon-RW's ALiBi (in its mask),
-# BLOOM's emulation of its pretraining's tensor parallelism (which slices its projections' weights itself)
+# attention tessel leaves whole: Falcon-RW's ALiBi (in its mask), BLOOM's emulation of its pretraining's tensor
+# parallelism (which slices its projections' weights itself)
 KEPT_WHOLE = {
-    "gpt_bigcode": (dict(multi_query=True), "transformer.h.0.attn"),
-    "falcon": (dict(new_decoder_architecture=False, multi_query=True), "transformer.h.0.self_attention"),
     "falcon_rw": (dict(alibi=True), "transformer.h.0.self_attention"),
     "bloom": (dict(pretraining_tp=2, slow_but_exact=True), "transformer.h.0.self_attention"),
 }
@@ -164,7 +172,7 @@ def _kept_whole_ranks(rank, world_size):
 @pytest.mark.multiprocess
 @needs_hf
 def test_attention_tessel_cannot_split_stays_whole_beside_its_split_mlp():
-    """Multi-query attention, Falcon's ALiBi and BLOOM's slow_but_exact keep every head on every rank, their MLPs split
+    """Falcon's ALiBi and BLOOM's slow_but_exact keep every head on every rank, their MLPs split
     (the dense model's logits and gradients); sequence parallelism is refused by name. A user plan splits Conv1D
     layers."""
     assert run_ranks(_kept_whole_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]

@@ -29,6 +29,27 @@ def _replicas(rank, world_size):
             assert torch.equal(attention.v_proj.weight, whole.v_proj.weight)  # whole on every rank
             assert attention.q_proj.weight.shape == (16, 64) and attention.num_key_value_groups == 1
             _check_against_dense(dense, par, f"{family} {kv_heads} kv heads sp={sp}")
+    # fused projections: Phi-3's qkv_proj with 2 kv heads, a multi-query GPT-BigCode's c_attn (StarCoder's) with one;
+    # one ColumnParallelLinear each, holding this rank's query heads and a copy of its kv head
+    from tests.layers.test_hf_classic import classic_model
+    from tests.layers.test_hf_plans import phi3_model
+
+    for name, make, kv_heads, path in (("phi3", lambda: phi3_model(kv_heads=2), 2, "model.layers.0.self_attn.qkv_proj"),
+                                       ("gpt_bigcode", lambda: classic_model("gpt_bigcode_mqa"), 1,
+                                        "transformer.h.0.attn.c_attn")):  # fmt: skip
+        for sp in (False, True):
+            dense = make()
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
+            fused, whole = par.get_submodule(path), dense.get_submodule(path).weight
+            head = rank // (world_size // kv_heads)
+            q, k, v = whole.split([64, 16 * kv_heads, 16 * kv_heads])
+            assert fused.chunks == (world_size, kv_heads, kv_heads)
+            assert fused.weight.tp_max_chunks == (None, kv_heads, kv_heads)
+            mine = torch.cat(
+                [q[16 * rank : 16 * rank + 16], k[16 * head : 16 * head + 16], v[16 * head : 16 * head + 16]]
+            )
+            assert torch.equal(fused.weight, mine), name
+            _check_against_dense(dense, par, f"{name} {kv_heads} kv heads sp={sp}")
     # OLMo 2's k norm spans every kv head's features: its 2 kv heads are not replicated, and the model is as it was
     model = qk_norm_model("olmo2", kv_heads=2)
     before = {k: v.clone() for k, v in model.state_dict().items()}
@@ -46,25 +67,34 @@ def test_kv_heads_fewer_than_the_ranks_are_replicated_over_them():
 
 
 def _loaded(rank, world_size, root):
+    import os
+
     import torch.distributed as dist
 
     from tessel.layers import load_pretrained, parallelize
+    from tests.layers.test_hf_classic import classic_model
     from tests.layers.test_hf_load import _assert_same_tensors, _on_meta
+    from tests.layers.test_hf_plans import phi3_model
 
-    dense = _model("llama", kv_heads=1)
-    if rank == 0:
-        dense.save_pretrained(root)
-    dist.barrier()
-    for sp in (False, True):
-        model = load_pretrained(parallelize(_on_meta(dense), None, sequence_parallel=sp), root)
-        _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp), f"sp={sp}")
-        _check_against_dense(copy.deepcopy(dense), model.eval(), f"loaded sp={sp}")
+    # separate k_proj/v_proj (Llama); fused qkv_proj (Phi-3) and c_attn (a multi-query GPT-BigCode) with copies
+    models = {"llama": _model("llama", kv_heads=1), "phi3": phi3_model(kv_heads=1),
+              "gpt_bigcode": classic_model("gpt_bigcode_mqa")}  # fmt: skip
+    for name, dense in models.items():
+        path = os.path.join(root, name)
+        if rank == 0:
+            dense.save_pretrained(path)
+        dist.barrier()
+        for sp in (False, True):
+            model = load_pretrained(parallelize(_on_meta(dense), None, sequence_parallel=sp), path)
+            _assert_same_tensors(model, parallelize(copy.deepcopy(dense), None, sequence_parallel=sp), f"sp={sp}")
+            _check_against_dense(copy.deepcopy(dense), model.eval(), f"{name} loaded sp={sp}")
     return "ok"
 
 
 @pytest.mark.multiprocess
 @needs_hf
 def test_replicated_kv_heads_load_whole_on_the_meta_device(tmp_path):
-    """One kv head over two ranks, split on the meta device and loaded: k_proj and v_proj read whole on each rank,
-    equal to the split dense model, with and without sequence parallelism."""
+    """One kv head over two ranks, split on the meta device and loaded: k_proj and v_proj read whole on each rank, a
+    fused projection's copy of the kv head read into each rank's weight; equal to the split dense model, with and
+    without sequence parallelism."""
     assert run_ranks(_loaded, 2, str(tmp_path), timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
