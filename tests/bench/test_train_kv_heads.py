@@ -30,13 +30,15 @@ def test_tessels_gpt_splits_its_kv_heads(tmp_path):
 @pytest.mark.multiprocess
 def test_tessels_gpt_replicates_kv_heads_fewer_than_the_ranks(tmp_path):
     """Two kv heads over four ranks ± sequence parallelism, and under ZeRO-1 beside two pipeline stages (the clipped
-    norm from the gradient shards); one kv head over two ranks under FSDP: the single process's curve. Every run
-    clips (--grad-clip 0.05, below the norm): a copy counted twice would change the step."""
+    norm from the gradient shards); one kv head over two ranks under FSDP and beside two context-parallel ranks: the
+    single process's curve. Every run clips (--grad-clip 0.05, below the norm): a copy counted twice would change the
+    step."""
     clip = ["--grad-clip", "0.05"]
     for kv_heads, layouts in (
         ("2", {"tp4": (["--tp", "4"], 4), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
                "tp2-pp2-zero1": (["--tp", "2", "--pp", "2", "--zero", "1", "--sequence-parallel"], 4)}),
-        ("1", {"tp2-fsdp": (["--tp", "2", "--dp", "2", "--zero", "3"], 4)}),
+        ("1", {"tp2-fsdp": (["--tp", "2", "--dp", "2", "--zero", "3"], 4),
+               "tp2-cp2": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4)}),
     ):  # fmt: skip
         run = [*RUN, *clip, "--kv-heads", kv_heads]
         _ok(_train(tmp_path / f"one{kv_heads}", *run))
@@ -84,16 +86,19 @@ def test_a_hugging_face_llama_replicates_its_kv_heads_over_more_ranks(tmp_path):
 @pytest.mark.multiprocess
 @needs_hf
 def test_phi3_replicates_the_kv_heads_of_its_fused_projection(tmp_path):
-    """--hf phi3 with 2 kv heads over 4 ranks ± sequence parallelism: each rank's qkv_proj holds its query heads and a
-    copy of the kv head they read; Hugging Face's curve."""
-    run = ["--hf", "phi3", *RUN, "--kv-heads", "2"]
-    _ok(_train(tmp_path / "one", *run))
-    one = _losses(tmp_path / "one")
-    layouts = {"baseline": (["--hf-baseline"], 1), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
-               "tp4": (["--tp", "4", "--zero", "1"], 4)}  # fmt: skip
-    for name, (layout, nproc) in layouts.items():
-        _ok(_train(tmp_path / name, *run, *layout, nproc=nproc))
-        assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    """--hf phi3 with 2 kv heads over 4 ranks ± sequence parallelism, and with one over 2 ranks beside 2 pipeline
+    stages: each rank's qkv_proj holds its query heads and a copy of the kv head they read; Hugging Face's curve."""
+    for kv_heads, layouts in (
+        ("2", {"baseline": (["--hf-baseline"], 1), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
+               "tp4": (["--tp", "4", "--zero", "1"], 4)}),
+        ("1", {"tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4)}),
+    ):  # fmt: skip
+        run = ["--hf", "phi3", *RUN, "--kv-heads", kv_heads]
+        _ok(_train(tmp_path / f"one{kv_heads}", *run))
+        one = _losses(tmp_path / f"one{kv_heads}")
+        for name, (layout, nproc) in layouts.items():
+            _ok(_train(tmp_path / name, *run, *layout, nproc=nproc))
+            assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
 
 
 @pytest.mark.slow
