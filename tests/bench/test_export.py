@@ -118,15 +118,15 @@ def test_a_hugging_face_run_exports_its_family(tmp_path):
     ("family", "extra"),
     [("olmo2", []), ("bamba", []), ("gemma4", []), ("gemma4", ["--kv-shared-layers", "2"]),
      ("kimi_linear", ["--experts", "4", "--aux-loss-coef", "0"]),
-     ("deepseek_v32", ["--experts", "4", "--aux-loss-coef", "0"]), ("gpt2", [])],
-    ids=["olmo2", "bamba", "gemma4", "gemma4-kv-shared", "kimi_linear", "deepseek_v32", "gpt2"],
+     ("deepseek_v32", ["--experts", "4", "--aux-loss-coef", "0"]), ("gpt2", []), ("phi3", ["--kv-heads", "1"])],
+    ids=["olmo2", "bamba", "gemma4", "gemma4-kv-shared", "kimi_linear", "deepseek_v32", "gpt2", "phi3-one-kv-head"],
 )  # fmt: skip
 def test_a_tensor_parallel_checkpoint_exports_the_single_processs_model(tmp_path, family, extra):
     """Saved at tp=2 with sequence parallelism (each rank its heads' shards, OLMo 2's q/k norms split with the heads,
     Bamba's Mamba-2 mixers by heads, Gemma 4's wider full-attention heads and per-layer input gates, and its last
     layers reusing earlier ones' keys and values, which the checkpoint records; Kimi Linear's delta attention and
     DeepSeek-V3.2's indexer beside latent attention and experts; GPT-2's Conv1D weights, trained as nn.Linear's,
-    transposed back): the exported model is the one the
+    transposed back; Phi-3's one kv head, a copy in each rank's fused qkv_proj): the exported model is the one the
     single process trains. (Two Adam steps
     magnify fp32 rounding where a gradient is near zero: one element in a few thousand moves by up to ~1e-4;
     heads or features out of place would move a quarter of a tensor or more, by the weights' scale.)"""
