@@ -291,6 +291,7 @@ def _generate_ranks(rank, world_size, kinds):
 @pytest.mark.multiprocess
 @needs_hf
 def test_split_classic_decoders_generate_the_dense_models_tokens():
-    """Greedy generation over the cache, each rank its heads' keys and values: the dense model's tokens."""
-    kinds = ("gpt2", "gpt_bigcode", "opt", "bloom", "falcon", "mpt", "persimmon")
+    """Greedy generation over the cache, each rank its heads' keys and values (a multi-query rank its copy of the one
+    kv head's): the dense model's tokens."""
+    kinds = ("gpt2", "gpt_bigcode", "gpt_bigcode_mqa", "opt", "bloom", "falcon", "falcon_mqa", "mpt", "persimmon")
     assert run_ranks(_generate_ranks, 2, kinds, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
