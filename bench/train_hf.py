@@ -170,9 +170,10 @@ ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
 EAGER_FAMILIES = ("gemma2", "gpt_oss", "bloom")
 # The families whose attention keeps a kv head per query head (or latent keys and values): no --kv-heads
 ONE_KV_HEAD_PER_HEAD = ("gpt2", "opt", "bloom", "deepseek_v3", "deepseek_v32", "kimi_linear", "bailing_hybrid")
-# The families whose kv heads, fewer than the tensor-parallel ranks (--kv-heads below --tp), are replicated over them
-# (tessel.layers.hf_kv_replicas: q_proj, k_proj, v_proj apart, norms of one head's width; Phi-3's fused qkv_proj)
-KV_REPLICA_FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+# The families whose kv heads, fewer than the tensor-parallel ranks (--kv-heads below --tp), are not replicated over
+# them as the others' are (tessel.layers.hf_kv_replicas: q_proj, k_proj, v_proj apart, norms of one head's width;
+# Phi-3's fused qkv_proj): a k norm over every kv head (OLMo 2's, OLMoE's), Falcon's kv groups
+NO_KV_REPLICAS = ("olmo2", "olmoe", "falcon")
 # The families whose attention computes itself, and the implementation it runs in every run: BLOOM's eager one (its
 # ALiBi), Falcon's sdpa (which has no tessel one)
 OWN_ATTENTION = {"bloom": "eager", "falcon": "sdpa"}
@@ -569,8 +570,8 @@ def refused_options(args) -> str | None:
         "--kv-shared-layers (Gemma 4's)": args.kv_shared_layers != 0 and args.hf != "gemma4",
         "--kv-heads (its attention has one kv head per query head, or latent keys and values)": args.kv_heads
         is not None and args.hf in ONE_KV_HEAD_PER_HEAD,
-        f"--kv-heads below --tp (its kv heads are not replicated; {', '.join(KV_REPLICA_FAMILIES)}'s are)":
-        args.kv_heads is not None and args.kv_heads < args.tp and args.hf not in KV_REPLICA_FAMILIES,
+        "--kv-heads below --tp (its kv heads are not replicated: a norm over them all, or Falcon's kv groups)":
+        args.kv_heads is not None and args.kv_heads < args.tp and args.hf in NO_KV_REPLICAS,
     }  # fmt: skip
     given = [flag for flag, on in unsupported.items() if on]
     return f"--hf {args.hf} trains without {', '.join(given)}: those are tessel's GPT's options" if given else None

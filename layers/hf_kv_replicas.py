@@ -60,8 +60,9 @@ def kv_replicas(attention: nn.Module, t: int) -> int | None:
     if heads is None or kv_heads is None or head_dim is None or not all(isinstance(p, nn.Linear) for p in projections):
         return None
     q, k, v = projections
-    widths = (q.out_features, k.out_features, v.out_features)
-    if widths != (heads * head_dim, kv_heads * head_dim, kv_heads * head_dim):
+    widths = (k.out_features, v.out_features)
+    # q_proj: one head_dim a head, or two (Qwen3-Next's and Qwen3.5's: each head's query, then its output gate)
+    if widths != (kv_heads * head_dim,) * 2 or q.out_features not in (heads * head_dim, 2 * heads * head_dim):
         return None
     return kv_heads if _replicate(heads, kv_heads, t) else None
 

@@ -282,7 +282,7 @@ def _differential_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     ``replicated_with_grad_allreduce``. None when ``m`` is not such a module or its halves do not split."""
     if not all(isinstance(getattr(m, n, None), nn.Parameter) for n in _LAMBDAS) or not hasattr(m, "groupnorm"):
         return None
-    styles = _head_styles(m, 2 * t)  # each half of the heads splits over t
+    styles = _head_styles(m, 2 * t, replicate_kv=False)  # each half of the heads splits over t
     if styles is None or set(styles) != {"q_proj", "k_proj", "v_proj", "o_proj"}:
         return None
     if {n for n, _ in m.named_parameters(recurse=False)} != set(_LAMBDAS):
@@ -296,11 +296,12 @@ def _plain_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     return None if any(hasattr(m, n) for n in _LAMBDAS) else _head_styles(m, t)
 
 
-def _head_styles(m: nn.Module, t: int) -> dict[str, str] | None:
+def _head_styles(m: nn.Module, t: int, replicate_kv: bool = True) -> dict[str, str] | None:
     """The styles that split ``m`` by heads over ``t`` ranks, when it is attention of plain ``nn.Linear``
-    projections whose heads (of its ``head_dim``) split evenly, with nothing else that learns but q/k norms and a
-    gate of its output (``gate_proj`` or ``g_proj``, one value per query feature or per query head). The output
-    projection is ``o_proj``, or LFM2's ``out_proj``."""
+    projections whose heads (of its ``head_dim``) split evenly, or whose kv heads are fewer than the ranks and
+    ``replicate_kv`` (each replicated over them: :mod:`~tessel.layers.hf_kv_replicas`), with nothing else that learns
+    but q/k norms and a gate of its output (``gate_proj`` or ``g_proj``, one value per query feature or per query
+    head). The output projection is ``o_proj``, or LFM2's ``out_proj``."""
     head_dim = getattr(m, "head_dim", None)
     children = dict(m.named_children())
     out = "o_proj" if "o_proj" in children else "out_proj"  # LFM2's
@@ -312,9 +313,13 @@ def _head_styles(m: nn.Module, t: int) -> dict[str, str] | None:
     q, k, v, o = projections
     if o.in_features != q.out_features or k.out_features != v.out_features:
         return None
-    for width in (q.out_features, k.out_features):
-        if width % head_dim or (width // head_dim) % t:
-            return None
+    if q.out_features % head_dim or k.out_features % head_dim:
+        return None
+    heads, kv_heads = q.out_features // head_dim, k.out_features // head_dim
+    # kv heads fewer than the ranks are replicated (tessel.layers.hf_kv_replicas), without a norm over them all
+    replicated = replicate_kv and kv_heads < t and t % kv_heads == 0
+    if heads % t or (kv_heads % t and not replicated):
+        return None
     styles = {"q_proj": "colwise", "k_proj": "colwise", "v_proj": "colwise", out: "rowwise"}
     for name, child in children.items():
         if name in styles or not any(True for _ in child.parameters()):
@@ -330,7 +335,7 @@ def _head_styles(m: nn.Module, t: int) -> dict[str, str] | None:
         width = (q if name in _QUERY_NORMS else k).out_features
         if weight.shape[0] == head_dim:
             styles[name] = "replicated_with_grad_allreduce"
-        elif weight.shape[0] == width:
+        elif weight.shape[0] == width and not (replicated and name not in _QUERY_NORMS):
             styles[name] = "colwise_norm"
         else:
             return None

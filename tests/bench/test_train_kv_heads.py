@@ -82,6 +82,27 @@ def test_a_hugging_face_llama_replicates_its_kv_heads_over_more_ranks(tmp_path):
             assert _losses(tmp_path / f"{name}{kv_heads}") == pytest.approx(one, rel=1e-5), (kv_heads, name)
 
 
+# the other families whose kv heads replicate (every --hf family but those with a kv head per query head, latent keys
+# and values, a k norm over every kv head, or Falcon's kv groups), experts where they have them
+REPLICATING = {"mistral": [], "qwen2": [], "qwen3": [], "gemma": [], "gemma2": [], "gemma3": [], "gemma4": [],
+               "gpt_oss": ["--experts", "4"], "mixtral": ["--experts", "4"], "qwen3_moe": ["--experts", "4"],
+               "qwen3_5": [], "qwen3_5_moe": ["--experts", "4"], "bamba": [], "jamba": ["--experts", "4"]}  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@needs_hf
+@pytest.mark.parametrize("family", REPLICATING)
+def test_every_family_with_kv_heads_replicates_them(tmp_path, family):
+    """One kv head over two ranks under sequence parallelism (GPT-OSS's beside its sinks, Qwen3.5's beside its gated
+    queries, the hybrids' beside their mixers): the single process's curve."""
+    run = ["--hf", family, *RUN, "--kv-heads", "1", *REPLICATING[family]]
+    run += ["--aux-loss-coef", "0"] if "--experts" in run else []
+    _ok(_train(tmp_path / "one", *run))
+    _ok(_train(tmp_path / "tp2-sp", *run, "--tp", "2", "--sequence-parallel", nproc=2))
+    assert _losses(tmp_path / "tp2-sp") == pytest.approx(_losses(tmp_path / "one"), rel=1e-5)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @needs_hf
@@ -126,9 +147,11 @@ def test_replicated_kv_heads_resume_whole(tmp_path):
      (["--preset", "125m", "--kv-heads", "3", "--tp", "4"],
       "--tp 4 does not divide the 3 kv heads, nor do they divide it"),
      (["--hf", "olmo2", "--kv-heads", "2", "--tp", "4"], "--hf olmo2 trains without --kv-heads below --tp"),
+     (["--hf", "falcon", "--kv-heads", "1", "--tp", "2"], "--hf falcon trains without --kv-heads below --tp (its kv "
+      "heads are not replicated: a norm over them all, or Falcon's kv groups)"),
      (["--hf", "deepseek_v3", "--experts", "4", "--aux-loss-coef", "0", "--kv-heads", "2"],
       "--hf deepseek_v3 trains without --kv-heads (its attention has one kv head per query head")],
-    ids=["not-dividing", "zero", "neither-divides", "norm-over-kv-heads", "latent"],
+    ids=["not-dividing", "zero", "neither-divides", "norm-over-kv-heads", "kv-groups", "latent"],
 )  # fmt: skip
 def test_kv_heads_it_cannot_train_are_refused(monkeypatch, extra, words):
     from tessel.bench.train_args import ArgumentError, parse_args

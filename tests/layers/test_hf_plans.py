@@ -263,9 +263,20 @@ def test_what_a_plan_leaves_whole_is_split_where_it_can_be():
     assert plan["model.layers.0.self_attn.gate_proj"] == plan["model.layers.1.self_attn.gate_proj"] == "colwise"
     assert plan["model.layers.0.mlp.down_proj"] == plan["model.layers.1.mlp.shared_experts.down_proj"] == "rowwise"
     assert not any(".experts." in k for k in plan)
-    # left whole: one rank; kv heads that do not split; a plan that names the attention already (Llama's)
-    assert added(phimoe, 1) == {} and added(phimoe, 4) == {}
+    # kv heads fewer than the ranks: split with the query heads, replicated over the ranks by parallelize
+    assert added(phimoe, 4) == attention
+    # left whole: one rank; kv heads that do not split (3 over 2) nor replicate (3 over 4); a plan that names the
+    # attention already (Llama's)
+    uneven = model("phimoe", num_attention_heads=12, num_key_value_heads=3)
+    assert added(phimoe, 1) == {} and added(uneven, 2) == {} and added(uneven, 4) == {}
     assert added(model("llama")) == {}
+    # OLMo 2's attention without its plan: its k norm over every kv head's features splits with two kv heads over two
+    # ranks, and keeps them whole over four (a copy of one on each rank would need both heads' features)
+    olmo2 = qk_norm_model("olmo2", kv_heads=2)
+    olmo2.config.base_model_tp_plan = {}
+    split = {t: whole_attention_plan(olmo2, {}, glob_regex, t) for t in (2, 4)}
+    assert split[2]["model.layers.0.self_attn.k_norm"] == "colwise_norm"
+    assert not any(".self_attn." in k for k in split[4])
 
 
 def _phi3_ranks(rank, world_size, kv_heads):
