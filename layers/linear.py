@@ -166,8 +166,8 @@ def _replica_summed(p: torch.Tensor, local_parts, chunks: tuple[int, ...], group
     one buffer whose gradient is all-reduced over the group (``copy_to_tp``): ``sum(n)·K`` elements, the replicated
     parts' global size; the ranks of a chunk add up their gradients and the others add zeros."""
     t = group_size(group)
-    if all(c == t for c in chunks):
-        return p
+    if all(c == t for c in chunks) or not (p.requires_grad and torch.is_grad_enabled()):
+        return p  # nothing to sum (inference, a frozen weight: not even a copy)
     pieces, padded, where = list(p.split(local_parts, dim=0)), [], []
     for i, (piece, c) in enumerate(zip(pieces, chunks)):
         if c < t:
@@ -367,6 +367,7 @@ class ColumnParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features} (local {self.local_parts}), "
                 f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
+                + ("" if self.max_chunks is None else f", max_chunks={self.max_chunks}")
                 + (", fp8=True" if self.fp8 else ""))  # fmt: skip
 
 

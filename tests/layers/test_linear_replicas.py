@@ -87,6 +87,13 @@ def _layers_worker(rank, t):
                 _check(fused, rank, t, sp, x, grads, rows, ref, f"from_linears {tag}")
                 # the local layout is the sharding module's: full_tensor rebuilds the dense weight
                 _close(full_tensor(fused.weight.data, 0, parts, None, chunks), lin.weight, f"{tag} full_tensor")
+                # frozen: the input's gradient alone, the weight used as it is (no copy, no sum)
+                fused.weight.requires_grad_(False), fused.bias.requires_grad_(False)
+                assert fused.replica_summed(fused.weight) is fused.weight
+                x_in = (x[:, rank * S // t : (rank + 1) * S // t] if sp else x).clone().requires_grad_()
+                out = fused(x_in)
+                torch.cat(out, -1).backward(grads[rank])
+                _close(x_in.grad, ref[1][:, rank * S // t : (rank + 1) * S // t] if sp else ref[1], f"{tag} frozen")
     return "ok"
 
 
