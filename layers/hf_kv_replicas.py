@@ -54,15 +54,19 @@ def _count(m: nn.Module, attrs: tuple[str, ...]) -> int | None:
 
 def kv_replicas(attention: nn.Module, t: int) -> int | None:
     """``Hkv`` when ``attention`` (``q_proj``, ``k_proj``, ``v_proj`` of ``nn.Linear``, a ``head_dim``) has fewer kv
-    heads than the ``t`` ranks and they replicate evenly over them (``t % Hkv == 0``, ``H % t == 0``); else None."""
-    heads, kv_heads, head_dim = _count(attention, _QUERY_COUNTS), _count(attention, _KV_COUNTS), head_dim_of(attention)
+    heads than the ``t`` ranks and they replicate evenly over them (``t % Hkv == 0``, ``H % t == 0``); else None.
+    ``Hkv`` is read from ``k_proj``'s width (MiMo-V2-Flash's sliding layers have twice its config's), the values may
+    have a head width of their own (its ``v_head_dim``)."""
+    heads, head_dim = _count(attention, _QUERY_COUNTS), head_dim_of(attention)
     projections = [getattr(attention, n, None) for n in ("q_proj", *KV_PROJECTIONS)]
-    if heads is None or kv_heads is None or head_dim is None or not all(isinstance(p, nn.Linear) for p in projections):
+    if heads is None or head_dim is None or not all(isinstance(p, nn.Linear) for p in projections):
         return None
     q, k, v = projections
-    widths = (k.out_features, v.out_features)
+    kv_heads, rest = divmod(k.out_features, head_dim)
     # q_proj: one head_dim a head, or two (Qwen3-Next's and Qwen3.5's: each head's query, then its output gate)
-    if widths != (kv_heads * head_dim,) * 2 or q.out_features not in (heads * head_dim, 2 * heads * head_dim):
+    if rest or not kv_heads or v.out_features % kv_heads:
+        return None
+    if q.out_features not in (heads * head_dim, 2 * heads * head_dim):
         return None
     return kv_heads if _replicate(heads, kv_heads, t) else None
 

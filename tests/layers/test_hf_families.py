@@ -84,6 +84,31 @@ def test_families_match_dense_on_two_ranks():
     assert run_ranks(_families_ranks, 2, FAMILIES, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
+def _one_kv_head_ranks(rank, world_size, families):
+    from tessel.layers.hf_kv_replicas import ReplicatedKVLinear
+    from tessel.layers.parallelize import parallelize
+
+    for kind in families:
+        config = {k: v for k, v in FAMILY_CONFIGS.get(kind, {}).items() if k != "num_key_value_heads"}
+        for sp in (False, True):
+            dense = family_model(kind, num_key_value_heads=1, **config)
+            par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
+            copies = [m for m in par.modules() if isinstance(m, ReplicatedKVLinear) or getattr(m, "max_chunks", None)]
+            assert bool(copies) == (kind != "gpt_neox"), f"{kind}: {len(copies)} kv heads copied"  # NeoX: no GQA
+            _check_against_dense(dense, par, f"{kind} one kv head sp={sp}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_families_replicate_one_kv_head_over_two_ranks():
+    """Every family with kv heads (not multi-head latent attention's, one a head; GPT-NeoX has none) and one of them: a
+    copy on each rank (MiMo-V2-Flash's sliding layers, whose two kv heads split, beside its full ones, whose one is
+    copied; its values of a head width of their own), the dense model's logits and gradients ± sequence parallelism."""
+    families = [kind for kind in FAMILIES if FAMILY_CONFIGS.get(kind, {}).get("num_key_value_heads") != 4]
+    assert run_ranks(_one_kv_head_ranks, 2, families, timeout=900, env=REFERENCE_KERNELS) == ["ok", "ok"]
+
+
 def _diffllama_ranks(rank, world_size):
     from tessel.layers.linear import ColumnParallelLinear
     from tessel.layers.parallelize import parallelize
