@@ -32,7 +32,7 @@ from ..parallel.overlap import (
 from ..parallel.sharding import local_shard, part_chunks
 from .fp8 import Fp8Linear, column_parallel_fp8, row_parallel_fp8
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_outputs"]
 
 # "auto" overlaps when each step's GEMM (one ring step: the tokens of one rank; one all-reduce chunk: a
 # quarter of them) has at least this many multiply-adds. Measured with ``python -m tessel.bench overlap``
@@ -264,33 +264,12 @@ class ColumnParallelLinear(nn.Module):
     def replica_summed(self, p: torch.Tensor | None) -> torch.Tensor | None:
         return None if p is None else _replica_summed(p, self.part_rows, self.chunks, self.tp_group, self.tp_rank)
 
+    shared_input = None  # a SharedInput: the column layers called with the same tensor, computed in one op
+
     def forward(self, x: torch.Tensor):
-        _check_input(self, x, self.in_features, "in_features")
-        n_local = self.weight.shape[0]
-        weight, bias = self.replica_summed(self.weight), self.replica_summed(self.bias)
-        if self.sequence_parallel:
-            _check_sequence_parallel_input(self, x)
-            x2 = _sequence_token_major(x)
-            ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0] * self.tp_size, self.in_features, n_local)
-            if self.fp8:
-                y = column_parallel_fp8(x2, weight, bias, self.tp_group, sequence_parallel=True, overlap=ov,
-                                        regather=self.regather_input)  # fmt: skip
-            else:
-                y = all_gather_matmul(x2, weight, self.tp_group, biases=bias, overlap=ov,
-                                      regather=self.regather_input)  # fmt: skip
-            y = _sequence_from_token_major(y, x)
-        else:
-            x2 = x.reshape(-1, self.in_features)
-            ov = _use_overlap(self.overlap, self.tp_size, x2.shape[0], self.in_features, n_local, ALL_REDUCE_CHUNKS)
-            if self.fp8:
-                y = column_parallel_fp8(x2, weight, bias, self.tp_group, sequence_parallel=False, overlap=ov)
-            else:
-                y = matmul_grad_all_reduce(x2, weight, self.tp_group, biases=bias, overlap=ov)
-            y = y.view(*x.shape[:-1], n_local)
-        outs = y.split(self.local_parts, dim=-1) if len(self.local_parts) > 1 else (y,)
-        if self.gather_output:
-            outs = tuple(gather_from_tp(o, self.tp_group, dim=-1) for o in outs)
-        return outs if len(self.local_parts) > 1 else outs[0]
+        if self.shared_input is not None:
+            return self.shared_input.output(self, x)
+        return column_outputs([self], x)[0]
 
     @classmethod
     def from_linear(cls, linear: nn.Module, *, tp_group=None, **kwargs) -> ColumnParallelLinear:
@@ -369,6 +348,43 @@ class ColumnParallelLinear(nn.Module):
                 f"tp={self.tp_size}, sequence_parallel={self.sequence_parallel}, overlap={self.overlap}"
                 + ("" if self.max_chunks is None else f", max_chunks={self.max_chunks}")
                 + (", fp8=True" if self.fp8 else ""))  # fmt: skip
+
+
+def column_outputs(columns: Sequence[ColumnParallelLinear], x: torch.Tensor) -> list:
+    """Each of ``columns``' outputs for the input ``x`` (their forwards), computed in one op: one all-reduce of the
+    input's gradient for all (or one all-gather ring of the sequence-parallel input), the wgrad GEMMs overlapping it.
+    The layers share their tensor-parallel group, input width and settings; only one may run in fp8."""
+    first = columns[0]
+    _check_input(first, x, first.in_features, "in_features")
+    weights = [c.replica_summed(c.weight) for c in columns]
+    biases = [c.replica_summed(c.bias) for c in columns]
+    weight, bias = (weights[0], biases[0]) if len(columns) == 1 else (weights, biases)
+    n_local, t, group = sum(w.shape[0] for w in weights), first.tp_size, first.tp_group
+    if first.sequence_parallel:
+        _check_sequence_parallel_input(first, x)
+        x2 = _sequence_token_major(x)
+        ov = _use_overlap(first.overlap, t, x2.shape[0] * t, first.in_features, n_local)
+        if first.fp8:
+            y = column_parallel_fp8(x2, weight, bias, group, sequence_parallel=True, overlap=ov,
+                                    regather=first.regather_input)  # fmt: skip
+        else:
+            y = all_gather_matmul(x2, weight, group, biases=bias, overlap=ov, regather=first.regather_input)
+        ys = [_sequence_from_token_major(y, x) for y in (y if len(columns) > 1 else [y])]
+    else:
+        x2 = x.reshape(-1, first.in_features)
+        ov = _use_overlap(first.overlap, t, x2.shape[0], first.in_features, n_local, ALL_REDUCE_CHUNKS)
+        if first.fp8:
+            y = column_parallel_fp8(x2, weight, bias, group, sequence_parallel=False, overlap=ov)
+        else:
+            y = matmul_grad_all_reduce(x2, weight, group, biases=bias, overlap=ov)
+        ys = [y.view(*x.shape[:-1], y.shape[-1]) for y in (y if len(columns) > 1 else [y])]
+    outputs = []
+    for c, y in zip(columns, ys):
+        outs = y.split(c.local_parts, dim=-1) if len(c.local_parts) > 1 else (y,)
+        if c.gather_output:
+            outs = tuple(gather_from_tp(o, group, dim=-1) for o in outs)
+        outputs.append(outs if len(c.local_parts) > 1 else outs[0])
+    return outputs
 
 
 class RowParallelLinear(nn.Module):

@@ -98,7 +98,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-import torch
 from torch import nn
 
 from ..parallel.collectives import reduce_from_tp
@@ -177,10 +176,12 @@ from .plan import (
     STYLES,
     Entry,
     latent_projections,
+    map_first_output,
     match_plan,
     own_plan,
     tied_parameters,
 )
+from .shared_input import share_inputs
 
 __all__ = ["STYLES", "parallelize"]
 
@@ -271,6 +272,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         install()
     if layout is not None:
         layout.install(model, tp_group, rings, cp_group)
+    elif is_hf_model(model):  # q/k/v, gate/up called one by one on one input: one op, one all-reduce of its gradient
+        share_inputs(model, {e.name: e.new for e in entries if e.kind in RING_COLUMNS})
     if isinstance(context, HFContextLayout):
         context.install(model, cp_group, t if layout is not None else 1)
         if layout is None and hasattr(getattr(model, "config", None), "output_router_logits"):
@@ -585,14 +588,8 @@ def _install(model: nn.Module, entries: list[Entry], tp_group) -> None:
         elif e.kind == GRAD_ALL_REDUCE:
             reduce_parameter_grads(e.module, tp_group)
         elif e.kind == ALL_REDUCE:
-            e.module.register_forward_hook(lambda m, args, out: _map_first(out, lambda y: reduce_from_tp(y, tp_group)))
+            e.module.register_forward_hook(
+                lambda m, args, out: map_first_output(out, lambda y: reduce_from_tp(y, tp_group))
+            )
         else:
             assert e.kind not in SPLIT_LINEAR, f"{e.name}: a split layer was not built"
-
-
-def _map_first(out, fn):
-    if isinstance(out, torch.Tensor):
-        return fn(out)
-    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
-        return (fn(out[0]), *out[1:])
-    raise ValueError(f"parallelize: style 'all_reduce' needs a module returning a tensor, received {type(out)}")

@@ -17,7 +17,7 @@ from .hf_experts import ExpertSplit
 from .hf_linear_attention import KIMI_LATENT_FED, KIMI_LATENTS, is_kimi_delta
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
-__all__ = ["STYLES", "Entry", "glob_regex", "match_plan", "own_plan", "tied_parameters"]
+__all__ = ["STYLES", "Entry", "glob_regex", "map_first_output", "match_plan", "own_plan", "tied_parameters"]
 
 COLUMN, COLUMN_GATHER, PACKED_COLUMN = "colwise", "colwise_gather", "packed_colwise"
 ROW, ROW_SPLIT, EMBEDDING, NORM = "rowwise", "rowwise_split", "embedding", "norm"
@@ -276,3 +276,12 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
                 entries.append(Entry(name, m, LATENT, LATENT, latent=True))
             elif isinstance(m, nn.Linear) and name not in named and child in MLA_INDEXER_QUERIES:
                 entries.append(Entry(name, m, REPLICATE, REPLICATE, latent_fed=True))
+
+
+def map_first_output(out, fn):
+    """``fn`` of a module's output tensor, or of the first of its output tuple (the rest kept)."""
+    if isinstance(out, torch.Tensor):
+        return fn(out)
+    if isinstance(out, tuple) and out and isinstance(out[0], torch.Tensor):
+        return (fn(out[0]), *out[1:])
+    raise ValueError(f"parallelize: style 'all_reduce' needs a module returning a tensor, received {type(out)}")

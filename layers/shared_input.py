@@ -1,0 +1,89 @@
+"""Column-parallel layers a model calls one by one on the same input (a Hugging Face attention's ``q_proj``,
+``k_proj`` and ``v_proj``; its MLP's ``gate_proj`` and ``up_proj``), computed together as Megatron-LM's fused
+projections are: one op for all of them, so one all-reduce of the input's gradient instead of one each (or one
+all-gather ring of a sequence-parallel input), the weight-gradient GEMMs overlapping it.
+
+:class:`SharedInput` is attached to each of its layers (``layer.shared_input``). The first of them called with a
+tensor computes every layer's output for it (:func:`~tessel.layers.linear.column_outputs`) and keeps the others'
+until they are called with the same tensor; a layer called with another tensor, or again, runs alone. Where the
+model turns out to feed them different tensors (a sibling still waiting when another input arrives), the group
+stops computing ahead and each layer runs alone from then on. Layers in fp8 and traced forwards
+(``torch.compile``) run alone: the compiler sees one op per layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .linear import ColumnParallelLinear, column_outputs
+
+__all__ = ["SharedInput", "share_inputs"]
+
+
+def _settings(c: ColumnParallelLinear) -> tuple:
+    return (c.tp_group, c.in_features, c.sequence_parallel, c.overlap, c.regather_input, c.weight.dtype,
+            c.weight.device)  # fmt: skip
+
+
+class SharedInput:
+    """One op for ``columns`` (:class:`~tessel.layers.linear.ColumnParallelLinear` of one group, input width and
+    settings) when the model calls each on the same tensor: see the module. Raises ``TypeError``/``ValueError`` for
+    fewer than two such layers or layers that differ."""
+
+    def __init__(self, columns: Sequence[ColumnParallelLinear]):
+        columns = list(columns)
+        if len(columns) < 2 or not all(type(c) is ColumnParallelLinear for c in columns):
+            raise TypeError(f"SharedInput: expected two or more ColumnParallelLinear layers, received "
+                            f"{[type(c).__name__ for c in columns]}")  # fmt: skip
+        if len({_settings(c) for c in columns}) != 1:
+            raise ValueError("SharedInput: the layers must share their tensor-parallel group, in_features, "
+                             "sequence_parallel, overlap, regather_input, dtype and device")  # fmt: skip
+        self.columns, self.alone = columns, False
+        self._input: torch.Tensor | None = None
+        self._outputs: dict[int, object] = {}
+        for c in columns:
+            c.shared_input = self
+
+    def output(self, column: ColumnParallelLinear, x: torch.Tensor):
+        """``column``'s output for ``x``: kept from the op a sibling ran on ``x``, or computed now (with the
+        siblings', kept for them)."""
+        if x is self._input and id(column) in self._outputs:
+            out = self._outputs.pop(id(column))
+            if not self._outputs:
+                self._input = None
+            return out
+        if self._outputs:  # a sibling never took its output: the model feeds them different tensors
+            self.alone, self._input, self._outputs = True, None, {}
+        if self.alone or torch.compiler.is_compiling() or any(c.fp8 for c in self.columns):
+            return column_outputs([column], x)[0]
+        outputs = column_outputs(self.columns, x)
+        self._input = x
+        self._outputs = {id(c): y for c, y in zip(self.columns, outputs) if c is not column}
+        return outputs[self.columns.index(column)]
+
+    def clear(self) -> None:
+        """Drop what the siblings have not taken (the end of their block's forward): the model does not call every
+        one of them, which run alone from then on."""
+        if self._outputs:
+            self.alone = True
+        self._input, self._outputs = None, {}
+
+
+def share_inputs(model: nn.Module, columns: dict[str, nn.Module]) -> list[SharedInput]:
+    """A :class:`SharedInput` for each set of two or more of ``columns`` (``{name in model: layer}``; plain
+    :class:`~tessel.layers.linear.ColumnParallelLinear` over more than one rank, not gathering their output) that
+    sit in one module and share their settings; that module's forward hook clears what its forward left."""
+    sets: dict[tuple, list[ColumnParallelLinear]] = {}
+    for name, c in columns.items():
+        if type(c) is ColumnParallelLinear and not c.gather_output and c.tp_size > 1:
+            sets.setdefault((name.rpartition(".")[0], _settings(c)), []).append(c)
+    groups = []
+    for (parent, _), layers in sets.items():
+        if len(layers) > 1:
+            group = SharedInput(layers)
+            model.get_submodule(parent).register_forward_hook(lambda module, args, out, group=group: group.clear())
+            groups.append(group)
+    return groups

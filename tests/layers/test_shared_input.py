@@ -1,0 +1,133 @@
+"""Column-parallel layers called one by one on the same input, computed in one op (:mod:`tessel.layers.shared_input`):
+one all-reduce of the input's gradient instead of one per layer, outputs and gradients unchanged.
+
+Bytes are :func:`~tessel.parallel.comm.count_bytes`' (the ring's 2(t-1)/t·|x| of an all-reduce, each way), exact:
+they depend on shapes alone. Values are checked against the dense float64 layers at fp32 tolerances (1e-4).
+"""
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from tests.layers.test_hf import REFERENCE_KERNELS, _check_against_dense, _model, needs_hf
+from tests.multiprocess import run_ranks
+
+B, S, K = 2, 6, 8
+WIDTHS = (8, 4, 4)  # q, k, v
+
+
+def _siblings(shared: bool):
+    from tessel.layers.linear import ColumnParallelLinear
+    from tessel.layers.shared_input import SharedInput
+
+    torch.manual_seed(0)
+    dense = [nn.Linear(K, n, dtype=torch.float64) for n in WIDTHS]
+    layers = [ColumnParallelLinear.from_linear(lin.float(), overlap=True) for lin in copy.deepcopy(dense)]
+    group = SharedInput(layers) if shared else None
+    return dense, layers, group
+
+
+def _run(layers, inputs, grads):
+    """Each layer on its input (the same leaf where ``inputs`` repeats a tensor); backward of Σ <y_i, g_i>."""
+    leaves = {id(i): i.clone().requires_grad_() for i in inputs}
+    ys = [layer(leaves[id(i)]) for layer, i in zip(layers, inputs)]
+    sum((y * g).sum() for y, g in zip(ys, grads)).backward()
+    return ys, [leaves[id(i)].grad for i in inputs]
+
+
+def _check(rank, t, dense, layers, ys, inputs, x_grads, grads, what):
+    """Against the dense layers, every rank's upstream gradient of its columns being ``grads`` (drawn alike)."""
+    leaves = {id(i): i.double().requires_grad_() for i in inputs}
+    full = [lin(leaves[id(i)]) for lin, i in zip(dense, inputs)]
+    sum((y * torch.cat([g.double()] * t, -1)).sum() for y, g in zip(full, grads)).backward()
+    cols = [slice(rank * n // t, (rank + 1) * n // t) for n in WIDTHS]
+    for i, (layer, lin, c) in enumerate(zip(layers, dense, cols)):
+        torch.testing.assert_close(ys[i].double(), full[i][..., c].detach(), rtol=1e-4, atol=1e-5, msg=what)
+        torch.testing.assert_close(layer.weight.grad.double(), lin.weight.grad[c], rtol=1e-4, atol=1e-5, msg=what)
+    for got, i in zip(x_grads, inputs):
+        torch.testing.assert_close(got.double(), leaves[id(i)].grad, rtol=1e-4, atol=1e-5, msg=what)
+
+
+def _worker(rank, t):
+    from tessel.parallel.comm import count_bytes
+
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(B, S, K, generator=gen)
+    grads = [torch.randn(B, S, n // t, generator=gen) for n in WIDTHS]
+    moved = {}
+    for shared in (False, True):
+        dense, layers, group = _siblings(shared)
+        with count_bytes() as counter:
+            ys, x_grads = _run(layers, [x] * 3, grads)
+        moved[shared] = counter.sent
+        _check(rank, t, dense, layers, ys, [x] * 3, x_grads, grads, f"shared={shared}")
+    all_reduce = 2 * (t - 1) / t * x.numel() * 4  # one all-reduce of the input's gradient, fp32
+    assert moved == {False: 3 * all_reduce, True: all_reduce}, moved
+    # the model feeds the layers different tensors: the first forward computes ahead once, then each runs alone
+    dense, layers, group = _siblings(True)
+    others = [torch.randn(B, S, K, generator=gen) for _ in range(3)]
+    for step in range(2):
+        for layer in (*layers, *dense):
+            layer.zero_grad()
+        with count_bytes() as counter:
+            ys, x_grads = _run(layers, others, grads)
+        assert group.alone and counter.sent == 3 * all_reduce
+        _check(rank, t, dense, layers, ys, others, x_grads, grads, f"different inputs, step {step}")
+    # a sibling the forward never calls: cleared at the block's end, then each runs alone
+    dense, layers, group = _siblings(True)
+    layers[0](x), layers[1](x)
+    group.clear()
+    assert group.alone and not group._outputs
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("world", [2, 4])
+def test_layers_on_one_input_share_one_all_reduce(world):
+    assert run_ranks(_worker, world) == ["ok"] * world
+
+
+def test_bad_groups_are_refused():
+    from tessel.layers.linear import ColumnParallelLinear
+    from tessel.layers.shared_input import SharedInput
+
+    with pytest.raises(TypeError, match="two or more ColumnParallelLinear"):
+        SharedInput([ColumnParallelLinear(4, 4)])
+    with pytest.raises(TypeError, match=r"received \['ColumnParallelLinear', 'Linear'\]"):
+        SharedInput([ColumnParallelLinear(4, 4), nn.Linear(4, 4)])
+    with pytest.raises(ValueError, match="must share their tensor-parallel group, in_features"):
+        SharedInput([ColumnParallelLinear(4, 4), ColumnParallelLinear(6, 4)])
+
+
+def _llama_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+    from tessel.layers.shared_input import SharedInput
+    from tessel.parallel.comm import count_bytes
+
+    dense = _model("llama")
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(2))
+    moved = {}
+    for shared in (True, False):
+        par = parallelize(copy.deepcopy(dense), None)
+        groups = {id(m.shared_input): m.shared_input for m in par.modules() if getattr(m, "shared_input", None)}
+        assert len(groups) == 2 * len(par.model.layers) and all(isinstance(g, SharedInput) for g in groups.values())
+        for group in groups.values():
+            group.alone = not shared
+        with count_bytes() as counter:
+            par(ids).logits.sum().backward()
+        moved[shared] = counter.sent
+    # per layer: q/k/v's three all-reduces of the attention input's gradient become one, gate/up's two one
+    hidden = 2 * (world_size - 1) / world_size * 2 * 8 * 64 * 4
+    assert moved[False] - moved[True] == 3 * hidden * len(dense.model.layers), moved
+    _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), "llama, shared inputs")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_a_hugging_face_llama_shares_its_blocks_inputs():
+    """Without sequence parallelism a parallelized Llama's q/k/v and gate/up each form one op: the dense model's
+    logits and gradients, with three fewer all-reduces of a layer's input gradient per layer."""
+    assert run_ranks(_llama_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok", "ok"]
