@@ -43,11 +43,10 @@ from torch import nn
 
 from ..parallel.collectives import copy_to_tp, gather_from_tp, scatter_to_sequence
 from ..parallel.comm import group_size
-from ..parallel.overlap import all_gather_matmul
 from .hf_attention import register_hf_attention, tessel_attention_forward
 from .hf_experts import _inside, check_expert_blocks, expert_blocks, gather_router_logits
 from .hf_mixers import _plain_linear
-from .linear import ColumnParallelLinear, _check_input, _sequence_from_token_major, _sequence_token_major, _use_overlap
+from .linear import ColumnParallelLinear, _check_input, column_outputs
 
 __all__ = [
     "HFSequenceLayout",
@@ -352,7 +351,8 @@ class SequenceRing:
     ``[B, S, H]`` placeholder; the first projection called computes every projection's output with one
     :func:`~tessel.parallel.overlap.all_gather_matmul`; ``end()`` (the block's forward hook) drops what
     is left. A projection called a second time in the same forward runs a ring of its own. ``latents``
-    (:class:`RingLatentLinear`) read the shard itself.
+    (:class:`RingLatentLinear`) read the shard itself. Projections in fp8 each gather the shard in fp8 (an fp8 GEMM
+    takes one weight).
     """
 
     def __init__(self, block: str, columns: list[RingColumnLinear], tp_group, latents: list[RingLatentLinear] = ()):
@@ -407,20 +407,9 @@ class SequenceRing:
         self._outputs = {}
 
     def _run(self, columns: list[RingColumnLinear]) -> dict[int, object]:
-        x = self._shard
-        x2 = _sequence_token_major(x)
-        t, first = group_size(self.tp_group), columns[0]
-        n_local = sum(c.weight.shape[0] for c in columns)
-        overlap = _use_overlap(first.overlap, t, x2.shape[0] * t, first.in_features, n_local)
-        weights = [c.replica_summed(c.weight) for c in columns]  # kv heads copied on several ranks: summed gradients
-        biases = [c.replica_summed(c.bias) for c in columns]
-        ys = all_gather_matmul(x2, weights, self.tp_group, biases=biases, overlap=overlap,
-                               regather=first.regather_input)  # fmt: skip
-        outputs = {}
-        for c, y in zip(columns, ys):
-            y = _sequence_from_token_major(y, x)
-            outputs[id(c)] = y.split(c.local_parts, dim=-1) if len(c.local_parts) > 1 else y
-        return outputs
+        if any(c.fp8 for c in columns):  # an fp8 GEMM takes one weight: each gathers the shard in fp8 itself
+            return {id(c): column_outputs([c], self._shard)[0] for c in columns}
+        return dict(zip(map(id, columns), column_outputs(columns, self._shard)))
 
 
 def _layers_name(model: nn.Module, base: nn.Module) -> str | None:
