@@ -5,9 +5,11 @@ all-gather ring of a sequence-parallel input), the weight-gradient GEMMs overlap
 
 :class:`SharedInput` is attached to each of its layers (``layer.shared_input``). The first of them called with a
 tensor computes every layer's output for it (:func:`~tessel.layers.linear.column_outputs`) and keeps the others'
-until they are called with the same tensor; a layer called with another tensor, or again, runs alone. Where the
-model turns out to feed them different tensors (a sibling still waiting when another input arrives), the group
-stops computing ahead and each layer runs alone from then on. Layers in fp8 and traced forwards
+until they are called with the same tensor. Where the model turns out to feed them different tensors (a sibling
+called with another tensor while others wait), or not to call every one (some still waiting at the end of their
+module's forward), the group stops computing ahead and each layer runs alone from then on; the layer that ran ahead
+called again with siblings waiting is a new forward after one that stopped early (a recomputation for backward
+ends once it has what backward needs), which drops what they wait for. Layers in fp8 and traced forwards
 (``torch.compile``) run alone: the compiler sees one op per layer.
 """
 
@@ -43,6 +45,7 @@ class SharedInput:
                              "sequence_parallel, overlap, regather_input, dtype and device")  # fmt: skip
         self.columns, self.alone = columns, False
         self._input: torch.Tensor | None = None
+        self._leader: ColumnParallelLinear | None = None
         self._outputs: dict[int, object] = {}
         for c in columns:
             c.shared_input = self
@@ -55,12 +58,14 @@ class SharedInput:
             if not self._outputs:
                 self._input = None
             return out
-        if self._outputs:  # a sibling never took its output: the model feeds them different tensors
-            self.alone, self._input, self._outputs = True, None, {}
+        if self._outputs:  # siblings left waiting: the last forward stopped early (the one that ran ahead calls
+            # again: a recomputation that ends once it has what backward needs), or the model feeds them other tensors
+            self.alone = self.alone or column is not self._leader
+            self._input, self._outputs = None, {}
         if self.alone or torch.compiler.is_compiling() or any(c.fp8 for c in self.columns):
             return column_outputs([column], x)[0]
         outputs = column_outputs(self.columns, x)
-        self._input = x
+        self._input, self._leader = x, column
         self._outputs = {id(c): y for c, y in zip(self.columns, outputs) if c is not column}
         return outputs[self.columns.index(column)]
 

@@ -75,8 +75,16 @@ def _worker(rank, t):
             ys, x_grads = _run(layers, others, grads)
         assert group.alone and counter.sent == 3 * all_reduce
         _check(rank, t, dense, layers, ys, others, x_grads, grads, f"different inputs, step {step}")
-    # a sibling the forward never calls: cleared at the block's end, then each runs alone
+    # a forward that stops early (a recomputation), then a whole one: the next runs ahead again
     dense, layers, group = _siblings(True)
+    layers[0](x), layers[1](x)
+    for layer in (*layers, *dense):
+        layer.zero_grad()
+    with count_bytes() as counter:
+        ys, x_grads = _run(layers, [others[0]] * 3, grads)
+    assert not group.alone and counter.sent == all_reduce
+    _check(rank, t, dense, layers, ys, [others[0]] * 3, x_grads, grads, "after a forward that stopped early")
+    # a sibling the forward never calls: cleared at the block's end, then each runs alone
     layers[0](x), layers[1](x)
     group.clear()
     assert group.alone and not group._outputs
