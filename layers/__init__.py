@@ -17,6 +17,7 @@ from .mlp import ParallelMLP
 from .moe import ParallelMoE, update_expert_biases
 from .norm import LayerNorm, RMSNorm
 from .parallelize import parallelize
+from .shared_input import SharedInput
 
 __all__ = [
     "GPT",
@@ -30,6 +31,7 @@ __all__ = [
     "ParallelMoE",
     "RMSNorm",
     "RowParallelLinear",
+    "SharedInput",
     "TransformerBlock",
     "VocabParallelEmbedding",
     "convert_to_fp8",
