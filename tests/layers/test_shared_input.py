@@ -91,6 +91,39 @@ def _worker(rank, t):
     return "ok"
 
 
+def _sequence_parallel_worker(rank, t):
+    """Under sequence parallelism the shared op gathers the input once (one all-gather ring forward, one
+    reduce-scatter of its gradient backward) where each layer alone gathers it again; same outputs and gradients."""
+    from tessel.layers.linear import ColumnParallelLinear
+    from tessel.layers.shared_input import SharedInput
+    from tessel.parallel.comm import count_bytes
+
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(B, S // t, K, generator=gen)
+    grads = [torch.randn(B, S, n // t, generator=gen) for n in WIDTHS]
+    results = {}
+    for shared in (False, True):
+        torch.manual_seed(0)
+        layers = [ColumnParallelLinear(K, n, sequence_parallel=True, overlap=True) for n in WIDTHS]
+        if shared:
+            SharedInput(layers)
+        with count_bytes() as counter:
+            ys, x_grads = _run(layers, [x] * 3, grads)
+        results[shared] = (counter.sent, ys, x_grads[0], [layer.weight.grad for layer in layers])
+    (alone, *plain), (once, *grouped) = results[False], results[True]
+    ring = (t - 1) * x.numel() * 4  # one all-gather of the input, one reduce-scatter of its gradient: fp32
+    assert (alone, once) == (3 * 2 * ring, 2 * ring), (alone, once)
+    for a, b in zip(plain, grouped):
+        for u, v in zip(a, b) if isinstance(a, list) else [(a, b)]:
+            torch.testing.assert_close(v, u, rtol=1e-5, atol=1e-6)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+def test_sequence_parallel_layers_on_one_input_share_one_ring():
+    assert run_ranks(_sequence_parallel_worker, 2) == ["ok", "ok"]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("world", [2, 4])
 def test_layers_on_one_input_share_one_all_reduce(world):
