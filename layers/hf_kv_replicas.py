@@ -2,42 +2,29 @@
 it, as Megatron-LM replicates them (Qwen2.5-7B's 4 kv heads over 8 ranks, Gemma 2B's one).
 
 Over ``t`` ranks a Hugging Face attention of ``H`` query heads and ``Hkv < t`` kv heads (``t`` a multiple of ``Hkv``,
-``H`` of ``t``) keeps on rank ``r`` its ``H/t`` query heads, as any split does, and the one kv head they read:
-``r // (t / Hkv)``. ``k_proj`` and ``v_proj`` stay whole on every rank (their parameters replicated, as norms are);
-:class:`ReplicatedKVLinear` computes the rank's kv head from them:
-
-- without sequence parallelism, the rows of its head alone, from the replicated input; the input's gradient and the
-  weights' are each rank's share (its query heads' pull on the kv head), summed over the group in backward
-  (``copy_to_tp``);
-- under sequence parallelism, inside the block's ring (as multi-head latent attention's latents): every kv head from
-  this rank's tokens, all-gathered along the sequence (``Hkv·D`` features a token, a fraction of the hidden width),
-  then its head's; in backward the ranks' gradients of the gathered heads are reduce-scattered back to their tokens,
-  and the weights' summed.
+``H`` of ``t``) keeps on rank ``r`` its ``H/t`` query heads, as any split does, and a copy of the one kv head they
+read, ``r // (t / Hkv)``. Its key and value projections become :class:`~tessel.layers.linear.ColumnParallelLinear`
+layers whose rows are cut into ``Hkv`` chunks (``max_chunks``), each on ``t / Hkv`` ranks: separate ``k_proj`` and
+``v_proj`` with ``max_chunks=(Hkv,)``; a fused ``[q; k; v]`` (Phi-3's ``qkv_proj``, a multi-query GPT-BigCode's
+``c_attn`` or Falcon-7B's ``query_key_value``: ``[q | k | v]`` of one kv head) as one layer with ``(None, Hkv,
+Hkv)``. In backward the copies' gradients are summed over the group. They are column layers like ``q_proj``: under
+sequence parallelism they multiply the input the block's ring gathers once for all of them, and without it the three
+share one op and one all-reduce of the input's gradient (:mod:`~tessel.layers.shared_input`).
 
 The attention's counts become this rank's (:func:`replicated_updates`): its query heads, one kv head, and the query
 heads per kv head (``num_key_value_groups``) its forward repeats the keys by.
-
-A fused ``[q; k; v]`` projection (Phi-3's ``qkv_proj``, a multi-query GPT-BigCode's ``c_attn``: ``[q | k | v]`` of one
-kv head) is split as one :class:`~tessel.layers.linear.ColumnParallelLinear` whose k and v parts are cut into ``Hkv``
-chunks (``max_chunks``): rank r's weight holds its query heads' rows and a copy of its kv head's, the copies'
-gradients summed over the group in backward; under sequence parallelism it stays in its block's ring.
 """
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from ..parallel.collectives import copy_to_tp, gather_from_sequence
-from ..parallel.comm import group_rank, group_size
-from .hf import RingLatentLinear
 from .hf_classic import classic_qkv_parts
 from .hf_mixers import packed_parts
 from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, positive_int_attr
-from .plan import COLUMN, COLUMN_QKV, GRAD_ALL_REDUCE, KV_REPLICATED, ROW, Entry
+from .plan import COLUMN, COLUMN_QKV, GRAD_ALL_REDUCE, ROW, Entry
 
-__all__ = ["KV_PROJECTIONS", "ReplicatedKVLinear", "fused_kv_replicas", "kv_replicas", "replicate_kv_heads",
-           "replicated_updates"]  # fmt: skip
+__all__ = ["KV_PROJECTIONS", "fused_kv_replicas", "kv_replicas", "replicate_kv_heads", "replicated_updates"]
 
 KV_PROJECTIONS = ("k_proj", "v_proj")
 # what may sit beside replicated kv heads: split query and output projections (and a gate of the query heads), norms of
@@ -106,11 +93,10 @@ def replicated_updates(attention: nn.Module, t: int) -> dict[str, object]:
     return updates
 
 
-def replicate_kv_heads(model: nn.Module, entries: list[Entry], t: int, sequence_parallel: bool) -> None:
-    """k_proj and v_proj split ``colwise`` in attention whose kv heads are fewer than the ``t`` ranks (its q_proj split
-    too): each replicated over the ranks whose query heads read it (:mod:`~tessel.layers.hf_kv_replicas`), under
-    sequence parallelism as latents of the block's ring; a fused ``colwise_qkv`` projection of such attention gets
-    the ``max_chunks`` that keep a copy of a kv head on each rank."""
+def replicate_kv_heads(model: nn.Module, entries: list[Entry], t: int) -> None:
+    """The ``max_chunks`` that keep a copy of a kv head on each rank (:mod:`~tessel.layers.hf_kv_replicas`) for the
+    ``colwise`` k_proj and v_proj, or the fused ``colwise_qkv`` projection, of attention whose kv heads are fewer than
+    the ``t`` ranks (its query heads split)."""
     kinds = {e.name: e.kind for e in entries}
     for e in entries:
         parent, _, leaf = e.name.rpartition(".")
@@ -123,32 +109,4 @@ def replicate_kv_heads(model: nn.Module, entries: list[Entry], t: int, sequence_
         if e.kind != COLUMN or leaf not in KV_PROJECTIONS or kinds.get(f"{parent}.q_proj") != COLUMN:
             continue
         if (kv_heads := kv_replicas(model.get_submodule(parent), t)) is not None:
-            e.kind, e.kv_heads, e.latent = KV_REPLICATED, kv_heads, sequence_parallel
-
-
-class ReplicatedKVLinear(RingLatentLinear):
-    """``k_proj`` or ``v_proj`` whole on every rank, computing the kv head this rank's query heads read (rows
-    ``rows`` of its output): see the module. Shares the replaced layer's parameters. Under sequence parallelism its
-    block's ring hands it this rank's tokens (``ring``); otherwise it reads the replicated input."""
-
-    @classmethod
-    def from_projection(cls, linear: nn.Linear, kv_heads: int, tp_group) -> ReplicatedKVLinear:
-        layer = cls.from_linear(linear)
-        t, r = group_size(tp_group), group_rank(tp_group)
-        width = linear.out_features // kv_heads
-        head = r // (t // kv_heads)
-        layer.rows, layer.tp_group = slice(head * width, (head + 1) * width), tp_group
-        return layer
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        group = self.tp_group
-        weight, bias = copy_to_tp(self.weight, group), None if self.bias is None else copy_to_tp(self.bias, group)
-        if self.ring is None:  # the replicated input: this rank's head alone
-            return nn.functional.linear(
-                copy_to_tp(x, group), weight[self.rows], None if bias is None else bias[self.rows]
-            )
-        y = nn.functional.linear(self.ring.shard(self, x), weight, bias)  # every kv head of this rank's tokens
-        return gather_from_sequence(y, group, dim=y.dim() - 2)[..., self.rows]
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features} (this rank's rows {self.rows})"
+            e.kv_heads, e.max_chunks = kv_heads, (kv_heads,)

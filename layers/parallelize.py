@@ -131,7 +131,7 @@ from .hf_experts import (
     reduce_parameter_grads,
     shard_experts,
 )
-from .hf_kv_replicas import ReplicatedKVLinear, replicate_kv_heads, replicated_updates
+from .hf_kv_replicas import replicate_kv_heads, replicated_updates
 from .hf_linear_attention import delta_net_updates, is_delta_net, split_depthwise_conv
 from .hf_mixers import (
     SharedRowLinear,
@@ -160,7 +160,6 @@ from .plan import (
     EXPERTS,
     GATED_NORM,
     GRAD_ALL_REDUCE,
-    KV_REPLICATED,
     MLA_KV_A,
     MOE,
     NORM,
@@ -232,7 +231,7 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
         e.ep_group = ep_group
         if e.kind in SPLIT_LINEAR and linear_like(e.module):  # GPT-2's Conv1D, Falcon's FalconLinear
             e.transposed, e.module = is_conv1d(e.module), as_linear(e.module)
-    replicate_kv_heads(model, entries, t, sequence_parallel)
+    replicate_kv_heads(model, entries, t)
     for e in entries:
         if e.kind == EXPERTS:
             e.expert_split = "experts" if e.style == "ep_dispatch_experts" or ep else expert_split
@@ -344,11 +343,10 @@ def _local_heads(model: nn.Module, entries: list[Entry], t: int) -> list[tuple[n
     for e in entries:
         if e.kind in BY_HEADS and "." in e.name:
             parents.setdefault(e.name.rsplit(".", 1)[0], []).append(e)
-    replicated = {e.name.rsplit(".", 1)[0] for e in entries if e.kind == KV_REPLICATED}
     heads = []
     for parent_name, children in parents.items():
         parent = model.get_submodule(parent_name)
-        if parent_name in replicated or any(e.max_chunks for e in children):  # its query heads, the kv head they read
+        if any(e.max_chunks for e in children):  # its query heads and a copy of the kv head they read
             heads.append((parent, replicated_updates(parent, t)))
             continue
         if isinstance(parent, ParallelAttention):
@@ -441,13 +439,9 @@ def _validate_entry(e: Entry, t: int, model: nn.Module) -> None:
         if not is_mamba2(parent) or leaf != "norm":
             _fail(e, "expected the gated norm of a Mamba-2 mixer (tessel.layers.hf_mixers)")
         e.groups = parent.n_groups
-    elif e.kind in (MLA_KV_A, KV_REPLICATED):
+    elif e.kind == MLA_KV_A:
         if not isinstance(m, nn.Linear) or type(m).forward is not nn.Linear.forward:
-            _fail(
-                e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa, a k_proj or v_proj) that does not override forward"
-            )
-        if e.kind == KV_REPLICATED:
-            return
+            _fail(e, "expected an nn.Linear (MLA's kv_a_proj_with_mqa) that does not override forward")
         try:
             e.rope_dim = mla_rope_dim(model, e.name, m)
         except ValueError as err:
@@ -503,13 +497,12 @@ def _check_head_widths(parent_name: str, parent: nn.Module, children: list[Entry
 
 def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
     """The replacement of ``e.module`` (None: the module stays, with hooks). Changes nothing of the model."""
-    if e.kind == KV_REPLICATED:  # whole on every rank, computing the rank's kv head (under SP: a latent of the ring)
-        return ReplicatedKVLinear.from_projection(e.module, e.kv_heads, tp_group)
     if e.latent:  # under SP: multiplies the shard, gathers the latent
         return RingLatentLinear.from_linear(e.module)
     column = RingColumnLinear if e.gathered else ColumnParallelLinear
     kw = {} if overlap is None else {"overlap": overlap}
-    if e.kind == COLUMN:
+    if e.kind == COLUMN:  # max_chunks: a k_proj or v_proj of kv heads fewer than the ranks, copied on several
+        kw |= {"max_chunks": e.max_chunks} if e.max_chunks else {}  # (else a world-of-one layer's own are kept)
         return column.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == COLUMN_GATHER:
         return ColumnParallelLinear.from_linear(e.module, tp_group=tp_group, gather_output=True, **kw)

@@ -26,7 +26,6 @@ EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwis
 COLUMN_QKV, COLUMN_CONV, GATED_NORM = "colwise_qkv", "colwise_conv", "colwise_gated_norm"
 ROW_SHARED, ROW_HEADS = "rowwise_shared", "rowwise_heads"
 LATENT = "latent"  # not a style: a replicated projection of multi-head latent attention under sequence parallelism
-KV_REPLICATED = "kv_replicated"  # not a style: k_proj/v_proj of kv heads fewer than the ranks (hf_kv_replicas)
 
 STYLES: dict[str, str] = {
     COLUMN: COLUMN, "local_colwise": COLUMN,
@@ -73,8 +72,8 @@ class Entry:
     expert_split: str = "features"  # experts: "features" or "experts"
     ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
     transposed: bool = False  # a Conv1D (weight [in, out]) split as the nn.Linear it computes
-    kv_heads: int | None = None  # kv_replicated: the attention's kv heads, each replicated over t / kv_heads ranks
-    max_chunks: tuple | None = None  # a fused [q; k; v] whose kv heads are replicated: ColumnParallelLinear's
+    kv_heads: int | None = None  # kv heads fewer than the ranks, each replicated over t / kv_heads of them
+    max_chunks: tuple | None = None  # their k/v projections' (or fused [q; k; v]'s) ColumnParallelLinear max_chunks
 
 
 def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:

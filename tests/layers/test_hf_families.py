@@ -85,7 +85,6 @@ def test_families_match_dense_on_two_ranks():
 
 
 def _one_kv_head_ranks(rank, world_size, families):
-    from tessel.layers.hf_kv_replicas import ReplicatedKVLinear
     from tessel.layers.parallelize import parallelize
 
     for kind in families:
@@ -93,7 +92,7 @@ def _one_kv_head_ranks(rank, world_size, families):
         for sp in (False, True):
             dense = family_model(kind, num_key_value_heads=1, **config)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
-            copies = [m for m in par.modules() if isinstance(m, ReplicatedKVLinear) or getattr(m, "max_chunks", None)]
+            copies = [m for m in par.modules() if getattr(m, "max_chunks", None)]
             assert bool(copies) == (kind != "gpt_neox"), f"{kind}: {len(copies)} kv heads copied"  # NeoX: no GQA
             _check_against_dense(dense, par, f"{kind} one kv head sp={sp}")
     return "ok"

@@ -12,7 +12,7 @@ from tests.multiprocess import run_ranks
 
 
 def _replicas(rank, world_size):
-    from tessel.layers.hf_kv_replicas import ReplicatedKVLinear
+    from tessel.layers.linear import ColumnParallelLinear
     from tessel.layers.parallelize import parallelize
     from tests.layers.test_hf_plans import qk_norm_model
 
@@ -23,10 +23,10 @@ def _replicas(rank, world_size):
             dense = _model(family, kv_heads=kv_heads)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, overlap=sp or "auto")
             attention, whole = par.model.layers[0].self_attn, dense.model.layers[0].self_attn
-            assert isinstance(attention.k_proj, ReplicatedKVLinear) and attention.k_proj.weight is not None
-            head = rank // (world_size // kv_heads)
-            assert attention.k_proj.rows == slice(16 * head, 16 * head + 16)
-            assert torch.equal(attention.v_proj.weight, whole.v_proj.weight)  # whole on every rank
+            assert isinstance(attention.k_proj, ColumnParallelLinear) and attention.k_proj.max_chunks == (kv_heads,)
+            head = rank // (world_size // kv_heads)  # a copy of the kv head this rank's query heads read
+            assert torch.equal(attention.v_proj.weight, whole.v_proj.weight[16 * head : 16 * head + 16])
+            assert attention.k_proj.shared_input is attention.q_proj.shared_input is not None or sp
             assert attention.q_proj.weight.shape == (16, 64) and attention.num_key_value_groups == 1
             _check_against_dense(dense, par, f"{family} {kv_heads} kv heads sp={sp}")
     # fused projections: Phi-3's qkv_proj with 2 kv heads, a multi-query GPT-BigCode's c_attn (StarCoder's) with one;

@@ -163,6 +163,16 @@ def _llama_ranks(rank, world_size):
     hidden = 2 * (world_size - 1) / world_size * 2 * 8 * 64 * 4
     assert moved[False] - moved[True] == 3 * hidden * len(dense.model.layers), moved
     _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), "llama, shared inputs")
+    # one kv head copied on both ranks: k_proj and v_proj are column layers too, in q_proj's op
+    dense = _model("llama", kv_heads=1)
+    par = parallelize(copy.deepcopy(dense), None)
+    attention = par.model.layers[0].self_attn
+    assert attention.k_proj.shared_input is attention.v_proj.shared_input is attention.q_proj.shared_input
+    with count_bytes() as counter:
+        par(ids).logits.sum().backward()
+    copies = 2 * (world_size - 1) / world_size * 16 * 64 * 4  # a copy's gradient summed: k's or v's weight, fp32
+    assert counter.sent == moved[True] + 2 * copies * len(dense.model.layers), (counter.sent, moved)
+    _check_against_dense(dense, parallelize(copy.deepcopy(dense), None), "llama, one kv head, shared inputs")
     return "ok"
 
 
@@ -170,7 +180,8 @@ def _llama_ranks(rank, world_size):
 @needs_hf
 def test_a_hugging_face_llama_shares_its_blocks_inputs():
     """Without sequence parallelism a parallelized Llama's q/k/v and gate/up each form one op: the dense model's
-    logits and gradients, with three fewer all-reduces of a layer's input gradient per layer."""
+    logits and gradients, with three fewer all-reduces of a layer's input gradient per layer; with one kv head copied
+    on both ranks, the same, and the all-reduces that sum the copies' k and v weight gradients."""
     assert run_ranks(_llama_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
