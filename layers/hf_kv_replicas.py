@@ -104,9 +104,9 @@ def replicate_kv_heads(model: nn.Module, entries: list[Entry], t: int) -> None:
         if t < 2 or siblings - _BESIDE - {COLUMN_QKV}:  # a norm over every kv head's features (OLMo 2's k_norm)
             continue
         if e.kind == COLUMN_QKV and (kv_heads := fused_kv_replicas(model.get_submodule(parent), leaf, t)):
-            e.kv_heads, e.max_chunks = kv_heads, (None, kv_heads, kv_heads)  # one fused layer, k and v copied
+            e.max_chunks = (None, kv_heads, kv_heads)  # one fused layer, k and v copied
             continue
         if e.kind != COLUMN or leaf not in KV_PROJECTIONS or kinds.get(f"{parent}.q_proj") != COLUMN:
             continue
         if (kv_heads := kv_replicas(model.get_submodule(parent), t)) is not None:
-            e.kv_heads, e.max_chunks = kv_heads, (kv_heads,)
+            e.max_chunks = (kv_heads,)

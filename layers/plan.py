@@ -72,8 +72,7 @@ class Entry:
     expert_split: str = "features"  # experts: "features" or "experts"
     ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
     transposed: bool = False  # a Conv1D (weight [in, out]) split as the nn.Linear it computes
-    kv_heads: int | None = None  # kv heads fewer than the ranks, each replicated over t / kv_heads of them
-    max_chunks: tuple | None = None  # their k/v projections' (or fused [q; k; v]'s) ColumnParallelLinear max_chunks
+    max_chunks: tuple | None = None  # k/v (or fused [q; k; v]) of kv heads fewer than the ranks: copies of each
 
 
 def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:
