@@ -131,8 +131,20 @@ def test_layers_on_one_input_share_one_all_reduce(world):
 
 
 def test_bad_groups_are_refused():
-    from tessel.layers.linear import ColumnParallelLinear
+    from tessel.layers.linear import ColumnParallelLinear, column_outputs
     from tessel.layers.shared_input import SharedInput
+
+    x = torch.randn(2, 4)
+    with pytest.raises(TypeError, match="non-empty sequence of ColumnParallelLinear, received \\[\\]"):
+        column_outputs([], x)
+    with pytest.raises(TypeError, match="received Linear"):
+        column_outputs(nn.Linear(4, 4), x)
+    with pytest.raises(ValueError, match="must share their tensor-parallel group"):
+        column_outputs([ColumnParallelLinear(4, 4), ColumnParallelLinear(4, 4, overlap=False)], x)
+    with pytest.raises(ValueError, match="run in fp8 only alone"):
+        column_outputs([ColumnParallelLinear(4, 4, fp8=True), ColumnParallelLinear(4, 4, fp8=True)], x)
+    assert [y.shape for y in column_outputs([ColumnParallelLinear(4, 3), ColumnParallelLinear(4, 5)], x)] == [
+        (2, 3), (2, 5)]  # fmt: skip
 
     with pytest.raises(TypeError, match="two or more ColumnParallelLinear"):
         SharedInput([ColumnParallelLinear(4, 4)])
