@@ -32,7 +32,7 @@ from ..parallel.overlap import (
 from ..parallel.sharding import local_shard, part_chunks
 from .fp8 import Fp8Linear, column_parallel_fp8, row_parallel_fp8
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_outputs"]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "column_outputs", "column_settings"]
 
 # "auto" overlaps when each step's GEMM (one ring step: the tokens of one rank; one all-reduce chunk: a
 # quarter of them) has at least this many multiply-adds. Measured with ``python -m tessel.bench overlap``
@@ -350,6 +350,12 @@ class ColumnParallelLinear(nn.Module):
                 + (", fp8=True" if self.fp8 else ""))  # fmt: skip
 
 
+def column_settings(c: ColumnParallelLinear) -> tuple:
+    """What column layers computed in one op (:func:`column_outputs`) must share."""
+    return (c.tp_group, c.in_features, c.sequence_parallel, c.overlap, c.regather_input, c.weight.dtype,
+            c.weight.device)  # fmt: skip
+
+
 def column_outputs(columns: Sequence[ColumnParallelLinear], x: torch.Tensor) -> list:
     """Each of ``columns``' outputs for the input ``x`` (their forwards), computed in one op: one all-reduce of the
     input's gradient for all (or one all-gather ring of the sequence-parallel input), the wgrad GEMMs overlapping it.
@@ -359,10 +365,10 @@ def column_outputs(columns: Sequence[ColumnParallelLinear], x: torch.Tensor) -> 
     if not isinstance(columns, list) or not columns or not all(isinstance(c, ColumnParallelLinear) for c in columns):
         raise TypeError(f"column_outputs: columns must be a non-empty sequence of ColumnParallelLinear, received "
                         f"{columns!r:.200}")  # fmt: skip
-    settings = {(c.tp_group, c.in_features, c.sequence_parallel, c.overlap, c.regather_input) for c in columns}
-    if len(settings) > 1 or (len(columns) > 1 and any(c.fp8 for c in columns)):
+    if len({column_settings(c) for c in columns}) > 1 or (len(columns) > 1 and any(c.fp8 for c in columns)):
         raise ValueError("column_outputs: the layers must share their tensor-parallel group, in_features, "
-                         "sequence_parallel, overlap and regather_input, and run in fp8 only alone")  # fmt: skip
+                         "sequence_parallel, overlap, regather_input, dtype and device, and run in fp8 only "
+                         "alone")  # fmt: skip
     first = columns[0]
     _check_input(first, x, first.in_features, "in_features")
     weights = [c.replica_summed(c.weight) for c in columns]

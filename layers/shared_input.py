@@ -20,14 +20,9 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from .linear import ColumnParallelLinear, column_outputs
+from .linear import ColumnParallelLinear, column_outputs, column_settings
 
 __all__ = ["SharedInput", "share_inputs"]
-
-
-def _settings(c: ColumnParallelLinear) -> tuple:
-    return (c.tp_group, c.in_features, c.sequence_parallel, c.overlap, c.regather_input, c.weight.dtype,
-            c.weight.device)  # fmt: skip
 
 
 class SharedInput:
@@ -40,7 +35,7 @@ class SharedInput:
         if len(columns) < 2 or not all(type(c) is ColumnParallelLinear for c in columns):
             raise TypeError(f"SharedInput: expected two or more ColumnParallelLinear layers, received "
                             f"{[type(c).__name__ for c in columns]}")  # fmt: skip
-        if len({_settings(c) for c in columns}) != 1:
+        if len({column_settings(c) for c in columns}) != 1:
             raise ValueError("SharedInput: the layers must share their tensor-parallel group, in_features, "
                              "sequence_parallel, overlap, regather_input, dtype and device")  # fmt: skip
         self.columns, self.alone = columns, False
@@ -84,7 +79,7 @@ def share_inputs(model: nn.Module, columns: dict[str, nn.Module]) -> list[Shared
     sets: dict[tuple, list[ColumnParallelLinear]] = {}
     for name, c in columns.items():
         if type(c) is ColumnParallelLinear and not c.gather_output and c.tp_size > 1:
-            sets.setdefault((name.rpartition(".")[0], _settings(c)), []).append(c)
+            sets.setdefault((name.rpartition(".")[0], column_settings(c)), []).append(c)
     groups = []
     for (parent, _), layers in sets.items():
         if len(layers) > 1:

@@ -52,6 +52,9 @@ def part_chunks(parts, max_chunks, t: int) -> tuple[int, ...]:
     ``max_chunks`` entry is ``m`` (``max_chunks`` None: ``t`` for every part)."""
     if max_chunks is None:
         return (t,) * len(parts)
+    if len(max_chunks) != len(parts):
+        raise ValueError(f"part_chunks: max_chunks must hold one entry per part of {tuple(parts)}, received "
+                         f"{tuple(max_chunks)}")  # fmt: skip
     return tuple(t if m is None else min(t, m) for m in max_chunks)
 
 

@@ -14,6 +14,17 @@ RUN = ["--steps", "3", "--seq-len", "32", "--batch-size", "8"]
 needs_hf = pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers")
 
 
+def _follow_one_process(out, run, kv_heads, layouts):
+    """``run`` with ``--kv-heads kv_heads`` in one process, then under each of ``layouts`` (``{name: (flags,
+    processes)}``): every layout's curve that of the single process within 1e-5."""
+    run = [*run, "--kv-heads", kv_heads]
+    _ok(_train(out / f"one{kv_heads}", *run))
+    one = _losses(out / f"one{kv_heads}")
+    for name, (layout, nproc) in layouts.items():
+        _ok(_train(out / f"{name}{kv_heads}", *run, *layout, nproc=nproc))
+        assert _losses(out / f"{name}{kv_heads}") == pytest.approx(one, rel=1e-5), (kv_heads, name)
+
+
 @pytest.mark.slow
 @pytest.mark.multiprocess
 def test_tessels_gpt_splits_its_kv_heads(tmp_path):
@@ -33,19 +44,20 @@ def test_tessels_gpt_replicates_kv_heads_fewer_than_the_ranks(tmp_path):
     norm from the gradient shards); one kv head over two ranks under FSDP and beside two context-parallel ranks: the
     single process's curve. Every run clips (--grad-clip 0.05, below the norm): a copy counted twice would change the
     step."""
-    clip = ["--grad-clip", "0.05"]
-    for kv_heads, layouts in (
-        ("2", {"tp4": (["--tp", "4"], 4), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
-               "tp2-pp2-zero1": (["--tp", "2", "--pp", "2", "--zero", "1", "--sequence-parallel"], 4)}),
-        ("1", {"tp2-fsdp": (["--tp", "2", "--dp", "2", "--zero", "3"], 4),
-               "tp2-cp2": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4)}),
-    ):  # fmt: skip
-        run = [*RUN, *clip, "--kv-heads", kv_heads]
-        _ok(_train(tmp_path / f"one{kv_heads}", *run))
-        one = _losses(tmp_path / f"one{kv_heads}")
-        for name, (layout, nproc) in layouts.items():
-            _ok(_train(tmp_path / name, *run, *layout, nproc=nproc))
-            assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    run = [*RUN, "--grad-clip", "0.05"]
+    _follow_one_process(
+        tmp_path,
+        run,
+        "2",
+        {
+            "tp4": (["--tp", "4"], 4),
+            "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
+            "tp2-pp2-zero1": (["--tp", "2", "--pp", "2", "--zero", "1", "--sequence-parallel"], 4),
+        },
+    )
+    _follow_one_process(tmp_path, run, "1", {
+        "tp2-fsdp": (["--tp", "2", "--dp", "2", "--zero", "3"], 4),
+        "tp2-cp2": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4)})  # fmt: skip
 
 
 @pytest.mark.slow
@@ -72,14 +84,9 @@ def test_a_hugging_face_llama_replicates_its_kv_heads_over_more_ranks(tmp_path):
     """--hf llama with 2 kv heads over 4 tensor-parallel ranks (each kv head on the two ranks whose query heads read
     it), with and without sequence parallelism, and with one kv head over 2 ranks: Hugging Face's curve."""
     for kv_heads, tp in (("2", "4"), ("1", "2")):
-        run = ["--hf", "llama", *RUN, "--kv-heads", kv_heads]
-        _ok(_train(tmp_path / f"one{kv_heads}", *run))
-        one = _losses(tmp_path / f"one{kv_heads}")
         layouts = {"baseline": (["--hf-baseline"], 1), "tp-sp": (["--tp", tp, "--sequence-parallel"], int(tp)),
                    "tp": (["--tp", tp], int(tp))}  # fmt: skip
-        for name, (layout, nproc) in layouts.items():
-            _ok(_train(tmp_path / f"{name}{kv_heads}", *run, *layout, nproc=nproc))
-            assert _losses(tmp_path / f"{name}{kv_heads}") == pytest.approx(one, rel=1e-5), (kv_heads, name)
+        _follow_one_process(tmp_path, ["--hf", "llama", *RUN], kv_heads, layouts)
 
 
 # the other families whose kv heads replicate (every --hf family but those with a kv head per query head, latent keys
@@ -109,24 +116,25 @@ def test_every_family_with_kv_heads_replicates_them(tmp_path, family):
 def test_phi3_replicates_the_kv_heads_of_its_fused_projection(tmp_path):
     """--hf phi3 with 2 kv heads over 4 ranks ± sequence parallelism, and with one over 2 ranks beside 2 pipeline
     stages: each rank's qkv_proj holds its query heads and a copy of the kv head they read; Hugging Face's curve."""
-    for kv_heads, layouts in (
-        ("2", {"baseline": (["--hf-baseline"], 1), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
-               "tp4": (["--tp", "4", "--zero", "1"], 4)}),
-        ("1", {"tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4)}),
-    ):  # fmt: skip
-        run = ["--hf", "phi3", *RUN, "--kv-heads", kv_heads]
-        _ok(_train(tmp_path / f"one{kv_heads}", *run))
-        one = _losses(tmp_path / f"one{kv_heads}")
-        for name, (layout, nproc) in layouts.items():
-            _ok(_train(tmp_path / name, *run, *layout, nproc=nproc))
-            assert _losses(tmp_path / name) == pytest.approx(one, rel=1e-5), name
+    run = ["--hf", "phi3", *RUN]
+    _follow_one_process(
+        tmp_path,
+        run,
+        "2",
+        {
+            "baseline": (["--hf-baseline"], 1),
+            "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
+            "tp4": (["--tp", "4", "--zero", "1"], 4),
+        },
+    )
+    _follow_one_process(tmp_path, run, "1", {"tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4)})
 
 
 @pytest.mark.slow
 @pytest.mark.multiprocess
 @needs_hf
 def test_replicated_kv_heads_resume_whole(tmp_path):
-    """A checkpoint of one kv head replicated over two ranks (saved once: its parameters are the whole model's)
+    """A checkpoint of one kv head replicated over two ranks (each copy's blocks written, the global head once)
     resumed in one process, and one of the single process resumed over two ranks: the uninterrupted curve."""
     run = ["--hf", "llama", *RUN, "--kv-heads", "1"]
     _ok(_train(tmp_path / "one", *run, "--save-every", "2"))

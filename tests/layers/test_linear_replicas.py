@@ -12,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tessel.parallel.sharding import full_tensor, global_pieces, local_shard, tp_chunks, uncounted_rows
+from tessel.parallel.sharding import full_tensor, global_pieces, local_shard, part_chunks, tp_chunks, uncounted_rows
 from tests.multiprocess import run_ranks
 
 B, S, K = 2, 8, 7
@@ -164,6 +164,7 @@ def test_replicated_chunks_are_placed_read_back_and_counted_once():
         (lambda: local_shard(torch.zeros(6, 2), 0, (4, 2), 0, 4, (4, 3)), ValueError, r"chunks \(4, 3\)"),
         (lambda: local_shard(torch.zeros(6, 2), 0, (4, 2), 0, 4, (4,)), ValueError, "chunk counts"),
         (lambda: full_tensor(torch.zeros(3, 2), 0, (4, 2), None, (1, 1)), ValueError, "expected 6"),
+        (lambda: part_chunks((4, 2), (None,), 4), ValueError, r"one entry per part of \(4, 2\), received \(None,\)"),
     ],
 )
 def test_bad_chunk_layouts_are_refused(call, error, match):
