@@ -58,9 +58,13 @@ def defer_weight_grads(params, compute) -> bool:
     action runs it, accumulated into ``.grad`` (autograd does not: the Function returns ``None`` for
     those parameters). Returns whether it deferred. Parameters managed by a data-parallel wrapper are
     never deferred: their gradients must reach the wrapper's reduction hooks inside the backward that
-    produced them. ``params`` None: never deferred.
+    produced them. Nor is a tensor computed from parameters (not a leaf: a column layer's weight whose
+    replicated rows' gradients are summed over the group, say): its gradient must flow on through autograd
+    to them. ``params`` None: never deferred.
     """
-    if params is None or not is_deferring() or any(getattr(p, OWNER_ATTR, None) is not None for p in params):
+    if params is None or not is_deferring():
+        return False
+    if any(not p.is_leaf or getattr(p, OWNER_ATTR, None) is not None for p in params):
         return False
 
     @torch.no_grad()

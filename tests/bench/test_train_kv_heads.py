@@ -42,8 +42,9 @@ def test_tessels_gpt_splits_its_kv_heads(tmp_path):
 def test_tessels_gpt_replicates_kv_heads_fewer_than_the_ranks(tmp_path):
     """Two kv heads over four ranks ± sequence parallelism, and under ZeRO-1 beside two pipeline stages (the clipped
     norm from the gradient shards); one kv head over two ranks under FSDP and beside two context-parallel ranks: the
-    single process's curve. Every run clips (--grad-clip 0.05, below the norm): a copy counted twice would change the
-    step."""
+    single process's curve, and beside two stages of the zero-bubble schedule (whose deferred weight gradients must
+    not stop at the summed copies). Every run clips (--grad-clip 0.05, below the norm): a copy counted twice would
+    change the step."""
     run = [*RUN, "--grad-clip", "0.05"]
     _follow_one_process(
         tmp_path,
@@ -57,7 +58,8 @@ def test_tessels_gpt_replicates_kv_heads_fewer_than_the_ranks(tmp_path):
     )
     _follow_one_process(tmp_path, run, "1", {
         "tp2-fsdp": (["--tp", "2", "--dp", "2", "--zero", "3"], 4),
-        "tp2-cp2": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4)})  # fmt: skip
+        "tp2-cp2": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4),
+        "tp2-pp2-zb": (["--tp", "2", "--pp", "2", "--schedule", "zb", "--microbatches", "4"], 4)})  # fmt: skip
 
 
 @pytest.mark.slow
@@ -115,7 +117,8 @@ def test_every_family_with_kv_heads_replicates_them(tmp_path, family):
 @needs_hf
 def test_phi3_replicates_the_kv_heads_of_its_fused_projection(tmp_path):
     """--hf phi3 with 2 kv heads over 4 ranks ± sequence parallelism, and with one over 2 ranks beside 2 pipeline
-    stages: each rank's qkv_proj holds its query heads and a copy of the kv head they read; Hugging Face's curve."""
+    stages (1F1B and zero-bubble): each rank's qkv_proj holds its query heads and a copy of the kv head they read;
+    Hugging Face's curve."""
     run = ["--hf", "phi3", *RUN]
     _follow_one_process(
         tmp_path,
@@ -127,7 +130,9 @@ def test_phi3_replicates_the_kv_heads_of_its_fused_projection(tmp_path):
             "tp4": (["--tp", "4", "--zero", "1"], 4),
         },
     )
-    _follow_one_process(tmp_path, run, "1", {"tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4)})
+    _follow_one_process(tmp_path, run, "1", {
+        "tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4),
+        "tp2-pp2-zb": (["--tp", "2", "--pp", "2", "--schedule", "zb", "--microbatches", "4"], 4)})  # fmt: skip
 
 
 @pytest.mark.slow

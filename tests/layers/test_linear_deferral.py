@@ -78,3 +78,29 @@ def _check_owned(rank, world_size, kind, sp, overlap):
 def test_weight_grads_under_deferral_equal_the_combined_backward(kind, sp, overlap, managed):
     """Deferred: B leaves the weight gradient to W. Managed by a data-parallel wrapper: never deferred."""
     run_ranks(_check_owned if managed else _check, 2, kind, sp, overlap)
+
+
+def _check_replicated(rank, world_size, sp, overlap):
+    """A column layer whose parts are replicated over the ranks (kv heads fewer than them) multiplies a tensor computed
+    from its weight, whose copies' gradients are summed over the group in backward: never deferred (its gradient would
+    stop at that tensor), the combined backward's gradients."""
+    torch.manual_seed(3)
+    make = lambda: ColumnParallelLinear(6, (4, 2, 2), max_chunks=(None, 1, 1), sequence_parallel=sp, overlap=overlap)
+    x = torch.randn(2, 4 // world_size if sp else 4, 6, generator=torch.Generator().manual_seed(rank))
+    state = make().state_dict()
+    ref, layer = make(), make()
+    ref.load_state_dict(state)
+    layer.load_state_dict(state)
+    dx_ref, _ = _backward(ref, x, defer=False)
+    dx, store = _backward(layer, x, defer=True)
+    assert len(store) == 0, "the replicated weight's gradient was deferred"
+    torch.testing.assert_close(dx, dx_ref)
+    torch.testing.assert_close(layer.weight.grad, ref.weight.grad)
+    torch.testing.assert_close(layer.bias.grad, ref.bias.grad)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("overlap", [True, False], ids=["overlap", "plain"])
+@pytest.mark.parametrize("sp", [False, True], ids=["tp", "tp+sp"])
+def test_replicated_parts_are_never_deferred(sp, overlap):
+    run_ranks(_check_replicated, 2, sp, overlap)
