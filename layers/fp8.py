@@ -80,7 +80,7 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """
     _check(x, weight, bias)
     x2 = x.reshape(-1, weight.shape[1])
-    return Fp8LinearFunction.apply(None, False, x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return Fp8LinearFunction.apply(None, False, 1, x2, weight, bias)[0].view(*x.shape[:-1], weight.shape[0])
 
 
 class _Fp8GroupedLinear(torch.autograd.Function):
@@ -129,18 +129,25 @@ def fp8_grouped_linear(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Ten
     return _Fp8GroupedLinear.apply(x, weight, offsets)
 
 
-def column_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool | str,
+def column_parallel_fp8(x2, weights, biases, group, *, sequence_parallel: bool, overlap: bool | str,
                         regather: bool = False):  # fmt: skip
-    """A column-parallel layer's GEMM in fp8: the sequence-parallel input all-gathered in fp8 (its gradient
-    reduce-scattered), or the replicated input's gradient all-reduced; chunked and overlapped with ``overlap``
-    (``"peer"``: through the device-signalled transports; :mod:`tessel.parallel.overlap_fp8`). Under
+    """A column-parallel layer's GEMM in fp8 (or several layers' sharing their input: ``weights`` and ``biases``
+    lists, one output each, the weights quantised as one): the sequence-parallel input all-gathered in fp8 (its
+    gradient reduce-scattered), or the replicated input's gradient all-reduced; chunked and overlapped with
+    ``overlap`` (``"peer"``: through the device-signalled transports; :mod:`tessel.parallel.overlap_fp8`). Under
     ``torch.compile``: the differentiable collectives around :func:`fp8_linear` (in the model's dtype)."""
     if not torch.compiler.is_compiling():
         if sequence_parallel:
-            return fp8_all_gather_matmul(x2, weight, group, bias=bias, overlap=overlap, regather=regather)
-        return fp8_matmul_grad_all_reduce(x2, weight, group, bias=bias, overlap=overlap)
+            return fp8_all_gather_matmul(x2, weights, group, biases=biases, overlap=overlap, regather=regather)
+        return fp8_matmul_grad_all_reduce(x2, weights, group, biases=biases, overlap=overlap)
     x_full = gather_from_sequence(x2, group, dim=0) if sequence_parallel else copy_to_tp(x2, group)
-    return fp8_linear(x_full, weight, bias)
+    if isinstance(weights, torch.Tensor):
+        return fp8_linear(x_full, weights, biases)
+    if all(b is None for b in biases):  # the weights as one, as eagerly: one scale
+        bias = None
+    else:
+        bias = torch.cat([w.new_zeros(w.shape[0]) if b is None else b for w, b in zip(weights, biases)])
+    return list(fp8_linear(x_full, torch.cat(weights), bias).split([w.shape[0] for w in weights], dim=-1))
 
 
 def row_parallel_fp8(x2, weight, bias, group, *, sequence_parallel: bool, overlap: bool | str) -> torch.Tensor:

@@ -351,8 +351,8 @@ class SequenceRing:
     ``[B, S, H]`` placeholder; the first projection called computes every projection's output with one
     :func:`~tessel.parallel.overlap.all_gather_matmul`; ``end()`` (the block's forward hook) drops what
     is left. A projection called a second time in the same forward runs a ring of its own. ``latents``
-    (:class:`RingLatentLinear`) read the shard itself. Projections in fp8 each gather the shard in fp8 (an fp8 GEMM
-    takes one weight).
+    (:class:`RingLatentLinear`) read the shard itself. Projections in fp8 share one ring of the shard in fp8 (their
+    weights quantised as one), beside the others' ring.
     """
 
     def __init__(self, block: str, columns: list[RingColumnLinear], tp_group, latents: list[RingLatentLinear] = ()):
@@ -407,9 +407,11 @@ class SequenceRing:
         self._outputs = {}
 
     def _run(self, columns: list[RingColumnLinear]) -> dict[int, object]:
-        if any(c.fp8 for c in columns):  # an fp8 GEMM takes one weight: each gathers the shard in fp8 itself
-            return {id(c): column_outputs([c], self._shard)[0] for c in columns}
-        return dict(zip(map(id, columns), column_outputs(columns, self._shard)))
+        outputs = {}
+        for fp8 in (False, True):  # the projections in fp8 gather the shard in fp8, the others in their dtype
+            if same := [c for c in columns if c.fp8 == fp8]:
+                outputs.update(zip(map(id, same), column_outputs(same, self._shard)))
+        return outputs
 
 
 def _layers_name(model: nn.Module, base: nn.Module) -> str | None:

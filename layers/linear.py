@@ -359,16 +359,16 @@ def column_settings(c: ColumnParallelLinear) -> tuple:
 def column_outputs(columns: Sequence[ColumnParallelLinear], x: torch.Tensor) -> list:
     """Each of ``columns``' outputs for the input ``x`` (their forwards), computed in one op: one all-reduce of the
     input's gradient for all (or one all-gather ring of the sequence-parallel input), the wgrad GEMMs overlapping it.
-    The layers share their tensor-parallel group, input width and settings; only one may run in fp8. Raises
-    ``TypeError``/``ValueError`` otherwise."""
+    The layers share their tensor-parallel group, input width and settings, and run in fp8 all or none (their
+    weights quantised as one, as a fused layer's). Raises ``TypeError``/``ValueError`` otherwise."""
     columns = list(columns) if isinstance(columns, Sequence) else columns
     if not isinstance(columns, list) or not columns or not all(isinstance(c, ColumnParallelLinear) for c in columns):
         raise TypeError(f"column_outputs: columns must be a non-empty sequence of ColumnParallelLinear, received "
                         f"{columns!r:.200}")  # fmt: skip
-    if len({column_settings(c) for c in columns}) > 1 or (len(columns) > 1 and any(c.fp8 for c in columns)):
+    if len({(*column_settings(c), c.fp8) for c in columns}) > 1:
         raise ValueError("column_outputs: the layers must share their tensor-parallel group, in_features, "
-                         "sequence_parallel, overlap, regather_input, dtype and device, and run in fp8 only "
-                         "alone")  # fmt: skip
+                         "sequence_parallel, overlap, regather_input, dtype and device, and run in fp8 all or "
+                         "none")  # fmt: skip
     first = columns[0]
     _check_input(first, x, first.in_features, "in_features")
     weights = [c.replica_summed(c.weight) for c in columns]

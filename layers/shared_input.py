@@ -9,8 +9,9 @@ until they are called with the same tensor. Where the model turns out to feed th
 called with another tensor while others wait), or not to call every one (some still waiting at the end of their
 module's forward), the group stops computing ahead and each layer runs alone from then on; the layer that ran ahead
 called again with siblings waiting is a new forward after one that stopped early (a recomputation for backward
-ends once it has what backward needs), which drops what they wait for. Layers in fp8 and traced forwards
-(``torch.compile``) run alone: the compiler sees one op per layer.
+ends once it has what backward needs), which drops what they wait for. Layers in fp8 share one fp8 op (their weights
+quantised as one, as a fused layer's) when all of them run in fp8; a group mixing fp8 and higher precision, and
+traced forwards (``torch.compile``: the compiler sees one op per layer), run each layer alone.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ class SharedInput:
             # again: a recomputation that ends once it has what backward needs), or the model feeds them other tensors
             self.alone = self.alone or column is not self._leader
             self._input, self._outputs = None, {}
-        if self.alone or torch.compiler.is_compiling() or any(c.fp8 for c in self.columns):
+        if self.alone or torch.compiler.is_compiling() or len({c.fp8 for c in self.columns}) > 1:
             return column_outputs([column], x)[0]
         outputs = column_outputs(self.columns, x)
         self._input, self._leader = x, column

@@ -36,7 +36,9 @@ def _case(op, rank, t, dtype, regather=False):
     b = torch.randn(N, generator=torch.Generator().manual_seed(9)).to(dtype).requires_grad_()  # row ops: whole
     fn = getattr(overlap_fp8, op)
     extra = {"regather": regather} if op == "fp8_all_gather_matmul" else {}
-    return (lambda overlap: fn(x, w, bias=b, overlap=overlap, **extra)), (x, w, b)
+    column = op in ("fp8_all_gather_matmul", "fp8_matmul_grad_all_reduce")  # (whose weights may be several)
+    bias = {"biases" if column else "bias": b}
+    return (lambda overlap: fn(x, w, overlap=overlap, **bias, **extra)), (x, w, b)
 
 
 def _run(op, rank, t, dtype, overlap, regather=False):
@@ -140,6 +142,12 @@ def test_gathers_move_one_byte_per_element(traces):
         (lambda o, x, w: o.fp8_all_gather_matmul([[1.0]], w), TypeError, "x_shard must be a torch.Tensor"),
         (lambda o, x, w: o.fp8_matmul_reduce_scatter(x, w.double()), ValueError, "weight must share x's dtype"),
         (lambda o, x, w: o.fp8_matmul_all_reduce(x, w, bias=torch.zeros(4)), ValueError, r"must have shape \(7,\)"),
+        (lambda o, x, w: o.fp8_all_gather_matmul(x, []), ValueError, "weights must be a tensor or a non-empty list"),
+        (
+            lambda o, x, w: o.fp8_matmul_grad_all_reduce(x, [w, w], biases=[None]),
+            ValueError,
+            "expected one bias .or None. per weight, received 1 for 2",
+        ),
         (
             lambda o, x, w: o.fp8_matmul_grad_all_reduce(x.double(), w.double()),
             TypeError,
