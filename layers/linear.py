@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..parallel.collectives import copy_to_tp, gather_from_tp, split_to_tp
-from ..parallel.comm import group_rank, group_size
+from ..parallel.comm import group_rank, group_size, subgroup
 from ..parallel.overlap import (
     ALL_REDUCE_CHUNKS,
     all_gather_matmul,
@@ -158,25 +158,20 @@ def _check_max_chunks(name: str, max_chunks, parts: tuple[int, ...], t: int) -> 
     return part_chunks(parts, max_chunks, t)
 
 
-def _replica_summed(p: torch.Tensor, local_parts, chunks: tuple[int, ...], group, rank: int) -> torch.Tensor:
+def _replica_summed(p: torch.Tensor, local_parts, chunks: tuple[int, ...], groups: dict) -> torch.Tensor:
     """``p`` (a column layer's fused weight or bias) whose replicated chunks' gradients are summed over the ranks
     holding each, so that every copy gets the gradient of the whole group's use of it; the other rows as they are.
 
-    Each replicated part is placed at its chunk's rows of a zero tensor of the part's global size, all of them in
-    one buffer whose gradient is all-reduced over the group (``copy_to_tp``): ``sum(n)·K`` elements, the replicated
-    parts' global size; the ranks of a chunk add up their gradients and the others add zeros."""
-    t = group_size(group)
-    if all(c == t for c in chunks) or not (p.requires_grad and torch.is_grad_enabled()):
+    The parts cut into ``c`` chunks go through ``copy_to_tp`` over ``groups[c]``, the ``t / c`` ranks holding this
+    rank's chunk: one all-reduce of their rows over those ranks alone."""
+    if not groups or not (p.requires_grad and torch.is_grad_enabled()):
         return p  # nothing to sum (inference, a frozen weight: not even a copy)
-    pieces, padded, where = list(p.split(local_parts, dim=0)), [], []
-    for i, (piece, c) in enumerate(zip(pieces, chunks)):
-        if c < t:
-            j, rest, n = rank * c // t, piece.shape[1:], piece.shape[0]
-            where.append((i, sum(x.shape[0] for x in padded) + j * n, n))
-            padded += [piece.new_zeros(j * n, *rest), piece, piece.new_zeros((c - 1 - j) * n, *rest)]
-    summed = copy_to_tp(torch.cat(padded), group)
-    for i, start, n in where:
-        pieces[i] = summed[start : start + n]
+    pieces = list(p.split(local_parts, dim=0))
+    for c, group in groups.items():
+        which = [i for i, ci in enumerate(chunks) if ci == c]
+        summed = copy_to_tp(torch.cat([pieces[i] for i in which]), group)
+        for i, piece in zip(which, summed.split([local_parts[i] for i in which], dim=0)):
+            pieces[i] = piece
     return torch.cat(pieces)
 
 
@@ -228,8 +223,8 @@ class ColumnParallelLinear(nn.Module):
     ``max_chunks`` (one int or None per part) cuts a part into at most that many chunks: over more ranks ``t``
     (a multiple of it), each chunk is replicated on ``t / max_chunks`` consecutive ranks, as Megatron-LM replicates
     kv heads fewer than the ranks (``(None, Hkv, Hkv)`` of a ``(q, k, v)`` layer with ``D``-row heads keeps one kv
-    head on each rank). In backward the copies' gradients are summed over the group (one all-reduce of the
-    replicated parts' global size), so every copy holds the gradient of the whole group's use of it.
+    head on each rank). In backward the copies' gradients are summed over the ranks holding them (one all-reduce
+    of the local rows over those ranks alone), so every copy holds the gradient of the whole group's use of it.
     """
 
     def __init__(self, in_features, out_features, bias=True, *, tp_group=None, gather_output=False,
@@ -252,6 +247,10 @@ class ColumnParallelLinear(nn.Module):
         self.max_chunks = None if max_chunks is None else tuple(max_chunks)
         # local rows of each part (``local_parts``: of each output, one for a packed layer)
         self.part_rows = self.local_parts = tuple(n // c for n, c in zip(parts, self.chunks))
+        # for each chunk count below t, the ranks holding this rank's chunk (its copies' gradients summed over them)
+        t, r = self.tp_size, self.tp_rank
+        self.replica_groups = {c: subgroup(tp_group, r * c // t * (t // c), t // c) for c in sorted(set(self.chunks))
+                               if c < t}  # fmt: skip
         self.gather_output, self.sequence_parallel, self.overlap = gather_output, sequence_parallel, overlap
         self.regather_input, self.fp8 = regather_input, _check_fp8(name, fp8)
         kw = {"device": device, "dtype": dtype}
@@ -262,7 +261,7 @@ class ColumnParallelLinear(nn.Module):
         _mark_sharded(self.bias, dim=0, parts=parts, max_chunks=self.max_chunks)
 
     def replica_summed(self, p: torch.Tensor | None) -> torch.Tensor | None:
-        return None if p is None else _replica_summed(p, self.part_rows, self.chunks, self.tp_group, self.tp_rank)
+        return None if p is None else _replica_summed(p, self.part_rows, self.chunks, self.replica_groups)
 
     shared_input = None  # a SharedInput: the column layers called with the same tensor, computed in one op
 

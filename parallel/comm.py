@@ -18,6 +18,7 @@ Collective byte counts are the ring algorithm's, which is what NCCL moves for la
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -41,6 +42,7 @@ __all__ = [
     "record_events",
     "reduce_scatter",
     "ring_exchange",
+    "subgroup",
 ]
 
 
@@ -138,6 +140,24 @@ def check_peer_group(group, tp_group, *, caller: str, name: str, why: str) -> in
     if shared != {dist.get_rank()}:
         raise ValueError(f"{caller}: tp_group and {name} share the ranks {sorted(shared)}: {why}")
     return group_size(group)
+
+
+_SUBGROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # {group: {its ranks' global ranks: subgroup}}
+
+
+def subgroup(group: dist.ProcessGroup | None, first: int, size: int) -> dist.ProcessGroup | None:
+    """The ranks ``[first, first + size)`` of ``group`` (``None``: every rank) as a process group of their own:
+    ``group`` itself when they are all of it, otherwise created once (the first call, which those ranks alone make,
+    together: ``use_local_synchronization``) and kept for ``group``'s lifetime. ``first`` and ``size`` are taken as
+    they are: the callers compute them from the group's size."""
+    if first == 0 and size == group_size(group):
+        return group
+    parent = dist.group.WORLD if group is None else group
+    ranks = tuple(dist.get_process_group_ranks(parent)[first : first + size])
+    made = _SUBGROUPS.setdefault(parent, {})
+    if ranks not in made:
+        made[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
+    return made[ranks]
 
 
 def _global_rank(group: dist.ProcessGroup | None, rank_in_group: int) -> int:

@@ -419,11 +419,12 @@ def _compiled_tp(rank, world_size, sequence_parallel, overlap, n_kv_head=2):
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
-    "sequence_parallel, overlap, n_kv_head",
-    [(False, True, 2), (True, True, 2), (True, False, 2), (False, True, 1), (True, True, 1)],
-    ids=["tp", "tp+sp", "tp+sp-plain", "tp-kv1", "tp+sp-kv1"],
-)
-def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parallel, overlap, n_kv_head):
+    "world, sequence_parallel, overlap, n_kv_head",
+    [(2, False, True, 2), (2, True, True, 2), (2, True, False, 2), (2, False, True, 1), (2, True, True, 1),
+     (4, True, True, 2)],
+    ids=["tp", "tp+sp", "tp+sp-plain", "tp-kv1", "tp+sp-kv1", "tp4+sp-kv2"],
+)  # fmt: skip
+def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(world, sequence_parallel, overlap, n_kv_head):
     """Two ranks: the forward, the loss and the backward in one graph (fullgraph); loss and every gradient shard
     equal the eager step's, whose rings run tessel's own transports. With overlap the overlapped ops are custom
     operators whose nodes run those rings: the compiled step logs the same ring steps as the eager one (the log
@@ -431,8 +432,9 @@ def test_compiled_tensor_parallel_gpt_training_step_is_one_graph(sequence_parall
     (torch's functional collectives, scheduled by the compiler), and no ring runs in either. The ranks run the
     kernels' references (they import transformers first, which once imported a second copy of tessel's kernels
     whose custom operators replaced the first's: see test_a_top_level_kernels_import_stays_empty). One kv head over
-    the two ranks: each holds a copy in its qkv weight, whose gradients the graph sums."""
-    results = run_ranks(_compiled_tp, 2, sequence_parallel, overlap, n_kv_head, timeout=300, env=REFERENCE_KERNELS)
+    the two ranks: each holds a copy in its qkv weight, whose gradients the graph sums; two over four ranks: each copy's
+    gradients summed over the two ranks holding it, their own process group's all-reduce in the graph."""
+    results = run_ranks(_compiled_tp, world, sequence_parallel, overlap, n_kv_head, timeout=300, env=REFERENCE_KERNELS)
     assert len({loss for loss, _ in results}) == 1
     for rank, (_, events) in enumerate(results):
         ops = {op for _, op, _ in events}

@@ -105,6 +105,29 @@ def test_replicated_parts_match_the_dense_layer_read_by_every_rank(world):
     assert run_ranks(_layers_worker, world, timeout=300) == ["ok"] * world
 
 
+def _bytes_worker(rank, t):
+    """The copies' gradients are summed over the ranks holding them alone: with 2 kv heads over 4 ranks, an all-reduce
+    over 2 ranks of this rank's k and v rows (weight and bias), beside the all-reduce of the input's gradient over
+    the 4."""
+    from tessel.layers.linear import ColumnParallelLinear
+    from tessel.parallel.comm import count_bytes
+
+    lin, x, grads, held, ref = _dense_reference((8, 4, 4), (4, 2, 2), t, torch.float32)
+    layer = ColumnParallelLinear.from_packed(lin, (8, 4, 4), max_chunks=(None, 2, 2), overlap=False)
+    assert [torch.distributed.get_process_group_ranks(g) for g in layer.replica_groups.values()] == [
+        [0, 1] if rank < 2 else [2, 3]]  # fmt: skip
+    with count_bytes() as counted:
+        _check(layer, rank, t, False, x, grads, held[rank], ref, "2 kv heads over 4 ranks")
+    ring = lambda size, n: 2 * (n - 1) / n * size * 4  # an all-reduce of `size` fp32 elements over n ranks
+    assert counted.sent == ring(B * S * K, t) + ring((2 + 2) * (K + 1), 2), counted.sent
+    return "ok"
+
+
+@pytest.mark.multiprocess
+def test_copies_gradients_are_summed_over_their_ranks_alone():
+    assert run_ranks(_bytes_worker, 4) == ["ok"] * 4
+
+
 def _fp16_and_reshard_worker(rank, t):
     from tessel.layers.linear import ColumnParallelLinear
 
