@@ -455,7 +455,7 @@ def register_hf_attention() -> str:
 # and the split ones that read those latents (its other split columns read its input: the queries without a query
 # latent, Bailing's and HY-V4's output gates)
 MLA_LATENT_PROJECTIONS = ("q_a_proj", "kv_a_proj_with_mqa")
-MLA_LATENT_READERS = ("q_b_proj", "kv_b_proj")
+MLA_LATENT_READERS = ("q_b_proj", "kv_b_proj", "q_gate_proj")
 # a sparse attention's indexer (DeepSeek-V3.2's, GLM-5's): its projections of the block's input (its key, its heads'
 # weights), and of the query latent (its queries)
 MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES = ("wk", "weights_proj"), ("wq_b",)

@@ -66,9 +66,11 @@ __all__ = [
 
 # Attention-module attributes holding a head count (or a width of heads) that Hugging Face modules of
 # various versions read in forward; each becomes its local value (``/ t``) when the heads are split.
-# transformers 5.x Llama/Mistral/Qwen2 attention reshapes with -1 and reads none of them.
+# transformers 5.x Llama/Mistral/Qwen2 attention reshapes with -1 and reads none of them. CodeGen's mp_num counts the
+# groups of heads its fused projection's rows are interleaved in ([q | v | k] of each group's heads): a rank holds
+# whole groups, ``mp_num / t`` of them.
 HEAD_COUNT_ATTRS = ("num_heads", "num_attention_heads", "num_key_value_heads", "num_kv_heads", "n_heads", "n_kv_heads",
-                    "kv_heads")  # fmt: skip
+                    "kv_heads", "mp_num")  # fmt: skip
 # split_size: GPT-2's [q | k | v] widths; kv_dim: GPT-BigCode's keys' width (one kv head per query head)
 HEAD_WIDTH_ATTRS = ("hidden_size", "embed_dim", "all_head_size", "split_size", "kv_dim")
 

@@ -543,8 +543,8 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
         return SplitGatedRMSNorm.from_module(e.module, e.groups, tp_group)
     if e.kind == NORM and e.sequence_parallel and any(True for _ in e.module.parameters()):
         norm = sequence_parallel_norm(e.module, tp_group)
-        if norm is None:  # a norm tessel's kernels do not reproduce keeps its forward; its grads are reduced
-            e.kind = GRAD_ALL_REDUCE
+        if norm is None:  # a norm tessel's kernels do not reproduce keeps its forward; its grads are reduced, those
+            e.kind, e.nested = GRAD_ALL_REDUCE, True  # of what it holds too (AXK2's norm and its gate's MLP)
         return norm
     return None
 
@@ -579,7 +579,9 @@ def _install(model: nn.Module, entries: list[Entry], tp_group) -> None:
             if e.ep_group is not None and group_size(tp_group) > 1:  # whole experts, each rank's own tokens
                 reduce_parameter_grads(e.module, tp_group)
         elif e.kind == GRAD_ALL_REDUCE:
-            reduce_parameter_grads(e.module, tp_group)
+            for m in e.module.modules() if e.nested else (e.module,):
+                if m._parameters:
+                    reduce_parameter_grads(m, tp_group)
         elif e.kind == ALL_REDUCE:
             e.module.register_forward_hook(
                 lambda m, args, out: map_first_output(out, lambda y: reduce_from_tp(y, tp_group))

@@ -73,6 +73,7 @@ class Entry:
     ep_group: object = None  # experts split over an expert-parallel group instead of the tensor-parallel one
     transposed: bool = False  # a Conv1D (weight [in, out]) split as the nn.Linear it computes
     max_chunks: tuple | None = None  # k/v (or fused [q; k; v]) of kv heads fewer than the ranks: copies of each
+    nested: bool = False  # replicated_with_grad_allreduce: its submodules' parameters too (a norm wrapping a gate)
 
 
 def own_plan(model: nn.Module, t: int = 1) -> dict[str, str]:

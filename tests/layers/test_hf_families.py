@@ -36,12 +36,22 @@ FAMILIES = ("nemotron", "nanochat", "apertus", "gpt_neox", "phi", "starcoder2", 
             "granitemoe_swa", "sarvam_moe", "apertus1p5_text", "aria_text", "beam", "cohere2_moe", "cwm", "exaone",
             "exaone_moe", "granite_swa", "granitemoeshared", "hy_v3", "hyperclovax", "iquestcoder", "kolibri1",
             "llama4_text", "mimo_v2_flash", "ministral3", "solar_open", "glm4_moe_lite", "minicpm3",
-            "qwen3_5_moe_text", "stablelm", "minimax_m3_vl_text", "hy_v4")  # fmt: skip
+            "qwen3_5_moe_text", "stablelm", "minimax_m3_vl_text", "hy_v4", "gptj", "codegen", "dots1", "axk1", "axk2",
+            "youtu", "sarvam_mla")  # fmt: skip
 # what a family's tiny config needs beside family_model's: multi-head latent attention expands the latent to every
-# head (kv heads as many as the heads); Qwen3.5-MoE's first three of each four layers are linear attention
+# head (kv heads as many as the heads; the rotary width the head_dim); Qwen3.5-MoE's first three of each four layers
+# are linear attention; GPT-J's and CodeGen's rotary width; experts routed in one group
+_GROUPED = dict(n_group=1, topk_group=1, n_routed_experts=4)
+_MLA = dict(num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=8,
+            v_head_dim=16, head_dim=8, **_GROUPED)  # fmt: skip
 FAMILY_CONFIGS = {"glm4_moe_lite": dict(num_key_value_heads=4), "minicpm3": dict(num_key_value_heads=4),
                   "hy_v4": dict(num_key_value_heads=4),
-                  "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"])}  # fmt: skip
+                  "qwen3_5_moe_text": dict(layer_types=["linear_attention", "full_attention"]),
+                  "gptj": dict(rotary_dim=8), "codegen": dict(rotary_dim=8),
+                  "dots1": dict(n_shared_experts=1, first_k_dense_replace=1, **_GROUPED),
+                  "axk1": _MLA, "axk2": _MLA, "youtu": _MLA, "sarvam_mla": _MLA}  # fmt: skip
+# families without grouped-query attention (a kv head per query head, whatever the config says)
+NO_GQA = ("gpt_neox", "gptj", "codegen")
 # the families whose own plans leave their attention whole: tessel splits it by heads
 WHOLE_ATTENTION = ("phimoe", "granitemoe", "hunyuan_v1_moe", "flint", "afmoe")
 
@@ -93,7 +103,7 @@ def _one_kv_head_ranks(rank, world_size, families):
             dense = family_model(kind, num_key_value_heads=1, **config)
             par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp)
             copies = [m for m in par.modules() if getattr(m, "max_chunks", None)]
-            assert bool(copies) == (kind != "gpt_neox"), f"{kind}: {len(copies)} kv heads copied"  # NeoX: no GQA
+            assert bool(copies) == (kind not in NO_GQA), f"{kind}: {len(copies)} kv heads copied"
             _check_against_dense(dense, par, f"{kind} one kv head sp={sp}")
     return "ok"
 
@@ -101,7 +111,7 @@ def _one_kv_head_ranks(rank, world_size, families):
 @pytest.mark.multiprocess
 @needs_hf
 def test_families_replicate_one_kv_head_over_two_ranks():
-    """Every family with kv heads (not multi-head latent attention's, one a head; GPT-NeoX has none) and one of them: a
+    """Every family with kv heads (not multi-head latent attention's, one a head; NO_GQA's have none) and one of them: a
     copy on each rank (MiMo-V2-Flash's sliding layers, whose two kv heads split, beside its full ones, whose one is
     copied; its values of a head width of their own), the dense model's logits and gradients ± sequence parallelism."""
     families = [kind for kind in FAMILIES if FAMILY_CONFIGS.get(kind, {}).get("num_key_value_heads") != 4]
