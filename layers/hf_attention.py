@@ -52,6 +52,7 @@ Nothing here imports ``transformers`` until :func:`register_hf_attention` or the
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 
@@ -431,21 +432,46 @@ def _selected_keys(attention_mask, indices, query: torch.Tensor, key: torch.Tens
 def register_hf_attention() -> str:
     """Register :func:`tessel_attention_forward` with transformers as ``attn_implementation="tessel"``.
 
-    Also registers Hugging Face's ``sdpa`` mask builder under the same name: ``None`` for a plain causal
-    mask, a boolean ``[B, 1, S, S]`` mask otherwise (packed sequences among them). Idempotent; returns
-    ``"tessel"``. Use it with ``AutoModelForCausalLM.from_config(config, attn_implementation="tessel")`` or
+    Also registers a mask builder under the same name (:func:`_tessel_mask`): Hugging Face's ``sdpa`` one, ``None``
+    for a plain causal mask, a boolean ``[B, 1, S, S]`` mask otherwise (packed sequences among them); for models that
+    run eager attention alone, the eager one. Idempotent; returns ``"tessel"``. Use it with
+    ``AutoModelForCausalLM.from_config(config, attn_implementation="tessel")`` or
     ``model.set_attn_implementation("tessel")``.
     """
     from transformers import AttentionInterface
 
     AttentionInterface.register("tessel", tessel_attention_forward)
     try:
-        from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+        from transformers.masking_utils import AttentionMaskInterface
     except ImportError:  # transformers < 4.53 builds masks without a registry
         pass
     else:
-        AttentionMaskInterface.register("tessel", sdpa_mask)
+        AttentionMaskInterface.register("tessel", _tessel_mask)
     return "tessel"
+
+
+def _tessel_mask(*args, config=None, **kwargs):
+    """The mask of ``attn_implementation="tessel"``: ``sdpa``'s, or, for a model that runs eager attention alone
+    (DeepSeek-V4's, which extends the mask it receives with its compressed keys' bias, and drops that bias when the
+    mask is None), the eager additive mask, which tessel's attention hands to the model's eager attention."""
+    from transformers.masking_utils import eager_mask, sdpa_mask
+
+    build = eager_mask if config is not None and _eager_only(type(config)) else sdpa_mask
+    return build(*args, config=config, **kwargs)
+
+
+@functools.cache
+def _eager_only(config_class: type) -> bool:
+    """Whether the causal LM (or base model) of ``config_class`` declares neither sdpa, flash nor flex attention."""
+    from transformers.models.auto import modeling_auto
+
+    for mapping in (modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING, modeling_auto.MODEL_MAPPING):
+        try:
+            model_class = mapping[config_class]
+        except (KeyError, ValueError):
+            continue
+        return not any(getattr(model_class, f"_supports_{k}", False) for k in ("sdpa", "flash_attn", "flex_attn"))
+    return False
 
 
 # ---------------------------------------------------------------------------------------------------- latent attention

@@ -70,6 +70,7 @@ from torch import nn
 from ..parallel.collectives import copy_to_tp, gather_from_sequence, sum_over_ranks
 from ..parallel.comm import group_rank, group_size
 from ..parallel.sharding import local_shard
+from .hf_grouped_output import grouped_output_updates
 from .hf_linear_attention import delta_parts, is_delta_net, is_kimi_delta, kimi_delta_updates
 from .linear import RowParallelLinear
 from .meta import derived_buffer
@@ -317,8 +318,11 @@ def mixer_installer(m: nn.Module, tp_group):
 
 def mixer_updates(m: nn.Module, t: int) -> dict[str, int] | None:
     """The attributes a split mixer's forward reads, with their values on each of ``t`` ranks (a Mamba-2 mixer's
-    :func:`mamba_updates`; a Mamba-1 mixer's ``intermediate_size``), None for another module; raises ``ValueError``
-    for a mixer that does not split over ``t``."""
+    :func:`mamba_updates`; a Mamba-1 mixer's ``intermediate_size``; DeepSeek-V4's attention's heads and groups,
+    :mod:`~tessel.layers.hf_grouped_output`), None for another module; raises ``ValueError`` for a mixer that does not
+    split over ``t``."""
+    if (grouped := grouped_output_updates(m, t)) is not None:
+        return grouped
     if is_mamba2(m):
         return mamba_updates(m, t)
     if is_kimi_delta(m):

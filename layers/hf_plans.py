@@ -44,6 +44,7 @@ from torch import nn
 from torch.func import functional_call
 
 from .hf_experts import expert_splits
+from .hf_grouped_output import grouped_output_styles
 from .hf_linear_attention import delta_net_styles, gathered_delta_rules, kimi_delta_styles
 from .hf_mixers import _plain_linear, is_dynamic_mask, lightning_styles, mamba1_styles, mamba_styles, short_conv_styles
 from .meta import probe_copy
@@ -153,8 +154,8 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
             continue
         if t < 2 or not name:
             continue
-        detectors = (_differential_attention, _plain_attention, _latent_attention, _plain_mlp, _adapted_mlp,
-                     delta_net_styles, kimi_delta_styles, mamba_styles, mamba1_styles, short_conv_styles,
+        detectors = (_differential_attention, _plain_attention, _latent_attention, grouped_output_styles, _plain_mlp,
+                     _adapted_mlp, delta_net_styles, kimi_delta_styles, mamba_styles, mamba1_styles, short_conv_styles,
                      lightning_styles)  # fmt: skip
         styles = next((found for detect in detectors if (found := detect(m, t))), None)
         names = {child: f"{name}.{child}" if child else name for child in styles or ()}  # "": the module itself

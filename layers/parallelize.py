@@ -100,8 +100,8 @@ from collections.abc import Mapping
 
 from torch import nn
 
-from ..parallel.collectives import reduce_from_tp
-from ..parallel.comm import check_peer_group, group_size
+from ..parallel.collectives import copy_to_tp, reduce_from_tp
+from ..parallel.comm import check_peer_group, group_rank, group_size
 from ..parallel.sharding import part_chunks
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
@@ -131,6 +131,7 @@ from .hf_experts import (
     reduce_parameter_grads,
     shard_experts,
 )
+from .hf_grouped_output import split_grouped_linear
 from .hf_kv_replicas import replicate_kv_heads, replicated_updates
 from .hf_linear_attention import delta_net_updates, is_delta_net, split_depthwise_conv
 from .hf_mixers import (
@@ -160,6 +161,7 @@ from .plan import (
     EXPERTS,
     GATED_NORM,
     GRAD_ALL_REDUCE,
+    GROUPED_COLUMN,
     MLA_KV_A,
     MOE,
     NORM,
@@ -171,6 +173,7 @@ from .plan import (
     ROW_HEADS,
     ROW_SHARED,
     ROW_SPLIT,
+    SHARED_OUTPUT,
     SPLIT_LINEAR,
     STYLES,
     Entry,
@@ -517,6 +520,8 @@ def _build(e: Entry, tp_group, overlap) -> nn.Module | None:
         )
     if e.kind == COLUMN_CONV:
         return split_depthwise_conv(e.module, e.parts, tp_group)
+    if e.kind == GROUPED_COLUMN:
+        return split_grouped_linear(e.module, group_rank(tp_group), group_size(tp_group), e.name)
     if e.kind == ROW:
         return RowParallelLinear.from_linear(e.module, tp_group=tp_group, sequence_parallel=e.sequence_parallel, **kw)
     if e.kind == ROW_SPLIT:
@@ -578,6 +583,8 @@ def _install(model: nn.Module, entries: list[Entry], tp_group) -> None:
             install_expert_hooks(e.module, tp_group, e.sequence_parallel, e.expert_split, e.ep_group)
             if e.ep_group is not None and group_size(tp_group) > 1:  # whole experts, each rank's own tokens
                 reduce_parameter_grads(e.module, tp_group)
+        elif e.kind == SHARED_OUTPUT:  # replicated, read by every rank's heads: its output's gradient summed
+            e.module.register_forward_hook(lambda m, a, out: map_first_output(out, lambda y: copy_to_tp(y, tp_group)))
         elif e.kind == GRAD_ALL_REDUCE:
             for m in e.module.modules() if e.nested else (e.module,):
                 if m._parameters:

@@ -25,6 +25,7 @@ GRAD_ALL_REDUCE, ALL_REDUCE, REPLICATE = "replicated_with_grad_allreduce", "all_
 EXPERTS, MLA_KV_A, MOE, COLUMN_NORM = "experts", "mla_kv_a_proj", "moe", "colwise_norm"
 COLUMN_QKV, COLUMN_CONV, GATED_NORM = "colwise_qkv", "colwise_conv", "colwise_gated_norm"
 ROW_SHARED, ROW_HEADS = "rowwise_shared", "rowwise_heads"
+GROUPED_COLUMN, SHARED_OUTPUT = "colwise_grouped", "shared_output"  # DeepSeek-V4's attention: hf_grouped_output
 LATENT = "latent"  # not a style: a replicated projection of multi-head latent attention under sequence parallelism
 
 STYLES: dict[str, str] = {
@@ -40,7 +41,8 @@ STYLES: dict[str, str] = {
     REPLICATE: REPLICATE, "local": REPLICATE, "local_params": REPLICATE,
     EXPERTS: EXPERTS, "moe_tp_experts": EXPERTS, "ep_dispatch_experts": EXPERTS, MLA_KV_A: MLA_KV_A,
     "ep_router": REPLICATE, MOE: MOE, COLUMN_NORM: COLUMN_NORM, COLUMN_QKV: COLUMN_QKV, COLUMN_CONV: COLUMN_CONV,
-    GATED_NORM: GATED_NORM, ROW_SHARED: ROW_SHARED, ROW_HEADS: ROW_HEADS,
+    GATED_NORM: GATED_NORM, ROW_SHARED: ROW_SHARED, ROW_HEADS: ROW_HEADS, GROUPED_COLUMN: GROUPED_COLUMN,
+    SHARED_OUTPUT: SHARED_OUTPUT,
 }  # fmt: skip
 _REFUSED = ("embedding_colwise", "packed_rowwise", "local_packed_rowwise", "moe_identity_expert", "grouped_gemm")
 SPLIT_LINEAR = (COLUMN, COLUMN_GATHER, PACKED_COLUMN, COLUMN_QKV, ROW, ROW_SPLIT, ROW_SHARED, ROW_HEADS)

@@ -1,0 +1,118 @@
+"""DeepSeek-V4's attention split by heads (:mod:`tessel.layers.hf_grouped_output`): a tiny DeepSeek-V4 of a sliding
+layer, a compressed sparse one and a heavily compressed one (their compressors and indexer), against the dense model
+in float32 (``_check_against_dense``: logits and every gradient shard), on 2 and 4 ranks, with Hugging Face's eager
+attention and with tessel's, whose mask for such an eager-only model is the eager one (the compressed keys' bias
+joins it).
+"""
+
+import copy
+
+import pytest
+import torch
+
+from tests.layers.test_hf import REFERENCE_KERNELS, _check_against_dense, needs_hf
+from tests.layers.test_hf_families import family_model
+from tests.multiprocess import run_ranks
+
+V4 = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=1, head_dim=16, q_lora_rank=24, o_groups=4,
+          o_lora_rank=8, num_hidden_layers=3,
+          layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+          compress_rates={"compressed_sparse_attention": 2, "heavily_compressed_attention": 4}, sliding_window=4,
+          index_n_heads=2, index_head_dim=8, index_topk=3, n_routed_experts=4, num_experts_per_tok=2,
+          mlp_layer_types=["moe"] * 3, hc_mult=2, hc_sinkhorn_iters=3, qk_rope_head_dim=8, partial_rotary_factor=0.5,
+          rope_parameters={"main": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5},
+                           "compress": {"rope_type": "default", "rope_theta": 1.6e5, "partial_rotary_factor": 0.5}},
+          num_nextn_predict_layers=0, moe_intermediate_size=32, n_shared_experts=1)  # fmt: skip
+
+
+def _v4(**kw):
+    return family_model("deepseek_v4", **{**V4, **kw})
+
+
+def _split_ranks(rank, world_size, o_groups):
+    from tessel.layers.hf_attention import register_hf_attention
+    from tessel.layers.parallelize import parallelize
+
+    register_hf_attention()
+    t, split = world_size, o_groups % world_size == 0
+    for impl in ("eager", "tessel"):
+        dense = _v4(o_groups=o_groups)
+        par = parallelize(copy.deepcopy(dense), None)
+        if impl == "tessel":
+            par.set_attn_implementation("tessel")
+        for layer in par.model.layers:
+            attention = layer.self_attn
+            heads = 4 // t if split else 4
+            assert attention.num_heads == heads and attention.num_key_value_groups == heads
+            assert attention.sinks.shape == (heads,) and attention.q_b_proj.weight.shape == (heads * 16, 24)
+            assert attention.o_a_proj.weight.shape == (o_groups * 8 // (t if split else 1), 64 // o_groups)
+            assert attention.o_a_proj.n_groups == attention.config.o_groups == o_groups // (t if split else 1)
+            assert attention.kv_proj.weight.shape == (16, 64), "the key-and-value head stays whole"
+        _check_against_dense(dense, par, f"deepseek_v4 over {t} ranks, {o_groups} output groups, {impl} attention")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+@pytest.mark.parametrize(("world", "o_groups"), [(2, 4), (4, 4), (4, 2)], ids=["tp2", "tp4", "tp4-groups2"])
+def test_deepseek_v4_attention_splits_by_heads(world, o_groups):
+    """Each rank keeps its heads (whole output groups): their query rows, sinks, grouped output rows and the output
+    projection's columns; the one key-and-value head and the compressors stay whole, their outputs' gradients summed
+    over the ranks. Output groups that do not split over the ranks keep the attention whole on every rank."""
+    assert run_ranks(_split_ranks, world, o_groups, timeout=600, env=REFERENCE_KERNELS) == ["ok"] * world
+
+
+def _generate_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    dense = _v4()
+    par = parallelize(copy.deepcopy(dense), None)
+    ids = torch.randint(3, 64, (2, 9), generator=torch.Generator().manual_seed(5))
+    kw = dict(max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(par.generate(ids, **kw), dense.generate(ids, **kw))
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_split_deepseek_v4_generates_the_dense_models_tokens():
+    """Greedy decoding over the caches (the sliding keys, the compressors' windows) gives the dense model's tokens."""
+    assert run_ranks(_generate_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+def _sequence_parallel_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    model = _v4()
+    before = {n: p.clone() for n, p in model.named_parameters()}
+    with pytest.raises(ValueError, match=r"sequence_parallel=True but model\.layers\.0\.self_attn\.q_a_proj"):
+        parallelize(model, None, sequence_parallel=True)
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters()), "refused, yet changed"
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_sequence_parallelism_is_refused_before_anything_changes():
+    """The compressors read every token's hidden state: sequence parallelism is refused by name, the model untouched."""
+    assert run_ranks(_sequence_parallel_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+@needs_hf
+def test_tessels_attention_gets_the_eager_mask_of_an_eager_only_model():
+    """DeepSeek-V4 runs eager attention alone and extends the mask it receives with its compressed keys' bias: under
+    tessel's attention implementation it gets the eager mask, so its logits are the eager attention's (with ``sdpa``'s
+    mask, None for a causal batch, the bias would be dropped and the compressed keys misplaced). A model that takes
+    sdpa still gets sdpa's mask (None) and tessel's kernel."""
+    from tessel.layers.hf_attention import _tessel_mask, register_hf_attention
+
+    register_hf_attention()
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+    model = _v4()
+    eager = model(ids).logits
+    model.set_attn_implementation("tessel")
+    torch.testing.assert_close(model(ids).logits, eager, rtol=0, atol=0)
+    llama = family_model("llama")
+    kw = dict(batch_size=1, q_length=4, kv_length=4, device="cpu")
+    assert _tessel_mask(config=llama.config, **kw) is None
+    assert _tessel_mask(config=model.config, **kw).dtype == torch.float32
