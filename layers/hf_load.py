@@ -279,6 +279,8 @@ def _sources(model: nn.Module, path: Path, where: dict[str, Path], files: _Files
     sources, groups, refused = {}, {}, {}
     for key in where:
         name, pattern = core.rename_source_key(key, renamings, converters, prefix, names)
+        if name not in names and key in names:  # a key the rules should not have renamed (DeepSeek-V4's model.norm:
+            name, pattern = core.rename_source_key(key, [], [], prefix, names)  # `.norm.` is its kv_norm), as HF does
         if pattern is None:
             sources[name] = _Stored(files, where[key], key)
         else:

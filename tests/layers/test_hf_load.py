@@ -41,6 +41,10 @@ def _dense(kind: str):
         return classic_model(kind)
     if kind == "deepseek_v3":  # multi-head latent attention, a dense first layer, shared and routed experts
         return _moe(kind)
+    if kind == "deepseek_v4":  # its attention split by heads in whole output groups, its checkpoint's own names
+        from tests.layers.test_hf_deepseek_v4 import _v4
+
+        return _v4()
     if kind in SPARSE_FAMILIES:
         return family_model(kind, **SPARSE)
     if kind in ("kimi_linear", "bailing_hybrid"):
@@ -133,6 +137,18 @@ def test_latent_attention_and_hybrid_mixtures_load_by_slices(tmp_path):
     assert (
         run_ranks(_families_ranks, 2, LATENT, str(tmp_path), layouts, timeout=900, env=REFERENCE_KERNELS) == ["ok"] * 2
     )
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_deepseek_v4_loads_its_checkpoints_names(tmp_path):
+    """DeepSeek-V4's checkpoint keeps DeepSeek's names (``attn.wq_b``, ``attn.norm`` for the key-and-value norm,
+    experts one by one), which transformers renames as it loads them; its final ``model.norm`` keeps its name, as
+    transformers leaves a key that the renaming would take away from the model's. Each rank reads its heads' rows and
+    output groups, its share of every expert's features or its experts alone."""
+    layouts = ({}, {"expert_split": "experts"})
+    assert run_ranks(_families_ranks, 2, ("deepseek_v4",), str(tmp_path), layouts, timeout=600,
+                     env=REFERENCE_KERNELS) == ["ok"] * 2  # fmt: skip
 
 
 @pytest.mark.multiprocess
