@@ -20,7 +20,10 @@ are whole groups:
   the ``[tokens, hidden]`` input's gradient;
 - the attention reads ``num_heads / t`` heads, and its config view ``o_groups / t`` groups.
 
-Sequence parallelism is refused: the compressor reads every token's hidden state.
+Under sequence parallelism its projections of the block's input (``q_a_proj``, ``kv_proj``, and the compressor's and
+its indexer's: :data:`GROUPED_OUTPUT_LATENTS`) multiply this rank's tokens and gather their narrow outputs, as
+multi-head latent attention's latents are gathered (:class:`~tessel.layers.hf.RingLatentLinear`); what follows runs
+over the whole sequence, and ``o_b_proj`` reduce-scatters its output along it.
 """
 
 from __future__ import annotations
@@ -30,11 +33,22 @@ import copy
 import torch
 from torch import nn
 
-__all__ = ["GROUPED_OUTPUT_CHILDREN", "grouped_output_styles", "grouped_output_updates", "split_grouped_linear"]
+__all__ = [
+    "GROUPED_OUTPUT_CHILDREN",
+    "GROUPED_OUTPUT_LATENTS",
+    "grouped_output_styles",
+    "grouped_output_updates",
+    "split_grouped_linear",
+]
 
 # the children of such an attention module that learn, and the styles that split it
 GROUPED_OUTPUT_CHILDREN = ("q_a_proj", "q_a_norm", "q_b_proj", "kv_proj", "kv_norm", "o_a_proj", "o_b_proj",
                            "compressor")  # fmt: skip
+# under sequence parallelism: its projections of the block's input, which multiply this rank's tokens and gather their
+# narrow outputs (the latents), as multi-head latent attention's do
+GROUPED_OUTPUT_LATENTS = ("q_a_proj", "kv_proj", "compressor.kv_proj", "compressor.gate_proj",
+                          "compressor.indexer.kv_proj", "compressor.indexer.gate_proj",
+                          "compressor.indexer.scorer.weights_proj")  # fmt: skip
 
 
 def is_grouped_output_attention(m: nn.Module) -> bool:

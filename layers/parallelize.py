@@ -307,7 +307,7 @@ def _sequence_layout(model: nn.Module, entries: list[Entry]) -> HFSequenceLayout
     fed = [e.name for e in entries if (e.kind in RING_COLUMNS and not e.latent_fed) or e.latent]
     layout = HFSequenceLayout.find(model, fed, experts)
     whole = {e.name for e in entries if e.kind == REPLICATE and e.latent_fed}  # replicated, reading a latent
-    layout.check(model, {e.name for e in entries if e.kind in SPLIT_LINEAR or e.latent} | whole)
+    layout.check(model, {e.name for e in entries if e.kind in (*SPLIT_LINEAR, GROUPED_COLUMN) or e.latent} | whole)
     for e in entries:  # it would read the placeholder the block's ring hands its columns (Doge's router_gate)
         if e.kind == COLUMN_GATHER and e.name.rpartition(".")[0] in layout.blocks:
             _fail(e, "a column layer that gathers its output inside a block whose projections gather the sequence "

@@ -14,6 +14,7 @@ from .hf import hf_tp_plan, is_hf_model
 from .hf_attention import MLA_INDEXER_INPUTS, MLA_INDEXER_QUERIES, MLA_LATENT_PROJECTIONS, MLA_LATENT_READERS
 from .hf_classic import classic_plan
 from .hf_experts import ExpertSplit
+from .hf_grouped_output import GROUPED_OUTPUT_LATENTS
 from .hf_linear_attention import KIMI_LATENT_FED, KIMI_LATENTS, is_kimi_delta
 from .hf_plans import ACTIVATION_NAMES, HEAD_NORM_NAMES, head_dim_of, head_split_plan, whole_attention_plan
 
@@ -277,6 +278,18 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
                 entries.append(Entry(name, m, LATENT, LATENT, latent=True))
             elif isinstance(m, nn.Linear) and name not in named and child in MLA_INDEXER_QUERIES:
                 entries.append(Entry(name, m, REPLICATE, REPLICATE, latent_fed=True))
+    # DeepSeek-V4's attention: its projections of the block's input (query latent, key-and-value head, the
+    # compressors' and their indexer's) are latents; its queries and its compressed indexer's read the query latent
+    v4_blocks = {e.name.rpartition(".")[0] for e in entries if e.kind == GROUPED_COLUMN}
+    for e in entries:
+        e.latent_fed = e.latent_fed or (e.kind in RING_COLUMNS and e.name.rpartition(".")[0] in v4_blocks)
+    for block in sorted(v4_blocks):
+        for child in (*GROUPED_OUTPUT_LATENTS, "compressor.indexer.q_b_proj"):
+            name, m = f"{block}.{child}", modules.get(f"{block}.{child}")
+            if isinstance(m, nn.Linear) and name not in named:
+                latent = child in GROUPED_OUTPUT_LATENTS
+                entries.append(Entry(name, m, *(LATENT, LATENT) if latent else (REPLICATE, REPLICATE), latent=latent,
+                                     latent_fed=not latent))  # fmt: skip
 
 
 def map_first_output(out, fn):

@@ -145,8 +145,8 @@ def test_deepseek_v4_loads_its_checkpoints_names(tmp_path):
     """DeepSeek-V4's checkpoint keeps DeepSeek's names (``attn.wq_b``, ``attn.norm`` for the key-and-value norm,
     experts one by one), which transformers renames as it loads them; its final ``model.norm`` keeps its name, as
     transformers leaves a key that the renaming would take away from the model's. Each rank reads its heads' rows and
-    output groups, its share of every expert's features or its experts alone."""
-    layouts = ({}, {"expert_split": "experts"})
+    output groups, its share of every expert's features or its experts alone, with and without sequence parallelism."""
+    layouts = ({}, {"sequence_parallel": True}, {"expert_split": "experts"})
     assert run_ranks(_families_ranks, 2, ("deepseek_v4",), str(tmp_path), layouts, timeout=600,
                      env=REFERENCE_KERNELS) == ["ok"] * 2  # fmt: skip
 
