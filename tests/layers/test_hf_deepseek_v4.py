@@ -104,3 +104,28 @@ def test_tessels_attention_gets_the_eager_mask_of_an_eager_only_model():
     kw = dict(batch_size=1, q_length=4, kv_length=4, device="cpu")
     assert _tessel_mask(config=llama.config, **kw) is None
     assert _tessel_mask(config=model.config, **kw).dtype == torch.float32
+
+
+def _context_parallel_ranks(rank, world_size):
+    from tessel.layers.hf import register_hf_attention
+    from tessel.layers.parallelize import parallelize
+    from tests.layers.test_context_parallel import _grid
+    from tests.layers.test_hf_families import _check_against_float64
+
+    register_hf_attention()
+    _, tp_group, cp_group = _grid(rank, world_size, 2)  # cp over both ranks
+    sliding = dict(layer_types=["sliding_attention"] * 3)
+    par = parallelize(_v4(**sliding), tp_group, cp_group=cp_group)
+    par.set_attn_implementation("tessel")
+    _check_against_float64(_v4(**sliding), par, "deepseek_v4 sliding layers, cp=2", tp_group, cp_group)
+    with pytest.raises(ValueError, match="layers of type 'compressed_sparse_attention', which would see this rank's"):
+        parallelize(_v4(), tp_group, cp_group=cp_group)
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_context_parallelism_runs_the_sliding_layers_and_refuses_the_compressors():
+    """Sliding layers (their sinks joining the ring's merged softmax) over two context-parallel ranks: the float64
+    dense model. A compressor would compress this rank's share of the tokens alone: refused by name."""
+    assert run_ranks(_context_parallel_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
