@@ -90,7 +90,7 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          "apertus", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe",
                          "minimax", "minimax_m2", "laguna", "mellum", "cohere", "cohere2", "granite", "granitemoe",
                          "gemma", "gemma2", "gemma3_text", "gemma4_text", "deepseek_v2", "deepseek_v3", "gpt_oss",
-                         "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "minicpm3",
+                         "deepseek_v32", "glm_moe_dsa", "glm4_moe_lite", "minicpm3", "deepseek_v4",
                          # hybrids: linear attention, state spaces or short convolutions between attention layers
                          "qwen3_5_text", "qwen3_5_moe_text", "qwen3_next", "olmo_hybrid", "bamba", "granitemoehybrid",
                          "falcon_h1", "nemotron_h", "jamba", "lfm2", "kimi_linear", "bailing_hybrid",
@@ -98,9 +98,10 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "ministral", "qwen2", "qwen3", "olm
                          # the decoders Hugging Face gives no tensor-parallel plan (tessel.layers.hf_classic)
                          "gpt2", "gpt_bigcode", "gpt_neo", "bloom", "falcon", "mpt", "persimmon", "opt")  # fmt: skip
 # Base models whose forward changes the embeddings before their first layer: GPT-2's, GPT-BigCode's and GPT-Neo's add
-# their learned positions, BLOOM's norms them. A later stage's base model is given a placeholder, and its first layer
-# the hidden states the stage received (as under sequence parallelism).
-EMBEDDING_TRANSFORMS = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom", "opt")
+# their learned positions, BLOOM's norms them, DeepSeek-V4's copies them into its hyper-connections' residual streams
+# ([B, S, hc, H], what travels between its stages). A later stage's base model is given a placeholder ([B, S, H]), and
+# its first layer the hidden states the stage received (as under sequence parallelism).
+EMBEDDING_TRANSFORMS = ("gpt2", "gpt_bigcode", "gpt_neo", "bloom", "opt", "deepseek_v4")
 # ... and what computes it, which a later stage drops: their position embedding, its norm, OPT's projection in
 _EMBEDDING_MODULES = ("wpe", "word_embeddings_layernorm", "embed_positions", "project_in")
 # Base models whose forward views its output in the shape of its input (GPT-2's view(output_shape)): under sequence
@@ -158,6 +159,8 @@ class HFPipelineStage(nn.Module):
         self.kept = self.sequence_parallel and not last and model.config.model_type in OUTPUT_VIEWS
         if not last:
             holder._modules[norm] = _Kept(self.held) if self.kept else nn.Identity()
+            if isinstance(holder._modules.get("hc_head"), nn.Module):  # DeepSeek-V4's collapse of its streams
+                holder._modules["hc_head"] = nn.Identity()
             if isinstance(holder._modules.get("project_out"), nn.Module):  # OPT's, after its final norm
                 holder._modules["project_out"] = None
         stage.config = config
@@ -221,7 +224,7 @@ class HFPipelineStage(nn.Module):
         if self.fed:  # the hidden states for the first layer, the whole sequence's shape for the base model
             self.held["hidden"] = x
             split = _size(self.tp_group) if self.sequence_parallel else 1  # a share under sequence parallelism
-            x = _placeholder(x, split)
+            x = _placeholder(x[:, :, 0] if getattr(self.base.config, "hc_mult", None) else x, split)  # (one stream)
         positions = position_ids
         if positions is None:  # under context parallelism the whole sequence's (the model's hook takes its share)
             positions = torch.arange(x.shape[1] * self.cp_size, device=x.device)[None]
@@ -505,11 +508,11 @@ def _context_group(layers: nn.Module):
 
 
 def _tensor_layout(layers: nn.Module):
-    """``(tp_group, sequence_parallel)`` of the model's split decoder ``layers`` (``(None, False)`` unsplit)."""
-    for module in layers.modules():
-        if isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            return module.tp_group, module.sequence_parallel
-    return None, False
+    """``(tp_group, sequence_parallel)`` of the model's split decoder ``layers`` (``(None, False)`` unsplit): sequence
+    parallel when any split layer is (a column layer fed by a gathered latent, multi-head latent attention's
+    ``q_b_proj``, reads the whole sequence and is not)."""
+    split = [m for m in layers.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    return (split[0].tp_group, any(m.sequence_parallel for m in split)) if split else (None, False)
 
 
 def _check(model, stage_index, num_stages, fused_loss) -> int:
@@ -564,5 +567,9 @@ def hf_pipeline_stage(model: nn.Module, stage_index: int, num_stages: int, *, fu
     per, extra = divmod(layers, num_stages)
     start = stage_index * per + min(stage_index, extra)
     stop = start + per + (stage_index < extra)
+    hashed = [i for i, kind in enumerate(getattr(model.config, "mlp_layer_types", None) or ()) if "hash" in str(kind)]
+    if start > 0 and any(start <= i < stop for i in hashed):  # DeepSeek-V4's: the first stage alone has the ids
+        raise ValueError(f"{_NAME}: stage {stage_index} of {num_stages} holds layers {hashed} routed by the token ids "
+                         "(hash_moe), which only the first stage reads: use fewer stages")  # fmt: skip
     return HFPipelineStage(model, start, stop, first=stage_index == 0, last=stage_index == num_stages - 1,
                            fused_loss=fused_loss, forward_kwargs=forward_kwargs)  # fmt: skip

@@ -244,11 +244,13 @@ def test_deepseek_v3_trains_its_curve_balanced_by_its_routing_biases(tmp_path):
     """--hf deepseek_v3: multi-head latent attention, a shared expert beside sigmoid-routed experts, balanced without a
     loss by moving its routing biases (--expert-bias-rate, each step's routes counted over the ranks that route other
     tokens). The single process's curve at tp=2 with sequence parallelism (the latents gathered), through a pipeline,
-    over two data-parallel ranks (with the experts split over them too), at cp=2, and as Hugging Face computes it
+    both (a later stage receiving its share of the sequence: its queries, fed by a gathered latent, are not what tells
+    the stage it is sequence-parallel), over two data-parallel ranks (with the experts split over them too), at cp=2, and as Hugging Face computes it
     (--hf-baseline, tessel moving the same biases); the biases shape that curve: without them it is another."""
     _ok(_train(tmp_path / "one", *DEEPSEEK))
     one = _losses(tmp_path / "one")
     layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "pp2": (["--pp", "2"], 2),
+               "tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4),
                "dp2": (["--dp", "2"], 2), "dp2-ep2": (["--dp", "2", "--ep", "2"], 2), "cp2": (["--cp", "2"], 2),
                "baseline": (["--hf-baseline"], 1)}  # fmt: skip
     for name, (layout, nproc) in layouts.items():

@@ -129,3 +129,20 @@ def test_context_parallelism_runs_the_sliding_layers_and_refuses_the_compressors
     """Sliding layers (their sinks joining the ring's merged softmax) over two context-parallel ranks: the float64
     dense model. A compressor would compress this rank's share of the tokens alone: refused by name."""
     assert run_ranks(_context_parallel_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+@needs_hf
+def test_pipeline_stages_carry_the_residual_streams():
+    """Stages of DeepSeek-V4 (2 and 3 of its 3 layers) pass its hyper-connections' residual streams ``[B, S, hc, H]``
+    on, the last collapsing them: chained, the model's logits, loss and every gradient. A later stage holding a layer
+    routed by the token ids (hash_moe), which only the first stage reads, is refused by name."""
+    from tessel.layers import hf_pipeline_stage
+    from tests.layers.test_hf_pipeline import check_stages
+
+    ids = torch.randint(3, 64, (2, 12), generator=torch.Generator().manual_seed(3))
+    _, splits = check_stages(_v4().eval(), ids, "deepseek_v4")
+    assert [ranges for n, fused, ranges in splits if n == 3 and fused] == [[(0, 1), (1, 2), (2, 3)]]
+    hashed = _v4(mlp_layer_types=["hash_moe", "hash_moe", "moe"])
+    assert hf_pipeline_stage(hashed, 0, 2).stop == 2
+    with pytest.raises(ValueError, match=r"stage 1 of 3 holds layers \[0, 1\] routed by the token ids \(hash_moe\)"):
+        hf_pipeline_stage(hashed, 1, 3)

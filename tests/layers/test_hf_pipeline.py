@@ -126,6 +126,7 @@ def _pipelined(rank, world_size, sp, fused, kind):
         "gemma4": lambda: gemma4_model(**GEMMA4_VARIANTS["keys and values shared"]),
         "gpt2": lambda: classic_model("gpt2", n_layer=3),
         "bloom": lambda: classic_model("bloom", n_layer=3),
+        "deepseek_v4": lambda: __import__("tests.layers.test_hf_deepseek_v4", fromlist=["_v4"])._v4(),
     }[kind]
     whole = parallelize(build(), tp, sequence_parallel=sp)
     want = torch.stack([whole(half, labels=half).loss for half in ids.chunk(2)]).mean()
@@ -151,7 +152,7 @@ def _pipelined(rank, world_size, sp, fused, kind):
     ("sp", "fused", "kind"),
     [(False, False, "llama"), (True, True, "llama"), (True, False, "llama"), (True, True, "mixtral"),
      (True, True, "zamba2"), (False, False, "zamba2"), (True, False, "gemma4"), (False, True, "gemma4"),
-     (True, False, "mistral")],
+     (True, False, "mistral"), (True, False, "deepseek_v4"), (False, True, "deepseek_v4")],
 )  # fmt: skip
 def test_tensor_and_pipeline_parallel_stages_train_as_the_whole_model(sp, fused, kind):
     """Four gloo ranks, tp=2 × pp=2 (with sequence parallelism the stages pass [B, S/2, H] shards): every
@@ -161,7 +162,8 @@ def test_tensor_and_pipeline_parallel_stages_train_as_the_whole_model(sp, fused,
     gradient coming back to the embedding) and the layer's own index (its adapter); for Gemma 4 with its last two
     layers on the second stage reusing the keys and values of two on the first, those keys and values (over the
     whole sequence under sequence parallelism, this rank's heads) and their gradients; for Mistral sliding over 3 keys
-    under sequence parallelism, the second stage's masks of the whole sequence."""
+    under sequence parallelism, the second stage's masks of the whole sequence; for DeepSeek-V4, its hyper-connections'
+    residual streams ([B, S(/2), 2, H]) and its heads split in output groups."""
     results = run_ranks(_pipelined, 4, sp, fused, kind, timeout=300, env=REFERENCE_KERNELS)
     norm = "final_layernorm" if kind == "zamba2" else "norm"
     assert "embed_tokens" in results[0] and "lm_head" not in results[0]
