@@ -428,3 +428,13 @@ def _refusals_ranks(rank, world_size, root):
 @needs_hf
 def test_bad_input_is_refused_before_anything_changes(tmp_path):
     assert run_ranks(_refusals_ranks, 2, str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_kv_heads_replicated_over_four_ranks_load_on_the_meta_device(tmp_path):
+    """Llama's k_proj/v_proj and Phi-3's fused qkv_proj with 2 kv heads over 4 ranks: each kv head copied on the two
+    ranks whose query heads read it (their copies' gradients summed in a process group of those two, made as the
+    layers are built on the meta device), each rank reading its copy; the split dense model's tensors and gradients."""
+    assert run_ranks(_families_ranks, 4, ("llama", "phi3"), str(tmp_path), timeout=600,
+                     env=REFERENCE_KERNELS) == ["ok"] * 4  # fmt: skip
