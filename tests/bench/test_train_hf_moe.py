@@ -245,8 +245,9 @@ def test_deepseek_v3_trains_its_curve_balanced_by_its_routing_biases(tmp_path):
     loss by moving its routing biases (--expert-bias-rate, each step's routes counted over the ranks that route other
     tokens). The single process's curve at tp=2 with sequence parallelism (the latents gathered), through a pipeline,
     both (a later stage receiving its share of the sequence: its queries, fed by a gathered latent, are not what tells
-    the stage it is sequence-parallel), over two data-parallel ranks (with the experts split over them too), at cp=2, and as Hugging Face computes it
-    (--hf-baseline, tessel moving the same biases); the biases shape that curve: without them it is another."""
+    the stage it is sequence-parallel), over two data-parallel ranks (with the experts split over them too), at cp=2,
+    and as Hugging Face computes it (--hf-baseline, tessel moving the same biases); the biases shape that curve:
+    without them it is another."""
     _ok(_train(tmp_path / "one", *DEEPSEEK))
     one = _losses(tmp_path / "one")
     layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "pp2": (["--pp", "2"], 2),
