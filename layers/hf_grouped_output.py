@@ -33,6 +33,8 @@ import copy
 import torch
 from torch import nn
 
+from .linear import _mark_sharded
+
 __all__ = [
     "GROUPED_OUTPUT_CHILDREN",
     "GROUPED_OUTPUT_LATENTS",
@@ -119,6 +121,5 @@ def split_grouped_linear(module: nn.Linear, rank: int, t: int, name: str = "o_a_
             local.bias = nn.Parameter(module.bias[rows].clone(), requires_grad=module.bias.requires_grad)
     local.out_features, local.n_groups = n // t, groups // t
     for p in (local.weight, local.bias):
-        if p is not None:
-            p.tensor_parallel, p.tp_dim, p.tp_parts = True, 0, (n,)
+        _mark_sharded(p, dim=0, parts=(n,))
     return local

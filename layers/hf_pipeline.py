@@ -144,6 +144,7 @@ class HFPipelineStage(nn.Module):
         # placeholder of the whole sequence's shape (whose length its masks take) and its first layer the share (as
         # a later stage of a model whose base changes its embeddings is: GPT-2's positions, BLOOM's norm)
         self.fed = (self.sequence_parallel or model.config.model_type in EMBEDDING_TRANSFORMS) and not first
+        self.streams = bool(getattr(config, "hc_mult", None))  # DeepSeek-V4's residual streams: [B, S, hc, H]
         if self.fed:
             own = [_Fed(own[0], self.held), *own[1:]]
         holder._modules[layers] = nn.ModuleList(own)
@@ -224,7 +225,7 @@ class HFPipelineStage(nn.Module):
         if self.fed:  # the hidden states for the first layer, the whole sequence's shape for the base model
             self.held["hidden"] = x
             split = _size(self.tp_group) if self.sequence_parallel else 1  # a share under sequence parallelism
-            x = _placeholder(x[:, :, 0] if getattr(self.base.config, "hc_mult", None) else x, split)  # (one stream)
+            x = _placeholder(x[:, :, 0] if self.streams else x, split)  # (of one residual stream)
         positions = position_ids
         if positions is None:  # under context parallelism the whole sequence's (the model's hook takes its share)
             positions = torch.arange(x.shape[1] * self.cp_size, device=x.device)[None]

@@ -288,8 +288,8 @@ def latent_projections(entries: list[Entry], modules: dict[str, nn.Module]) -> N
             name, m = f"{block}.{child}", modules.get(f"{block}.{child}")
             if isinstance(m, nn.Linear) and name not in named:
                 latent = child in GROUPED_OUTPUT_LATENTS
-                entries.append(Entry(name, m, *(LATENT, LATENT) if latent else (REPLICATE, REPLICATE), latent=latent,
-                                     latent_fed=not latent))  # fmt: skip
+                style = LATENT if latent else REPLICATE
+                entries.append(Entry(name, m, style, style, latent=latent, latent_fed=not latent))
 
 
 def map_first_output(out, fn):

@@ -149,8 +149,15 @@ def subgroup(group: dist.ProcessGroup | None, first: int, size: int) -> dist.Pro
     """The ranks ``[first, first + size)`` of ``group`` (``None``: every rank) as a process group of their own:
     ``group`` itself when they are all of it, otherwise created once (the first call, which those ranks alone make,
     together: ``use_local_synchronization``) and kept for ``group``'s lifetime. ``first`` and ``size`` are taken as
-    they are: the callers compute them from the group's size."""
-    if first == 0 and size == group_size(group):
+    they are: the callers compute them from the group's size. Raises ``ValueError`` for ranks outside the group."""
+    t = group_size(group)
+    for name, value in (("first", first), ("size", size)):
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise TypeError(f"subgroup: {name} must be an int, received {type(value).__name__}")
+    if first < 0 or size < 1 or first + size > t:
+        raise ValueError(f"subgroup: ranks [first, first + size) must lie in the group's {t} ranks, received "
+                         f"first={first}, size={size}")  # fmt: skip
+    if first == 0 and size == t:
         return group
     parent = dist.group.WORLD if group is None else group
     ranks = tuple(dist.get_process_group_ranks(parent)[first : first + size])

@@ -222,3 +222,15 @@ def _bad_worker(rank, t):
 @pytest.mark.multiprocess
 def test_bad_max_chunks_are_refused_by_name():
     assert run_ranks(_bad_worker, 4) == ["ok"] * 4
+
+
+def test_subgroup_refuses_ranks_outside_the_group():
+    from tessel.parallel.comm import subgroup
+
+    with pytest.raises(ValueError, match=r"must lie in the group's 1 ranks, received first=0, size=2"):
+        subgroup(None, 0, 2)
+    with pytest.raises(ValueError, match="received first=-1, size=1"):
+        subgroup(None, -1, 1)
+    with pytest.raises(TypeError, match="size must be an int, received float"):
+        subgroup(None, 0, 1.0)
+    assert subgroup(None, 0, 1) is None  # all of a world of one: the group itself
