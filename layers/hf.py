@@ -276,8 +276,9 @@ def _contiguous(x: torch.Tensor) -> torch.Tensor:
 
 
 # a layer's inputs of the whole sequence beside its hidden states: Gemma 4's per-layer inputs ([B, S, P]), Zamba 2's
-# embeddings, which its hybrid layers' shared attention reads beside the hidden states
-_SEQUENCE_INPUTS = ("per_layer_input", "original_hidden_states")
+# embeddings, which its hybrid layers' shared attention reads beside the hidden states, DeepSeek-V4's token ids
+# ([B, S]), by which its hash-routed experts choose each token's experts
+_SEQUENCE_INPUTS = ("per_layer_input", "original_hidden_states", "input_ids")
 
 
 def _scatter_per_layer_input(layer: nn.Module, tp_group) -> None:

@@ -68,6 +68,36 @@ def test_deepseek_v4_attention_splits_by_heads(world, o_groups):
     assert run_ranks(_split_ranks, world, o_groups, timeout=600, env=REFERENCE_KERNELS) == ["ok"] * world
 
 
+def hashed_v4(**kw):
+    """A tiny DeepSeek-V4 whose first two layers route by the token ids (hash_moe), through a random table of two
+    distinct experts per id (Hugging Face's default table, zeros, would send every token to expert 0 twice)."""
+    model = _v4(mlp_layer_types=["hash_moe", "hash_moe", "moe"], **kw)
+    g = torch.Generator().manual_seed(4)
+    for layer in model.model.layers[:2]:
+        table = layer.mlp.gate.tid2eid
+        table.copy_(torch.stack([torch.randperm(4, generator=g)[:2] for _ in range(table.shape[0])]))
+    return model
+
+
+def _hash_ranks(rank, world_size):
+    from tessel.layers.parallelize import parallelize
+
+    for sp, split in ((False, "features"), (True, "features"), (True, "experts")):
+        dense = hashed_v4()
+        par = parallelize(copy.deepcopy(dense), None, sequence_parallel=sp, expert_split=split)
+        _check_against_dense(dense, par, f"hash-routed deepseek_v4, sp={sp}, experts split by {split}")
+    return "ok"
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_hash_routed_layers_read_their_shares_token_ids():
+    """Layers routed by the token ids (hash_moe) on two ranks, against dense: under sequence parallelism each rank's
+    experts block routes its share of the tokens, so it reads the same share of the ids (the whole ids beside a
+    shard's hidden states fail to route), with the experts split by features or whole on their ranks."""
+    assert run_ranks(_hash_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
+
+
 def _generate_ranks(rank, world_size):
     from tessel.layers.parallelize import parallelize
 
