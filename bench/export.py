@@ -99,7 +99,7 @@ def gpt_to_llama(state: dict[str, torch.Tensor], config: GPTConfig) -> dict[str,
 def _hf_model(family: str, config: GPTConfig, kv_shared_layers: int = 0) -> nn.Module:
     """The ``--hf`` family's causal LM as the run built it (its config from the same builder), on the meta device:
     the checkpoint's tensors replace its parameters."""
-    from .train_hf import EAGER_FAMILIES, HF_FAMILIES, _hf_config, model_class
+    from .train_hf_config import EAGER_FAMILIES, HF_FAMILIES, _hf_config, model_class
 
     if family not in HF_FAMILIES:
         raise ExportError(f"the checkpoint's model is an unknown Hugging Face family {family!r} (known: "

@@ -36,7 +36,7 @@ __all__ = [
 PROG = "python -m tessel.bench.train"
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
-# --hf's families (train_hf.HF_FAMILIES names their classes)
+# --hf's families (train_hf_config.HF_FAMILIES names their classes)
 HF_CHOICES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3", "olmo2",
               "olmoe", "phi3", "deepseek_v3", "deepseek_v32", "gpt_oss", "qwen3_5", "qwen3_5_moe", "bamba",
               "jamba", "gemma4", "kimi_linear", "bailing_hybrid", "gpt2", "opt", "bloom", "falcon")  # fmt: skip

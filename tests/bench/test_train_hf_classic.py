@@ -61,7 +61,8 @@ def test_the_flops_count_no_learned_positions():
     """GPT-2's and OPT's position embeddings are looked up, as the token embeddings are: 6·N counts neither."""
     from types import SimpleNamespace
 
-    from tessel.bench.train_hf import _active_params, _classic_config
+    from tessel.bench.train_hf import _active_params
+    from tessel.bench.train_hf_config import _classic_config
     from tessel.layers.gpt import GPTConfig
 
     c = GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=256, block_size=32)
