@@ -39,7 +39,8 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb")
 # --hf's families (train_hf_config.HF_FAMILIES names their classes)
 HF_CHOICES = ("llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen3_moe", "gemma", "gemma2", "gemma3", "olmo2",
               "olmoe", "phi3", "deepseek_v3", "deepseek_v32", "gpt_oss", "qwen3_5", "qwen3_5_moe", "bamba",
-              "jamba", "gemma4", "kimi_linear", "bailing_hybrid", "gpt2", "opt", "bloom", "falcon")  # fmt: skip
+              "jamba", "gemma4", "kimi_linear", "bailing_hybrid", "gpt2", "opt", "bloom", "falcon",
+              "deepseek_v4")  # fmt: skip
 LR_SCHEDULES = ("cosine", "constant")
 COMPILE_BACKENDS = ("inductor", "aot_eager")
 OVERLAPS = {"auto": "auto", "on": True, "off": False, "peer": "peer"}  # --overlap: the layers' `overlap`

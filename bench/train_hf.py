@@ -45,6 +45,14 @@ routed and balanced as DeepSeek-V3's; every layout, ``--cp`` included (the delta
 ``--hf bailing_hybrid``: Bailing's (Ling/Ring 2.5, :func:`_bailing_config`), the same with full-rank gates and a gate
 per head on the latent attention's output.
 
+``--hf deepseek_v4``: DeepSeek-V4's (:func:`_compressed_attention_config`): every layer sliding over 128 keys
+(``--sliding-window W`` replaces the window, :data:`COMPRESSED_FAMILIES`) beside keys compressed 4 to 1 and kept by an
+indexer, or compressed a window to 1; one key-and-value head, grouped output projections, hyper-connections. Its first
+layer routes each token by its id (a table drawn from the seed, :func:`draw_hash_routes`), the others by
+``sqrt(softplus)`` scores balanced by their biases (``--expert-bias-rate``) and Hugging Face's balancing loss where
+``--aux-loss-coef`` asks for it (:data:`BIASED_WITH_LOSS`). FLOPs count each layer's compressed keys beside its window
+(:func:`compressed_keys`); not under ``--cp``.
+
 ``--hf gpt_oss``: GPT-OSS's design at the preset's shape: attention sinks, every other layer sliding over 128 keys
 (``--sliding-window W`` replaces the window, :data:`ALTERNATING_WINDOWS`), biased attention and experts with its clamped
 SwiGLU, its balancing loss. Hugging Face runs its sinks in its eager attention only: the baseline's attention is
@@ -105,7 +113,9 @@ from .train_args import OVERLAPS, ArgumentError
 from .train_hf_config import (
     ALTERNATING_WINDOWS,
     BIASED_FAMILIES,
+    BIASED_WITH_LOSS,
     CLASSIC_FAMILIES,
+    COMPRESSED_FAMILIES,
     EAGER_FAMILIES,
     HF_FAMILIES,
     LINEAR_ATTENTION_FAMILIES,
@@ -130,9 +140,11 @@ __all__ = [
     "attention_widths",
     "attention_windows",
     "build_hf",
+    "compressed_keys",
     "decoder_layer_class",
     "decoder_layers",
     "document_positions",
+    "draw_hash_routes",
     "hf_flops_per_token",
     "hf_loss",
     "hf_stage",
@@ -162,6 +174,8 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     attention = OWN_ATTENTION.get(args.hf, attention)
     with torch.device("meta" if args.init else dims.device):  # --init: each rank reads its shards once split
         model = model_class(args.hf)(_hf_config(args, config, attention))
+    if not args.init:
+        draw_hash_routes(model, args.seed)
     num_params = sum(p.numel() for p in model.parameters())
     flops = hf_flops_per_token(
         _active_params(model, args),
@@ -169,6 +183,7 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
         args.seq_len,
         attention_windows(model.config),
         attention_widths(model.config),
+        compressed_keys(model.config, args.seq_len),
     )
     model = model.to(dtype=dtype)
     if args.recompute:  # Hugging Face's activation checkpointing: each decoder layer recomputed in backward
@@ -188,6 +203,17 @@ def build_hf(args, config: GPTConfig, dims, dtype: torch.dtype) -> tuple[nn.Modu
     return fuse_lm_loss(model, label_smoothing=args.label_smoothing, z_loss=args.logit_z_loss), num_params, flops
 
 
+def draw_hash_routes(model: nn.Module, seed: int) -> None:
+    """Every hash router's table of each token id's experts (DeepSeek-V4's ``tid2eid``, ``[vocab, k]``, which Hugging
+    Face initialises to zeros and a checkpoint fills) drawn from ``seed``: ``k`` distinct experts per id, uniformly, the
+    same on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    for router in (m for m in model.modules() if isinstance(getattr(m, "tid2eid", None), torch.Tensor)):
+        vocab, k = router.tid2eid.shape
+        routes = torch.rand(vocab, router.num_experts, generator=g).argsort(dim=-1)[:, :k]
+        router.tid2eid.copy_(routes)
+
+
 def _active_params(model: nn.Module, args) -> int:
     """The parameters a token runs through: all but the experts it is not routed to (k of every block's N) and the
     learned positions' embedding (GPT-2's, OPT's: looked up)."""
@@ -201,24 +227,42 @@ def _active_params(model: nn.Module, args) -> int:
 
 
 def hf_flops_per_token(num_params: int, c: GPTConfig, seq_len: int, windows: list[int | None] | None = None,
-                       widths: list[int] | None = None) -> float:  # fmt: skip
+                       widths: list[int] | None = None, compressed: list[int] | None = None) -> float:  # fmt: skip
     """``6·N + 12·L·E·S`` as :meth:`~tessel.layers.GPT.flops_per_token` counts it, N without the input embedding
     (``min(S, W)`` keys under a sliding window ``W``): ``windows`` gives each layer's (None: every earlier key;
     default: ``c.sliding_window`` in every layer), ``widths`` each layer's query heads times their head dim (default:
-    ``E``)."""
+    ``E``), ``compressed`` each layer's compressed keys beside its window (:func:`compressed_keys`; default none)."""
     windows = [c.sliding_window] * c.n_layer if windows is None else windows
     widths = [c.n_embd] * len(windows) if widths is None else widths
-    keys = sum(e * (seq_len if w is None else min(seq_len, w)) for w, e in zip(windows, widths, strict=True))
+    compressed = [0] * len(windows) if compressed is None else compressed
+    layers = zip(windows, widths, compressed, strict=True)
+    keys = sum(e * ((seq_len if w is None else min(seq_len, w)) + extra) for w, e, extra in layers)
     return 6 * (num_params - c.vocab_size * c.n_embd) + 12 * keys
+
+
+def compressed_keys(config, seq_len: int) -> list[int] | None:
+    """Each layer's compressed keys a query reads beside its window, counted as for full attention (every key of the
+    sequence): DeepSeek-V4's ``S/m`` keys compressed ``m`` to 1 (``heavily_compressed_attention``), or of those the
+    indexer's top ``k`` (``compressed_sparse_attention``); None for a config without compressors. The compressors' and
+    the indexer's scoring FLOPs, linear in the sequence, go uncounted."""
+    rates = getattr(config, "compress_rates", None)
+    if rates is None:
+        return None
+    counts = {kind: seq_len // rate for kind, rate in rates.items()}
+    counts["compressed_sparse_attention"] = min(config.index_topk, counts["compressed_sparse_attention"])
+    return [counts.get(kind, 0) for kind in config.layer_types]
 
 
 def attention_windows(config) -> list[int | None]:
     """Each layer's sliding window in a Hugging Face config (None: the layer attends to every earlier key): its
-    ``sliding_window`` in the layers its ``layer_types`` call ``sliding_attention``, or in all when it has none; 0 in
+    ``sliding_window`` in the layers its ``layer_types`` call ``sliding_attention``, or in all when it has none or has
+    compressors (DeepSeek-V4's: every layer slides beside its compressed keys, :func:`compressed_keys`); 0 in
     linear-attention layers, which compare no query with any key (their recurrence's FLOPs, linear in the sequence,
     go uncounted)."""
     window = getattr(config, "sliding_window", None)
     types = getattr(config, "layer_types", None)
+    if getattr(config, "compress_rates", None) is not None:  # every layer slides, beside its compressed keys
+        return [window] * config.num_hidden_layers
     if getattr(config, "index_topk", None) is not None:  # a sparse attention: each query's top keys
         return [config.index_topk] * config.num_hidden_layers
     if types is None:
@@ -326,8 +370,14 @@ def refused_options(args) -> str | None:
     if args.hf in SPARSE_FAMILIES and args.cp > 1:
         return (f"--hf {args.hf} keeps each query's top keys by an indexer, which under --cp {args.cp} would score a "
                 "rank's keys alone: train it without --cp")  # fmt: skip
+    if args.hf in COMPRESSED_FAMILIES and args.cp > 1:
+        return (f"--hf {args.hf} compresses every layer's keys from the whole sequence, which under --cp {args.cp} "
+                "would compress a rank's share of the tokens alone: train it without --cp")  # fmt: skip
+    if args.hf in COMPRESSED_FAMILIES and args.expert_groups > 1:
+        return (f"--hf {args.hf} routes each token among all its experts: --expert-groups {args.expert_groups} limits "
+                "DeepSeek-V3's routing to groups, which it has not")  # fmt: skip
     biased = args.hf in BIASED_FAMILIES
-    if biased and (args.aux_loss_coef > 0 or args.z_loss_coef > 0):
+    if biased and args.hf not in BIASED_WITH_LOSS and (args.aux_loss_coef > 0 or args.z_loss_coef > 0):
         return (f"--hf {args.hf} balances its experts by their routing biases (--expert-bias-rate, DeepSeek-V3 uses "
                 "1e-3), not by a loss of Hugging Face's, and gives no router logits: pass --aux-loss-coef 0 (and no "
                 "--z-loss-coef)")  # fmt: skip
@@ -335,9 +385,9 @@ def refused_options(args) -> str | None:
         **({"--router-score sigmoid": args.router_score != "softmax",
             "--expert-groups": args.expert_groups > 1, "--expert-bias-rate": args.expert_bias_rate > 0}
            if moe and not biased else {}),
-        f"--sliding-window (its config slides not every layer; {', '.join(WINDOW_FAMILIES)} do, and "
-        f"{', '.join(ALTERNATING_WINDOWS)} every other)": args.sliding_window is not None
-        and args.hf not in WINDOW_FAMILIES and args.hf not in ALTERNATING_WINDOWS,
+        f"--sliding-window (its config slides not every layer; {', '.join([*WINDOW_FAMILIES, *COMPRESSED_FAMILIES])}"
+        f" do, and {', '.join(ALTERNATING_WINDOWS)} every other)": args.sliding_window is not None
+        and not any(args.hf in kinds for kinds in (WINDOW_FAMILIES, ALTERNATING_WINDOWS, COMPRESSED_FAMILIES)),
         "--attention-backward atomic with --hf-baseline (its attention is sdpa)": args.hf_baseline
         and args.attention_backward == "atomic",
         "--kv-shared-layers (Gemma 4's)": args.kv_shared_layers != 0 and args.hf != "gemma4",

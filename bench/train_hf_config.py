@@ -14,7 +14,9 @@ from .train_args import ArgumentError
 __all__ = [
     "ALTERNATING_WINDOWS",
     "BIASED_FAMILIES",
+    "BIASED_WITH_LOSS",
     "CLASSIC_FAMILIES",
+    "COMPRESSED_FAMILIES",
     "EAGER_FAMILIES",
     "HF_FAMILIES",
     "LINEAR_ATTENTION_FAMILIES",
@@ -35,7 +37,7 @@ HF_FAMILIES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3"
                "gpt_oss": "GptOss", "qwen3_5": "Qwen3_5", "qwen3_5_moe": "Qwen3_5Moe", "bamba": "Bamba",
                "jamba": "Jamba", "gemma4": "Gemma4", "kimi_linear": "KimiLinear",
                "bailing_hybrid": "BailingHybrid", "gpt2": "GPT2", "opt": "OPT", "bloom": "Bloom",
-               "falcon": "Falcon"}  # fmt: skip
+               "falcon": "Falcon", "deepseek_v4": "DeepseekV4"}  # fmt: skip
 # The causal LMs not named {family}ForCausalLM
 MODEL_CLASSES = {"gpt2": "GPT2LMHeadModel"}
 # The families Hugging Face gives no tensor-parallel plan (tessel.layers.hf_classic splits them): GPT-2's learned
@@ -53,10 +55,14 @@ MOE_FAMILIES = {"mixtral": "intermediate_size", "qwen3_moe": "moe_intermediate_s
                 "deepseek_v3": "moe_intermediate_size", "deepseek_v32": "moe_intermediate_size",
                 "gpt_oss": "intermediate_size",
                 "jamba": "intermediate_size", "qwen3_5_moe": "moe_intermediate_size",
-                "kimi_linear": "moe_intermediate_size", "bailing_hybrid": "moe_intermediate_size"}  # fmt: skip
+                "kimi_linear": "moe_intermediate_size", "bailing_hybrid": "moe_intermediate_size",
+                "deepseek_v4": "moe_intermediate_size"}  # fmt: skip
 # The mixtures that route as DeepSeek-V3 does: sigmoid scores, group-limited (--expert-groups, --top-groups), balanced
 # by their routing biases (--expert-bias-rate) and not by a loss of Hugging Face's
-BIASED_FAMILIES = ("deepseek_v3", "deepseek_v32", "kimi_linear", "bailing_hybrid")
+BIASED_FAMILIES = ("deepseek_v3", "deepseek_v32", "kimi_linear", "bailing_hybrid", "deepseek_v4")
+# Of those, the ones whose routers also give their logits, for Hugging Face's balancing loss beside the biases
+# (--aux-loss-coef; DeepSeek-V4's, whose report adds a small balancing loss to its biases)
+BIASED_WITH_LOSS = ("deepseek_v4",)
 # The families whose attention keeps each query's top keys by an indexer (DeepSeek Sparse Attention): not under --cp,
 # where the indexer would score a rank's keys alone
 SPARSE_FAMILIES = ("deepseek_v32",)
@@ -73,13 +79,18 @@ LINEAR_ATTENTION_FAMILIES = ("qwen3_5", "qwen3_5_moe", "bamba", "jamba", "kimi_l
 ALTERNATING_WINDOWS = {"gpt_oss": 128, "gemma4": 512}
 # The families Hugging Face runs without sdpa (soft-capped attention, attention sinks): the baseline's attention is
 # their eager one
-EAGER_FAMILIES = ("gemma2", "gpt_oss", "bloom")
+EAGER_FAMILIES = ("gemma2", "gpt_oss", "bloom", "deepseek_v4")
 # The families whose attention keeps a kv head per query head (or latent keys and values): no --kv-heads
-ONE_KV_HEAD_PER_HEAD = ("gpt2", "opt", "bloom", "deepseek_v3", "deepseek_v32", "kimi_linear", "bailing_hybrid")
+ONE_KV_HEAD_PER_HEAD = ("gpt2", "opt", "bloom", "deepseek_v3", "deepseek_v32", "kimi_linear", "bailing_hybrid",
+                        "deepseek_v4")  # fmt: skip
 # The families whose kv heads, fewer than the tensor-parallel ranks (--kv-heads below --tp), are not replicated over
 # them as the others' are (tessel.layers.hf_kv_replicas: q_proj, k_proj, v_proj apart, norms of one head's width;
 # Phi-3's fused qkv_proj): a k norm over every kv head (OLMo 2's, OLMoE's), Falcon's kv groups
 NO_KV_REPLICAS = ("olmo2", "olmoe", "falcon")
+# The families whose every layer slides over a window beside keys compressed from the whole sequence (DeepSeek-V4's
+# compressors), and their own window, which --sliding-window W replaces; not under --cp, where a compressor would
+# compress a rank's share of the tokens alone
+COMPRESSED_FAMILIES = {"deepseek_v4": 128}
 # The families whose attention computes itself, and the implementation it runs in every run: BLOOM's eager one (its
 # ALiBi), Falcon's sdpa (which has no tessel one)
 OWN_ATTENTION = {"bloom": "eager", "falcon": "sdpa"}
@@ -89,6 +100,10 @@ def _experts_config(args, c: GPTConfig) -> dict:
     """A mixture's fields of the config: --experts of the preset's MLP width each, --top-k of them per token."""
     if args.hf not in MOE_FAMILIES:
         return {}
+    if args.hf == "deepseek_v4":  # one shared expert beside the routed ones in every layer, a loss beside the biases
+        return {"n_routed_experts": args.experts, "num_experts_per_tok": args.top_k, "n_shared_experts": 1,
+                "moe_intermediate_size": c.mlp_hidden, "router_aux_loss_coef": args.aux_loss_coef,
+                "output_router_logits": args.aux_loss_coef > 0 or args.z_loss_coef > 0}  # fmt: skip
     if args.hf in BIASED_FAMILIES:  # one shared expert beside the routed ones, a dense first layer, as DeepSeek-V3
         count = "num_local_experts" if args.hf in ("kimi_linear", "bailing_hybrid") else "n_routed_experts"
         return {count: args.experts, "num_experts_per_tok": args.top_k, "n_shared_experts": 1,
@@ -165,12 +180,17 @@ def _hf_config(args, c: GPTConfig, attention: str):
             kw.update(WINDOW_FAMILIES[args.hf])
     if args.hf in ALTERNATING_WINDOWS:
         kw["sliding_window"] = c.sliding_window or ALTERNATING_WINDOWS[args.hf]
+    if args.hf in COMPRESSED_FAMILIES:
+        kw.update(_compressed_attention_config(c, c.sliding_window or COMPRESSED_FAMILIES[args.hf]))
     if args.hf in MOE_FAMILIES and not args.hf_baseline:
         kw["experts_implementation"] = register_hf_experts()
     config = getattr(transformers, f"{TEXT_CONFIGS.get(args.hf, HF_FAMILIES[args.hf])}Config")(**kw)
     if args.kv_shared_layers:
         _check_kv_sharing(config)
     if args.hf in TEXT_CONFIGS:  # Gemma 3 keeps its own rotary bases, Qwen3.5 its partial rotary
+        return config
+    if args.hf in COMPRESSED_FAMILIES:  # the preset's base for the sliding keys, its own for the compressed ones
+        config.rope_parameters["main"]["rope_theta"] = c.rope_theta
         return config
     if hasattr(config, "rope_parameters"):  # transformers 5: the rotary base lives in rope_parameters
         config.rope_parameters = {**(config.rope_parameters or {}), "rope_type": "default", "rope_theta": c.rope_theta}
@@ -273,3 +293,29 @@ def _indexer_config(c: GPTConfig) -> dict:
     as many heads as the model's, of its head dim, keeping a sixteenth of the block's keys (at least 4)."""
     return {"index_n_heads": c.n_head, "index_head_dim": c.n_embd // c.n_head,
             "index_topk": max(4, c.block_size // 16)}  # fmt: skip
+
+
+def _compressed_attention_config(c: GPTConfig, window: int) -> dict:
+    """DeepSeek-V4's attention and routing at the preset's shape (V4-Pro: 128 heads of 512 features and 64 rotary ones
+    over a width of 7168, a query latent of 1536, one key-and-value head, 16 output groups of 8 heads projected to 1024
+    each, hyper-connections of 4 streams; every layer sliding over 128 keys beside keys compressed 4 to 1 and kept by an
+    indexer of 64 heads of 128 features (512 of them), or compressed 128 to 1, alternately after two of the latter; its
+    first 3 layers of 61 routed by the token ids): heads of the preset's head dim ``d`` with ``d/8`` rotary features, a
+    query latent of a quarter of the width, an output group per head (so that any tensor-parallel size splitting the
+    heads splits the groups) projected to ``d/4`` (V4: 8 heads' 4096 features to 1024), the indexer's heads
+    as many as the model's of its head dim, keeping a sixteenth of a block's keys compressed 4 to 1 (at least 4), the
+    heavy compression one window's keys to one (V4: 128 to 1 beside a window of 128), the first layer routed by the
+    token ids (any pipeline stage but the first would lack them). Routing scores ``sqrt(softplus)``, balanced by its
+    biases (:data:`BIASED_FAMILIES`)."""
+    d, layers = c.n_embd // c.n_head, c.n_layer
+    kinds = ["heavily_compressed_attention"] * min(layers, 2)
+    kinds += ["compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(layers - 2)]
+    rope = {"rope_type": "default", "partial_rotary_factor": 0.125}
+    return {"num_key_value_heads": 1, "head_dim": d, "partial_rotary_factor": 0.125, "q_lora_rank": c.n_embd // 4,
+            "o_groups": c.n_head, "o_lora_rank": max(1, d // 4), "sliding_window": window,
+            "compress_rates": {"compressed_sparse_attention": 4, "heavily_compressed_attention": window},
+            "index_n_heads": c.n_head, "index_head_dim": d, "index_topk": max(4, c.block_size // 64),
+            "layer_types": kinds, "mlp_layer_types": ["hash_moe"] + ["moe"] * (layers - 1), "hc_mult": 4,
+            "num_nextn_predict_layers": 0, "bos_token_id": None, "eos_token_id": None,
+            "rope_parameters": {"main": {**rope, "rope_theta": c.rope_theta},
+                                "compress": {**rope, "rope_theta": 160000.0}}}  # fmt: skip

@@ -45,7 +45,7 @@ OPTIONS = "_tessel_lm_loss_options"  # fuse_lm_loss's label_smoothing and z_loss
 # in tests/layers/test_hf_router_loss.py)
 BALANCED_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "flex_olmo", "phimoe", "ernie4_5_moe", "minimax",
                   "minimax_m2", "granitemoe", "laguna", "mellum", "gpt_oss", "jamba", "qwen3_next",
-                  "qwen3_5_moe_text")  # fmt: skip
+                  "qwen3_5_moe_text", "deepseek_v4")  # fmt: skip
 
 
 def _check(model) -> ColumnParallelLinear:

@@ -118,18 +118,22 @@ def test_a_hugging_face_run_exports_its_family(tmp_path):
     ("family", "extra"),
     [("olmo2", []), ("bamba", []), ("gemma4", []), ("gemma4", ["--kv-shared-layers", "2"]),
      ("kimi_linear", ["--experts", "4", "--aux-loss-coef", "0"]),
-     ("deepseek_v32", ["--experts", "4", "--aux-loss-coef", "0"]), ("gpt2", []), ("phi3", ["--kv-heads", "1"])],
-    ids=["olmo2", "bamba", "gemma4", "gemma4-kv-shared", "kimi_linear", "deepseek_v32", "gpt2", "phi3-one-kv-head"],
+     ("deepseek_v32", ["--experts", "4", "--aux-loss-coef", "0"]), ("gpt2", []), ("phi3", ["--kv-heads", "1"]),
+     ("deepseek_v4", ["--experts", "4", "--aux-loss-coef", "0", "--sliding-window", "8"])],
+    ids=["olmo2", "bamba", "gemma4", "gemma4-kv-shared", "kimi_linear", "deepseek_v32", "gpt2", "phi3-one-kv-head",
+         "deepseek_v4"],
 )  # fmt: skip
 def test_a_tensor_parallel_checkpoint_exports_the_single_processs_model(tmp_path, family, extra):
     """Saved at tp=2 with sequence parallelism (each rank its heads' shards, OLMo 2's q/k norms split with the heads,
     Bamba's Mamba-2 mixers by heads, Gemma 4's wider full-attention heads and per-layer input gates, and its last
     layers reusing earlier ones' keys and values, which the checkpoint records; Kimi Linear's delta attention and
     DeepSeek-V3.2's indexer beside latent attention and experts; GPT-2's Conv1D weights, trained as nn.Linear's,
-    transposed back; Phi-3's one kv head, a copy in each rank's fused qkv_proj): the exported model is the one the
+    transposed back; Phi-3's one kv head, a copy in each rank's fused qkv_proj; DeepSeek-V4's grouped output
+    projections, whole compressors and the table of its hash-routed layer): the exported model is the one the
     single process trains. (Two Adam steps
-    magnify fp32 rounding where a gradient is near zero: one element in a few thousand moves by up to ~1e-4;
-    heads or features out of place would move a quarter of a tensor or more, by the weights' scale.)"""
+    magnify fp32 rounding where a gradient is near zero: one element in a few thousand moves by up to ~1e-4, or more
+    of them, each by less than 1e-4, in DeepSeek-V4's hyper-connections, whose gradients are small; heads or features
+    out of place would move a quarter of a tensor or more, by the weights' scale or by Adam's steps.)"""
     run = ["--hf", family, *RUN, *extra]
     _ok(_train(tmp_path / "one", *run))
     if "--kv-shared-layers" in extra:  # a checkpoint of another model: refused on resume
@@ -142,7 +146,8 @@ def test_a_tensor_parallel_checkpoint_exports_the_single_processs_model(tmp_path
     assert getattr(tp2.config, "num_kv_shared_layers", 0) == (2 if "--kv-shared-layers" in extra else 0)
     for (name, a), b in zip(one.state_dict().items(), tp2.state_dict().values(), strict=True):
         off = ((b - a).abs() > 1e-5 + 1e-4 * a.abs()).float().mean().item()
-        assert a.shape == b.shape and off <= 1e-3, f"{name}: {off:.2%} of its elements differ"
+        near = (b - a).abs().max().item() <= 1e-4  # a thirtieth of one Adam step (lr 3e-3) in every element
+        assert a.shape == b.shape and (off <= 1e-3 or near), f"{name}: {off:.2%} of its elements differ"
     ids = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_logits(tp2, ids), _logits(one, ids), rtol=1e-3, atol=1e-3)
 

@@ -39,7 +39,16 @@ FAMILIES = {"olmoe": {"num_experts": 4}, "flex_olmo": {"num_experts": 4}, "phimo
             "jamba": {"num_experts": 4, "attn_layer_period": 2, "attn_layer_offset": 1, "expert_layer_period": 2,
                       "expert_layer_offset": 0, "use_mamba_kernels": False, "mamba_d_state": 4},
             # Gated DeltaNet layers around full attention, experts beside a shared expert in every layer
-            "qwen3_next": _HYBRID_MOE, "qwen3_5_moe_text": _HYBRID_MOE}  # fmt: skip
+            "qwen3_next": _HYBRID_MOE, "qwen3_5_moe_text": _HYBRID_MOE,
+            # routed by sqrt-softplus scores and biases, its first layer by the token ids (whose router Hugging Face
+            # leaves out of the loss), a compressed layer beside a sliding one, hyper-connections
+            "deepseek_v4": {"n_routed_experts": 4, "moe_intermediate_size": 24, "num_key_value_heads": 1,
+                            "head_dim": 8, "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 4, "sliding_window": 4,
+                            "layer_types": ["sliding_attention", "heavily_compressed_attention", "sliding_attention"],
+                            "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 2},
+                            "mlp_layer_types": ["hash_moe", "moe", "moe"], "hc_mult": 2, "hc_sinkhorn_iters": 3,
+                            "index_n_heads": 2, "index_head_dim": 8, "index_topk": 2, "num_nextn_predict_layers": 0,
+                            "attn_implementation": "eager"}}  # fmt: skip
 
 
 def family_model(kind: str, layers: int = 3, **extra):
