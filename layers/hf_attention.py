@@ -64,6 +64,7 @@ from ..kernels.attention_inputs import HEAD_DIMS
 from ..parallel.collectives import copy_to_tp
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import _apply_sinks, ring_attention
+from ..parallel.context_shared import shared_keys_attention
 from ..parallel.sharding import local_shard
 
 __all__ = [
@@ -74,6 +75,7 @@ __all__ = [
     "MLA_LATENT_READERS",
     "PER_HEAD_PARAMETERS",
     "SEGMENT_IDS_KWARG",
+    "SHARED_KEYS_ATTR",
     "SINKS_KWARG",
     "mask_segments",
     "mla_rope_dim",
@@ -85,6 +87,9 @@ __all__ = [
 
 # The attribute parallelize(cp_group=) sets on attention modules; tessel_attention_forward reads it.
 CP_GROUP_ATTR = "tessel_cp_group"
+# set on attention modules whose keys beyond the rank's tokens are held whole by every rank (DeepSeek-V4's compressed
+# keys, the mask's last columns their bias): :func:`~tessel.parallel.context_shared.shared_keys_attention`
+SHARED_KEYS_ATTR = "tessel_shared_keys"
 # Mask entries compared at a time by mask_segments (bytes of the boolean chunk; 8x that for the row ids).
 MASK_CHUNK_ENTRIES = 2**24
 # The keyword argument through which a context-parallel model's base hands its attention modules the whole
@@ -216,6 +221,13 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     if kwargs.get(INDICES_KWARG) is not None:
         refuse("the keys a sparse attention's indexer selected (DeepSeek Sparse Attention's indices) are not "
                "supported")  # fmt: skip
+    shared = None
+    if getattr(module, SHARED_KEYS_ATTR, False) and key.shape[2] > length:  # compressed keys after the rank's own
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape[-1] != key.shape[2]:
+            refuse(f"the {key.shape[2] - length} keys beyond this rank's {length} need their bias in the mask's last "
+                   "columns")  # fmt: skip
+        shared = (key[:, :, length:], value[:, :, length:], attention_mask[..., length:])
+        key, value = key[:, :, :length], value[:, :, :length]
     if key.shape[2] != length:
         refuse(f"the keys must be this rank's {length} tokens, received {key.shape[2]} (decoding with a key-value "
                "cache is not supported)")  # fmt: skip
@@ -227,7 +239,7 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
         refuse(f"a sliding window ({window}) without the causal mask is not supported")
     # The model's hook refused padding; a mask built here is the model's own from the local view: the local
     # tokens' sliding window, which the ring replaces with the global one. Anything else is refused.
-    if attention_mask is not None and window is None:
+    if attention_mask is not None and window is None and shared is None:
         refuse("an attention mask is not supported: each batch row is one whole sequence, or documents packed "
                "into it that the model's position_ids delimit (restarting at each document)")  # fmt: skip
     if dropout and module.training:
@@ -245,6 +257,14 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     # heads wider than the kernels' run the ring's blocks in PyTorch (ring_attention's notes)
     width = _kernel_head_dim(query, value) or max(query.shape[-1], value.shape[-1])
     q, k, v = (_widened(t, width) for t in (query, key, value))
+    if shared is not None:
+        if not causal or segment_ids is not None or softcap is not None:
+            refuse("keys held whole beside the sequence's (compressed keys) need the causal mask, one sequence per "
+                   "row and no soft-capping")  # fmt: skip
+        out_BHSD = shared_keys_attention(q, k, v, _widened(shared[0], width), _widened(shared[1], width), shared[2],
+                                         cp_group, scale=_scale(scaling, query), window=window, sinks=sinks,
+                                         deterministic=_deterministic(kwargs))  # fmt: skip
+        return out_BHSD[..., : value.shape[-1]].transpose(1, 2), None
     out_BHSD = ring_attention(q, k, v, cp_group, causal=causal, scale=_scale(scaling, query), segment_ids=segment_ids,
                               window=window, softcap=None if softcap is None else float(softcap),
                               deterministic=_deterministic(kwargs), sinks=sinks)  # fmt: skip

@@ -33,8 +33,9 @@ from torch import nn
 
 from ..parallel.comm import group_rank, group_size
 from ..parallel.context import zigzag_positions
+from ..parallel.context_shared import sequence_from_shares
 from .hf import base_model, decoder_layer_list
-from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, register_hf_attention
+from .hf_attention import CP_GROUP_ATTR, SEGMENT_IDS_KWARG, SHARED_KEYS_ATTR, register_hf_attention
 from .hf_mixer_context import MixerContext, context_mixers, entry_names, install_mixer_context, mixer_context
 
 __all__ = ["HFContextLayout", "packed_positions", "padding_runs"]
@@ -155,7 +156,10 @@ def packed_positions(position_ids, tokens: torch.Tensor, cp_size: int, split: in
 
 
 # Hugging Face's names for decoder layers that are not attention (config.layer_types / layers_block_type)
-_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention")
+# DeepSeek-V4's compressed layers: attention over a sliding window and keys compressed from the whole sequence, which
+# every rank compresses from the gathered sequence (:func:`_share_compressed_keys`)
+_ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention", "attention",
+                          "compressed_sparse_attention", "heavily_compressed_attention")  # fmt: skip
 
 
 def _other_sequence_mixers(model: nn.Module, mixers: list[str]) -> list[str]:
@@ -251,11 +255,13 @@ class HFContextLayout:
         over (sequence parallelism), whose shares a later pipeline stage's base model receives as its input."""
         c, r = group_size(cp_group), group_rank(cp_group)
         modules = dict(model.named_modules())
-        for name in self.attention:
-            setattr(modules[name], CP_GROUP_ATTR, cp_group)
         # the positions of this rank's tokens that the caller gave the base model, for its rotary module
         # (None: the zigzag share of 0 … S-1); set by every call of the base model, before its rotary runs
-        held = {"positions": None}
+        held = {"positions": None, "rotary": None}  # and what the rotary module was given
+        for name in self.attention:
+            setattr(modules[name], CP_GROUP_ATTR, cp_group)
+            if getattr(modules[name], "compressor", None) is not None:
+                _share_compressed_keys(modules[name], cp_group, held)
 
         def positions(module, args, kwargs):
             bound = _bind(module, args, kwargs)
@@ -276,6 +282,7 @@ class HFContextLayout:
                 if ids.dim() > 2:  # Qwen3.5's multimodal rotary takes [3, B, S/c]: for text, equal rows
                     glob = glob.expand(*ids.shape[:-2], *glob.shape)
             bound.arguments["position_ids"] = glob.to(ids.dtype)
+            held["rotary"] = bound.arguments["position_ids"]
             return bound.args, bound.kwargs
 
         def whole_positions(module, args, kwargs):
@@ -317,7 +324,7 @@ class HFContextLayout:
             return args, kwargs
 
         def forget_positions(module, args, output):
-            held["positions"] = None
+            held["positions"] = held["rotary"] = None
 
         def no_self_shift(module, args, kwargs):
             if _bind(module, args, kwargs).arguments.get("labels") is not None and kwargs.get("shift_labels") is None:
@@ -342,6 +349,29 @@ class HFContextLayout:
             model.set_attn_implementation("tessel")
         else:  # transformers < 4.56
             model.config._attn_implementation = "tessel"
+
+
+def _share_compressed_keys(attention: nn.Module, cp_group, held: dict) -> None:
+    """DeepSeek-V4's compressed attention under context parallelism: its compressor (and its indexer's) compresses the
+    whole sequence, gathered in order from every rank's share of its projections (:func:`sequence_from_shares`, whose
+    backward sums each rank's gradient of a share into its owner's), so every rank holds every compressed key; it
+    reads the tokens' global positions (which compressed windows each query has closed), those the rotary module
+    received; and the attention, marked :data:`SHARED_KEYS_ATTR`, attends to the compressed keys beside the sequence's
+    (:func:`~tessel.parallel.context_shared.shared_keys_attention`)."""
+    compressor = attention.compressor
+    setattr(attention, SHARED_KEYS_ATTR, True)
+    owners = [compressor] + ([compressor.indexer] if getattr(compressor, "indexer", None) is not None else [])
+    for owner in owners:
+        for name in ("kv_proj", "gate_proj"):
+            getattr(owner, name).register_forward_hook(lambda m, args, out: sequence_from_shares(out, cp_group, dim=1))
+
+    def global_positions(module, args, kwargs):
+        if held["rotary"] is None:
+            raise ValueError(f"parallelize: {type(module).__name__} ran before the rotary module under context "
+                             "parallelism: no global positions to compress by")  # fmt: skip
+        return _replace_argument(module, args, kwargs, "position_ids", held["rotary"])
+
+    compressor.register_forward_pre_hook(global_positions, with_kwargs=True)
 
 
 def check_own_attention(model: nn.Module) -> None:

@@ -143,22 +143,26 @@ def _context_parallel_ranks(rank, world_size):
     from tests.layers.test_hf_families import _check_against_float64
 
     register_hf_attention()
-    _, tp_group, cp_group = _grid(rank, world_size, 2)  # cp over both ranks
-    sliding = dict(layer_types=["sliding_attention"] * 3)
-    par = parallelize(_v4(**sliding), tp_group, cp_group=cp_group)
-    par.set_attn_implementation("tessel")
-    _check_against_float64(_v4(**sliding), par, "deepseek_v4 sliding layers, cp=2", tp_group, cp_group)
-    with pytest.raises(ValueError, match="layers of type 'compressed_sparse_attention', which would see this rank's"):
-        parallelize(_v4(), tp_group, cp_group=cp_group)
+    _, tp_group, cp_group = _grid(rank, world_size, 2)  # cp over two ranks, tp over the others
+    sp = world_size > 2
+    for layers in (["sliding_attention"] * 3, None):  # None: a sliding layer, a CSA and an HCA one
+        kinds = {} if layers is None else {"layer_types": layers}
+        par = parallelize(_v4(**kinds), tp_group, cp_group=cp_group, sequence_parallel=sp)
+        par.set_attn_implementation("tessel")
+        tag = f"deepseek_v4 {layers or 'compressed'} layers, cp=2, tp={world_size // 2}"
+        _check_against_float64(_v4(**kinds), par, tag, tp_group, cp_group)
     return "ok"
 
 
 @pytest.mark.multiprocess
 @needs_hf
-def test_context_parallelism_runs_the_sliding_layers_and_refuses_the_compressors():
-    """Sliding layers (their sinks joining the ring's merged softmax) over two context-parallel ranks: the float64
-    dense model. A compressor would compress this rank's share of the tokens alone: refused by name."""
-    assert run_ranks(_context_parallel_ranks, 2, timeout=300, env=REFERENCE_KERNELS) == ["ok"] * 2
+@pytest.mark.parametrize("world", [2, 4], ids=["cp2", "tp2-cp2-sp"])
+def test_context_parallelism_runs_the_sliding_and_the_compressed_layers(world):
+    """Over two context-parallel ranks (and tp=2 with sequence parallelism beside them): sliding layers (their sinks
+    joining the ring's merged softmax), and compressed ones, whose compressors and indexer compress the whole sequence
+    gathered from the ranks' shares and whose queries attend to the compressed keys beside the sequence's in one
+    softmax (shared_keys_attention): the float64 dense model."""
+    assert run_ranks(_context_parallel_ranks, world, timeout=600, env=REFERENCE_KERNELS) == ["ok"] * world
 
 
 @needs_hf
