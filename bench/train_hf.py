@@ -51,7 +51,9 @@ indexer, or compressed a window to 1; one key-and-value head, grouped output pro
 layer routes each token by its id (a table drawn from the seed, :func:`draw_hash_routes`), the others by
 ``sqrt(softplus)`` scores balanced by their biases (``--expert-bias-rate``) and Hugging Face's balancing loss where
 ``--aux-loss-coef`` asks for it (:data:`BIASED_WITH_LOSS`). FLOPs count each layer's compressed keys beside its window
-(:func:`compressed_keys`); not under ``--cp``.
+(:func:`compressed_keys`). Under ``--cp`` every rank compresses the whole sequence, gathered from the ranks' shares
+of the compressors' projections, and its queries attend to the compressed keys beside the ring's
+(:func:`~tessel.parallel.context_shared.shared_keys_attention`).
 
 ``--hf gpt_oss``: GPT-OSS's design at the preset's shape: attention sinks, every other layer sliding over 128 keys
 (``--sliding-window W`` replaces the window, :data:`ALTERNATING_WINDOWS`), biased attention and experts with its clamped
@@ -370,9 +372,6 @@ def refused_options(args) -> str | None:
     if args.hf in SPARSE_FAMILIES and args.cp > 1:
         return (f"--hf {args.hf} keeps each query's top keys by an indexer, which under --cp {args.cp} would score a "
                 "rank's keys alone: train it without --cp")  # fmt: skip
-    if args.hf in COMPRESSED_FAMILIES and args.cp > 1:
-        return (f"--hf {args.hf} compresses every layer's keys from the whole sequence, which under --cp {args.cp} "
-                "would compress a rank's share of the tokens alone: train it without --cp")  # fmt: skip
     if args.hf in COMPRESSED_FAMILIES and args.expert_groups > 1:
         return (f"--hf {args.hf} routes each token among all its experts: --expert-groups {args.expert_groups} limits "
                 "DeepSeek-V3's routing to groups, which it has not")  # fmt: skip

@@ -88,8 +88,7 @@ ONE_KV_HEAD_PER_HEAD = ("gpt2", "opt", "bloom", "deepseek_v3", "deepseek_v32", "
 # Phi-3's fused qkv_proj): a k norm over every kv head (OLMo 2's, OLMoE's), Falcon's kv groups
 NO_KV_REPLICAS = ("olmo2", "olmoe", "falcon")
 # The families whose every layer slides over a window beside keys compressed from the whole sequence (DeepSeek-V4's
-# compressors), and their own window, which --sliding-window W replaces; not under --cp, where a compressor would
-# compress a rank's share of the tokens alone
+# compressors), and their own window, which --sliding-window W replaces
 COMPRESSED_FAMILIES = {"deepseek_v4": 128}
 # The families whose attention computes itself, and the implementation it runs in every run: BLOOM's eager one (its
 # ALiBi), Falcon's sdpa (which has no tessel one)

@@ -36,14 +36,16 @@ def test_deepseek_v4_trains_the_single_processs_curve_in_every_layout(tmp_path):
     moving and a balancing loss: the single process's curve (2 microbatches) at tp=2 and tp=4 with sequence
     parallelism (each rank's token ids for its hash-routed layer), through a pipeline, both (the residual streams
     between stages), over two data-parallel ranks with the experts split over them (a microbatch each: the balancing
-    loss is the same microbatches'), and as Hugging Face computes it (its eager attention, its loss). The routing
+    loss is the same microbatches'), over two context-parallel ranks and with tp=2 beside them (the compressors
+    compressing the gathered sequence), and as Hugging Face computes it (its eager attention, its loss). The routing
     biases and the balancing loss each shape that curve."""
     run = [*V4, "--microbatches", "2"]
     _ok(_train(tmp_path / "one", *run))
     one = _losses(tmp_path / "one")
     layouts = {"tp2-sp": (["--tp", "2", "--sequence-parallel"], 2), "tp4-sp": (["--tp", "4", "--sequence-parallel"], 4),
                "pp2": (["--pp", "2"], 2), "tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4),
-               "dp2-ep2": (["--dp", "2", "--ep", "2", "--microbatches", "1"], 2),
+               "dp2-ep2": (["--dp", "2", "--ep", "2", "--microbatches", "1"], 2), "cp2": (["--cp", "2"], 2),
+               "tp2-cp2-sp": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4),
                "baseline": (["--hf-baseline"], 1)}  # fmt: skip
     for name, (layout, nproc) in layouts.items():
         _ok(_train(tmp_path / name, *run, *layout, nproc=nproc, timeout=600))
@@ -144,12 +146,10 @@ def test_hash_routes_are_drawn_from_the_seed():
 
 @pytest.mark.parametrize(
     ("extra", "words"),
-    [(["--cp", "2"], "compresses every layer's keys from the whole sequence, which under --cp 2 would compress a "
-                     "rank's share of the tokens alone"),
-     (["--expert-groups", "2"], "routes each token among all its experts: --expert-groups 2 limits"),
+    [(["--expert-groups", "2"], "routes each token among all its experts: --expert-groups 2 limits"),
      (["--kv-heads", "2"], "trains without --kv-heads")],
-    ids=["cp", "expert-groups", "kv-heads"],
+    ids=["expert-groups", "kv-heads"],
 )  # fmt: skip
 def test_options_it_has_no_counterpart_for_are_refused(tmp_path, extra, words):
-    proc = _train(tmp_path, *V4, *extra, nproc=2 if "--cp" in extra else 1)
+    proc = _train(tmp_path, *V4, *extra)
     assert proc.returncode == 2 and PREFIX in proc.stderr and words in proc.stderr, proc.stderr
