@@ -372,6 +372,9 @@ def refused_options(args) -> str | None:
     if args.hf in SPARSE_FAMILIES and args.cp > 1:
         return (f"--hf {args.hf} keeps each query's top keys by an indexer, which under --cp {args.cp} would score a "
                 "rank's keys alone: train it without --cp")  # fmt: skip
+    if args.hf in COMPRESSED_FAMILIES and (args.doc_sep is not None or args.doc_token is not None):
+        return (f"--hf {args.hf} compresses each row's keys whole, across the documents packed into it (Hugging Face's "
+                "compressors know no documents): train it without --doc-sep and --doc-token")  # fmt: skip
     if args.hf in COMPRESSED_FAMILIES and args.expert_groups > 1:
         return (f"--hf {args.hf} routes each token among all its experts: --expert-groups {args.expert_groups} limits "
                 "DeepSeek-V3's routing to groups, which it has not")  # fmt: skip

@@ -147,8 +147,9 @@ def test_hash_routes_are_drawn_from_the_seed():
 @pytest.mark.parametrize(
     ("extra", "words"),
     [(["--expert-groups", "2"], "routes each token among all its experts: --expert-groups 2 limits"),
-     (["--kv-heads", "2"], "trains without --kv-heads")],
-    ids=["expert-groups", "kv-heads"],
+     (["--kv-heads", "2"], "trains without --kv-heads"),
+     (["--doc-sep", "\\n\\n"], "compresses each row's keys whole, across the documents packed into it")],
+    ids=["expert-groups", "kv-heads", "documents"],
 )  # fmt: skip
 def test_options_it_has_no_counterpart_for_are_refused(tmp_path, extra, words):
     proc = _train(tmp_path, *V4, *extra)
