@@ -36,9 +36,9 @@ def test_deepseek_v4_trains_the_single_processs_curve_in_every_layout(tmp_path):
     moving and a balancing loss: the single process's curve (2 microbatches) at tp=2 and tp=4 with sequence
     parallelism (each rank's token ids for its hash-routed layer), through a pipeline, both (the residual streams
     between stages), over two data-parallel ranks with the experts split over them (a microbatch each: the balancing
-    loss is the same microbatches'), over two context-parallel ranks and with tp=2 beside them (the compressors
-    compressing the gathered sequence), and as Hugging Face computes it (its eager attention, its loss). The routing
-    biases and the balancing loss each shape that curve."""
+    loss is the same microbatches'), over two context-parallel ranks and with tp=2 or pp=2 beside them (the
+    compressors compressing the gathered sequence), and as Hugging Face computes it (its eager attention, its loss).
+    The routing biases and the balancing loss each shape that curve."""
     run = [*V4, "--microbatches", "2"]
     _ok(_train(tmp_path / "one", *run))
     one = _losses(tmp_path / "one")
@@ -46,6 +46,7 @@ def test_deepseek_v4_trains_the_single_processs_curve_in_every_layout(tmp_path):
                "pp2": (["--pp", "2"], 2), "tp2-pp2-sp": (["--tp", "2", "--pp", "2", "--sequence-parallel"], 4),
                "dp2-ep2": (["--dp", "2", "--ep", "2", "--microbatches", "1"], 2), "cp2": (["--cp", "2"], 2),
                "tp2-cp2-sp": (["--tp", "2", "--cp", "2", "--sequence-parallel"], 4),
+               "pp2-cp2": (["--pp", "2", "--cp", "2"], 4),
                "baseline": (["--hf-baseline"], 1)}  # fmt: skip
     for name, (layout, nproc) in layouts.items():
         _ok(_train(tmp_path / name, *run, *layout, nproc=nproc, timeout=600))
