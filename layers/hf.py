@@ -53,6 +53,7 @@ __all__ = [
     "RingColumnLinear",
     "RingLatentLinear",
     "SequenceRing",
+    "check_layers_split",
     "decoder_layer_list",
     "hf_tp_plan",
     "is_hf_model",
@@ -441,6 +442,24 @@ def decoder_layer_list(model: nn.Module) -> nn.ModuleList:
     if name is None:
         raise ValueError(f"cannot find the decoder layers of {type(base).__name__}: no one ModuleList of them")
     return base.get_submodule(name)
+
+
+def check_layers_split(model: nn.Module, split_names) -> None:
+    """Refuse (``ValueError``) to split a Hugging Face model by its own plan when nothing the plan names lies inside
+    its decoder layers (DBRX's, whose fused attention and 2-d experts no plan names): only its embeddings and head
+    would be split, and every rank would run every layer whole, silently. A model whose layers tessel cannot find is
+    let through (its plan has been checked otherwise)."""
+    base_prefix, base = base_model(model)
+    name = _layers_name(model, base)
+    if name is None:
+        return
+    layers = base_prefix + name
+    if not any(n.startswith(layers + ".") for n in split_names):
+        raise ValueError(
+            f"parallelize: {type(model).__name__}'s plan splits nothing inside its decoder layers ({layers}.*; it "
+            f"splits {sorted(split_names) or 'nothing'}): every rank would run every layer whole; pass "
+            "plan={module-name glob: style} naming their projections"
+        )
 
 
 def _decoder_names(model: nn.Module, base: nn.Module) -> tuple[str, str]:

@@ -111,6 +111,7 @@ from .hf import (
     RingLatentLinear,
     SequenceRing,
     base_model,
+    check_layers_split,
     is_hf_model,
 )
 from .hf_attention import (
@@ -230,6 +231,8 @@ def parallelize(model: nn.Module, tp_group, *, plan: Mapping[str, str] | None = 
     own = plan is None
     plan = own_plan(model, t) if own else plan
     entries, head_params = match_plan(model, plan, strict=not (own and is_hf_model(model)))
+    if own and t > 1 and is_hf_model(model):  # its layers whole on every rank (DBRX's): refused, not run silently
+        check_layers_split(model, {e.name for e in entries} | set(head_params))
     for e in entries:
         e.ep_group = ep_group
         if e.kind in SPLIT_LINEAR and linear_like(e.module):  # GPT-2's Conv1D, Falcon's FalconLinear

@@ -144,11 +144,15 @@ def _kept_whole_ranks(rank, world_size):
 
     for kind, (config, attention) in KEPT_WHOLE.items():
         dense = classic_model(kind, **config)
+        if kind == "bloom":  # its MLP emulates the slices too: nothing in its layers splits, refused, not replicated
+            with pytest.raises(ValueError, match=r"BloomForCausalLM's plan splits nothing inside its decoder layers"):
+                parallelize(copy.deepcopy(dense), None)
+            continue
         par = parallelize(copy.deepcopy(dense), None)
         inner = par.get_submodule(attention)
         assert not any(isinstance(m, ColumnParallelLinear) for m in inner.modules()), kind
-        mlp = par.get_submodule(attention.rpartition(".")[0] + ".mlp")  # still split, unless BLOOM's emulation
-        assert any(isinstance(m, ColumnParallelLinear) for m in mlp.modules()) == (kind != "bloom"), kind
+        mlp = par.get_submodule(attention.rpartition(".")[0] + ".mlp")  # still split
+        assert any(isinstance(m, ColumnParallelLinear) for m in mlp.modules()), kind
         _check_against_dense(dense, par, f"{kind} {config}")
         with pytest.raises(ValueError, match=f"sequence_parallel=True but the plan splits nothing in {attention}"):
             parallelize(copy.deepcopy(dense), None, sequence_parallel=True)
@@ -172,9 +176,9 @@ def _kept_whole_ranks(rank, world_size):
 @pytest.mark.multiprocess
 @needs_hf
 def test_attention_tessel_cannot_split_stays_whole_beside_its_split_mlp():
-    """Falcon's ALiBi and BLOOM's slow_but_exact keep every head on every rank, their MLPs split
-    (the dense model's logits and gradients); sequence parallelism is refused by name. A user plan splits Conv1D
-    layers."""
+    """Falcon's ALiBi keeps every head on every rank, its MLP split (the dense model's logits and gradients);
+    sequence parallelism is refused by name. BLOOM's slow_but_exact keeps its attention and its MLP whole: a model
+    whose layers nothing splits is refused by name. A user plan splits Conv1D layers."""
     assert run_ranks(_kept_whole_ranks, 2, timeout=600, env=REFERENCE_KERNELS) == ["ok", "ok"]
 
 
