@@ -19,6 +19,8 @@ vocabulary and splits them as Megatron-LM splits a GPT:
   multi-query GPT-BigCode           ``[q | k | v]``, q ``H·D``, k     ``colwise_qkv``: this rank's query heads and a
   (StarCoder, SantaCoder); Falcon   and v one head each               copy of the kv head (``max_chunks``)
   (Falcon-7B)
+  DBRX (``Wqkv``/``out_proj``)      ``[q | k | v]``, q ``H·D``, k     ``colwise_qkv``: this rank's heads of each part
+                                    and v ``G·D`` (``G`` kv heads)    (``G`` a multiple of the ranks)
   ================================  ===============================  ==============================================
 
   and the output projection ``rowwise``. Per-head q/k norms (Persimmon's ``[head_dim]`` LayerNorms) stay whole,
@@ -97,15 +99,16 @@ def _heads(m: nn.Module) -> int | None:
 
 def _layout(m: nn.Module, children: dict) -> tuple[str, str, str] | None:
     """``(fused projection, output projection, layout)`` of classic attention: ``"thirds"`` ([q | k | v]),
-    ``"heads"`` (head by head), ``"groups"`` (Falcon's kv groups), ``"mqa"`` ([q | k | v] of one kv head); None for
-    another module or one that stays whole."""
+    ``"heads"`` (head by head), ``"groups"`` (Falcon's kv groups), ``"mqa"`` ([q | k | v] of one kv head), ``"gqa"``
+    ([q | k | v] of fewer kv heads than query heads: DBRX's); None for another module or one that stays whole."""
     if "c_attn" in children and "c_proj" in children:
         if is_conv1d(children["c_attn"]):
             return "c_attn", "c_proj", "thirds"  # GPT-2: split by split_size
         multi_query = getattr(m, "multi_query", None)  # GPT-BigCode
         return ("c_attn", "c_proj", "mqa" if multi_query else "heads") if isinstance(multi_query, bool) else None
-    if "Wqkv" in children and "out_proj" in children:
-        return "Wqkv", "out_proj", "thirds"  # MPT: chunk(3)
+    if "Wqkv" in children and "out_proj" in children:  # MPT: chunk(3); DBRX: its kv heads fewer
+        kv = positive_int_attr(m, ("num_key_value_heads",))
+        return "Wqkv", "out_proj", "gqa" if kv is not None and kv != _heads(m) else "thirds"
     if "query_key_value" in children and "dense" in children:
         if getattr(m, "pretraining_tp", 1) > 1 and getattr(m, "slow_but_exact", False):
             return None  # BLOOM's emulation slices dense.weight by the pretraining's ranks
@@ -129,14 +132,15 @@ def _classic_attention(m: nn.Module, t: int) -> dict[str, str] | None:
     qkv, out = children[qkv_name], children[out_name]
     if not (linear_like(qkv) and linear_like(out)):
         return None
-    groups = {"groups": getattr(m, "num_kv_heads", None), "mqa": 1}.get(layout, heads)
+    groups = {"groups": getattr(m, "num_kv_heads", None), "mqa": 1,
+              "gqa": getattr(m, "num_key_value_heads", None)}.get(layout, heads)  # fmt: skip
     if not isinstance(groups, int) or groups < 1 or heads % groups:
         return None
-    width = (heads + 2 * groups) * head_dim if layout in ("groups", "mqa") else 3 * heads * head_dim
+    width = (heads + 2 * groups) * head_dim if layout in ("groups", "mqa", "gqa") else 3 * heads * head_dim
     split = heads if layout == "mqa" else groups  # the kv head of multi-query attention replicated over the ranks
     if linear_widths(qkv)[1] != width or linear_widths(out)[0] != heads * head_dim or split % t:
         return None
-    styles = {qkv_name: "colwise_qkv" if layout in ("thirds", "mqa") else "colwise", out_name: "rowwise"}
+    styles = {qkv_name: "colwise_qkv" if layout in ("thirds", "mqa", "gqa") else "colwise", out_name: "rowwise"}
     for name, child in children.items():
         if name in styles or not any(True for _ in child.parameters()):
             continue
@@ -149,12 +153,15 @@ def _classic_attention(m: nn.Module, t: int) -> dict[str, str] | None:
 
 def classic_qkv_parts(parent: nn.Module, child: str) -> tuple[int, int, int] | None:
     """``(H·D, H·D, H·D)``: the parts of GPT-2's ``c_attn`` and MPT's ``Wqkv`` (``[q | k | v]``); ``(H·D, D, D)``: a
-    multi-query GPT-BigCode's ``c_attn`` or Falcon's ``query_key_value``; None otherwise."""
+    multi-query GPT-BigCode's ``c_attn`` or Falcon's ``query_key_value``; ``(H·D, G·D, G·D)``: DBRX's ``Wqkv`` of
+    ``G`` kv heads; None otherwise."""
     found = _layout(parent, dict(parent.named_children()))
     heads, head_dim = _heads(parent), head_dim_of(parent)
-    if found is None or found[0] != child or found[2] not in ("thirds", "mqa") or heads is None or head_dim is None:
+    if found is None or found[0] != child or found[2] not in ("thirds", "mqa", "gqa") or heads is None \
+            or head_dim is None:  # fmt: skip
         return None
-    return (heads * head_dim, *(((heads if found[2] == "thirds" else 1) * head_dim,) * 2))
+    kv = {"thirds": heads, "mqa": 1}.get(found[2], getattr(parent, "num_key_value_heads", None))
+    return (heads * head_dim, kv * head_dim, kv * head_dim)
 
 
 _MLPS = (("c_fc", "c_proj"), ("dense_h_to_4h", "dense_4h_to_h"))

@@ -76,6 +76,7 @@ from ..parallel.collectives import (
 from ..parallel.comm import all_gather, all_to_all, check_peer_group, group_rank, group_size
 from ..parallel.context import zigzag_order
 from ..parallel.sharding import local_shard
+from .hf_stacked_experts import stacked_layout, stacked_splits
 
 __all__ = [
     "ExpertSplit",
@@ -90,6 +91,9 @@ __all__ = [
     "reduce_parameter_grads",
     "shard_experts",
 ]  # fmt: skip
+
+
+_FIRST = ("gate_up_proj", "up_proj")  # the experts' first projection, [E, ...]
 
 
 @dataclass(frozen=True)
@@ -132,6 +136,8 @@ def expert_splits(module: nn.Module, t: int, by: str = "features") -> list[Exper
     one layout fits them."""
     if by not in ("features", "experts"):
         raise ValueError(f"the experts split by 'features' or 'experts', received {by!r}")
+    if stacked_layout(module) is not None:  # DBRX's 2-d weights, expert after expert
+        return stacked_splits(module, t, by)
     if _flag(module, "has_post_expert_norm", False):
         raise ValueError("has_post_expert_norm=True: a norm of each expert's whole output cannot be split over ranks")
     concatenated = _flag(module, "is_concatenated", True)
@@ -191,7 +197,7 @@ def shard_experts(module: nn.Module, splits: list[ExpertSplit], group, expert_pa
     t, r = group_size(group), group_rank(group)
     local = {}
     for s in splits:
-        p = getattr(module, s.name)
+        p = module.get_parameter(s.name)
         if s.dim is None:
             continue
         shard = nn.Parameter(local_shard(p.detach(), s.dim, s.parts, r, t).clone(), requires_grad=p.requires_grad)
@@ -273,7 +279,7 @@ def install_expert_hooks(module: nn.Module, tp_group, sequence_parallel: bool, b
     group = tp_group if ep_group is None else ep_group
     by = "experts" if ep_group is not None else by
     names = _routing_names(module)
-    experts = next(p for n, p in module.named_parameters(recurse=False) if n in ("gate_up_proj", "up_proj")).shape[0]
+    experts = (stacked_layout(module) or [p.shape[0] for n, p in module.named_parameters() if n in _FIRST])[0]
     first_rank = group_rank(tp_group) == 0
     replicated = [n for n in ("down_proj_bias",) if by == "features" and module._parameters.get(n) is not None]
     saved: list[dict] = []
@@ -406,7 +412,7 @@ def check_parameter_styles(name: str, module: nn.Module, splits: list[ExpertSpli
         if s.name not in styles:
             continue
         glob, style = styles[s.name]
-        ndim = getattr(module, s.name).dim()
+        ndim = module.get_parameter(s.name).dim()
         if s.dim == 0:  # split by experts
             allowed, where = ("grouped_gemm",), "split by experts"
         elif s.dim is None:

@@ -47,6 +47,7 @@ from .hf_experts import expert_splits
 from .hf_grouped_output import grouped_output_styles
 from .hf_linear_attention import delta_net_styles, gathered_delta_rules, kimi_delta_styles
 from .hf_mixers import _plain_linear, is_dynamic_mask, lightning_styles, mamba1_styles, mamba_styles, short_conv_styles
+from .hf_stacked_experts import stacked_layout
 from .meta import probe_copy
 
 __all__ = [
@@ -172,8 +173,8 @@ def whole_attention_plan(model: nn.Module, plan: dict[str, str], regex_of, t: in
 def _experts(m: nn.Module, t: int) -> bool:
     """Whether ``m`` is a Hugging Face experts module (3-d parameters, the layout its class declares) whose
     intermediate features split over ``t`` ranks (:func:`~tessel.layers.hf_experts.expert_splits`)."""
-    if not any(p.dim() == 3 for p in m.parameters(recurse=False)):
-        return False
+    if not any(p.dim() == 3 for p in m.parameters(recurse=False)) and stacked_layout(m) is None:
+        return False  # neither 3-d weights nor DBRX's stacked 2-d ones
     try:
         expert_splits(m, t)
     except ValueError:

@@ -102,7 +102,7 @@ from torch import nn
 
 from ..parallel.collectives import copy_to_tp, reduce_from_tp
 from ..parallel.comm import check_peer_group, group_rank, group_size
-from ..parallel.sharding import part_chunks
+from ..parallel.sharding import expert_spec, is_tp_sharded, part_chunks
 from .attention import ParallelAttention, check_heads
 from .embedding import VocabParallelEmbedding
 from .hf import (
@@ -146,6 +146,7 @@ from .hf_mixers import (
     packed_parts,
 )
 from .hf_plans import LocalHeadsConfig, fused_qkv_parts, head_dim_of, is_conv1d, local_head_updates
+from .hf_stacked_experts import assign_shards
 from .linear import ColumnParallelLinear, RowParallelLinear
 from .moe import ParallelMoE
 from .norm import SplitRMSNorm, sequence_parallel_norm
@@ -581,16 +582,15 @@ def _install(model: nn.Module, entries: list[Entry], tp_group) -> None:
             parent, _, child = e.name.rpartition(".")
             setattr(model.get_submodule(parent), child, e.new)
         elif e.kind == EXPERTS:
-            for name, p in e.shards.items():
-                setattr(e.module, name, p)
+            assign_shards(e.module, e.shards)  # dotted names too (DBRX's stacked experts), their local widths
             install_expert_hooks(e.module, tp_group, e.sequence_parallel, e.expert_split, e.ep_group)
             if e.ep_group is not None and group_size(tp_group) > 1:  # whole experts, each rank's own tokens
                 reduce_parameter_grads(e.module, tp_group)
         elif e.kind == SHARED_OUTPUT:  # replicated, read by every rank's heads: its output's gradient summed
             e.module.register_forward_hook(lambda m, a, out: map_first_output(out, lambda y: copy_to_tp(y, tp_group)))
         elif e.kind == GRAD_ALL_REDUCE:
-            for m in e.module.modules() if e.nested else (e.module,):
-                if m._parameters:
+            for m in e.module.modules() if e.nested else (e.module,):  # not the split ones it holds (DBRX's attn)
+                if m._parameters and not any(is_tp_sharded(p) or expert_spec(p) for p in m.parameters(recurse=False)):
                     reduce_parameter_grads(m, tp_group)
         elif e.kind == ALL_REDUCE:
             e.module.register_forward_hook(

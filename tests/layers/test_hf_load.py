@@ -45,6 +45,10 @@ def _dense(kind: str):
         from tests.layers.test_hf_deepseek_v4 import _v4
 
         return _v4()
+    if kind == "dbrx":  # fused GQA attention, experts stacked in 2-d weights
+        from tests.layers.test_hf_unsplit import dbrx
+
+        return dbrx()
     if kind in SPARSE_FAMILIES:
         return family_model(kind, **SPARSE)
     if kind in ("kimi_linear", "bailing_hybrid"):
@@ -149,6 +153,15 @@ def test_deepseek_v4_loads_its_checkpoints_names(tmp_path):
     layouts = ({}, {"sequence_parallel": True}, {"expert_split": "experts"})
     assert run_ranks(_families_ranks, 2, ("deepseek_v4",), str(tmp_path), layouts, timeout=600,
                      env=REFERENCE_KERNELS) == ["ok"] * 2  # fmt: skip
+
+
+@pytest.mark.multiprocess
+@needs_hf
+def test_dbrx_loads_its_stacked_experts_by_slices(tmp_path):
+    """DBRX split on the meta device (its fused ``Wqkv`` by heads of each part, its experts' ``[E·I, H]`` weights by
+    each expert's rows), with and without sequence parallelism, then loaded: each rank reads its slices alone, equal to
+    the split dense model."""
+    assert run_ranks(_families_ranks, 2, ("dbrx",), str(tmp_path), timeout=600, env=REFERENCE_KERNELS) == ["ok"] * 2
 
 
 @pytest.mark.multiprocess
