@@ -3,6 +3,7 @@
 from .comm import ByteCounter, EventLog, count_bytes, record_events
 from .context import gather_sequence, ring_attention, split_sequence, zigzag_order, zigzag_positions
 from .context_heads import heads_to_sequence, sequence_to_heads
+from .context_shared import shared_keys_attention
 from .ddp import DDP
 from .dims import ParallelDims, init_parallel, shutdown
 from .fsdp import FSDP
@@ -44,6 +45,7 @@ __all__ = [
     "release_transports",
     "ring_attention",
     "sequence_to_heads",
+    "shared_keys_attention",
     "shutdown",
     "split_sequence",
     "zero_memory_bytes",
