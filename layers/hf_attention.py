@@ -234,12 +234,13 @@ def _ring_attention_forward(module: nn.Module, query, key, value, attention_mask
     window = kwargs.get("sliding_window")  # Hugging Face's: query i sees keys i - window < j ≤ i, as the ring's
     if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
         refuse(f"sliding_window must be None or a positive int, received {window!r}")
+    slides = window is not None  # the model's mask, if any, is then its window's over the local tokens
     window = window if window is not None and window < c * length else None  # as long as the sequence: none
     if window is not None and not causal:
         refuse(f"a sliding window ({window}) without the causal mask is not supported")
     # The model's hook refused padding; a mask built here is the model's own from the local view: the local
     # tokens' sliding window, which the ring replaces with the global one. Anything else is refused.
-    if attention_mask is not None and window is None and shared is None:
+    if attention_mask is not None and not slides and shared is None:
         refuse("an attention mask is not supported: each batch row is one whole sequence, or documents packed "
                "into it that the model's position_ids delimit (restarting at each document)")  # fmt: skip
     if dropout and module.training:

@@ -145,11 +145,13 @@ def _context_parallel_ranks(rank, world_size):
     register_hf_attention()
     _, tp_group, cp_group = _grid(rank, world_size, 2)  # cp over two ranks, tp over the others
     sp = world_size > 2
-    for layers in (["sliding_attention"] * 3, None):  # None: a sliding layer, a CSA and an HCA one
-        kinds = {} if layers is None else {"layer_types": layers}
+    # None: a sliding layer, a CSA and an HCA one; {} also with a window longer than the sequence (the ring's plain
+    # causal mask replaces the model's, of the local tokens)
+    for layers, extra in ((["sliding_attention"] * 3, {}), (None, {}), (None, {"sliding_window": 64})):
+        kinds = {**extra, **({} if layers is None else {"layer_types": layers})}
         par = parallelize(_v4(**kinds), tp_group, cp_group=cp_group, sequence_parallel=sp)
         par.set_attn_implementation("tessel")
-        tag = f"deepseek_v4 {layers or 'compressed'} layers, cp=2, tp={world_size // 2}"
+        tag = f"deepseek_v4 {layers or 'compressed'} layers {extra}, cp=2, tp={world_size // 2}"
         _check_against_float64(_v4(**kinds), par, tag, tp_group, cp_group)
     return "ok"
 
