@@ -40,9 +40,10 @@ GPT-2's ``Conv1D`` layers (weight ``[in, out]``) become tessel's column and row 
 reads transposed. Falcon's ``FalconLinear`` computes what ``nn.Linear`` computes and is split as one.
 
 Multi-query attention keeps its one key and value head on every rank (:mod:`~tessel.layers.hf_kv_replicas`), the
-copies' gradients summed over the group. What stays whole: Falcon with ALiBi, and BLOOM's ``slow_but_exact`` emulation
-of its pretraining's tensor parallelism. Their MLPs still split; under sequence parallelism a whole attention is
-refused by name, as for any family.
+copies' gradients summed over the group. What stays whole: Falcon's attention with ALiBi (its MLP still splits; under
+sequence parallelism a whole attention is refused by name, as for any family), and BLOOM's ``slow_but_exact``
+emulation of its pretraining's tensor parallelism, attention and MLP, which leaves nothing in its layers to split:
+``parallelize`` refuses such a model by name (:func:`~tessel.layers.hf.check_layers_split`).
 """
 
 from __future__ import annotations
