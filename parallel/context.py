@@ -81,7 +81,8 @@ from ..kernels.attention_reference import wide_attention
 from .collectives import gather_from_sequence
 from .comm import all_gather, group_rank, group_size, record_event, ring_exchange
 
-__all__ = ["gather_sequence", "ring_attention", "split_sequence", "zigzag_order", "zigzag_positions"]
+__all__ = ["gather_sequence", "ring_attention", "sequence_from_shares", "split_sequence", "zigzag_order",
+           "zigzag_positions"]  # fmt: skip
 
 OP = "ring_attention"
 DKV_OP = "ring_attention.dkv"
@@ -160,6 +161,16 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup | None = None, dim
     whole = torch.empty_like(gathered)
     whole[zigzag_order(seq_len, c, device=x.device)] = gathered
     return whole.movedim(0, dim)
+
+
+def sequence_from_shares(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
+    """:func:`gather_sequence`, differentiable: the whole sequence along ``dim``, in order, from every rank's share
+    ``x``; its backward hands each rank the sum over the ranks of its share's gradient. In a world of one, ``x``."""
+    if (c := group_size(group)) == 1:
+        return x
+    whole = gather_from_sequence(x, group, dim=dim)  # rank after rank
+    order = torch.argsort(zigzag_order(whole.shape[dim], c, device=x.device))
+    return whole.index_select(dim, order)
 
 
 # ---------------------------------------------------------------------------------------------------- ring
@@ -460,11 +471,8 @@ def _gathered_attention(q, k, v, group, causal: bool, scale: float, deterministi
                         softcap, sinks=None):  # fmt: skip
     """The ring's result by its all-gather form (see the module's notes): what a compiled model runs."""
     c, r, length = group_size(group), group_rank(group), q.shape[2]
-    keys, values = (gather_from_sequence(t, group, dim=2) for t in (k, v))  # [B, H, c·L, D], rank after rank
-    zigzag = causal or segment_ids is not None
-    if zigzag:  # into sequence order
-        order = torch.argsort(zigzag_order(c * length, c, device=q.device))
-        keys, values = keys.index_select(2, order), values.index_select(2, order)
+    zigzag = causal or segment_ids is not None  # in sequence order, or rank after rank: every query sees every key
+    keys, values = (sequence_from_shares(t, group, 2) if zigzag else gather_from_sequence(t, group, 2) for t in (k, v))
     # the segments' numbers (non-decreasing along each row), to pair queries and keys by equal numbers
     number = None if segment_ids is None else run_starts(segment_ids).cumsum(1)
     attend = functools.partial(_attendapply_sinks, sinks=sinks, scale=scale, deterministic=deterministic,

@@ -28,25 +28,12 @@ import torch
 from ..kernels.attention import flash_attention
 from ..kernels.attention_inputs import HEAD_DIMS
 from ..kernels.attention_reference import wide_attention
-from .collectives import gather_from_sequence
 from .comm import group_rank, group_size
-from .context import zigzag_order
+from .context import sequence_from_shares
 
 __all__ = ["sequence_from_shares", "shared_keys_attention"]
 
 _NAME = "shared_keys_attention"
-
-
-def sequence_from_shares(x: torch.Tensor, group, dim: int = 1) -> torch.Tensor:
-    """The whole sequence along ``dim``, in order, from every rank's zigzag share of it (``x``, as
-    :func:`~.context.split_sequence` lays it out): an all-gather, differentiable (its backward hands each rank the sum
-    over the ranks of its share's gradient). In a world of one, ``x`` itself."""
-    c = group_size(group)
-    if c == 1:
-        return x
-    whole = gather_from_sequence(x, group, dim=dim)  # rank after rank
-    order = torch.argsort(zigzag_order(whole.shape[dim], c, device=x.device))
-    return whole.index_select(dim, order)
 
 
 def _check(q, k, v, shared_k, shared_v, shared_bias, sinks, c: int) -> None:
